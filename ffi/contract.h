@@ -1,0 +1,61 @@
+// Shape checks of the op contract (docs/op_contract.md) on XLA FFI buffers
+// (any ffi::Buffer type),
+// shared by the CPU and CUDA handlers.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core_shape.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace flowtt {
+
+namespace ffi = xla::ffi;
+
+template <typename Buf>
+ffi::Error ReadCoreShape(const Buf& g1, const Buf& g2, const Buf& g3, CoreShape* s) {
+  auto a = g1.dimensions(), b = g2.dimensions(), c = g3.dimensions();
+  if (a.size() != 4 || b.size() != 4 || c.size() != 4) {
+    return ffi::Error::InvalidArgument("cores must be 4-D [p, r_in, q, r_out]");
+  }
+  if (a[1] != 1 || c[3] != 1 || a[3] != b[1] || b[3] != c[1]) {
+    return ffi::Error::InvalidArgument("core ranks do not chain as (1, r1, r2, 1)");
+  }
+  *s = {a[0], b[0], c[0], a[2], b[2], c[2], a[3], b[3]};
+  if (s->rows() >= (int64_t{1} << 31)) {
+    return ffi::Error::InvalidArgument("prod(row_shape) exceeds int32 ids");
+  }
+  return ffi::Error::Success();
+}
+
+// n of a 1-D buffer, or -1 when it is not 1-D.
+template <typename Buf>
+int64_t Length(const Buf& x) {
+  auto d = x.dimensions();
+  return d.size() == 1 ? d[0] : -1;
+}
+
+// unique_ids [n], group_offsets [n+1], counts [2]; sets n.
+template <typename Buf>
+ffi::Error CheckGroupPlan(const Buf& unique_ids, const Buf& group_offsets, const Buf& counts,
+                          int64_t* n) {
+  *n = Length(unique_ids);
+  if (*n < 1 || Length(group_offsets) != *n + 1 || Length(counts) != 2) {
+    return ffi::Error::InvalidArgument(
+        "plan arrays must be unique_ids [n], group_offsets [n+1], counts [2] with n >= 1");
+  }
+  return ffi::Error::Success();
+}
+
+template <typename Buf>
+ffi::Error CheckMatrix(const Buf& x, int64_t rows, int64_t cols, const char* name) {
+  auto d = x.dimensions();
+  if (d.size() != 2 || d[0] != rows || d[1] != cols) {
+    return ffi::Error::InvalidArgument(std::string(name) + " must be [" + std::to_string(rows) +
+                                       ", " + std::to_string(cols) + "]");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace flowtt

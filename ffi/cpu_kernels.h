@@ -1,0 +1,203 @@
+// CPU implementation of the flowtt op contract (docs/op_contract.md), 3 cores.
+// Plain C++, no XLA types: the handlers in cpu_module.cc validate shapes and
+// call these. Every loop runs in a fixed order, so results are bitwise
+// reproducible. Each function returns an empty string on success, else why not.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core_shape.h"
+
+namespace flowtt::cpu {
+
+using Shape = CoreShape;
+
+// Plan arrays shared by the tt_rows ops.
+struct GroupPlan {
+  const int32_t* unique_ids;     // [n]
+  const int32_t* group_offsets;  // [n+1]
+  int64_t n;
+  int32_t num_unique, num_groups;
+};
+
+inline std::string CheckGroups(const Shape& s, const GroupPlan& p) {
+  if (p.num_unique < 0 || p.num_unique > p.n || p.num_groups < 0 || p.num_groups > p.n) {
+    return "plan counts out of range";
+  }
+  for (int32_t g = 0; g <= p.num_groups; ++g) {
+    int32_t o = p.group_offsets[g];
+    if (o < 0 || o > p.num_unique || (g > 0 && o < p.group_offsets[g - 1])) {
+      return "group_offsets are not a valid partition of the unique ids";
+    }
+  }
+  for (int32_t u = 0; u < p.num_unique; ++u) {
+    if (p.unique_ids[u] < 0 || p.unique_ids[u] >= s.rows()) {
+      return "id " + std::to_string(p.unique_ids[u]) + " outside [0, " +
+             std::to_string(s.rows()) + ")";
+    }
+  }
+  return "";
+}
+
+// prefix[q1*q2, r2] = g1[i1, 0] (q1 x r1) . g2[i2] (r1 x q2 x r2)
+inline void Prefix(const Shape& s, const float* g1, const float* g2, int64_t i1, int64_t i2,
+                   float* prefix) {
+  const float* a = g1 + i1 * s.q1 * s.r1;
+  const float* b = g2 + i2 * s.r1 * s.q2 * s.r2;
+  std::memset(prefix, 0, sizeof(float) * s.q1 * s.q2 * s.r2);
+  for (int64_t x = 0; x < s.q1; ++x) {
+    for (int64_t k = 0; k < s.r1; ++k) {
+      const float av = a[x * s.r1 + k];
+      const float* brow = b + k * s.q2 * s.r2;
+      float* out = prefix + x * s.q2 * s.r2;
+      for (int64_t j = 0; j < s.q2 * s.r2; ++j) out[j] += av * brow[j];
+    }
+  }
+}
+
+inline std::string RowsFwd(const Shape& s, const float* g1, const float* g2, const float* g3,
+                           const GroupPlan& p, float* rows) {
+  if (std::string e = CheckGroups(s, p); !e.empty()) return e;
+  const int64_t m = s.q1 * s.q2, d = s.dim();
+  std::vector<float> prefix(m * s.r2);
+  for (int32_t g = 0; g < p.num_groups; ++g) {
+    const int32_t u0 = p.group_offsets[g], u1 = p.group_offsets[g + 1];
+    if (u0 >= u1) continue;
+    const int64_t id0 = p.unique_ids[u0];
+    Prefix(s, g1, g2, id0 / (s.p2 * s.p3), (id0 / s.p3) % s.p2, prefix.data());
+    for (int32_t u = u0; u < u1; ++u) {
+      const float* c = g3 + (p.unique_ids[u] % s.p3) * s.r2 * s.q3;  // [r2, q3]
+      float* row = rows + int64_t(u) * d;
+      std::memset(row, 0, sizeof(float) * d);
+      for (int64_t x = 0; x < m; ++x) {
+        for (int64_t k = 0; k < s.r2; ++k) {
+          const float pv = prefix[x * s.r2 + k];
+          for (int64_t z = 0; z < s.q3; ++z) row[x * s.q3 + z] += pv * c[k * s.q3 + z];
+        }
+      }
+    }
+  }
+  std::memset(rows + int64_t(p.num_unique) * d, 0, sizeof(float) * (p.n - p.num_unique) * d);
+  return "";
+}
+
+inline std::string RowsBwd(const Shape& s, const float* g1, const float* g2, const float* g3,
+                           const float* d_rows, const GroupPlan& p, float* dg1, float* dg2,
+                           float* dg3) {
+  if (std::string e = CheckGroups(s, p); !e.empty()) return e;
+  std::memset(dg1, 0, sizeof(float) * s.p1 * s.q1 * s.r1);
+  std::memset(dg2, 0, sizeof(float) * s.p2 * s.r1 * s.q2 * s.r2);
+  std::memset(dg3, 0, sizeof(float) * s.p3 * s.r2 * s.q3);
+  const int64_t m = s.q1 * s.q2, d = s.dim();
+  std::vector<float> prefix(m * s.r2), d_prefix(m * s.r2);
+  for (int32_t g = 0; g < p.num_groups; ++g) {
+    const int32_t u0 = p.group_offsets[g], u1 = p.group_offsets[g + 1];
+    if (u0 >= u1) continue;
+    const int64_t id0 = p.unique_ids[u0];
+    const int64_t i1 = id0 / (s.p2 * s.p3), i2 = (id0 / s.p3) % s.p2;
+    Prefix(s, g1, g2, i1, i2, prefix.data());
+    std::fill(d_prefix.begin(), d_prefix.end(), 0.0f);
+    for (int32_t u = u0; u < u1; ++u) {
+      const int64_t i3 = p.unique_ids[u] % s.p3;
+      const float* c = g3 + i3 * s.r2 * s.q3;
+      float* dc = dg3 + i3 * s.r2 * s.q3;
+      const float* dr = d_rows + int64_t(u) * d;  // [m, q3]
+      for (int64_t x = 0; x < m; ++x) {
+        for (int64_t k = 0; k < s.r2; ++k) {
+          const float pv = prefix[x * s.r2 + k];
+          float acc = 0.0f;
+          for (int64_t z = 0; z < s.q3; ++z) {
+            dc[k * s.q3 + z] += pv * dr[x * s.q3 + z];
+            acc += dr[x * s.q3 + z] * c[k * s.q3 + z];
+          }
+          d_prefix[x * s.r2 + k] += acc;
+        }
+      }
+    }
+    // prefix[x1, x2, k2] = sum_k1 a[x1, k1] b[k1, x2, k2]
+    const float* a = g1 + i1 * s.q1 * s.r1;
+    const float* b = g2 + i2 * s.r1 * s.q2 * s.r2;
+    float* da = dg1 + i1 * s.q1 * s.r1;
+    float* db = dg2 + i2 * s.r1 * s.q2 * s.r2;
+    const int64_t w = s.q2 * s.r2;
+    for (int64_t x = 0; x < s.q1; ++x) {
+      const float* dp = d_prefix.data() + x * w;
+      for (int64_t k = 0; k < s.r1; ++k) {
+        const float av = a[x * s.r1 + k];
+        const float* brow = b + k * w;
+        float* dbrow = db + k * w;
+        float acc = 0.0f;
+        for (int64_t j = 0; j < w; ++j) {
+          dbrow[j] += av * dp[j];
+          acc += dp[j] * brow[j];
+        }
+        da[x * s.r1 + k] += acc;
+      }
+    }
+  }
+  return "";
+}
+
+inline std::string PoolFwd(const float* rows, int64_t n, int64_t d, const int32_t* inverse,
+                           const float* weights, const int32_t* offsets, int64_t num_bags,
+                           float* out) {
+  if (num_bags > 0 && (offsets[0] != 0 || offsets[num_bags] != n)) {
+    return "bag offsets must start at 0 and end at nnz";
+  }
+  for (int64_t b = 0; b < num_bags; ++b) {
+    const int32_t k0 = offsets[b], k1 = offsets[b + 1];
+    if (k1 < k0 || k1 > n) return "bag offsets must be non-decreasing within [0, nnz]";
+    float* o = out + b * d;
+    std::memset(o, 0, sizeof(float) * d);
+    for (int32_t k = k0; k < k1; ++k) {
+      const int32_t u = inverse[k];
+      if (u < 0 || u >= n) return "inverse index out of range";
+      const float w = weights[k];
+      const float* r = rows + int64_t(u) * d;
+      for (int64_t j = 0; j < d; ++j) o[j] += w * r[j];
+    }
+  }
+  return "";
+}
+
+inline std::string PoolBwd(const float* dout, int64_t num_bags, const float* rows, int64_t n,
+                           int64_t d, const float* weights, const int32_t* inverse,
+                           const int32_t* bag_ids, const int32_t* perm,
+                           const int32_t* run_offsets, int32_t num_unique, float* d_rows,
+                           float* d_weights) {
+  if (num_unique < 0 || num_unique > n) return "plan counts out of range";
+  for (int64_t k = 0; k < n; ++k) {
+    if (inverse[k] < 0 || inverse[k] >= n || bag_ids[k] < 0 || bag_ids[k] >= num_bags ||
+        perm[k] < 0 || perm[k] >= n) {
+      return "inverse, bag_ids or perm out of range";
+    }
+  }
+  for (int32_t u = 0; u <= num_unique; ++u) {
+    if (run_offsets[u] < 0 || run_offsets[u] > n || (u > 0 && run_offsets[u] < run_offsets[u - 1])) {
+      return "run_offsets are not a valid partition";
+    }
+  }
+  std::memset(d_rows, 0, sizeof(float) * n * d);
+  for (int32_t u = 0; u < num_unique; ++u) {
+    float* dr = d_rows + int64_t(u) * d;
+    for (int32_t j = run_offsets[u]; j < run_offsets[u + 1]; ++j) {
+      const int32_t k = perm[j];
+      const float w = weights[k];
+      const float* g = dout + int64_t(bag_ids[k]) * d;
+      for (int64_t c = 0; c < d; ++c) dr[c] += w * g[c];
+    }
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const float* g = dout + int64_t(bag_ids[k]) * d;
+    const float* r = rows + int64_t(inverse[k]) * d;
+    float acc = 0.0f;
+    for (int64_t c = 0; c < d; ++c) acc += g[c] * r[c];
+    d_weights[k] = acc;
+  }
+  return "";
+}
+
+}  // namespace flowtt::cpu

@@ -1,0 +1,155 @@
+// XLA FFI handlers (platform cpu) for the op contract, and the nanobind module
+// `_flowtt_cpu` whose registrations() hands their capsules to jax.ffi.
+#include <cstdint>
+#include <string>
+
+#include "contract.h"
+#include "cpu_kernels.h"
+#include "nanobind/nanobind.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace flowtt {
+namespace {
+
+using F32 = ffi::Buffer<ffi::F32>;
+using S32 = ffi::Buffer<ffi::S32>;
+using F32Out = ffi::ResultBuffer<ffi::F32>;
+
+ffi::Error FromMessage(const std::string& message) {
+  return message.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(message);
+}
+
+// Reads core shapes and the group plan; fills `plan`.
+ffi::Error Prepare(const F32& g1, const F32& g2, const F32& g3, const S32& unique_ids,
+                   const S32& group_offsets, const S32& counts, CoreShape* s,
+                   cpu::GroupPlan* plan) {
+  if (ffi::Error e = ReadCoreShape(g1, g2, g3, s); e.failure()) return e;
+  int64_t n;
+  if (ffi::Error e = CheckGroupPlan(unique_ids, group_offsets, counts, &n); e.failure()) return e;
+  *plan = {unique_ids.typed_data(), group_offsets.typed_data(), n, counts.typed_data()[0],
+           counts.typed_data()[1]};
+  return ffi::Error::Success();
+}
+
+ffi::Error RowsFwdImpl(F32 g1, F32 g2, F32 g3, S32 unique_ids, S32 group_offsets, S32 counts,
+                       F32Out rows) {
+  CoreShape s;
+  cpu::GroupPlan plan;
+  if (ffi::Error e = Prepare(g1, g2, g3, unique_ids, group_offsets, counts, &s, &plan);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckMatrix(*rows, plan.n, s.dim(), "rows"); e.failure()) return e;
+  return FromMessage(cpu::RowsFwd(s, g1.typed_data(), g2.typed_data(), g3.typed_data(), plan,
+                                  rows->typed_data()));
+}
+
+ffi::Error RowsBwdImpl(F32 g1, F32 g2, F32 g3, F32 d_rows, S32 unique_ids, S32 group_offsets,
+                       S32 counts, F32Out dg1, F32Out dg2, F32Out dg3) {
+  CoreShape s;
+  cpu::GroupPlan plan;
+  if (ffi::Error e = Prepare(g1, g2, g3, unique_ids, group_offsets, counts, &s, &plan);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckMatrix(d_rows, plan.n, s.dim(), "d_rows"); e.failure()) return e;
+  if (dg1->element_count() != g1.element_count() || dg2->element_count() != g2.element_count() ||
+      dg3->element_count() != g3.element_count()) {
+    return ffi::Error::InvalidArgument("core gradients must have the cores' shapes");
+  }
+  return FromMessage(cpu::RowsBwd(s, g1.typed_data(), g2.typed_data(), g3.typed_data(),
+                                  d_rows.typed_data(), plan, dg1->typed_data(),
+                                  dg2->typed_data(), dg3->typed_data()));
+}
+
+ffi::Error PoolFwdImpl(F32 rows, S32 inverse, F32 weights, S32 offsets, F32Out out) {
+  const int64_t n = Length(inverse), bags = Length(offsets) - 1;
+  if (n < 1 || Length(weights) != n || bags < 0) {
+    return ffi::Error::InvalidArgument("need inverse [n], weights [n], offsets [B+1]");
+  }
+  const int64_t d = rows.dimensions().size() == 2 ? rows.dimensions()[1] : -1;
+  if (ffi::Error e = CheckMatrix(rows, n, d, "rows"); e.failure()) return e;
+  if (ffi::Error e = CheckMatrix(*out, bags, d, "out"); e.failure()) return e;
+  return FromMessage(cpu::PoolFwd(rows.typed_data(), n, d, inverse.typed_data(),
+                                  weights.typed_data(), offsets.typed_data(), bags,
+                                  out->typed_data()));
+}
+
+ffi::Error PoolBwdImpl(F32 dout, F32 rows, F32 weights, S32 inverse, S32 bag_ids, S32 perm,
+                       S32 run_offsets, S32 counts, F32Out d_rows, F32Out d_weights) {
+  const int64_t n = Length(inverse);
+  const int64_t d = rows.dimensions().size() == 2 ? rows.dimensions()[1] : -1;
+  const int64_t bags = dout.dimensions().size() == 2 ? dout.dimensions()[0] : -1;
+  if (n < 1 || Length(weights) != n || Length(bag_ids) != n || Length(perm) != n ||
+      Length(run_offsets) != n + 1 || Length(counts) != 2 || Length(*d_weights) != n) {
+    return ffi::Error::InvalidArgument(
+        "need weights, inverse, bag_ids, perm, d_weights [n], run_offsets [n+1], counts [2]");
+  }
+  if (ffi::Error e = CheckMatrix(rows, n, d, "rows"); e.failure()) return e;
+  if (ffi::Error e = CheckMatrix(dout, bags, d, "dout"); e.failure()) return e;
+  if (ffi::Error e = CheckMatrix(*d_rows, n, d, "d_rows"); e.failure()) return e;
+  return FromMessage(cpu::PoolBwd(dout.typed_data(), bags, rows.typed_data(), n, d,
+                                  weights.typed_data(), inverse.typed_data(),
+                                  bag_ids.typed_data(), perm.typed_data(),
+                                  run_offsets.typed_data(), counts.typed_data()[0],
+                                  d_rows->typed_data(), d_weights->typed_data()));
+}
+
+}  // namespace
+}  // namespace flowtt
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttRowsFwdCpu, flowtt::RowsFwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<flowtt::F32>()
+                                  .Arg<flowtt::F32>()
+                                  .Arg<flowtt::F32>()
+                                  .Arg<flowtt::S32>()
+                                  .Arg<flowtt::S32>()
+                                  .Arg<flowtt::S32>()
+                                  .Ret<flowtt::F32>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttRowsBwdCpu, flowtt::RowsBwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<flowtt::F32>()
+                                  .Arg<flowtt::F32>()
+                                  .Arg<flowtt::F32>()
+                                  .Arg<flowtt::F32>()
+                                  .Arg<flowtt::S32>()
+                                  .Arg<flowtt::S32>()
+                                  .Arg<flowtt::S32>()
+                                  .Ret<flowtt::F32>()
+                                  .Ret<flowtt::F32>()
+                                  .Ret<flowtt::F32>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolFwdCpu, flowtt::PoolFwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<flowtt::F32>()
+                                  .Arg<flowtt::S32>()
+                                  .Arg<flowtt::F32>()
+                                  .Arg<flowtt::S32>()
+                                  .Ret<flowtt::F32>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolBwdCpu, flowtt::PoolBwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<flowtt::F32>()
+                                  .Arg<flowtt::F32>()
+                                  .Arg<flowtt::F32>()
+                                  .Arg<flowtt::S32>()
+                                  .Arg<flowtt::S32>()
+                                  .Arg<flowtt::S32>()
+                                  .Arg<flowtt::S32>()
+                                  .Arg<flowtt::S32>()
+                                  .Ret<flowtt::F32>()
+                                  .Ret<flowtt::F32>());
+
+NB_MODULE(_flowtt_cpu, m) {
+  m.def("registrations", []() {
+    namespace nb = nanobind;
+    nb::dict d;
+    d["flowtt_tt_rows_fwd"] = nb::capsule(reinterpret_cast<void*>(FlowttRowsFwdCpu));
+    d["flowtt_tt_rows_bwd"] = nb::capsule(reinterpret_cast<void*>(FlowttRowsBwdCpu));
+    d["flowtt_bag_pool_fwd"] = nb::capsule(reinterpret_cast<void*>(FlowttPoolFwdCpu));
+    d["flowtt_bag_pool_bwd"] = nb::capsule(reinterpret_cast<void*>(FlowttPoolBwdCpu));
+    return d;
+  });
+}

@@ -1,0 +1,94 @@
+"""Loading, registering and calling the compiled FFI ops (see docs/op_contract.md).
+
+The CPU extension ``_flowtt_cpu`` is always built; ``_flowtt_cuda`` exists when the
+package was built with CUDA. Targets are registered once, on first use, for each
+platform whose extension and jax backend are both present.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+
+from .plan import Plan
+
+__all__ = ["available", "rows_fwd", "rows_bwd", "pool_fwd", "pool_bwd"]
+
+_TARGETS = ("flowtt_tt_rows_fwd", "flowtt_tt_rows_bwd", "flowtt_bag_pool_fwd", "flowtt_bag_pool_bwd")
+
+
+def _import(name: str):
+    try:
+        return importlib.import_module(f"flowtt_jax.{name}")
+    except ImportError:
+        return None
+
+
+def _has_backend(platform: str) -> bool:
+    try:
+        return bool(jax.devices(platform))
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def _register() -> tuple[str, ...]:
+    """Registers every available extension's targets; returns the platforms done."""
+    done = []
+    for module, platform, backend in (("_flowtt_cpu", "cpu", "cpu"), ("_flowtt_cuda", "CUDA", "gpu")):
+        ext = _import(module)
+        if ext is None or not _has_backend(backend):
+            continue
+        for name, capsule in ext.registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform=platform)
+        done.append(platform)
+    return tuple(done)
+
+
+def available() -> bool:
+    """True when the compiled CPU extension is importable (the FFI path can run)."""
+    return "cpu" in _register()
+
+
+def _call(target: str, outs, *args):
+    if not available():
+        raise ImportError(
+            "flowtt_jax was installed without its compiled extension (_flowtt_cpu); "
+            "reinstall with `pip install -e .` or use impl='reference'"
+        )
+    return jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*args)
+
+
+def _f32(shape) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def rows_fwd(cores, plan: Plan) -> jax.Array:
+    """Unique rows [n, D] (zero past num_unique)."""
+    n = plan.unique_ids.shape[0]
+    dim = cores[0].shape[2] * cores[1].shape[2] * cores[2].shape[2]
+    return _call("flowtt_tt_rows_fwd", _f32((n, dim)), *cores, plan.unique_ids, plan.group_offsets,
+                 plan.counts)
+
+
+def rows_bwd(cores, d_rows: jax.Array, plan: Plan) -> tuple[jax.Array, ...]:
+    """Core gradients of sum(d_rows * rows)."""
+    outs = tuple(_f32(c.shape) for c in cores)
+    return tuple(_call("flowtt_tt_rows_bwd", outs, *cores, d_rows, plan.unique_ids,
+                       plan.group_offsets, plan.counts))
+
+
+def pool_fwd(rows: jax.Array, inverse: jax.Array, weights: jax.Array, offsets: jax.Array) -> jax.Array:
+    """Bags [B, D]: weighted sums of unique rows through the inverse map, fixed order."""
+    out = _f32((offsets.shape[0] - 1, rows.shape[1]))
+    return _call("flowtt_bag_pool_fwd", out, rows, inverse, weights, offsets)
+
+
+def pool_bwd(dout, rows, weights, bag_ids, plan: Plan) -> tuple[jax.Array, jax.Array]:
+    """(d_rows [n, D], d_weights [n]) of the pooling, reduced in sorted order."""
+    outs = (_f32(rows.shape), _f32(weights.shape))
+    return tuple(_call("flowtt_bag_pool_bwd", outs, dout, rows, weights, plan.inverse, bag_ids,
+                       plan.perm, plan.run_offsets, plan.counts))

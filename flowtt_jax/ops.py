@@ -1,0 +1,139 @@
+"""Public ops: ``tt_lookup`` and ``tt_embedding_bag``.
+
+Both run one pipeline: oob policy -> canonical bags -> on-device plan -> fused
+unique-row kernel -> fixed-order pooling, under one ``jax.custom_vjp`` whose
+backward gives gradients for every core and for per-id weights.
+
+``impl``: ``"auto"`` (the FFI kernels when the extension is built and the table
+has 3 cores with float32/bfloat16 cores, else the reference), ``"ffi"`` (require the
+kernels), ``"reference"`` (pure jax.numpy).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from . import ffi, reference
+from .bag import canonical_bags
+from .oob import apply_oob
+from .plan import make_plan
+from .spec import TTSpec
+
+__all__ = ["tt_lookup", "tt_embedding_bag"]
+
+IMPLS = ("auto", "ffi", "reference")
+
+
+@jax.custom_vjp
+def _fused_bag(cores, weights, ids, offsets, bag_ids):
+    return _fused_bag_fwd(cores, weights, ids, offsets, bag_ids)[0]
+
+
+def _fused_bag_fwd(cores, weights, ids, offsets, bag_ids):
+    plan = make_plan(ids, cores[-1].shape[0])
+    rows = ffi.rows_fwd(cores, plan)
+    out = ffi.pool_fwd(rows, plan.inverse, weights, offsets)
+    return out, (cores, weights, bag_ids, plan, rows)
+
+
+def _fused_bag_bwd(res, dout):
+    cores, weights, bag_ids, plan, rows = res
+    d_rows, d_weights = ffi.pool_bwd(dout, rows, weights, bag_ids, plan)
+    d_cores = ffi.rows_bwd(cores, d_rows, plan)
+    return d_cores, d_weights, None, None, None
+
+
+_fused_bag.defvjp(_fused_bag_fwd, _fused_bag_bwd)
+
+
+def _choose_impl(impl: str, cores: Sequence[jax.Array]) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    kernel_ok = len(cores) == 3 and all(c.dtype in (jnp.float32, jnp.bfloat16) for c in cores)
+    if impl == "ffi" and not kernel_ok:
+        raise ValueError(
+            "impl='ffi' needs 3 cores of float32 or bfloat16; got "
+            f"{len(cores)} cores of {[str(c.dtype) for c in cores]} (use impl='reference')"
+        )
+    if impl == "auto":
+        return "ffi" if kernel_ok and ffi.available() else "reference"
+    return impl
+
+
+def _bag(cores, ids, offsets, bag_ids, weights, num_bags, impl) -> jax.Array:
+    dtype = cores[0].dtype
+    c32 = tuple(c.astype(jnp.float32) if c.dtype == jnp.bfloat16 else c for c in cores)
+    if ids.shape[0] == 0:
+        return jnp.zeros((num_bags, math.prod(c.shape[2] for c in cores)), dtype)
+    if impl == "reference":
+        rows = reference.tt_rows(c32, ids)
+        out = reference.pool(rows, weights.astype(rows.dtype), bag_ids, num_bags)
+    else:
+        out = _fused_bag(c32, weights, ids, offsets, bag_ids)
+    return out.astype(dtype)
+
+
+def tt_embedding_bag(
+    cores: Sequence[jax.Array],
+    ids: jax.Array,
+    *,
+    offsets: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    num_bags: int | None = None,
+    mask: jax.Array | None = None,
+    weights: jax.Array | None = None,
+    mode: str = "sum",
+    num_embeddings: int | None = None,
+    oob: str = "zero",
+    impl: str = "auto",
+) -> jax.Array:
+    """Pooled TT embedding bags: ``[B, D]`` in the cores' dtype.
+
+    Args:
+      cores: d cores, core k ``[p_k, r_{k-1}, q_k, r_k]``.
+      ids: int ids, ``[n]`` with ``offsets`` ([B+1] CSR) or ``segment_ids`` ([n], with
+        static ``num_bags``), or padded ``[B, L]`` with optional bool ``mask`` [B, L].
+      weights: optional per-id float weights, same shape as ids (differentiable).
+      mode: ``"sum" | "mean" | "sqrtn"``; an empty bag gives zeros.
+      num_embeddings: N (defaults to ``prod(row_shape)``); ids outside [0, N) follow ``oob``.
+      oob: ``"error" | "clip" | "zero"`` (see ``flowtt_jax.oob``).
+      impl: ``"auto" | "ffi" | "reference"``.
+    """
+    impl = _choose_impl(impl, cores)
+    n_rows = TTSpec.from_cores(cores, num_embeddings).num_embeddings
+    bags = canonical_bags(
+        ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags, mask=mask,
+        weights=weights, mode=mode,
+    )
+    flat, valid = apply_oob(bags.ids, n_rows, oob)
+    w = bags.weights if valid is None else jnp.where(valid, bags.weights, 0.0)
+    return _bag(cores, flat, bags.offsets, bags.bag_ids, w, bags.offsets.shape[0] - 1, impl)
+
+
+def tt_lookup(
+    cores: Sequence[jax.Array],
+    ids: jax.Array,
+    *,
+    num_embeddings: int | None = None,
+    oob: str = "zero",
+    impl: str = "auto",
+) -> jax.Array:
+    """Rows of the TT table: int ids of any shape ``[...]`` -> ``[..., D]`` (cores' dtype).
+
+    Same pipeline as ``tt_embedding_bag`` with one bag per id, so duplicate ids
+    are computed once and the backward is deterministic.
+    """
+    impl = _choose_impl(impl, cores)
+    n_rows = TTSpec.from_cores(cores, num_embeddings).num_embeddings
+    ids = jnp.asarray(ids)
+    flat, valid = apply_oob(ids.reshape(-1), n_rows, oob)
+    n = flat.shape[0]
+    w = jnp.ones((n,), jnp.float32) if valid is None else valid.astype(jnp.float32)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    offsets = jnp.arange(n + 1, dtype=jnp.int32)
+    out = _bag(cores, flat, offsets, pos, w, n, impl)
+    return out.reshape(*ids.shape, out.shape[-1])

@@ -1,0 +1,40 @@
+"""Pure ``jax.numpy`` reference: the test oracle and the "TT from XLA ops" baseline.
+
+Works for any number of cores. It gathers every id's cores (memory grows with
+nnz x r^2): correct and simple, not fast.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["tt_digits", "tt_rows", "pool"]
+
+
+def tt_digits(ids: jax.Array, row_shape: Sequence[int]) -> list[jax.Array]:
+    """Mixed-radix digits (i_1, ..., i_d) of ids, i_1 most significant."""
+    digits = []
+    rem = ids
+    for p in reversed(row_shape):
+        digits.append(rem % p)
+        rem = rem // p
+    return digits[::-1]
+
+
+def tt_rows(cores: Sequence[jax.Array], ids: jax.Array) -> jax.Array:
+    """Rows of the TT table for int ids [n] (in range): [n, D] in the cores' dtype."""
+    digits = tt_digits(ids, [c.shape[0] for c in cores])
+    acc = cores[0][digits[0], 0]  # [n, q1, r1]
+    for core, i in zip(cores[1:], digits[1:]):
+        g = core[i]  # [n, r, q, s]
+        acc = jnp.einsum("nQr,nrqs->nQqs", acc, g)
+        acc = acc.reshape(acc.shape[0], -1, acc.shape[-1])
+    return acc[..., 0]
+
+
+def pool(rows: jax.Array, weights: jax.Array, bag_ids: jax.Array, num_bags: int) -> jax.Array:
+    """Weighted sum of rows [n, D] into bags: [num_bags, D]."""
+    return jax.ops.segment_sum(rows * weights[:, None], bag_ids, num_segments=num_bags)
