@@ -1,0 +1,189 @@
+"""Shared pieces of the Flax layers: table configs, feature inputs and dense pooling.
+
+``TableConfig`` describes one table of a ``TTEmbeddingCollection`` (``flowtt_jax.nnx``
+or ``flowtt_jax.linen``): TT-compressed or plain dense (small tables, where a TT
+saves nothing), its rank/shapes, pooling mode and the features that read it.
+
+A feature's input (the value of ``features[name]`` in a collection call) is one of:
+
+- an int array ``[B]``: one id per example (a bag of length 1, e.g. Criteo);
+- an int array ``[B, L]``: padded bags, every slot used;
+- a ``dict`` with key ``"ids"`` and optionally ``"offsets"`` (CSR [B+1]),
+  ``"segment_ids"`` + ``"num_bags"``, ``"mask"`` ([B, L] bool), ``"weights"``
+  (same shape as ids) -- the keyword arguments of ``tt_embedding_bag``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from .bag import MODES, canonical_bags
+from .oob import apply_oob
+from .spec import TTSpec
+
+__all__ = [
+    "TableConfig",
+    "make_table_configs",
+    "bag_kwargs",
+    "dense_embedding_bag",
+    "dense_lookup",
+]
+
+KINDS = ("tt", "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+    """One embedding table of a collection.
+
+    Attributes:
+      name: table name (the parameter / submodule name).
+      num_embeddings: rows N.
+      features: embedding dim D.
+      kind: ``"tt"`` (TT-compressed cores) or ``"dense"`` (a plain ``[N, D]`` table).
+      rank: TT rank (int or internal ranks), ignored for dense tables.
+      mode: pooling ``"sum" | "mean" | "sqrtn"``.
+      feature_names: features that look up this table (default: ``(name,)``);
+        several features may share one table.
+      row_shape, col_shape, num_cores: optional TT shapes (see ``TTSpec.create``).
+      init_std: std of the (materialised) rows at init; default ``1/sqrt(D)``.
+    """
+
+    name: str
+    num_embeddings: int
+    features: int
+    kind: str = "tt"
+    rank: int | tuple[int, ...] = 32
+    mode: str = "sum"
+    feature_names: tuple[str, ...] | None = None
+    row_shape: tuple[int, ...] | None = None
+    col_shape: tuple[int, ...] | None = None
+    num_cores: int = 3
+    init_std: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.num_embeddings < 1 or self.features < 1:
+            raise ValueError(f"table {self.name!r}: num_embeddings and features must be >= 1")
+        if self.feature_names is not None:
+            object.__setattr__(self, "feature_names", tuple(self.feature_names))
+
+    @property
+    def feature_keys(self) -> tuple[str, ...]:
+        return self.feature_names if self.feature_names else (self.name,)
+
+    @property
+    def std(self) -> float:
+        return self.init_std if self.init_std is not None else 1.0 / math.sqrt(self.features)
+
+    def spec(self) -> TTSpec:
+        """The TT spec of a TT table."""
+        return TTSpec.create(
+            self.num_embeddings, self.features, self.rank, num_cores=self.num_cores,
+            row_shape=self.row_shape, col_shape=self.col_shape,
+        )
+
+    @property
+    def num_params(self) -> int:
+        """Parameters actually stored (TT cores or the dense table)."""
+        return self.spec().num_params if self.kind == "tt" else self.dense_params
+
+    @property
+    def dense_params(self) -> int:
+        return self.num_embeddings * self.features
+
+
+def make_table_configs(
+    cardinalities: Mapping[str, int] | Sequence[int],
+    features: int,
+    *,
+    rank: int = 32,
+    dense_threshold: int = 0,
+    mode: str = "sum",
+    all_dense: bool = False,
+    prefix: str = "t",
+) -> list[TableConfig]:
+    """Configs for many tables: TT for tables with ``>= dense_threshold`` rows, dense below.
+
+    ``cardinalities`` is ``{name: rows}`` or a list (names ``f"{prefix}{i}"``).
+    ``all_dense=True`` makes every table dense (the uncompressed baseline).
+    """
+    if not isinstance(cardinalities, Mapping):
+        cardinalities = {f"{prefix}{i}": int(n) for i, n in enumerate(cardinalities)}
+    return [
+        TableConfig(
+            name, int(n), features,
+            kind="dense" if all_dense or n < dense_threshold else "tt",
+            rank=rank, mode=mode,
+        )
+        for name, n in cardinalities.items()
+    ]
+
+
+def bag_kwargs(value: Any) -> tuple[jax.Array, dict]:
+    """``(ids, kwargs)`` for ``tt_embedding_bag`` from a collection feature input.
+
+    A 1-D array is one id per example (bags of one id: padded ``[B, 1]``).
+    """
+    if isinstance(value, Mapping):
+        kw = dict(value)
+        ids = jnp.asarray(kw.pop("ids"))
+        unknown = set(kw) - {"offsets", "segment_ids", "num_bags", "mask", "weights"}
+        if unknown:
+            raise ValueError(f"unknown feature input keys {sorted(unknown)}")
+        if ids.ndim == 1 and "offsets" not in kw and "segment_ids" not in kw:
+            ids = ids[:, None]
+            for k in ("mask", "weights"):
+                if kw.get(k) is not None:
+                    kw[k] = jnp.asarray(kw[k])[:, None]
+        return ids, kw
+    ids = jnp.asarray(value)
+    if ids.ndim == 1:
+        ids = ids[:, None]
+    return ids, {}
+
+
+def dense_embedding_bag(
+    table: jax.Array,
+    ids: jax.Array,
+    *,
+    offsets: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    num_bags: int | None = None,
+    mask: jax.Array | None = None,
+    weights: jax.Array | None = None,
+    mode: str = "sum",
+    oob: str = "zero",
+) -> jax.Array:
+    """``tt_embedding_bag``'s semantics over a dense ``[N, D]`` table (fp32 accumulation).
+
+    Output in the table's dtype.
+    """
+    bags = canonical_bags(
+        ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags, mask=mask,
+        weights=weights, mode=mode,
+    )
+    flat, valid = apply_oob(bags.ids, table.shape[0], oob)
+    w = bags.weights if valid is None else jnp.where(valid, bags.weights, 0.0)
+    num = bags.offsets.shape[0] - 1
+    rows = jnp.take(table, flat, axis=0).astype(jnp.float32)
+    out = jax.ops.segment_sum(rows * w[:, None], bags.bag_ids, num_segments=num)
+    return out.astype(table.dtype)
+
+
+def dense_lookup(table: jax.Array, ids: jax.Array, *, oob: str = "zero") -> jax.Array:
+    """Rows of a dense table with the library's out-of-range policy: ``[..., D]``."""
+    ids = jnp.asarray(ids)
+    flat, valid = apply_oob(ids.reshape(-1), table.shape[0], oob)
+    rows = jnp.take(table, flat, axis=0)
+    if valid is not None:
+        rows = jnp.where(valid[:, None], rows, jnp.zeros((), rows.dtype))
+    return rows.reshape(*ids.shape, table.shape[1])

@@ -1,0 +1,326 @@
+"""Flax NNX layers over TT-compressed embedding tables.
+
+- ``TTEmbed``: drop-in for ``nnx.Embed`` -- ids of any shape -> rows ``[..., features]``.
+- ``TTEmbedBag``: pooled bags (offsets / segment ids / padded ids + mask, per-id
+  weights, ``sum | mean | sqrtn``).
+- ``EmbedBag``: the same bag interface over a plain dense table (for small tables and
+  as the uncompressed baseline).
+- ``TTEmbeddingCollection``: named tables (TT or dense) from a list of
+  ``TableConfig``; one call pools every feature and returns ``{feature: [B, features]}``.
+
+Parameters: the TT cores are ``nnx.Param``s named ``core_0 .. core_{d-1}`` (shape
+``[p_k, r_{k-1}, q_k, r_k]``), read with ``p[...]``; a dense table is ``embedding``.
+These are the same names as the ``flowtt_jax.linen`` twins, so the two agree given the
+same cores.
+
+dtypes: ``param_dtype`` is the storage dtype of the cores. ``dtype`` is the output
+dtype (default: ``param_dtype``). The TT contraction always accumulates in float32 (bf16
+cores are upcast inside the op) and the result is cast to ``dtype`` at the end.
+
+``impl`` (``"auto" | "ffi" | "reference"``) is passed through to the ops: ``"auto"``
+uses the compiled kernels when the extension is built, else the pure-jnp reference.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .collection import TableConfig, bag_kwargs, dense_embedding_bag, dense_lookup
+from .cores import from_dense as _tt_svd
+from .cores import init_cores, to_dense
+from .ops import tt_embedding_bag, tt_lookup
+from .spec import TTSpec
+
+__all__ = ["TTEmbed", "TTEmbedBag", "EmbedBag", "TTEmbeddingCollection", "TableConfig", "resolve_init"]
+
+# ``embedding_init``: None (rows with std 1/sqrt(features), like nnx.Embed), a float
+# (that row std), or a callable ``(key, spec, dtype) -> tuple of cores``.
+CoreInit = Callable[[jax.Array, TTSpec, Any], Sequence[jax.Array]]
+
+
+def resolve_init(embedding_init: CoreInit | float | None) -> CoreInit:
+    """Normalise ``embedding_init`` to a callable ``(key, spec, dtype) -> cores``."""
+    if embedding_init is None or isinstance(embedding_init, (int, float)):
+        std = None if embedding_init is None else float(embedding_init)
+        return lambda key, spec, dtype: init_cores(key, spec, std=std, dtype=dtype)
+    if not callable(embedding_init):
+        raise TypeError(f"embedding_init must be None, a float std or a callable, got {embedding_init!r}")
+    return embedding_init
+
+
+def check_cores(cores: Sequence[jax.Array], spec: TTSpec, dtype: Any) -> tuple[jax.Array, ...]:
+    cores = tuple(jnp.asarray(c, dtype) for c in cores)
+    shapes = tuple(tuple(c.shape) for c in cores)
+    if shapes != spec.core_shapes:
+        raise ValueError(f"initializer returned cores of shapes {shapes}, spec needs {spec.core_shapes}")
+    return cores
+
+
+class _TTTable(nnx.Module):
+    """Shared parameter handling of ``TTEmbed`` and ``TTEmbedBag``."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        features: int,
+        *,
+        rank: int | tuple[int, ...] = 32,
+        dtype: Any | None = None,
+        param_dtype: Any = jnp.float32,
+        embedding_init: CoreInit | float | None = None,
+        row_shape: tuple[int, ...] | None = None,
+        col_shape: tuple[int, ...] | None = None,
+        num_cores: int = 3,
+        oob: str = "zero",
+        impl: str = "auto",
+        rngs: nnx.Rngs,
+    ):
+        self.num_embeddings = int(num_embeddings)
+        self.features = int(features)
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.oob = oob
+        self.impl = impl
+        self.spec = TTSpec.create(
+            self.num_embeddings, self.features, rank, num_cores=num_cores,
+            row_shape=row_shape, col_shape=col_shape,
+        )
+        init = resolve_init(embedding_init)
+        cores = check_cores(init(rngs.params(), self.spec, param_dtype), self.spec, param_dtype)
+        self.num_cores = len(cores)
+        for k, c in enumerate(cores):
+            setattr(self, f"core_{k}", nnx.Param(c))
+
+    @property
+    def cores(self) -> tuple[jax.Array, ...]:
+        """The current core values (``[p_k, r_{k-1}, q_k, r_k]`` each)."""
+        return tuple(getattr(self, f"core_{k}")[...] for k in range(self.num_cores))
+
+    @property
+    def out_dtype(self) -> Any:
+        return self.dtype if self.dtype is not None else self.param_dtype
+
+    def to_dense(self) -> jax.Array:
+        """Materialised ``[num_embeddings, features]`` table (fp32 accumulation, ``dtype`` out).
+
+        Costs ``N * D`` memory and about ``2 * N * D * r`` FLOPs: for export and tests.
+        """
+        c32 = tuple(c.astype(jnp.float32) for c in self.cores)
+        return to_dense(c32, self.num_embeddings).astype(self.out_dtype)
+
+    def attend(self, query: jax.Array) -> jax.Array:
+        """``query @ table.T``: ``[..., features] -> [..., num_embeddings]``, like ``nnx.Embed.attend``.
+
+        Materialises the full table with ``to_dense`` (``N * D`` floats and about
+        ``2 N D r`` FLOPs per call, plus the ``[..., N]`` output): fine for vocabularies
+        of language-model size, not for 10^7-row recommender tables.
+        """
+        table = self.to_dense().astype(jnp.float32)
+        out = jnp.dot(jnp.asarray(query).astype(jnp.float32), table.T)
+        return out.astype(self.out_dtype)
+
+    @classmethod
+    def from_dense(
+        cls,
+        table: jax.Array,
+        rank: int | tuple[int, ...] = 32,
+        *,
+        rngs: nnx.Rngs | None = None,
+        **kwargs: Any,
+    ):
+        """A layer initialised with the TT-SVD of a dense ``[N, D]`` table (truncated to ``rank``).
+
+        Exact when ``rank`` is at least the full TT rank; otherwise the best
+        truncation TT-SVD finds. Runs on the host in float64.
+        """
+        table = jnp.asarray(table)
+        n, d = table.shape
+        init = lambda key, spec, dtype: _tt_svd(table, spec, dtype)  # noqa: E731
+        return cls(n, d, rank=rank, embedding_init=init, rngs=rngs or nnx.Rngs(0), **kwargs)
+
+
+class TTEmbed(_TTTable):
+    """TT-compressed ``nnx.Embed``: int ids of any shape -> ``[..., features]``.
+
+    Args:
+      num_embeddings: rows N (ids ``0..N-1``; others follow ``oob``).
+      features: embedding dim D.
+      rank: TT rank (int or the d-1 internal ranks); capped at full rank.
+      dtype: output dtype (default ``param_dtype``); computation accumulates in fp32.
+      param_dtype: storage dtype of the cores.
+      embedding_init: None (row std ``1/sqrt(D)``, as ``nnx.Embed``), a float row std,
+        or ``(key, spec, dtype) -> cores``.
+      row_shape, col_shape, num_cores: TT shapes (automatic by default).
+      oob: ``"zero" | "clip" | "error"`` for ids outside ``[0, N)``.
+      impl: ``"auto" | "ffi" | "reference"``.
+      rngs: ``nnx.Rngs`` (uses the ``params`` stream).
+    """
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        out = tt_lookup(self.cores, ids, num_embeddings=self.num_embeddings, oob=self.oob, impl=self.impl)
+        return out.astype(self.out_dtype)
+
+
+class TTEmbedBag(_TTTable):
+    """Pooled TT embedding bags (``torch.nn.EmbeddingBag`` over a TT table).
+
+    Same constructor as ``TTEmbed`` plus ``mode`` (the default pooling). Call with
+    ids ``[n]`` + ``offsets`` ([B+1] CSR), ids ``[n]`` + ``segment_ids`` + ``num_bags``,
+    or padded ids ``[B, L]`` (+ optional bool ``mask``); optional per-id ``weights``.
+    Returns ``[B, features]``; an empty bag gives zeros.
+    """
+
+    def __init__(self, num_embeddings: int, features: int, *, mode: str = "sum", **kwargs: Any):
+        super().__init__(num_embeddings, features, **kwargs)
+        self.mode = mode
+
+    def __call__(
+        self,
+        ids: jax.Array,
+        *,
+        offsets: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        num_bags: int | None = None,
+        mask: jax.Array | None = None,
+        weights: jax.Array | None = None,
+        mode: str | None = None,
+    ) -> jax.Array:
+        out = tt_embedding_bag(
+            self.cores, ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags,
+            mask=mask, weights=weights, mode=mode or self.mode,
+            num_embeddings=self.num_embeddings, oob=self.oob, impl=self.impl,
+        )
+        return out.astype(self.out_dtype)
+
+
+class EmbedBag(nnx.Module):
+    """Bags over a plain dense ``[N, D]`` table (param ``embedding``); same call as ``TTEmbedBag``."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        features: int,
+        *,
+        mode: str = "sum",
+        dtype: Any | None = None,
+        param_dtype: Any = jnp.float32,
+        embedding_init: Callable | float | None = None,
+        oob: str = "zero",
+        rngs: nnx.Rngs,
+    ):
+        self.num_embeddings = int(num_embeddings)
+        self.features = int(features)
+        self.mode = mode
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.oob = oob
+        key = rngs.params()
+        shape = (self.num_embeddings, self.features)
+        if embedding_init is None or isinstance(embedding_init, (int, float)):
+            std = 1.0 / math.sqrt(features) if embedding_init is None else float(embedding_init)
+            table = std * jax.random.normal(key, shape, jnp.float32)
+        else:
+            table = embedding_init(key, shape, param_dtype)
+        self.embedding = nnx.Param(jnp.asarray(table, param_dtype))
+
+    @property
+    def out_dtype(self) -> Any:
+        return self.dtype if self.dtype is not None else self.param_dtype
+
+    def to_dense(self) -> jax.Array:
+        return self.embedding[...].astype(self.out_dtype)
+
+    def lookup(self, ids: jax.Array) -> jax.Array:
+        return dense_lookup(self.embedding[...], ids, oob=self.oob).astype(self.out_dtype)
+
+    def __call__(
+        self,
+        ids: jax.Array,
+        *,
+        offsets: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        num_bags: int | None = None,
+        mask: jax.Array | None = None,
+        weights: jax.Array | None = None,
+        mode: str | None = None,
+    ) -> jax.Array:
+        out = dense_embedding_bag(
+            self.embedding[...], ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags,
+            mask=mask, weights=weights, mode=mode or self.mode, oob=self.oob,
+        )
+        return out.astype(self.out_dtype)
+
+
+def _check_tables(tables: Sequence[TableConfig]) -> tuple[TableConfig, ...]:
+    tables = tuple(tables)
+    names = [t.name for t in tables]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate table names in {names}")
+    feats = [f for t in tables for f in t.feature_keys]
+    if len(set(feats)) != len(feats):
+        raise ValueError(f"a feature reads more than one table: {feats}")
+    return tables
+
+
+class TTEmbeddingCollection(nnx.Module):
+    """Named embedding tables, TT-compressed or dense, pooled in one call.
+
+    ``tables``: ``TableConfig``s (see ``flowtt_jax.collection``). Call with a mapping
+    ``{feature name: input}`` (an int array ``[B]`` or ``[B, L]``, or a dict of
+    ``tt_embedding_bag`` arguments); returns ``{feature name: [B, features]}``.
+    Tables live in ``self.embeddings[name]`` (``TTEmbedBag`` or ``EmbedBag``).
+
+    Today the tables run one after another (one op per table); a table-batched op
+    will replace the loop without changing this interface.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        *,
+        dtype: Any | None = None,
+        param_dtype: Any = jnp.float32,
+        oob: str = "zero",
+        impl: str = "auto",
+        rngs: nnx.Rngs,
+    ):
+        self.tables = _check_tables(tables)
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        layers = {}
+        for cfg in self.tables:
+            if cfg.kind == "tt":
+                layers[cfg.name] = TTEmbedBag(
+                    cfg.num_embeddings, cfg.features, mode=cfg.mode, rank=cfg.rank, dtype=dtype,
+                    param_dtype=param_dtype, embedding_init=cfg.std, row_shape=cfg.row_shape,
+                    col_shape=cfg.col_shape, num_cores=cfg.num_cores, oob=oob, impl=impl, rngs=rngs,
+                )
+            else:
+                layers[cfg.name] = EmbedBag(
+                    cfg.num_embeddings, cfg.features, mode=cfg.mode, dtype=dtype,
+                    param_dtype=param_dtype, embedding_init=cfg.std, oob=oob, rngs=rngs,
+                )
+        self.embeddings = nnx.Dict(layers)
+
+    def __call__(self, features: Mapping[str, Any]) -> dict[str, jax.Array]:
+        out = {}
+        for cfg in self.tables:
+            layer = self.embeddings[cfg.name]
+            for fname in cfg.feature_keys:
+                if fname not in features:
+                    raise KeyError(f"missing input for feature {fname!r} (table {cfg.name!r})")
+                ids, kw = bag_kwargs(features[fname])
+                out[fname] = layer(ids, **kw)
+        return out
+
+    def embedding_bytes(self) -> dict[str, int]:
+        """Bytes of parameters stored per table."""
+        return {
+            name: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(layer, nnx.Param)))
+            for name, layer in self.embeddings.items()
+        }
