@@ -1,0 +1,212 @@
+"""Flax linen twins of ``flowtt_jax.nnx``: ``TTEmbed``, ``TTEmbedBag``, ``EmbedBag``,
+``TTEmbeddingCollection``.
+
+Same maths and the same parameter names (``core_0 .. core_{d-1}``, ``embedding`` for
+dense tables), so a linen and an nnx layer given the same cores give the same output.
+In a ``TTEmbeddingCollection`` each table is a submodule named after the table.
+
+Initialisation draws all cores of a table from one key (the ``params`` rng of the
+first core), so custom ``embedding_init``s that build the cores jointly (e.g. TT-SVD)
+work. ``TTEmbed.params_from_dense(table, rank)`` gives a ``{"core_k": ...}`` dict
+for ``module.apply({"params": ...}, ids)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .collection import TableConfig, bag_kwargs, dense_embedding_bag, dense_lookup
+from .cores import from_dense as _tt_svd
+from .cores import to_dense
+from .nnx import CoreInit, _check_tables, check_cores, resolve_init
+from .ops import tt_embedding_bag, tt_lookup
+from .spec import TTSpec
+
+__all__ = ["TTEmbed", "TTEmbedBag", "EmbedBag", "TTEmbeddingCollection", "TableConfig"]
+
+
+class _TTTable(nn.Module):
+    num_embeddings: int
+    features: int
+    rank: int | tuple[int, ...] = 32
+    dtype: Any | None = None
+    param_dtype: Any = jnp.float32
+    embedding_init: CoreInit | float | None = None
+    row_shape: tuple[int, ...] | None = None
+    col_shape: tuple[int, ...] | None = None
+    num_cores: int = 3
+    oob: str = "zero"
+    impl: str = "auto"
+
+    @property
+    def spec(self) -> TTSpec:
+        return TTSpec.create(
+            self.num_embeddings, self.features, self.rank, num_cores=self.num_cores,
+            row_shape=self.row_shape, col_shape=self.col_shape,
+        )
+
+    @property
+    def out_dtype(self) -> Any:
+        return self.dtype if self.dtype is not None else self.param_dtype
+
+    def _cores(self) -> tuple[jax.Array, ...]:
+        spec = self.spec
+        init = resolve_init(self.embedding_init)
+        cache: dict[str, tuple] = {}
+
+        def core_init(key, k):
+            if "cores" not in cache:
+                cache["cores"] = check_cores(init(key, spec, self.param_dtype), spec, self.param_dtype)
+            return cache["cores"][k]
+
+        return tuple(
+            self.param(f"core_{k}", core_init, k) for k in range(spec.num_cores)
+        )
+
+    def setup(self) -> None:
+        self.cores = self._cores()
+
+    def to_dense(self) -> jax.Array:
+        """Materialised ``[N, D]`` table (``N * D`` memory; for export and tests)."""
+        c32 = tuple(c.astype(jnp.float32) for c in self.cores)
+        return to_dense(c32, self.num_embeddings).astype(self.out_dtype)
+
+    def attend(self, query: jax.Array) -> jax.Array:
+        """``query @ table.T`` (materialises the table: ``N * D`` memory, ``~2 N D r`` FLOPs)."""
+        table = self.to_dense().astype(jnp.float32)
+        return jnp.dot(jnp.asarray(query).astype(jnp.float32), table.T).astype(self.out_dtype)
+
+    @classmethod
+    def params_from_dense(
+        cls, table: jax.Array, rank: int | tuple[int, ...] = 32, *, param_dtype: Any = jnp.float32,
+        row_shape=None, col_shape=None, num_cores: int = 3,
+    ) -> dict[str, jax.Array]:
+        """``{"core_k": ...}`` from the TT-SVD of a dense ``[N, D]`` table."""
+        n, d = jnp.shape(table)
+        spec = TTSpec.create(n, d, rank, num_cores=num_cores, row_shape=row_shape, col_shape=col_shape)
+        cores = _tt_svd(table, spec, param_dtype)
+        return {f"core_{k}": c for k, c in enumerate(cores)}
+
+
+class TTEmbed(_TTTable):
+    """TT-compressed ``nn.Embed``: int ids of any shape -> ``[..., features]``.
+
+    Fields as ``flowtt_jax.nnx.TTEmbed``'s constructor arguments.
+    """
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        out = tt_lookup(self.cores, ids, num_embeddings=self.num_embeddings, oob=self.oob, impl=self.impl)
+        return out.astype(self.out_dtype)
+
+
+class TTEmbedBag(_TTTable):
+    """Pooled TT embedding bags; call as ``flowtt_jax.nnx.TTEmbedBag``."""
+
+    mode: str = "sum"
+
+    def __call__(
+        self,
+        ids: jax.Array,
+        *,
+        offsets: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        num_bags: int | None = None,
+        mask: jax.Array | None = None,
+        weights: jax.Array | None = None,
+        mode: str | None = None,
+    ) -> jax.Array:
+        out = tt_embedding_bag(
+            self.cores, ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags,
+            mask=mask, weights=weights, mode=mode or self.mode,
+            num_embeddings=self.num_embeddings, oob=self.oob, impl=self.impl,
+        )
+        return out.astype(self.out_dtype)
+
+
+class EmbedBag(nn.Module):
+    """Bags over a plain dense ``[N, D]`` table (param ``embedding``)."""
+
+    num_embeddings: int
+    features: int
+    mode: str = "sum"
+    dtype: Any | None = None
+    param_dtype: Any = jnp.float32
+    embedding_init: Callable | float | None = None
+    oob: str = "zero"
+
+    def setup(self) -> None:
+        init = self.embedding_init
+        if init is None or isinstance(init, (int, float)):
+            init = nn.initializers.normal(
+                stddev=self.features ** -0.5 if init is None else float(init)
+            )
+        self.embedding = self.param(
+            "embedding", init, (self.num_embeddings, self.features), self.param_dtype
+        )
+
+    @property
+    def out_dtype(self) -> Any:
+        return self.dtype if self.dtype is not None else self.param_dtype
+
+    def __call__(
+        self,
+        ids: jax.Array,
+        *,
+        offsets: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        num_bags: int | None = None,
+        mask: jax.Array | None = None,
+        weights: jax.Array | None = None,
+        mode: str | None = None,
+    ) -> jax.Array:
+        out = dense_embedding_bag(
+            self.embedding, ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags,
+            mask=mask, weights=weights, mode=mode or self.mode, oob=self.oob,
+        )
+        return out.astype(self.out_dtype)
+
+    def lookup(self, ids: jax.Array) -> jax.Array:
+        return dense_lookup(self.embedding, ids, oob=self.oob).astype(self.out_dtype)
+
+
+class TTEmbeddingCollection(nn.Module):
+    """Named TT / dense tables pooled in one call; see ``flowtt_jax.nnx.TTEmbeddingCollection``.
+
+    Params: ``{table name: {"core_k" | "embedding": ...}}``.
+    """
+
+    tables: Sequence[TableConfig]
+    dtype: Any | None = None
+    param_dtype: Any = jnp.float32
+    oob: str = "zero"
+    impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, features: Mapping[str, Any]) -> dict[str, jax.Array]:
+        tables = _check_tables(self.tables)
+        layers = {}
+        for cfg in tables:
+            if cfg.kind == "tt":
+                layers[cfg.name] = TTEmbedBag(
+                    cfg.num_embeddings, cfg.features, rank=cfg.rank, dtype=self.dtype,
+                    param_dtype=self.param_dtype, embedding_init=cfg.std, row_shape=cfg.row_shape,
+                    col_shape=cfg.col_shape, num_cores=cfg.num_cores, oob=self.oob, impl=self.impl,
+                    mode=cfg.mode, name=cfg.name,
+                )
+            else:
+                layers[cfg.name] = EmbedBag(
+                    cfg.num_embeddings, cfg.features, mode=cfg.mode, dtype=self.dtype,
+                    param_dtype=self.param_dtype, embedding_init=cfg.std, oob=self.oob, name=cfg.name,
+                )
+        out = {}
+        for cfg in tables:
+            for fname in cfg.feature_keys:
+                if fname not in features:
+                    raise KeyError(f"missing input for feature {fname!r} (table {cfg.name!r})")
+                ids, kw = bag_kwargs(features[fname])
+                out[fname] = layers[cfg.name](ids, **kw)
+        return out
