@@ -1,0 +1,11 @@
+// XLA FFI handler symbols (platform CUDA) for the four ops of
+// docs/op_contract.md; defined in cuda/handlers.cu, exported to jax by the
+// nanobind module in ffi/cuda_module.cc.
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttRowsFwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttRowsBwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttPoolFwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttPoolBwdCuda);

@@ -1,0 +1,906 @@
+// FlowTT CUDA kernels (sm_90). See cuda/NOTES.md for the design and the
+// measured numbers, docs/op_contract.md for the op semantics.
+//
+// Forward (flowtt_tt_rows_fwd):
+//   1. memset the dense prefix map [p1*p2] to -1 and the work counters /
+//      checkpoint flags to 0 (scratch, on the stream).
+//   2. build_map: map[i1*p2+i2] = g for every prefix group g (and zero the
+//      padding rows u >= num_unique).
+//   3. rows_fwd_kernel: persistent CTAs, two work queues (atomic counters):
+//      phase 1 "tiles": a tile is one i2 column x kT1F consecutive i1 values;
+//        the CTA keeps G2[i2] in shared memory for the whole tile (so G2 is
+//        read ~p1/kT1F times from L2 instead of once per group), and for each
+//        present group forms P = G1[i1].G2[i2] in shared memory, then applies
+//        G3[i3] for the first kCH unique ids of the group. A group with more
+//        than kCH unique ids publishes P to an L2 checkpoint slot (slot =
+//        group_start / kCH, unique per large group) and sets a flag.
+//      phase 2 "chunks": chunk c = unique indices [c*kCH, (c+1)*kCH); the only
+//        work left in a chunk is the tail of (at most one) large group that
+//        started before it; the CTA waits for that group's flag, reloads P
+//        from the checkpoint (ld.cg) and applies G3. Dependencies only point
+//        to tiles already claimed by running CTAs: no deadlock.
+//   No per-id intermediate goes to HBM: rows are written once.
+// Backward (flowtt_tt_rows_bwd), all reductions in a fixed order (bitwise
+// reproducible):
+//   tile kernel (i2 column x kT1B i1 values): per group recompute P, form
+//     dP = sum_u dRow_u . G3[i3_u]^T, accumulate dG2[i2] += G1[i1]^T dP in
+//     shared memory (in i1 order), write per-group dG1 partials
+//     dP . G2[i2]^T, store P (for dG3) and the unique->group map.
+//   dg2_reduce: dG2[i2] = sum over the i1-blocks, in order.
+//   dg1_reduce: dG1[i1] = sum over the groups of i1 (i2 ascending).
+//   dG3: unique ids stably radix-sorted by i3 (cub), then one CTA per i3 sums
+//     P_g^T dRow_u in a fixed order.
+#include <cub/cub.cuh>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "tt_kernels.h"
+
+namespace flowtt {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kT1F = 16;   // i1 values per forward tile
+constexpr int kT1B = 32;   // i1 values per backward tile
+constexpr int kCH = 64;    // unique ids per chunk (split threshold)
+constexpr int kBatch = 256;
+
+struct Dev {
+  int p1, p2, p3, q1, q2, q3, r1, r2;
+  int D, M, Q1R1, R1Q2R2, PSZ, R2p;
+  long long nrows;
+};
+
+Dev make_dev(const TTDims& t) {
+  Dev d;
+  d.p1 = t.p1; d.p2 = t.p2; d.p3 = t.p3;
+  d.q1 = t.q1; d.q2 = t.q2; d.q3 = t.q3;
+  d.r1 = t.r1; d.r2 = t.r2;
+  d.D = t.q1 * t.q2 * t.q3;
+  d.M = t.q1 * t.q2;
+  d.Q1R1 = t.q1 * t.r1;
+  d.R1Q2R2 = t.r1 * t.q2 * t.r2;
+  d.PSZ = d.M * t.r2;
+  d.R2p = t.r2 + 1;
+  d.nrows = (long long)t.p1 * t.p2 * t.p3;
+  return d;
+}
+
+inline size_t align_up(size_t x, size_t a = 256) { return (x + a - 1) / a * a; }
+__host__ __device__ inline int align4(int x) { return (x + 3) & ~3; }
+
+__device__ __forceinline__ int clampi(int v, int lo, int hi) {
+  return v < lo ? lo : (v > hi ? hi : v);
+}
+
+__device__ __forceinline__ void split_id(const Dev& d, int id, int& i1,
+                                         int& i2, int& i3) {
+  long long c = id;
+  if (c < 0) c = 0;
+  if (c >= d.nrows) c = d.nrows - 1;
+  const int cc = (int)c;
+  i3 = cc % d.p3;
+  const int t = cc / d.p3;
+  i2 = t % d.p2;
+  i1 = t / d.p2;
+}
+
+__device__ __forceinline__ void load_smem(float* dst,
+                                          const float* __restrict__ src,
+                                          int n) {
+  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) &
+       15) == 0) {
+    const int n4 = n >> 2;
+    const float4* s4 = reinterpret_cast<const float4*>(src);
+    float4* d4 = reinterpret_cast<float4*>(dst);
+    for (int i = threadIdx.x; i < n4; i += blockDim.x) d4[i] = __ldg(s4 + i);
+    for (int i = (n4 << 2) + threadIdx.x; i < n; i += blockDim.x)
+      dst[i] = __ldg(src + i);
+  } else {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = __ldg(src + i);
+  }
+}
+
+// Ps[m*R2p + b] = sum_a G1s[q1*r1 + a] * G2s[(a*q2 + q2)*r2 + b], m = q1*q2+q2.
+__device__ __forceinline__ void compute_P(const Dev& d, const float* G1s,
+                                          const float* G2s, float* Ps) {
+  const int stride = d.q2 * d.r2;
+  for (int w = threadIdx.x; w < d.PSZ; w += blockDim.x) {
+    const int m = w / d.r2, b = w - m * d.r2;
+    const int q1 = m / d.q2, q2 = m - q1 * d.q2;
+    const float* g1r = G1s + q1 * d.r1;
+    const float* g2c = G2s + q2 * d.r2 + b;
+    float acc = 0.f;
+#pragma unroll 8
+    for (int a = 0; a < d.r1; ++a) acc = fmaf(g1r[a], g2c[a * stride], acc);
+    Ps[m * d.R2p + b] = acc;
+  }
+}
+
+// rows[u, o] = sum_b P[m, b] * G3[i3(u), b, q3], o = m*q3 + q3, u in [ulo,uhi)
+__device__ __forceinline__ void apply_g3(const Dev& d, const float* Ps,
+                                         const float* __restrict__ g3,
+                                         const int* __restrict__ uids, int ulo,
+                                         int uhi, float* __restrict__ rows) {
+  const int total = (uhi - ulo) * d.D;
+  for (int w = threadIdx.x; w < total; w += blockDim.x) {
+    const int j = w / d.D, o = w - j * d.D;
+    const int u = ulo + j;
+    int i1, i2, i3;
+    split_id(d, __ldg(uids + u), i1, i2, i3);
+    const int m = o / d.q3, q = o - m * d.q3;
+    const float* pr = Ps + m * d.R2p;
+    const float* g = g3 + (size_t)i3 * d.r2 * d.q3 + q;
+    float acc = 0.f;
+#pragma unroll 8
+    for (int b = 0; b < d.r2; ++b) acc = fmaf(pr[b], __ldg(g + b * d.q3), acc);
+    rows[(size_t)u * d.D + o] = acc;
+  }
+}
+
+__global__ void build_map_kernel(Dev d, const int* __restrict__ uids,
+                                 const int* __restrict__ goffs,
+                                 const int* __restrict__ counts, int n,
+                                 int* __restrict__ map,
+                                 float* __restrict__ rows_zero) {
+  const int U = clampi(counts[0], 0, n);
+  const int G = clampi(counts[1], 0, U);
+  const int stride = gridDim.x * blockDim.x;
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
+  for (int g = tid; g < G; g += stride) {
+    const int gs = clampi(goffs[g], 0, n - 1);
+    int i1, i2, i3;
+    split_id(d, uids[gs], i1, i2, i3);
+    map[i1 * d.p2 + i2] = g;
+  }
+  if (rows_zero != nullptr) {
+    const size_t end = (size_t)n * d.D;
+    for (size_t i = (size_t)U * d.D + tid; i < end; i += stride)
+      rows_zero[i] = 0.f;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    rows_fwd_kernel(Dev d, const float* __restrict__ g1,
+                    const float* __restrict__ g2, const float* __restrict__ g3,
+                    const int* __restrict__ uids,
+                    const int* __restrict__ goffs,
+                    const int* __restrict__ counts, int n,
+                    const int* __restrict__ map, int* ctrl, int* flags,
+                    float* ckpt, float* __restrict__ rows) {
+  extern __shared__ float4 smem4[];
+  float* G2s = reinterpret_cast<float*>(smem4);
+  float* G1s = G2s + align4(d.R1Q2R2);
+  float* Ps = G1s + align4(d.Q1R1);
+  __shared__ int s_item;
+  __shared__ int s_g[kT1F];
+
+  const int tid = threadIdx.x;
+  const int U = clampi(counts[0], 0, n);
+  const int G = clampi(counts[1], 0, U);
+  const int nT1 = (d.p1 + kT1F - 1) / kT1F;
+  const int nTiles = nT1 * d.p2;
+
+  // ---- phase 1: tiles (i2 column x kT1F i1 values) ----
+  for (;;) {
+    if (tid == 0) s_item = atomicAdd(ctrl, 1);
+    __syncthreads();
+    const int t = s_item;
+    __syncthreads();
+    if (t >= nTiles) break;
+    const int i2 = t % d.p2;
+    const int i1b = (t / d.p2) * kT1F;
+    int gk = -1;
+    if (tid < kT1F) {
+      if (i1b + tid < d.p1) {
+        gk = map[(i1b + tid) * d.p2 + i2];
+        if (gk >= G) gk = -1;
+      }
+      s_g[tid] = gk;
+    }
+    if (!__syncthreads_or(gk >= 0)) continue;
+    load_smem(G2s, g2 + (size_t)i2 * d.R1Q2R2, d.R1Q2R2);
+    for (int k = 0; k < kT1F; ++k) {
+      const int g = s_g[k];
+      if (g < 0) continue;
+      const int gs = clampi(goffs[g], 0, U);
+      const int ge = clampi(goffs[g + 1], gs, U);
+      load_smem(G1s, g1 + (size_t)(i1b + k) * d.Q1R1, d.Q1R1);
+      __syncthreads();
+      compute_P(d, G1s, G2s, Ps);
+      __syncthreads();
+      const int sz = ge - gs;
+      if (sz > kCH) {
+        const int slot = gs / kCH;
+        float* ck = ckpt + (size_t)slot * d.PSZ;
+        for (int w = tid; w < d.PSZ; w += blockDim.x) {
+          const int m = w / d.r2, b = w - m * d.r2;
+          __stcg(ck + w, Ps[m * d.R2p + b]);
+        }
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) atomicExch(flags + slot, 1);
+      }
+      apply_g3(d, Ps, g3, uids, gs, gs + min(sz, kCH), rows);
+      __syncthreads();
+    }
+  }
+
+  // ---- phase 2: tails of large groups, chunk by chunk ----
+  const int nCh = (U + kCH - 1) / kCH;
+  for (;;) {
+    if (tid == 0) s_item = atomicAdd(ctrl + 1, 1);
+    __syncthreads();
+    const int c = s_item;
+    __syncthreads();
+    if (c >= nCh) break;
+    const int u0 = c * kCH, u1 = min(u0 + kCH, U);
+    int lo = 0, hi = G - 1;  // largest g with goffs[g] <= u0
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (goffs[mid] <= u0) lo = mid; else hi = mid - 1;
+    }
+    const int g = lo;
+    const int gs = clampi(goffs[g], 0, U);
+    const int ge = clampi(goffs[g + 1], gs, U);
+    const int a = max(u0, gs + kCH), bnd = min(u1, ge);
+    if (a >= bnd) continue;
+    // Only wait for a group phase 1 owns (a valid plan always has it).
+    {
+      int i1, i2, i3;
+      split_id(d, uids[gs], i1, i2, i3);
+      if (map[i1 * d.p2 + i2] != g) continue;
+    }
+    const int slot = gs / kCH;
+    if (tid == 0) {
+      while (atomicAdd(flags + slot, 0) == 0) __nanosleep(64);
+      __threadfence();
+    }
+    __syncthreads();
+    const float* ck = ckpt + (size_t)slot * d.PSZ;
+    for (int w = tid; w < d.PSZ; w += blockDim.x) {
+      const int m = w / d.r2, b = w - m * d.r2;
+      Ps[m * d.R2p + b] = __ldcg(ck + w);
+    }
+    __syncthreads();
+    apply_g3(d, Ps, g3, uids, a, bnd, rows);
+    __syncthreads();
+  }
+}
+
+// --------------------------- backward ---------------------------------------
+
+__global__ void __launch_bounds__(kThreads)
+    rows_bwd_tile_kernel(Dev d, const float* __restrict__ g1,
+                         const float* __restrict__ g2,
+                         const float* __restrict__ g3,
+                         const float* __restrict__ d_rows,
+                         const int* __restrict__ uids,
+                         const int* __restrict__ goffs,
+                         const int* __restrict__ counts, int n,
+                         const int* __restrict__ map, int* ctrl,
+                         int* __restrict__ tile_flag, float* __restrict__ Pbuf,
+                         float* __restrict__ dG1p, float* __restrict__ dG2p,
+                         int* __restrict__ ug, int slots) {
+  extern __shared__ float4 smem4[];
+  float* G2s = reinterpret_cast<float*>(smem4);
+  float* A2s = G2s + align4(d.R1Q2R2);
+  float* G1s = A2s + align4(d.R1Q2R2);
+  float* Ps = G1s + align4(d.Q1R1);
+  float* dPs = Ps + align4(d.M * d.R2p);
+  __shared__ int s_item;
+  __shared__ int s_g[kT1B];
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const int U = clampi(counts[0], 0, n);
+  const int G = clampi(counts[1], 0, U);
+  const int nT1 = (d.p1 + kT1B - 1) / kT1B;
+  const int nTiles = nT1 * d.p2;
+  const int Q2R2 = d.q2 * d.r2;
+
+  for (;;) {
+    if (tid == 0) s_item = atomicAdd(ctrl, 1);
+    __syncthreads();
+    const int t = s_item;
+    __syncthreads();
+    if (t >= nTiles) break;
+    const int i2 = t % d.p2;
+    const int i1b = (t / d.p2) * kT1B;
+    int gk = -1;
+    if (tid < kT1B) {
+      if (i1b + tid < d.p1) {
+        gk = map[(i1b + tid) * d.p2 + i2];
+        if (gk >= G || gk >= slots) gk = -1;
+      }
+      s_g[tid] = gk;
+    }
+    if (!__syncthreads_or(gk >= 0)) {
+      if (tid == 0) tile_flag[t] = 0;
+      continue;
+    }
+    load_smem(G2s, g2 + (size_t)i2 * d.R1Q2R2, d.R1Q2R2);
+    for (int e = tid; e < d.R1Q2R2; e += blockDim.x) A2s[e] = 0.f;
+    for (int k = 0; k < kT1B; ++k) {
+      const int g = s_g[k];
+      if (g < 0) continue;
+      const int gs = clampi(goffs[g], 0, U);
+      const int ge = clampi(goffs[g + 1], gs, U);
+      load_smem(G1s, g1 + (size_t)(i1b + k) * d.Q1R1, d.Q1R1);
+      __syncthreads();
+      compute_P(d, G1s, G2s, Ps);
+      // dP[m, b] = sum_u sum_q dRow_u[m*q3 + q] * G3[i3_u, b, q]
+      for (int w = tid; w < d.PSZ; w += blockDim.x) {
+        const int m = w / d.r2, b = w - m * d.r2;
+        float acc = 0.f;
+        for (int u = gs; u < ge; ++u) {
+          int i1, i2x, i3;
+          split_id(d, __ldg(uids + u), i1, i2x, i3);
+          const float* dr = d_rows + (size_t)u * d.D + m * d.q3;
+          const float* gg = g3 + ((size_t)i3 * d.r2 + b) * d.q3;
+          for (int q = 0; q < d.q3; ++q)
+            acc = fmaf(__ldg(dr + q), __ldg(gg + q), acc);
+        }
+        dPs[m * d.R2p + b] = acc;
+      }
+      for (int u = gs + tid; u < ge; u += blockDim.x) ug[u] = g;
+      __syncthreads();
+      // store P for the dG3 pass
+      {
+        float* pb = Pbuf + (size_t)g * d.PSZ;
+        for (int w = tid; w < d.PSZ; w += blockDim.x) {
+          const int m = w / d.r2, b = w - m * d.r2;
+          pb[w] = Ps[m * d.R2p + b];
+        }
+      }
+      // dG2[a, q2, b] += sum_q1 G1[q1, a] dP[q1*q2 + q2, b]
+      for (int e = tid; e < d.R1Q2R2; e += blockDim.x) {
+        const int a = e / Q2R2;
+        const int rem = e - a * Q2R2;
+        const int q2 = rem / d.r2, b = rem - q2 * d.r2;
+        float acc = A2s[e];
+        for (int q1 = 0; q1 < d.q1; ++q1)
+          acc = fmaf(G1s[q1 * d.r1 + a], dPs[(q1 * d.q2 + q2) * d.R2p + b], acc);
+        A2s[e] = acc;
+      }
+      // dG1 partial[g][q1, a] = sum_{q2, b} dP[q1, q2, b] G2[a, q2, b]
+      for (int o = warp; o < d.Q1R1; o += nwarps) {
+        const int q1 = o / d.r1, a = o - q1 * d.r1;
+        float s = 0.f;
+        for (int j = lane; j < Q2R2; j += 32) {
+          const int q2 = j / d.r2, b = j - q2 * d.r2;
+          s = fmaf(dPs[(q1 * d.q2 + q2) * d.R2p + b], G2s[a * Q2R2 + j], s);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1)
+          s += __shfl_xor_sync(0xffffffffu, s, off);
+        if (lane == 0) dG1p[(size_t)g * d.Q1R1 + o] = s;
+      }
+      __syncthreads();
+    }
+    float* out = dG2p + (size_t)t * d.R1Q2R2;
+    for (int e = tid; e < d.R1Q2R2; e += blockDim.x) out[e] = A2s[e];
+    if (tid == 0) tile_flag[t] = 1;
+  }
+}
+
+__global__ void dg2_reduce_kernel(Dev d, int nT1, const int* __restrict__ flag,
+                                  const float* __restrict__ dG2p,
+                                  float* __restrict__ dg2) {
+  const int i2 = blockIdx.y;
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= d.R1Q2R2) return;
+  float acc = 0.f;
+  for (int k = 0; k < nT1; ++k) {
+    const int t = k * d.p2 + i2;
+    if (flag[t]) acc += dG2p[(size_t)t * d.R1Q2R2 + e];
+  }
+  dg2[(size_t)i2 * d.R1Q2R2 + e] = acc;
+}
+
+// dG1[i1] = sum over groups of i1 (i2 ascending) of the per-group partials.
+// Threads split the group list into S contiguous parts (fixed S), combined
+// in order: deterministic.
+__global__ void dg1_reduce_kernel(Dev d, const int* __restrict__ map,
+                                  const int* __restrict__ counts, int n,
+                                  int slots, const float* __restrict__ dG1p,
+                                  float* __restrict__ dg1) {
+  extern __shared__ int s_list[];  // p2 ints, then S*Q1R1 floats
+  __shared__ int s_cnt;
+  const int i1 = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int G = clampi(counts[1], 0, clampi(counts[0], 0, n));
+  if (tid < 32) {
+    int base = 0;
+    for (int c = 0; c < d.p2; c += 32) {
+      const int i2 = c + lane;
+      const int g = (i2 < d.p2) ? map[i1 * d.p2 + i2] : -1;
+      const bool v = g >= 0 && g < G && g < slots;
+      const unsigned bal = __ballot_sync(0xffffffffu, v);
+      if (v) s_list[base + __popc(bal & ((1u << lane) - 1u))] = g;
+      base += __popc(bal);
+    }
+    if (lane == 0) s_cnt = base;
+  }
+  __syncthreads();
+  const int cnt = s_cnt;
+  float* s_part = reinterpret_cast<float*>(s_list + align4(d.p2));
+  const int EW = min(d.Q1R1, (int)blockDim.x);
+  const int S = blockDim.x / EW;
+  for (int e0 = 0; e0 < d.Q1R1; e0 += EW) {
+    const int e = e0 + tid % EW;
+    const int s = tid / EW;
+    float acc = 0.f;
+    if (s < S && e < d.Q1R1) {
+      const int per = (cnt + S - 1) / S;
+      const int jb = s * per, je = min(cnt, jb + per);
+#pragma unroll 8
+      for (int j = jb; j < je; ++j)
+        acc += __ldg(dG1p + (size_t)s_list[j] * d.Q1R1 + e);
+      s_part[s * EW + tid % EW] = acc;
+    }
+    __syncthreads();
+    if (s == 0 && e < d.Q1R1) {
+      float tot = 0.f;
+      for (int ss = 0; ss < S; ++ss) tot += s_part[ss * EW + tid % EW];
+      dg1[(size_t)i1 * d.Q1R1 + e] = tot;
+    }
+    __syncthreads();
+  }
+}
+
+__global__ void dg3_keys_kernel(Dev d, const int* __restrict__ uids,
+                                const int* __restrict__ counts, int n,
+                                int* __restrict__ keys,
+                                int* __restrict__ vals) {
+  const int U = clampi(counts[0], 0, n);
+  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < n;
+       u += gridDim.x * blockDim.x) {
+    int k = d.p3;
+    if (u < U) {
+      int i1, i2, i3;
+      split_id(d, uids[u], i1, i2, i3);
+      k = i3;
+    }
+    keys[u] = k;
+    vals[u] = u;
+  }
+}
+
+__device__ __forceinline__ int lower_bound_dev(const int* a, int n, int key) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (a[mid] < key) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+__global__ void dg3_kernel(Dev d, const int* __restrict__ keys,
+                           const int* __restrict__ vals, int n,
+                           const int* __restrict__ ug,
+                           const float* __restrict__ Pbuf,
+                           const float* __restrict__ d_rows, int slots,
+                           float* __restrict__ dg3) {
+  __shared__ int s_u[kBatch];
+  __shared__ int s_gg[kBatch];
+  __shared__ float s_red[kThreads];
+  const int i3 = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int lo = lower_bound_dev(keys, n, i3);
+  const int hi = lower_bound_dev(keys, n, i3 + 1);
+  const int E3 = d.r2 * d.q3;
+  const int EW = min(E3, (int)blockDim.x);
+  const int W = blockDim.x / EW;
+  for (int e0 = 0; e0 < E3; e0 += EW) {
+    const int e = e0 + tid % EW;
+    const int w = tid / EW;
+    const bool active = (w < W) && (e < E3);
+    const int b = e / d.q3, q = e - (e / d.q3) * d.q3;
+    float acc = 0.f;
+    for (int j0 = lo; j0 < hi; j0 += kBatch) {
+      const int cnt = min(kBatch, hi - j0);
+      __syncthreads();
+      for (int i = tid; i < cnt; i += blockDim.x) {
+        const int u = clampi(vals[j0 + i], 0, n - 1);
+        s_u[i] = u;
+        s_gg[i] = clampi(ug[u], 0, slots - 1);
+      }
+      __syncthreads();
+      if (active) {
+        for (int i = w; i < cnt; i += W) {
+          const float* P = Pbuf + (size_t)s_gg[i] * d.PSZ + b;
+          const float* dr = d_rows + (size_t)s_u[i] * d.D + q;
+          for (int m = 0; m < d.M; ++m)
+            acc = fmaf(__ldg(P + m * d.r2), __ldg(dr + m * d.q3), acc);
+        }
+      }
+    }
+    __syncthreads();
+    s_red[tid] = acc;
+    __syncthreads();
+    if (w == 0 && e < E3) {
+      float tot = 0.f;
+      for (int ww = 0; ww < W; ++ww) tot += s_red[ww * EW + tid];
+      dg3[(size_t)i3 * E3 + e] = tot;
+    }
+  }
+}
+
+// ----------------------------- pooling --------------------------------------
+
+template <int VEC>
+struct VecT;
+template <>
+struct VecT<1> { using T = float; };
+template <>
+struct VecT<4> { using T = float4; };
+
+__device__ __forceinline__ void vfma(float& acc, float w, float v) {
+  acc = fmaf(w, v, acc);
+}
+__device__ __forceinline__ void vfma(float4& acc, float w, float4 v) {
+  acc.x = fmaf(w, v.x, acc.x); acc.y = fmaf(w, v.y, acc.y);
+  acc.z = fmaf(w, v.z, acc.z); acc.w = fmaf(w, v.w, acc.w);
+}
+__device__ __forceinline__ float vdot(float a, float b) { return a * b; }
+__device__ __forceinline__ float vdot(float4 a, float4 b) {
+  return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, a.x * b.x)));
+}
+template <typename T> __device__ __forceinline__ T vzero();
+template <> __device__ __forceinline__ float vzero<float>() { return 0.f; }
+template <> __device__ __forceinline__ float4 vzero<float4>() {
+  return make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+template <int VEC>
+__global__ void pool_fwd_kernel(const float* __restrict__ rows,
+                                const int* __restrict__ inverse,
+                                const float* __restrict__ weights,
+                                const int* __restrict__ bag_offsets, int n,
+                                int B, int D, int TS, float* __restrict__ out) {
+  using T = typename VecT<VEC>::T;
+  const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const int bag = (int)(gt / TS), lane = (int)(gt % TS);
+  if (bag >= B) return;
+  const int lo = clampi(bag_offsets[bag], 0, n);
+  const int hi = clampi(bag_offsets[bag + 1], lo, n);
+  const int DV = D / VEC;
+  const T* rv = reinterpret_cast<const T*>(rows);
+  T* ov = reinterpret_cast<T*>(out);
+  for (int dv = lane; dv < DV; dv += TS) {
+    T acc = vzero<T>();
+#pragma unroll 4
+    for (int k = lo; k < hi; ++k) {
+      const int idx = clampi(__ldg(inverse + k), 0, n - 1);
+      vfma(acc, __ldg(weights + k), rv[(size_t)idx * DV + dv]);
+    }
+    ov[(size_t)bag * DV + dv] = acc;
+  }
+}
+
+template <int VEC>
+__global__ void pool_bwd_rows_kernel(const float* __restrict__ dout,
+                                     const float* __restrict__ weights,
+                                     const int* __restrict__ bag_ids,
+                                     const int* __restrict__ perm,
+                                     const int* __restrict__ run_offsets,
+                                     const int* __restrict__ counts, int n,
+                                     int B, int D, int TS,
+                                     float* __restrict__ d_rows) {
+  using T = typename VecT<VEC>::T;
+  const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const int u = (int)(gt / TS), lane = (int)(gt % TS);
+  if (u >= n) return;
+  const int U = clampi(counts[0], 0, n);
+  const int DV = D / VEC;
+  const T* dv_ = reinterpret_cast<const T*>(dout);
+  T* o = reinterpret_cast<T*>(d_rows);
+  int lo = 0, hi = 0;
+  if (u < U) {
+    lo = clampi(run_offsets[u], 0, n);
+    hi = clampi(run_offsets[u + 1], lo, n);
+  }
+  for (int dv = lane; dv < DV; dv += TS) {
+    T acc = vzero<T>();
+#pragma unroll 4
+    for (int j = lo; j < hi; ++j) {
+      const int k = clampi(__ldg(perm + j), 0, n - 1);
+      const int b = clampi(__ldg(bag_ids + k), 0, B - 1);
+      vfma(acc, __ldg(weights + k), dv_[(size_t)b * DV + dv]);
+    }
+    o[(size_t)u * DV + dv] = acc;
+  }
+}
+
+template <int VEC>
+__global__ void pool_bwd_weights_kernel(const float* __restrict__ dout,
+                                        const float* __restrict__ rows,
+                                        const int* __restrict__ inverse,
+                                        const int* __restrict__ bag_ids,
+                                        int n, int B, int D, int TS,
+                                        float* __restrict__ d_weights) {
+  using T = typename VecT<VEC>::T;
+  const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const int k = (int)(gt / TS), lane = (int)(gt % TS);
+  const bool valid = k < n;
+  const int DV = D / VEC;
+  float s = 0.f;
+  if (valid) {
+    const int b = clampi(__ldg(bag_ids + k), 0, B - 1);
+    const int idx = clampi(__ldg(inverse + k), 0, n - 1);
+    const T* a = reinterpret_cast<const T*>(dout) + (size_t)b * DV;
+    const T* r = reinterpret_cast<const T*>(rows) + (size_t)idx * DV;
+    for (int dv = lane; dv < DV; dv += TS) s += vdot(a[dv], r[dv]);
+  }
+  for (int off = TS >> 1; off > 0; off >>= 1)
+    s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (valid && lane == 0) d_weights[k] = s;
+}
+
+int team_size(int DV) {
+  int ts = 1;
+  while (ts < DV && ts < 32) ts <<= 1;
+  return ts;
+}
+
+int num_sms() {
+  int dev = 0, sms = 132;
+  if (cudaGetDevice(&dev) == cudaSuccess)
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return sms > 0 ? sms : 132;
+}
+
+size_t fwd_smem(const Dev& d) {
+  return sizeof(float) *
+         (size_t)(align4(d.R1Q2R2) + align4(d.Q1R1) + align4(d.M * d.R2p));
+}
+size_t bwd_smem(const Dev& d) {
+  return sizeof(float) * (size_t)(2 * align4(d.R1Q2R2) + align4(d.Q1R1) +
+                                  2 * align4(d.M * d.R2p));
+}
+
+struct Bump {
+  char* base;
+  size_t off = 0;
+  template <typename T>
+  T* take(size_t count) {
+    T* p = reinterpret_cast<T*>(base ? base + off : nullptr);
+    off += align_up(count * sizeof(T));
+    return p;
+  }
+};
+
+struct FwdScratch {
+  int* map; int* ctrl; int* flags; float* ckpt; size_t bytes; int nchunks;
+};
+FwdScratch fwd_layout(const Dev& d, int n, void* base) {
+  Bump bp{static_cast<char*>(base)};
+  FwdScratch s;
+  s.nchunks = n / kCH + 1;
+  s.map = bp.take<int>((size_t)d.p1 * d.p2);
+  s.ctrl = bp.take<int>(2 + (size_t)s.nchunks);
+  s.flags = s.ctrl ? s.ctrl + 2 : nullptr;
+  s.ckpt = bp.take<float>((size_t)s.nchunks * d.PSZ);
+  s.bytes = bp.off;
+  return s;
+}
+
+struct BwdScratch {
+  int* map; int* ctrl; int* tile_flag; float* Pbuf; float* dG1p; float* dG2p;
+  int* ug; int* keys_in; int* keys_out; int* vals_in; int* vals_out;
+  void* cub_tmp; size_t cub_bytes; size_t bytes; int slots; int nT1; int nTiles;
+};
+BwdScratch bwd_layout(const Dev& d, int n, void* base) {
+  Bump bp{static_cast<char*>(base)};
+  BwdScratch s;
+  s.slots = (int)std::min<long long>(n, (long long)d.p1 * d.p2);
+  s.nT1 = (d.p1 + kT1B - 1) / kT1B;
+  s.nTiles = s.nT1 * d.p2;
+  s.map = bp.take<int>((size_t)d.p1 * d.p2);
+  s.ctrl = bp.take<int>(1);
+  s.tile_flag = bp.take<int>(s.nTiles);
+  s.Pbuf = bp.take<float>((size_t)s.slots * d.PSZ);
+  s.dG1p = bp.take<float>((size_t)s.slots * d.Q1R1);
+  s.dG2p = bp.take<float>((size_t)s.nTiles * d.R1Q2R2);
+  s.ug = bp.take<int>(n);
+  s.keys_in = bp.take<int>(n);
+  s.keys_out = bp.take<int>(n);
+  s.vals_in = bp.take<int>(n);
+  s.vals_out = bp.take<int>(n);
+  s.cub_bytes = 0;
+  cub::DeviceRadixSort::SortPairs(nullptr, s.cub_bytes, (int*)nullptr,
+                                  (int*)nullptr, (int*)nullptr, (int*)nullptr,
+                                  n, 0, 32);
+  s.cub_tmp = bp.take<char>(s.cub_bytes + 16);
+  s.bytes = bp.off;
+  return s;
+}
+
+int end_bit_for(int maxkey) {
+  int b = 1;
+  while (b < 31 && (1LL << b) <= maxkey) ++b;
+  return b;
+}
+
+}  // namespace
+
+const char* check_dims(const TTDims& t) {
+  if (t.p1 <= 0 || t.p2 <= 0 || t.p3 <= 0 || t.q1 <= 0 || t.q2 <= 0 ||
+      t.q3 <= 0 || t.r1 <= 0 || t.r2 <= 0)
+    return "flowtt CUDA: core dimensions must be positive";
+  if ((long long)t.p1 * t.p2 > (1LL << 26))
+    return "flowtt CUDA: p1*p2 too large for the dense prefix map (max 2^26)";
+  if (t.p2 > 65535) return "flowtt CUDA: p2 > 65535 unsupported";
+  const Dev d = make_dev(t);
+  if (bwd_smem(d) > 200 * 1024)
+    return "flowtt CUDA: cores too large for the shared-memory kernels "
+           "(r1*q2*r2 must be <= ~24k); use impl='reference'";
+  return nullptr;
+}
+
+size_t rows_fwd_scratch_bytes(const TTDims& t, int n) {
+  return fwd_layout(make_dev(t), n, nullptr).bytes;
+}
+
+cudaError_t rows_fwd(const TTDims& t, const float* g1, const float* g2,
+                     const float* g3, const int* unique_ids,
+                     const int* group_offsets, const int* counts, int n,
+                     float* rows, void* scratch, cudaStream_t stream) {
+  const Dev d = make_dev(t);
+  FwdScratch s = fwd_layout(d, n, scratch);
+  cudaError_t err;
+  if ((err = cudaMemsetAsync(s.map, 0xFF, sizeof(int) * (size_t)d.p1 * d.p2,
+                             stream)) != cudaSuccess)
+    return err;
+  if ((err = cudaMemsetAsync(s.ctrl, 0, sizeof(int) * (2 + (size_t)s.nchunks),
+                             stream)) != cudaSuccess)
+    return err;
+  const int sms = num_sms();
+  {
+    const int blocks = std::max(1, std::min((n + 255) / 256, sms * 8));
+    build_map_kernel<<<blocks, 256, 0, stream>>>(d, unique_ids, group_offsets,
+                                                 counts, n, s.map, rows);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  const size_t smem = fwd_smem(d);
+  if ((err = cudaFuncSetAttribute(rows_fwd_kernel,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  (int)smem)) != cudaSuccess)
+    return err;
+  int occ = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, rows_fwd_kernel,
+                                                kThreads, smem);
+  occ = std::max(1, std::min(occ, 8));
+  rows_fwd_kernel<<<sms * occ, kThreads, smem, stream>>>(
+      d, g1, g2, g3, unique_ids, group_offsets, counts, n, s.map, s.ctrl,
+      s.flags, s.ckpt, rows);
+  return cudaGetLastError();
+}
+
+size_t rows_bwd_scratch_bytes(const TTDims& t, int n) {
+  return bwd_layout(make_dev(t), n, nullptr).bytes;
+}
+
+cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2,
+                     const float* g3, const float* d_rows,
+                     const int* unique_ids, const int* group_offsets,
+                     const int* counts, int n, float* dg1, float* dg2,
+                     float* dg3, void* scratch, cudaStream_t stream) {
+  const Dev d = make_dev(t);
+  BwdScratch s = bwd_layout(d, n, scratch);
+  cudaError_t err;
+  if ((err = cudaMemsetAsync(s.map, 0xFF, sizeof(int) * (size_t)d.p1 * d.p2,
+                             stream)) != cudaSuccess)
+    return err;
+  if ((err = cudaMemsetAsync(s.ctrl, 0, sizeof(int), stream)) != cudaSuccess)
+    return err;
+  const int sms = num_sms();
+  const int eblocks = std::max(1, std::min((n + 255) / 256, sms * 8));
+  build_map_kernel<<<eblocks, 256, 0, stream>>>(d, unique_ids, group_offsets,
+                                                counts, n, s.map, nullptr);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  const size_t smem = bwd_smem(d);
+  if ((err = cudaFuncSetAttribute(rows_bwd_tile_kernel,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  (int)smem)) != cudaSuccess)
+    return err;
+  int occ = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, rows_bwd_tile_kernel,
+                                                kThreads, smem);
+  occ = std::max(1, std::min(occ, 8));
+  rows_bwd_tile_kernel<<<sms * occ, kThreads, smem, stream>>>(
+      d, g1, g2, g3, d_rows, unique_ids, group_offsets, counts, n, s.map,
+      s.ctrl, s.tile_flag, s.Pbuf, s.dG1p, s.dG2p, s.ug, s.slots);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  {
+    dim3 grid((d.R1Q2R2 + 255) / 256, d.p2);
+    dg2_reduce_kernel<<<grid, 256, 0, stream>>>(d, s.nT1, s.tile_flag, s.dG2p,
+                                                dg2);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  {
+    const size_t sm1 = sizeof(int) * align4(d.p2) +
+                       sizeof(float) * (size_t)kThreads;
+    if ((err = cudaFuncSetAttribute(dg1_reduce_kernel,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)std::max<size_t>(sm1, 48 * 1024))) !=
+        cudaSuccess)
+      return err;
+    dg1_reduce_kernel<<<d.p1, kThreads, sm1, stream>>>(d, s.map, counts, n,
+                                                       s.slots, s.dG1p, dg1);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  dg3_keys_kernel<<<eblocks, 256, 0, stream>>>(d, unique_ids, counts, n,
+                                               s.keys_in, s.vals_in);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  size_t cub_bytes = s.cub_bytes;
+  if ((err = cub::DeviceRadixSort::SortPairs(
+           s.cub_tmp, cub_bytes, s.keys_in, s.keys_out, s.vals_in, s.vals_out,
+           n, 0, end_bit_for(d.p3), stream)) != cudaSuccess)
+    return err;
+  dg3_kernel<<<d.p3, kThreads, 0, stream>>>(d, s.keys_out, s.vals_out, n, s.ug,
+                                            s.Pbuf, d_rows, s.slots, dg3);
+  return cudaGetLastError();
+}
+
+cudaError_t bag_pool_fwd(const float* rows, const int* inverse,
+                         const float* weights, const int* bag_offsets, int n,
+                         int B, int D, float* out, cudaStream_t stream) {
+  if (B <= 0) return cudaSuccess;
+  const bool v4 = (D % 4) == 0 &&
+                  (reinterpret_cast<uintptr_t>(rows) % 16) == 0 &&
+                  (reinterpret_cast<uintptr_t>(out) % 16) == 0;
+  const int DV = v4 ? D / 4 : D;
+  const int TS = team_size(DV);
+  const long long threads = (long long)B * TS;
+  const int blocks = (int)((threads + 255) / 256);
+  if (v4)
+    pool_fwd_kernel<4><<<blocks, 256, 0, stream>>>(rows, inverse, weights,
+                                                   bag_offsets, n, B, D, TS,
+                                                   out);
+  else
+    pool_fwd_kernel<1><<<blocks, 256, 0, stream>>>(rows, inverse, weights,
+                                                   bag_offsets, n, B, D, TS,
+                                                   out);
+  return cudaGetLastError();
+}
+
+cudaError_t bag_pool_bwd(const float* dout, const float* rows,
+                         const float* weights, const int* inverse,
+                         const int* bag_ids, const int* perm,
+                         const int* run_offsets, const int* counts, int n,
+                         int B, int D, float* d_rows, float* d_weights,
+                         cudaStream_t stream) {
+  const bool v4 = (D % 4) == 0 &&
+                  ((reinterpret_cast<uintptr_t>(dout) |
+                    reinterpret_cast<uintptr_t>(rows) |
+                    reinterpret_cast<uintptr_t>(d_rows)) % 16) == 0;
+  const int DV = v4 ? D / 4 : D;
+  const int TS = team_size(DV);
+  const int blocks = (int)(((long long)n * TS + 255) / 256);
+  if (B <= 0) {
+    // No bags: every id belongs to no bag (n must then be... keep it safe).
+    cudaError_t e = cudaMemsetAsync(d_rows, 0, sizeof(float) * (size_t)n * D,
+                                    stream);
+    if (e != cudaSuccess) return e;
+    return cudaMemsetAsync(d_weights, 0, sizeof(float) * (size_t)n, stream);
+  }
+  if (v4) {
+    pool_bwd_rows_kernel<4><<<blocks, 256, 0, stream>>>(
+        dout, weights, bag_ids, perm, run_offsets, counts, n, B, D, TS,
+        d_rows);
+    pool_bwd_weights_kernel<4><<<blocks, 256, 0, stream>>>(
+        dout, rows, inverse, bag_ids, n, B, D, TS, d_weights);
+  } else {
+    pool_bwd_rows_kernel<1><<<blocks, 256, 0, stream>>>(
+        dout, weights, bag_ids, perm, run_offsets, counts, n, B, D, TS,
+        d_rows);
+    pool_bwd_weights_kernel<1><<<blocks, 256, 0, stream>>>(
+        dout, rows, inverse, bag_ids, n, B, D, TS, d_weights);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace flowtt

@@ -1,0 +1,50 @@
+// FlowTT CUDA kernels: launchers (host API). No XLA dependency, so the
+// standalone harness (cuda/test_harness.cu) and the FFI handlers
+// (cuda/handlers.cu) share them. Contract: docs/op_contract.md.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace flowtt {
+
+// Core shapes: g1 [p1,1,q1,r1], g2 [p2,r1,q2,r2], g3 [p3,r2,q3,1].
+struct TTDims {
+  int p1, p2, p3, q1, q2, q3, r1, r2;
+  int D() const { return q1 * q2 * q3; }
+};
+
+// nullptr when the CUDA kernels support these dims, else a message.
+const char* check_dims(const TTDims& d);
+
+// ---- op 1: flowtt_tt_rows_fwd ----
+size_t rows_fwd_scratch_bytes(const TTDims& d, int n);
+cudaError_t rows_fwd(const TTDims& d, const float* g1, const float* g2,
+                     const float* g3, const int* unique_ids,
+                     const int* group_offsets, const int* counts, int n,
+                     float* rows, void* scratch, cudaStream_t stream);
+
+// ---- op 4: flowtt_tt_rows_bwd ----
+size_t rows_bwd_scratch_bytes(const TTDims& d, int n);
+cudaError_t rows_bwd(const TTDims& d, const float* g1, const float* g2,
+                     const float* g3, const float* d_rows,
+                     const int* unique_ids, const int* group_offsets,
+                     const int* counts, int n, float* dg1, float* dg2,
+                     float* dg3, void* scratch, cudaStream_t stream);
+
+// ---- op 2: flowtt_bag_pool_fwd ----
+cudaError_t bag_pool_fwd(const float* rows, const int* inverse,
+                         const float* weights, const int* bag_offsets, int n,
+                         int B, int D, float* out, cudaStream_t stream);
+
+// ---- op 3: flowtt_bag_pool_bwd ----
+cudaError_t bag_pool_bwd(const float* dout, const float* rows,
+                         const float* weights, const int* inverse,
+                         const int* bag_ids, const int* perm,
+                         const int* run_offsets, const int* counts, int n,
+                         int B, int D, float* d_rows, float* d_weights,
+                         cudaStream_t stream);
+
+}  // namespace flowtt
