@@ -144,12 +144,9 @@ inline std::string RowsBwd(const Shape& s, const float* g1, const float* g2, con
 inline std::string PoolFwd(const float* rows, int64_t n, int64_t d, const int32_t* inverse,
                            const float* weights, const int32_t* offsets, int64_t num_bags,
                            float* out) {
-  if (num_bags > 0 && (offsets[0] != 0 || offsets[num_bags] != n)) {
-    return "bag offsets must start at 0 and end at nnz";
-  }
   for (int64_t b = 0; b < num_bags; ++b) {
     const int32_t k0 = offsets[b], k1 = offsets[b + 1];
-    if (k1 < k0 || k1 > n) return "bag offsets must be non-decreasing within [0, nnz]";
+    if (k0 < 0 || k1 < k0 || k1 > n) return "bag offsets must be non-decreasing within [0, nnz]";
     float* o = out + b * d;
     std::memset(o, 0, sizeof(float) * d);
     for (int32_t k = k0; k < k1; ++k) {

@@ -1,5 +1,7 @@
 // XLA FFI handlers (platform cpu) for the op contract, and the nanobind module
 // `_flowtt_cpu` whose registrations() hands their capsules to jax.ffi.
+// Trailing operands past the contract's are ignored: tests alias each output to
+// one of them, filled with NaN, to prove every output element is written.
 #include <cstdint>
 #include <string>
 
@@ -32,7 +34,7 @@ ffi::Error Prepare(const F32& g1, const F32& g2, const F32& g3, const S32& uniqu
 }
 
 ffi::Error RowsFwdImpl(F32 g1, F32 g2, F32 g3, S32 unique_ids, S32 group_offsets, S32 counts,
-                       F32Out rows) {
+                       ffi::RemainingArgs, F32Out rows) {
   CoreShape s;
   cpu::GroupPlan plan;
   if (ffi::Error e = Prepare(g1, g2, g3, unique_ids, group_offsets, counts, &s, &plan);
@@ -45,7 +47,7 @@ ffi::Error RowsFwdImpl(F32 g1, F32 g2, F32 g3, S32 unique_ids, S32 group_offsets
 }
 
 ffi::Error RowsBwdImpl(F32 g1, F32 g2, F32 g3, F32 d_rows, S32 unique_ids, S32 group_offsets,
-                       S32 counts, F32Out dg1, F32Out dg2, F32Out dg3) {
+                       S32 counts, ffi::RemainingArgs, F32Out dg1, F32Out dg2, F32Out dg3) {
   CoreShape s;
   cpu::GroupPlan plan;
   if (ffi::Error e = Prepare(g1, g2, g3, unique_ids, group_offsets, counts, &s, &plan);
@@ -62,7 +64,8 @@ ffi::Error RowsBwdImpl(F32 g1, F32 g2, F32 g3, F32 d_rows, S32 unique_ids, S32 g
                                   dg2->typed_data(), dg3->typed_data()));
 }
 
-ffi::Error PoolFwdImpl(F32 rows, S32 inverse, F32 weights, S32 offsets, F32Out out) {
+ffi::Error PoolFwdImpl(F32 rows, S32 inverse, F32 weights, S32 offsets, ffi::RemainingArgs,
+                       F32Out out) {
   const int64_t n = Length(inverse), bags = Length(offsets) - 1;
   if (n < 1 || Length(weights) != n || bags < 0) {
     return ffi::Error::InvalidArgument("need inverse [n], weights [n], offsets [B+1]");
@@ -76,7 +79,7 @@ ffi::Error PoolFwdImpl(F32 rows, S32 inverse, F32 weights, S32 offsets, F32Out o
 }
 
 ffi::Error PoolBwdImpl(F32 dout, F32 rows, F32 weights, S32 inverse, S32 bag_ids, S32 perm,
-                       S32 run_offsets, S32 counts, F32Out d_rows, F32Out d_weights) {
+                       S32 run_offsets, S32 counts, ffi::RemainingArgs, F32Out d_rows, F32Out d_weights) {
   const int64_t n = Length(inverse);
   const int64_t d = rows.dimensions().size() == 2 ? rows.dimensions()[1] : -1;
   const int64_t bags = dout.dimensions().size() == 2 ? dout.dimensions()[0] : -1;
@@ -106,6 +109,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttRowsFwdCpu, flowtt::RowsFwdImpl,
                                   .Arg<flowtt::S32>()
                                   .Arg<flowtt::S32>()
                                   .Arg<flowtt::S32>()
+                                  .RemainingArgs()
                                   .Ret<flowtt::F32>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttRowsBwdCpu, flowtt::RowsBwdImpl,
@@ -117,6 +121,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttRowsBwdCpu, flowtt::RowsBwdImpl,
                                   .Arg<flowtt::S32>()
                                   .Arg<flowtt::S32>()
                                   .Arg<flowtt::S32>()
+                                  .RemainingArgs()
                                   .Ret<flowtt::F32>()
                                   .Ret<flowtt::F32>()
                                   .Ret<flowtt::F32>());
@@ -127,6 +132,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolFwdCpu, flowtt::PoolFwdImpl,
                                   .Arg<flowtt::S32>()
                                   .Arg<flowtt::F32>()
                                   .Arg<flowtt::S32>()
+                                  .RemainingArgs()
                                   .Ret<flowtt::F32>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolBwdCpu, flowtt::PoolBwdImpl,
@@ -139,6 +145,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolBwdCpu, flowtt::PoolBwdImpl,
                                   .Arg<flowtt::S32>()
                                   .Arg<flowtt::S32>()
                                   .Arg<flowtt::S32>()
+                                  .RemainingArgs()
                                   .Ret<flowtt::F32>()
                                   .Ret<flowtt::F32>());
 

@@ -59,7 +59,10 @@ def canonical_bags(
     if offsets is not None and segment_ids is not None:
         raise ValueError("give either offsets or segment_ids, not both")
     ids = jnp.asarray(ids)
-    w = None if weights is None else jnp.asarray(weights, jnp.float32)
+    w = None
+    if weights is not None:
+        w = jnp.asarray(weights)
+        w = w.astype(jnp.promote_types(w.dtype, jnp.float32))  # keeps float64 under x64
     if w is not None and w.shape != ids.shape:
         raise ValueError(f"weights shape {w.shape} != ids shape {ids.shape}")
 
@@ -119,7 +122,7 @@ def canonical_bags(
             lengths = jnp.diff(offsets)
         else:
             lengths = jax.ops.segment_sum(keep.astype(jnp.int32), bag_ids, num_segments=num)
-        lengths = jnp.maximum(lengths, 1).astype(jnp.float32)
+        lengths = jnp.maximum(lengths, 1).astype(eff.dtype)
         scale = 1.0 / lengths if mode == "mean" else jax.lax.rsqrt(lengths)
         eff = eff * scale[bag_ids]
     return CanonicalBags(ids, eff, offsets, bag_ids)

@@ -32,9 +32,8 @@ def apply_oob(ids: jax.Array, num_embeddings: int, policy: str) -> tuple[jax.Arr
         if isinstance(ids, jax.core.Tracer):
             checkify.check(
                 jnp.all(valid),
-                "ids out of range [0, {n}): found {bad}",
-                n=num_embeddings,
-                bad=jnp.where(valid, 0, ids).max(initial=0) if ids.size else 0,
+                f"ids out of range [0, {num_embeddings}): found {{bad}}",
+                bad=ids.reshape(-1)[jnp.argmin(valid.reshape(-1))] if ids.size else 0,
             )
         else:
             bad = np.asarray(ids)[~np.asarray(valid)]

@@ -73,7 +73,7 @@ def _bag(cores, ids, offsets, bag_ids, weights, num_bags, impl) -> jax.Array:
         rows = reference.tt_rows(c32, ids)
         out = reference.pool(rows, weights.astype(rows.dtype), bag_ids, num_bags)
     else:
-        out = _fused_bag(c32, weights, ids, offsets, bag_ids)
+        out = _fused_bag(c32, weights.astype(jnp.float32), ids, offsets, bag_ids)
     return out.astype(dtype)
 
 

@@ -148,6 +148,12 @@ class TTSpec:
         col_shape: tuple[int, ...] | None = None,
     ) -> "TTSpec":
         """Spec with automatic shapes; ``rank`` (int or internal ranks) is capped at full rank."""
+        if num_embeddings < 1 or embedding_dim < 1:
+            raise ValueError(
+                f"num_embeddings and embedding_dim must be >= 1, got {num_embeddings}, {embedding_dim}"
+            )
+        if num_cores < 2:
+            raise ValueError(f"a TT table needs at least 2 cores, got num_cores={num_cores}")
         row_shape = tuple(row_shape) if row_shape else factor_rows(num_embeddings, num_cores)
         col_shape = tuple(col_shape) if col_shape else factor_cols(embedding_dim, len(row_shape))
         d = len(row_shape)

@@ -1,0 +1,52 @@
+"""Forward temporary memory of tt_embedding_bag from XLA's memory analysis (no run).
+
+Usage: python benchmarks/memory_cpu.py [--num-embeddings N] [--dim D] [--rank R]
+Prints temp bytes for the FFI path and the XLA reference at several nnz, so one
+can see which grows with nnz x r^2 (per-id gathered cores) and which does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+import flowtt_jax as ftt
+
+
+def temp_bytes(spec: ftt.TTSpec, num_bags: int, bag_len: int, impl: str) -> int:
+    cores = [jax.ShapeDtypeStruct(s, jnp.float32) for s in spec.core_shapes]
+    nnz = num_bags * bag_len
+    ids = jax.ShapeDtypeStruct((nnz,), jnp.int32)
+    offsets = jax.ShapeDtypeStruct((num_bags + 1,), jnp.int32)
+    fn = jax.jit(lambda c, i, o: ftt.tt_embedding_bag(c, i, offsets=o, mode="mean", impl=impl))
+    return fn.lower(cores, ids, offsets).compile().memory_analysis().temp_size_in_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--num-embeddings", type=int, default=10**6)
+    parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--bag-len", type=int, default=14)
+    args = parser.parse_args()
+    spec = ftt.TTSpec.create(args.num_embeddings, args.dim, args.rank)
+    results = []
+    for num_bags in (1024, 4096, 16384):
+        nnz = num_bags * args.bag_len
+        row = {"num_bags": num_bags, "nnz": nnz,
+               "nnz_r2_bytes": nnz * args.rank * args.rank * 4}
+        for impl in ("ffi", "reference"):
+            row[f"{impl}_temp_bytes"] = temp_bytes(spec, num_bags, args.bag_len, impl)
+        results.append(row)
+        print(f"B={num_bags:6d} nnz={nnz:7d}  ffi temp {row['ffi_temp_bytes'] / 2**20:8.2f} MiB"
+              f"  reference temp {row['reference_temp_bytes'] / 2**20:9.2f} MiB"
+              f"  (nnz*r^2*4 = {row['nnz_r2_bytes'] / 2**20:8.2f} MiB)")
+    print(json.dumps({"spec": repr(spec), "device": jax.devices()[0].device_kind,
+                      "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flowtt_jax as ftt
+from conftest import rel_err
+
+
+def test_to_dense_matches_row_definition():
+    spec = ftt.TTSpec.create(60, 12, rank=(3, 5), row_shape=(3, 4, 5), col_shape=(2, 3, 2))
+    cores = [np.asarray(c) for c in ftt.init_cores(jax.random.key(1), spec)]
+    dense = np.asarray(ftt.to_dense(cores, 60))
+    for i in [0, 1, 17, 59]:
+        i1, i2, i3 = i // 20, (i // 5) % 4, i % 5
+        row = np.einsum("xa,ayb,bz->xyz", cores[0][i1, 0], cores[1][i2], cores[2][i3, :, :, 0])
+        np.testing.assert_allclose(dense[i], row.reshape(-1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_cores", [2, 3, 4])
+def test_from_dense_exact_at_full_rank(num_cores, x64):
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((300, 16))
+    spec = ftt.TTSpec.create(300, 16, rank=10**6, num_cores=num_cores)
+    cores = ftt.from_dense(table, spec, dtype=jnp.float64)
+    assert rel_err(ftt.to_dense(cores, 300), table) < 1e-12
+
+
+def test_from_dense_error_decreases_with_rank(x64):
+    rng = np.random.default_rng(1)
+    # A table with decaying spectrum so truncation is meaningful.
+    table = rng.standard_normal((1000, 16)) @ np.diag(0.7 ** np.arange(16))
+    errors = []
+    for rank in (1, 2, 4, 8, 16, 32, 64):
+        spec = ftt.TTSpec.create(1000, 16, rank)
+        errors.append(rel_err(ftt.to_dense(ftt.from_dense(table, spec, jnp.float64), 1000), table))
+    assert all(b <= a + 1e-12 for a, b in zip(errors, errors[1:])), errors
+    assert errors[0] > 0.3 and errors[-1] < 1e-10
+
+
+def test_from_dense_rejects_wrong_shape():
+    spec = ftt.TTSpec.create(100, 8, 4)
+    with pytest.raises(ValueError, match="table shape"):
+        ftt.from_dense(np.ones((99, 8)), spec)
+
+
+def test_init_cores_sets_row_std():
+    spec = ftt.TTSpec.create(200_000, 32, 16)
+    cores = ftt.init_cores(jax.random.key(3), spec)
+    rows = ftt.tt_lookup(cores, jnp.arange(0, 200_000, 7), impl="reference")
+    assert float(rows.std()) == pytest.approx(1 / np.sqrt(32), rel=0.1)
+    cores = ftt.init_cores(jax.random.key(3), spec, std=0.5, dtype=jnp.bfloat16)
+    assert all(c.dtype == jnp.bfloat16 for c in cores)
+    rows = ftt.tt_lookup(cores, jnp.arange(0, 200_000, 7), impl="reference")
+    assert float(rows.astype(jnp.float32).std()) == pytest.approx(0.5, rel=0.1)

@@ -1,0 +1,97 @@
+"""The FFI targets themselves, on outputs poisoned with NaN (an unwritten element fails).
+
+Each target ignores trailing operands; here every output is aliased to a NaN-filled
+trailing operand, so the buffer the kernel writes starts as NaN.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flowtt_jax as ftt
+from conftest import ID_KINDS, make_cores, make_ids, random_offsets, rel_err
+from flowtt_jax import ffi
+from flowtt_jax.plan import make_plan
+
+pytestmark = pytest.mark.skipif(not ffi.available(), reason="compiled extension not built")
+
+
+def poisoned_call(target, out_shapes, *args):
+    """ffi_call with each output aliased to a NaN buffer appended after ``args``."""
+    poison = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shapes]
+    aliases = {len(args) + k: k for k in range(len(out_shapes))}
+    call = jax.ffi.ffi_call(target, tuple(out_shapes), input_output_aliases=aliases)
+    return jax.jit(call)(*args, *poison)
+
+
+def f32(shape):
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+SPEC = ftt.TTSpec.create(2000, 24, (6, 10), row_shape=(10, 10, 20), col_shape=(2, 3, 4))
+
+
+@pytest.mark.parametrize("kind", ID_KINDS)
+def test_all_targets_write_every_output(kind):
+    n, num_bags = 600, 70
+    cores = make_cores(SPEC, seed=1)
+    ids = jnp.asarray(make_ids(kind, n, SPEC.num_embeddings, seed=2))
+    offsets = jnp.asarray(random_offsets(num_bags, n, seed=3))
+    bag_ids = jnp.asarray(np.searchsorted(np.asarray(offsets), np.arange(n), side="right") - 1, jnp.int32)
+    weights = jnp.asarray(np.random.default_rng(4).standard_normal(n), jnp.float32)
+    plan = make_plan(ids, SPEC.row_shape[-1])
+    nu = int(plan.counts[0])
+    table = np.asarray(ftt.to_dense(cores, SPEC.num_embeddings), np.float64)
+
+    (rows,) = poisoned_call("flowtt_tt_rows_fwd", [f32((n, 24))], *cores, plan.unique_ids,
+                            plan.group_offsets, plan.counts)
+    assert rel_err(rows[:nu], table[np.asarray(plan.unique_ids[:nu])]) < 1e-5
+    np.testing.assert_array_equal(rows[nu:], 0.0)
+
+    (out,) = poisoned_call("flowtt_bag_pool_fwd", [f32((num_bags, 24))], rows, plan.inverse,
+                           weights, offsets)
+    expected = jax.ops.segment_sum(np.asarray(weights, np.float64)[:, None] * table[np.asarray(ids)],
+                                   np.asarray(bag_ids), num_bags)
+    assert rel_err(out, expected) < 1e-5
+
+    dout = jnp.asarray(np.random.default_rng(5).standard_normal((num_bags, 24)), jnp.float32)
+    d_rows, d_w = poisoned_call("flowtt_bag_pool_bwd", [f32((n, 24)), f32((n,))], dout, rows,
+                                weights, plan.inverse, bag_ids, plan.perm, plan.run_offsets,
+                                plan.counts)
+    per_id = np.asarray(weights)[:, None] * np.asarray(dout, np.float64)[np.asarray(bag_ids)]
+    exp_rows = jax.ops.segment_sum(per_id, np.asarray(plan.inverse), n)
+    assert rel_err(d_rows, exp_rows) < 1e-5
+    exp_w = np.sum(np.asarray(dout, np.float64)[np.asarray(bag_ids)] * table[np.asarray(ids)], axis=1)
+    assert rel_err(d_w, exp_w) < 1e-5
+
+    grads = poisoned_call("flowtt_tt_rows_bwd", [f32(c.shape) for c in cores], *cores, d_rows,
+                          plan.unique_ids, plan.group_offsets, plan.counts)
+    with jax.enable_x64(True):
+        c64 = [jnp.asarray(c, jnp.float64) for c in cores]
+        uids = plan.unique_ids[:nu]
+        _, vjp = jax.vjp(lambda c: ftt.reference.tt_rows(c, uids), c64)
+        (exp_grads,) = vjp(jnp.asarray(d_rows[:nu], jnp.float64))
+    for g, e in zip(grads, exp_grads):
+        assert rel_err(g, e) < 1e-5
+
+
+def test_kernels_reject_out_of_range_ids():
+    cores = make_cores(SPEC, seed=1)
+    plan = make_plan(jnp.array([5, 1999], jnp.int32), SPEC.row_shape[-1])
+    bad = plan.unique_ids.at[1].set(SPEC.row_shape[0] * SPEC.row_shape[1] * SPEC.row_shape[2])
+    call = jax.ffi.ffi_call("flowtt_tt_rows_fwd", f32((2, 24)))
+    with pytest.raises(Exception, match="outside"):
+        jax.block_until_ready(call(*cores, bad, plan.group_offsets, plan.counts))
+
+
+def test_kernels_reject_bad_shapes():
+    cores = make_cores(SPEC, seed=1)
+    plan = make_plan(jnp.array([5, 7], jnp.int32), SPEC.row_shape[-1])
+    call = jax.ffi.ffi_call("flowtt_tt_rows_fwd", f32((2, 23)))
+    with pytest.raises(Exception, match="rows must be"):
+        jax.block_until_ready(call(*cores, plan.unique_ids, plan.group_offsets, plan.counts))
+    call = jax.ffi.ffi_call("flowtt_tt_rows_fwd", f32((2, 24)))
+    with pytest.raises(Exception, match="ranks"):
+        jax.block_until_ready(call(cores[0], cores[0], cores[2], plan.unique_ids,
+                                   plan.group_offsets, plan.counts))
