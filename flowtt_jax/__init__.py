@@ -1,4 +1,10 @@
-"""flowtt_jax: Tensor-Train compressed embedding tables for JAX with fused FFI kernels."""
+"""flowtt_jax: Tensor-Train compressed embedding tables for JAX with fused FFI kernels.
+
+``flowtt_jax.nnx`` and ``flowtt_jax.linen`` (Flax layers) load on first access, so
+the core ops need no Flax.
+"""
+
+import importlib
 
 from .cores import Cores, from_dense, init_cores, to_dense
 from .ops import tt_embedding_bag, tt_lookup
@@ -16,3 +22,9 @@ __all__ = [
     "tt_embedding_bag",
     "tt_lookup",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("nnx", "linen"):
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

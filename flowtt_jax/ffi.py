@@ -39,8 +39,10 @@ def _register() -> tuple[str, ...]:
     """Registers every available extension's targets; returns the platforms done."""
     done = []
     for module, platform, backend in (("_flowtt_cpu", "cpu", "cpu"), ("_flowtt_cuda", "CUDA", "gpu")):
+        if not _has_backend(backend):
+            continue
         ext = _import(module)
-        if ext is None or not _has_backend(backend):
+        if ext is None:
             continue
         for name, capsule in ext.registrations().items():
             jax.ffi.register_ffi_target(name, capsule, platform=platform)
