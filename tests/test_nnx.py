@@ -1,0 +1,266 @@
+"""flowtt_jax.nnx layers: equal to the ops they wrap, differentiable, checkpointable."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import flowtt_jax as ftt
+from flowtt_jax.collection import TableConfig, dense_embedding_bag
+from flowtt_jax.nnx import EmbedBag, TTEmbed, TTEmbedBag, TTEmbeddingCollection
+
+N, D, R = 1000, 16, 6
+IMPLS = ["reference", "auto"]
+
+
+def rand_ids(key, shape, n=N, oob=False):
+    ids = jax.random.randint(key, shape, 0, n)
+    if oob:
+        ids = ids.at[..., 0].set(n + 3).at[..., -1].set(-2)
+    return ids
+
+
+def close(a, b, tol=1e-5):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_ttembed_equals_lookup(impl):
+    m = TTEmbed(N, D, rank=R, impl=impl, rngs=nnx.Rngs(0))
+    assert m.spec.core_shapes == tuple(c.shape for c in m.cores)
+    assert all(float(jnp.abs(c).max()) > 0 for c in m.cores)
+    for shape in [(7,), (3, 5), (2, 3, 4)]:
+        ids = rand_ids(jax.random.key(len(shape)), shape, oob=True)
+        out = m(ids)
+        assert out.shape == shape + (D,) and out.dtype == jnp.float32
+        close(out, ftt.tt_lookup(m.cores, ids, num_embeddings=N, impl=impl))
+    ids = rand_ids(jax.random.key(9), (4, 6))
+    close(m(ids), m.to_dense()[ids])
+    # out-of-range ids give zero rows under the default oob="zero"
+    assert float(jnp.abs(m(jnp.array([N, -1]))).max()) == 0.0
+
+
+def test_ttembed_params_and_init():
+    m = TTEmbed(N, D, rank=R, rngs=nnx.Rngs(0))
+    params = nnx.state(m, nnx.Param)
+    assert set(params.keys()) == {"core_0", "core_1", "core_2"}
+    assert m.core_1[...].shape == m.spec.core_shapes[1]
+    # default init: materialised rows with std ~ 1/sqrt(D), like nnx.Embed
+    std = float(jnp.std(m.to_dense()))
+    assert 0.5 / np.sqrt(D) < std < 2.0 / np.sqrt(D)
+    m2 = TTEmbed(N, D, rank=R, embedding_init=0.01, rngs=nnx.Rngs(0))
+    assert float(jnp.std(m2.to_dense())) < 0.03
+    fixed = ftt.init_cores(jax.random.key(5), m.spec)
+    m3 = TTEmbed(N, D, rank=R, embedding_init=lambda key, spec, dtype: fixed, rngs=nnx.Rngs(0))
+    for a, b in zip(m3.cores, fixed):
+        close(a, b, 0)
+    with pytest.raises(ValueError):
+        TTEmbed(N, D, rank=R + 1, embedding_init=lambda key, spec, dtype: fixed, rngs=nnx.Rngs(0))
+    m4 = TTEmbed(N, D, rank=4, row_shape=(10, 10, 10), col_shape=(4, 2, 2), rngs=nnx.Rngs(1))
+    assert m4.spec.row_shape == (10, 10, 10) and m4.spec.col_shape == (4, 2, 2)
+
+
+def test_attend_and_to_dense():
+    m = TTEmbed(N, D, rank=R, rngs=nnx.Rngs(1))
+    q = jax.random.normal(jax.random.key(2), (3, 2, D))
+    out = m.attend(q)
+    assert out.shape == (3, 2, N)
+    dense = ftt.to_dense(m.cores, N)
+    close(out, q @ dense.T, 1e-4)
+    close(m.to_dense(), dense)
+
+
+def test_from_dense_tt_svd():
+    n, d = 60, 8
+    table = jax.random.normal(jax.random.key(3), (n, d))
+    full = TTEmbed.from_dense(table, rank=64)  # ranks capped at full rank: exact
+    close(full.to_dense(), table, 1e-4)
+    ids = jnp.array([0, 5, 59, 17])
+    close(full(ids), table[ids], 1e-4)
+    low = TTEmbed.from_dense(table, rank=2, rngs=nnx.Rngs(0))
+    assert low.spec.ranks[1] <= 2
+    err_low = float(jnp.linalg.norm(low.to_dense() - table))
+    assert 0 < err_low < float(jnp.linalg.norm(table))
+    bag = TTEmbedBag.from_dense(table, rank=64, mode="mean")
+    close(bag(ids[None]), table[ids].mean(0, keepdims=True), 1e-4)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("mode", ["sum", "mean", "sqrtn"])
+def test_ttembedbag_equals_op(impl, mode):
+    m = TTEmbedBag(N, D, rank=R, mode=mode, impl=impl, rngs=nnx.Rngs(0))
+    k = jax.random.split(jax.random.key(1), 4)
+    ids = rand_ids(k[0], (20,), oob=True)
+    offsets = jnp.array([0, 3, 3, 10, 20])
+    w = jax.random.uniform(k[1], (20,))
+    kw = dict(num_embeddings=N, mode=mode, impl=impl)
+    close(m(ids, offsets=offsets), ftt.tt_embedding_bag(m.cores, ids, offsets=offsets, **kw))
+    close(m(ids, offsets=offsets, weights=w),
+          ftt.tt_embedding_bag(m.cores, ids, offsets=offsets, weights=w, **kw))
+    seg = jax.random.randint(k[2], (20,), 0, 5)
+    close(m(ids, segment_ids=seg, num_bags=5),
+          ftt.tt_embedding_bag(m.cores, ids, segment_ids=seg, num_bags=5, **kw))
+    padded = rand_ids(k[3], (4, 6))
+    mask = jnp.arange(6)[None, :] < jnp.array([[1], [6], [0], [3]])
+    out = m(padded, mask=mask)
+    close(out, ftt.tt_embedding_bag(m.cores, padded, mask=mask, **kw))
+    # against the materialised table
+    table = m.to_dense()
+    rows = jnp.where(mask[..., None], table[padded], 0).sum(1)
+    n = mask.sum(1, keepdims=True)
+    scale = {"sum": 1.0, "mean": 1.0 / jnp.maximum(n, 1), "sqrtn": 1.0 / jnp.sqrt(jnp.maximum(n, 1))}[mode]
+    close(out, rows * scale, 1e-5)
+    # per-call mode override
+    close(m(padded, mask=mask, mode="sum"), rows, 1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradients_reach_cores_and_equal_op_grads(impl):
+    m = TTEmbedBag(N, D, rank=R, impl=impl, rngs=nnx.Rngs(0))
+    ids = rand_ids(jax.random.key(4), (8, 5))
+    target = jax.random.normal(jax.random.key(5), (8, D))
+
+    def loss_layer(model):
+        return jnp.sum((model(ids) - target) ** 2)
+
+    grads = nnx.grad(loss_layer)(m)
+    ref = jax.grad(
+        lambda cores: jnp.sum((ftt.tt_embedding_bag(cores, ids, num_embeddings=N, impl=impl) - target) ** 2)
+    )(m.cores)
+    for k in range(3):
+        g = grads[f"core_{k}"][...]
+        assert g.shape == m.cores[k].shape
+        assert float(jnp.abs(g).max()) > 0
+        close(g, ref[k], 1e-4)
+    # value_and_grad under nnx.jit
+    loss, g2 = nnx.jit(nnx.value_and_grad(loss_layer))(m)
+    close(loss, loss_layer(m), 1e-4)
+    close(g2["core_1"][...], ref[1], 1e-4)
+    # per-id weights are differentiable through the layer
+    w = jnp.ones(ids.shape)
+    gw = jax.grad(lambda w: jnp.sum(m(ids, weights=w) * target[:, None, :].sum(1)))(w)
+    assert gw.shape == ids.shape and float(jnp.abs(gw).max()) > 0
+
+
+def test_nnx_jit_matches_eager():
+    m = TTEmbed(N, D, rank=R, rngs=nnx.Rngs(0))
+    ids = rand_ids(jax.random.key(7), (5, 3))
+    close(nnx.jit(lambda mod, x: mod(x))(m, ids), m(ids))
+
+
+def test_optax_loop_reduces_loss():
+    n = 64
+    target_model = TTEmbed(n, 8, rank=3, rngs=nnx.Rngs(42))
+    target = target_model.to_dense()
+    m = TTEmbed(n, 8, rank=4, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(m, optax.adam(3e-2), wrt=nnx.Param)
+    ids = jnp.arange(n)
+
+    @nnx.jit
+    def step(model, opt):
+        def loss_fn(model):
+            return jnp.mean((model(ids) - target) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        opt.update(model, grads)
+        return loss
+
+    losses = [float(step(m, opt)) for _ in range(150)]
+    assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
+
+
+def test_checkpoint_roundtrip(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    m = TTEmbeddingCollection(
+        [TableConfig("big", N, D, rank=R), TableConfig("small", 10, D, kind="dense")],
+        rngs=nnx.Rngs(3),
+    )
+    # train one step so the state is not the init
+    opt = nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param)
+    x = {"big": jnp.array([[1, 2], [3, 999]]), "small": jnp.array([4, 9])}
+    grads = nnx.grad(lambda mod: sum(jnp.sum(v**2) for v in mod(x).values()))(m)
+    opt.update(m, grads)
+    state = nnx.state(m)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "ckpt", state)
+    ckpt.wait_until_finished()
+
+    fresh = TTEmbeddingCollection(
+        [TableConfig("big", N, D, rank=R), TableConfig("small", 10, D, kind="dense")],
+        rngs=nnx.Rngs(99),
+    )
+    before = fresh(x)
+    assert float(jnp.abs(before["big"] - m(x)["big"]).max()) > 0
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: fresh))
+    restored = ckpt.restore(tmp_path / "ckpt", abstract)
+    nnx.update(fresh, restored)
+    after = fresh(x)
+    for k in x:
+        np.testing.assert_array_equal(np.asarray(after[k]), np.asarray(m(x)[k]))
+
+
+def test_collection_mixes_tt_and_dense():
+    tables = [
+        TableConfig("a", 500, D, rank=R, mode="sum"),
+        TableConfig("b", 7, D, kind="dense", mode="mean"),
+        TableConfig("c", 300, D, rank=4, mode="sqrtn", feature_names=("c1", "c2")),
+    ]
+    col = TTEmbeddingCollection(tables, rngs=nnx.Rngs(0))
+    assert isinstance(col.embeddings["a"], TTEmbedBag)
+    assert isinstance(col.embeddings["b"], EmbedBag)
+    k = jax.random.split(jax.random.key(0), 4)
+    ids_a = rand_ids(k[0], (4,), 500)  # one id per example
+    ids_b = rand_ids(k[1], (4, 3), 7)  # padded
+    ids_c1 = rand_ids(k[2], (9,), 300)
+    offs = jnp.array([0, 2, 2, 5, 9])
+    ids_c2 = rand_ids(k[3], (4, 2), 300)
+    mask_c2 = jnp.array([[True, False], [True, True], [False, False], [True, True]])
+    x = {
+        "a": ids_a,
+        "b": ids_b,
+        "c1": {"ids": ids_c1, "offsets": offs},
+        "c2": {"ids": ids_c2, "mask": mask_c2},
+    }
+    out = col(x)
+    assert set(out) == {"a", "b", "c1", "c2"}
+    assert all(v.shape == (4, D) for v in out.values())
+    ca, cc = col.embeddings["a"].cores, col.embeddings["c"].cores
+    close(out["a"], ftt.tt_lookup(ca, ids_a, num_embeddings=500))
+    table_b = col.embeddings["b"].embedding[...]
+    close(out["b"], table_b[ids_b].mean(1))
+    close(out["c1"], ftt.tt_embedding_bag(cc, ids_c1, offsets=offs, mode="sqrtn", num_embeddings=300))
+    close(out["c2"], ftt.tt_embedding_bag(cc, ids_c2, mask=mask_c2, mode="sqrtn", num_embeddings=300))
+    # the dense helper matches the TT op's semantics on the same (materialised) table
+    dense_c = ftt.to_dense(cc, 300)
+    close(dense_embedding_bag(dense_c, ids_c1, offsets=offs, mode="sqrtn"), out["c1"], 1e-5)
+    # memory accounting and gradients to both kinds of table
+    nbytes = col.embedding_bytes()
+    assert nbytes["b"] == 7 * D * 4 and nbytes["a"] == 4 * col.embeddings["a"].spec.num_params
+    grads = nnx.grad(lambda c: sum(jnp.sum(v) for v in c(x).values()))(col)
+    assert float(jnp.abs(grads["embeddings"]["b"]["embedding"][...]).max()) > 0
+    assert float(jnp.abs(grads["embeddings"]["a"]["core_2"][...]).max()) > 0
+    with pytest.raises(KeyError):
+        col({"a": ids_a})
+    with pytest.raises(ValueError):
+        TTEmbeddingCollection([TableConfig("a", 5, D), TableConfig("a", 6, D)], rngs=nnx.Rngs(0))
+
+
+def test_bf16():
+    m32 = TTEmbed(N, D, rank=R, rngs=nnx.Rngs(0))
+    m16 = TTEmbed(N, D, rank=R, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    ids = rand_ids(jax.random.key(1), (6,))
+    out = m16(ids)
+    assert out.dtype == jnp.bfloat16 and m16.cores[0].dtype == jnp.float32
+    # computed in fp32, cast once at the end
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(m32(ids).astype(jnp.bfloat16)))
+    # bf16 storage
+    mp = TTEmbedBag(N, D, rank=R, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert all(c.dtype == jnp.bfloat16 for c in mp.cores)
+    out = mp(ids[None])
+    assert out.dtype == jnp.bfloat16
+    ref = ftt.tt_embedding_bag(tuple(c.astype(jnp.float32) for c in mp.cores), ids[None], num_embeddings=N)
+    close(out, ref, 2e-2)
+    g = nnx.grad(lambda mod: jnp.sum(mod(ids[None]).astype(jnp.float32)))(mp)
+    assert g["core_0"][...].dtype == jnp.bfloat16
