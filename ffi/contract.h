@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "core_shape.h"
 #include "xla/ffi/api/ffi.h"
@@ -56,6 +57,51 @@ ffi::Error CheckMatrix(const Buf& x, int64_t rows, int64_t cols, const char* nam
                                        ", " + std::to_string(cols) + "]");
   }
   return ffi::Error::Success();
+}
+
+// Operand and result lists of the four targets, appended to a binding that may
+// already hold context arguments (the CUDA stream, the scratch allocator).
+// Trailing operands past the contract's are accepted and ignored (RemainingArgs).
+using F32Buffer = ffi::Buffer<ffi::F32>;
+using S32Buffer = ffi::Buffer<ffi::S32>;
+
+template <typename Binding>
+auto BindRowsFwd(Binding b) {  // g1 g2 g3 unique_ids group_offsets counts -> rows
+  return std::move(b)
+      .template Arg<F32Buffer>().template Arg<F32Buffer>().template Arg<F32Buffer>()
+      .template Arg<S32Buffer>().template Arg<S32Buffer>().template Arg<S32Buffer>()
+      .RemainingArgs()
+      .template Ret<F32Buffer>();
+}
+
+template <typename Binding>
+auto BindRowsBwd(Binding b) {  // g1 g2 g3 d_rows unique_ids group_offsets counts -> dg1 dg2 dg3
+  return std::move(b)
+      .template Arg<F32Buffer>().template Arg<F32Buffer>().template Arg<F32Buffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<S32Buffer>().template Arg<S32Buffer>().template Arg<S32Buffer>()
+      .RemainingArgs()
+      .template Ret<F32Buffer>().template Ret<F32Buffer>().template Ret<F32Buffer>();
+}
+
+template <typename Binding>
+auto BindPoolFwd(Binding b) {  // rows inverse weights offsets -> out
+  return std::move(b)
+      .template Arg<F32Buffer>().template Arg<S32Buffer>().template Arg<F32Buffer>()
+      .template Arg<S32Buffer>()
+      .RemainingArgs()
+      .template Ret<F32Buffer>();
+}
+
+template <typename Binding>
+auto BindPoolBwd(Binding b) {
+  // dout rows weights inverse bag_ids perm run_offsets counts -> d_rows d_weights
+  return std::move(b)
+      .template Arg<F32Buffer>().template Arg<F32Buffer>().template Arg<F32Buffer>()
+      .template Arg<S32Buffer>().template Arg<S32Buffer>().template Arg<S32Buffer>()
+      .template Arg<S32Buffer>().template Arg<S32Buffer>()
+      .RemainingArgs()
+      .template Ret<F32Buffer>().template Ret<F32Buffer>();
 }
 
 }  // namespace flowtt

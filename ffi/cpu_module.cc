@@ -13,8 +13,8 @@
 namespace flowtt {
 namespace {
 
-using F32 = ffi::Buffer<ffi::F32>;
-using S32 = ffi::Buffer<ffi::S32>;
+using F32 = F32Buffer;
+using S32 = S32Buffer;
 using F32Out = ffi::ResultBuffer<ffi::F32>;
 
 ffi::Error FromMessage(const std::string& message) {
@@ -102,52 +102,13 @@ ffi::Error PoolBwdImpl(F32 dout, F32 rows, F32 weights, S32 inverse, S32 bag_ids
 }  // namespace flowtt
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttRowsFwdCpu, flowtt::RowsFwdImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::S32>()
-                                  .RemainingArgs()
-                                  .Ret<flowtt::F32>());
-
+                              flowtt::BindRowsFwd(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttRowsBwdCpu, flowtt::RowsBwdImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::S32>()
-                                  .RemainingArgs()
-                                  .Ret<flowtt::F32>()
-                                  .Ret<flowtt::F32>()
-                                  .Ret<flowtt::F32>());
-
+                              flowtt::BindRowsBwd(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolFwdCpu, flowtt::PoolFwdImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::S32>()
-                                  .RemainingArgs()
-                                  .Ret<flowtt::F32>());
-
+                              flowtt::BindPoolFwd(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolBwdCpu, flowtt::PoolBwdImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::S32>()
-                                  .RemainingArgs()
-                                  .Ret<flowtt::F32>()
-                                  .Ret<flowtt::F32>());
+                              flowtt::BindPoolBwd(xla::ffi::Ffi::Bind()));
 
 NB_MODULE(_flowtt_cpu, m) {
   m.def("registrations", []() {
