@@ -117,7 +117,8 @@ ffi::Error PoolFwdImpl(cudaStream_t stream, F32 rows, S32 inverse, F32 weights,
       "bag_pool_fwd");
 }
 
-ffi::Error PoolBwdImpl(cudaStream_t stream, F32 dout, F32 rows, F32 weights,
+ffi::Error PoolBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                       F32 dout, F32 rows, F32 weights,
                        S32 inverse, S32 bag_ids, S32 perm, S32 run_offsets,
                        S32 counts, ffi::RemainingArgs, F32Out d_rows,
                        F32Out d_weights) {
@@ -136,12 +137,15 @@ ffi::Error PoolBwdImpl(cudaStream_t stream, F32 dout, F32 rows, F32 weights,
   if (ffi::Error e = CheckMatrix(dout, bags, d, "dout"); e.failure()) return e;
   if (ffi::Error e = CheckMatrix(*d_rows, n, d, "d_rows"); e.failure())
     return e;
+  void* ws = Scratch(scratch, bag_pool_bwd_scratch_bytes((int)n, (int)d));
+  if (ws == nullptr)
+    return ffi::Error::Internal("flowtt CUDA: scratch allocation failed");
   return CudaError(
       bag_pool_bwd(dout.typed_data(), rows.typed_data(), weights.typed_data(),
                    inverse.typed_data(), bag_ids.typed_data(),
                    perm.typed_data(), run_offsets.typed_data(),
                    counts.typed_data(), (int)n, (int)bags, (int)d,
-                   d_rows->typed_data(), d_weights->typed_data(), stream),
+                   d_rows->typed_data(), d_weights->typed_data(), ws, stream),
       "bag_pool_bwd");
 }
 
@@ -192,6 +196,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolFwdCuda, flowtt::PoolFwdImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolBwdCuda, flowtt::PoolBwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<flowtt::F32>()
                                   .Arg<flowtt::F32>()
                                   .Arg<flowtt::F32>()

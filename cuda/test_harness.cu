@@ -187,7 +187,9 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
   CK(cudaMalloc(&d_dg3, g3.size() * 4));
   const size_t fs = flowtt::rows_fwd_scratch_bytes(t, n);
   const size_t bs = flowtt::rows_bwd_scratch_bytes(t, n);
-  void *d_fs, *d_bs;
+  void *d_fs, *d_bs, *d_ps;
+  CK(cudaMalloc(&d_ps, flowtt::bag_pool_bwd_scratch_bytes(n, D)));
+  CK(cudaMemset(d_ps, 0xAB, flowtt::bag_pool_bwd_scratch_bytes(n, D)));
   CK(cudaMalloc(&d_fs, fs));
   CK(cudaMalloc(&d_bs, bs));
   CK(cudaMemset(d_fs, 0xAB, fs));  // scratch starts dirty
@@ -205,7 +207,7 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
   CK(flowtt::rows_fwd(t, d_g1, d_g2, d_g3, d_uids, d_goffs, d_counts, n, d_rows, d_fs, st));
   CK(flowtt::bag_pool_fwd(d_rows, d_inv, d_w, d_bags, n, B, D, d_out, st));
   CK(flowtt::bag_pool_bwd(d_dout, d_rows, d_w, d_inv, d_bagids, d_perm, d_runs, d_counts, n, B,
-                          D, d_drows, d_dw, st));
+                          D, d_drows, d_dw, d_ps, st));
   CK(flowtt::rows_bwd(t, d_g1, d_g2, d_g3, d_drows, d_uids, d_goffs, d_counts, n, d_dg1,
                       d_dg2, d_dg3, d_bs, st));
   CK(cudaStreamSynchronize(st));
@@ -343,12 +345,26 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
     });
     float t_pbwd = time_it([&] {
       flowtt::bag_pool_bwd(d_dout, d_rows, d_w, d_inv, d_bagids, d_perm, d_runs, d_counts, n,
-                           B, D, d_drows, d_dw, st);
+                           B, D, d_drows, d_dw, d_ps, st);
     });
     float t_rbwd = time_it([&] {
       flowtt::rows_bwd(t, d_g1, d_g2, d_g3, d_drows, d_uids, d_goffs, d_counts, n, d_dg1,
                        d_dg2, d_dg3, d_bs, st);
     });
+    {
+      printf("STAGES [%s] rows_bwd cumulative (map, +tile, +dG2red, +dG1red, +keys, +sort, +dG3):",
+             c.name.c_str());
+      for (int mask : {0, 1, 3, 7, 15, 31, 63}) {
+        flowtt::set_stage_mask(mask);
+        float tm = time_it([&] {
+          flowtt::rows_bwd(t, d_g1, d_g2, d_g3, d_drows, d_uids, d_goffs, d_counts, n, d_dg1,
+                           d_dg2, d_dg3, d_bs, st);
+        });
+        printf(" %.4f", tm);
+      }
+      flowtt::set_stage_mask(~0);
+      printf(" ms\n");
+    }
     const int M = t.q1 * t.q2;
     const double flops = 2.0 * p.G * M * t.r2 * t.r1 + 2.0 * p.U * D * t.r2;
     printf("TIMING [%s] rows_fwd %.4f ms  pool_fwd %.4f ms  fwd_total %.4f ms | pool_bwd %.4f ms"
@@ -362,7 +378,7 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
   cudaFree(d_uids); cudaFree(d_goffs); cudaFree(d_counts); cudaFree(d_inv); cudaFree(d_perm);
   cudaFree(d_runs); cudaFree(d_bags); cudaFree(d_bagids); cudaFree(d_rows); cudaFree(d_out);
   cudaFree(d_drows); cudaFree(d_dw); cudaFree(d_dg1); cudaFree(d_dg2); cudaFree(d_dg3);
-  cudaFree(d_fs); cudaFree(d_bs);
+  cudaFree(d_fs); cudaFree(d_bs); cudaFree(d_ps);
   cudaStreamDestroy(st);
   return fails;
 }

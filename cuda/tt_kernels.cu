@@ -41,7 +41,10 @@ namespace flowtt {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kT1F = 16;   // i1 values per forward tile
+constexpr int kT1F = 32;   // i1 values per forward tile
+constexpr int kQ1Max = 8;  // register blocking bound for q1
+constexpr int kJ = 4;      // columns per lane in warp_compute_P
+constexpr int kS3 = 16;    // parts per i3 bucket in the dG3 pass
 constexpr int kT1B = 32;   // i1 values per backward tile
 constexpr int kCH = 64;    // unique ids per chunk (split threshold)
 constexpr int kBatch = 256;
@@ -122,9 +125,10 @@ __device__ __forceinline__ void compute_P(const Dev& d, const float* G1s,
 __device__ __forceinline__ void apply_g3(const Dev& d, const float* Ps,
                                          const float* __restrict__ g3,
                                          const int* __restrict__ uids, int ulo,
-                                         int uhi, float* __restrict__ rows) {
+                                         int uhi, float* __restrict__ rows,
+                                         int t0, int nt) {
   const int total = (uhi - ulo) * d.D;
-  for (int w = threadIdx.x; w < total; w += blockDim.x) {
+  for (int w = t0; w < total; w += nt) {
     const int j = w / d.D, o = w - j * d.D;
     const int u = ulo + j;
     int i1, i2, i3;
@@ -161,6 +165,50 @@ __global__ void build_map_kernel(Dev d, const int* __restrict__ uids,
   }
 }
 
+// One warp forms P for one group: lanes own columns j = (q2, b) (kJ per
+// lane) and all q1 rows, so each G2 element read from shared memory feeds
+// q1 FMAs and each (broadcast) G1 element kJ FMAs.
+__device__ __forceinline__ void warp_compute_P(const Dev& d, const float* G1w,
+                                               const float* G2s, float* Pw,
+                                               int lane) {
+  const int Q2R2 = d.q2 * d.r2;
+  for (int j0 = 0; j0 < Q2R2; j0 += 32 * kJ) {
+    float acc[kJ][kQ1Max];
+#pragma unroll
+    for (int jj = 0; jj < kJ; ++jj)
+#pragma unroll
+      for (int q1 = 0; q1 < kQ1Max; ++q1) acc[jj][q1] = 0.f;
+#pragma unroll 2
+    for (int a = 0; a < d.r1; ++a) {
+      float g2v[kJ];
+#pragma unroll
+      for (int jj = 0; jj < kJ; ++jj) {
+        const int j = j0 + jj * 32 + lane;
+        g2v[jj] = (j < Q2R2) ? G2s[a * Q2R2 + j] : 0.f;
+      }
+#pragma unroll
+      for (int q1 = 0; q1 < kQ1Max; ++q1) {
+        if (q1 < d.q1) {
+          const float g1v = G1w[q1 * d.r1 + a];
+#pragma unroll
+          for (int jj = 0; jj < kJ; ++jj)
+            acc[jj][q1] = fmaf(g1v, g2v[jj], acc[jj][q1]);
+        }
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < kJ; ++jj) {
+      const int j = j0 + jj * 32 + lane;
+      if (j < Q2R2) {
+        const int q2 = j / d.r2, b = j - q2 * d.r2;
+#pragma unroll
+        for (int q1 = 0; q1 < kQ1Max; ++q1)
+          if (q1 < d.q1) Pw[(q1 * d.q2 + q2) * d.R2p + b] = acc[jj][q1];
+      }
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
     rows_fwd_kernel(Dev d, const float* __restrict__ g1,
                     const float* __restrict__ g2, const float* __restrict__ g3,
@@ -170,19 +218,21 @@ __global__ void __launch_bounds__(kThreads)
                     const int* __restrict__ map, int* ctrl, int* flags,
                     float* ckpt, float* __restrict__ rows) {
   extern __shared__ float4 smem4[];
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   float* G2s = reinterpret_cast<float*>(smem4);
-  float* G1s = G2s + align4(d.R1Q2R2);
-  float* Ps = G1s + align4(d.Q1R1);
+  float* G1w = G2s + align4(d.R1Q2R2) +
+               warp * (align4(d.Q1R1) + align4(d.M * d.R2p));
+  float* Pw = G1w + align4(d.Q1R1);
   __shared__ int s_item;
   __shared__ int s_g[kT1F];
 
-  const int tid = threadIdx.x;
   const int U = clampi(counts[0], 0, n);
   const int G = clampi(counts[1], 0, U);
   const int nT1 = (d.p1 + kT1F - 1) / kT1F;
   const int nTiles = nT1 * d.p2;
 
-  // ---- phase 1: tiles (i2 column x kT1F i1 values) ----
+  // ---- phase 1: tiles (i2 column x kT1F i1 values), a warp per group ----
   for (;;) {
     if (tid == 0) s_item = atomicAdd(ctrl, 1);
     __syncthreads();
@@ -201,39 +251,41 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (!__syncthreads_or(gk >= 0)) continue;
     load_smem(G2s, g2 + (size_t)i2 * d.R1Q2R2, d.R1Q2R2);
-    for (int k = 0; k < kT1F; ++k) {
+    __syncthreads();
+    for (int k = warp; k < kT1F; k += nwarps) {
       const int g = s_g[k];
       if (g < 0) continue;
       const int gs = clampi(goffs[g], 0, U);
       const int ge = clampi(goffs[g + 1], gs, U);
-      load_smem(G1s, g1 + (size_t)(i1b + k) * d.Q1R1, d.Q1R1);
-      __syncthreads();
-      compute_P(d, G1s, G2s, Ps);
-      __syncthreads();
+      const float* g1s = g1 + (size_t)(i1b + k) * d.Q1R1;
+      for (int i = lane; i < d.Q1R1; i += 32) G1w[i] = __ldg(g1s + i);
+      __syncwarp();
+      warp_compute_P(d, G1w, G2s, Pw, lane);
+      __syncwarp();
       const int sz = ge - gs;
       if (sz > kCH) {
         const int slot = gs / kCH;
         float* ck = ckpt + (size_t)slot * d.PSZ;
-        for (int w = tid; w < d.PSZ; w += blockDim.x) {
+        for (int w = lane; w < d.PSZ; w += 32) {
           const int m = w / d.r2, b = w - m * d.r2;
-          __stcg(ck + w, Ps[m * d.R2p + b]);
+          __stcg(ck + w, Pw[m * d.R2p + b]);
         }
         __threadfence();
-        __syncthreads();
-        if (tid == 0) atomicExch(flags + slot, 1);
+        __syncwarp();
+        if (lane == 0) atomicExch(flags + slot, 1);
       }
-      apply_g3(d, Ps, g3, uids, gs, gs + min(sz, kCH), rows);
-      __syncthreads();
+      apply_g3(d, Pw, g3, uids, gs, gs + min(sz, kCH), rows, lane, 32);
+      __syncwarp();
     }
+    __syncthreads();
   }
 
-  // ---- phase 2: tails of large groups, chunk by chunk ----
+  // ---- phase 2: tails of large groups, a warp per chunk ----
   const int nCh = (U + kCH - 1) / kCH;
   for (;;) {
-    if (tid == 0) s_item = atomicAdd(ctrl + 1, 1);
-    __syncthreads();
-    const int c = s_item;
-    __syncthreads();
+    int c = 0;
+    if (lane == 0) c = atomicAdd(ctrl + 1, 1);
+    c = __shfl_sync(0xffffffffu, c, 0);
     if (c >= nCh) break;
     const int u0 = c * kCH, u1 = min(u0 + kCH, U);
     int lo = 0, hi = G - 1;  // largest g with goffs[g] <= u0
@@ -246,26 +298,25 @@ __global__ void __launch_bounds__(kThreads)
     const int ge = clampi(goffs[g + 1], gs, U);
     const int a = max(u0, gs + kCH), bnd = min(u1, ge);
     if (a >= bnd) continue;
-    // Only wait for a group phase 1 owns (a valid plan always has it).
-    {
+    {  // only wait for a group that phase 1 owns (always, for a valid plan)
       int i1, i2, i3;
       split_id(d, uids[gs], i1, i2, i3);
       if (map[i1 * d.p2 + i2] != g) continue;
     }
     const int slot = gs / kCH;
-    if (tid == 0) {
+    if (lane == 0) {
       while (atomicAdd(flags + slot, 0) == 0) __nanosleep(64);
       __threadfence();
     }
-    __syncthreads();
+    __syncwarp();
     const float* ck = ckpt + (size_t)slot * d.PSZ;
-    for (int w = tid; w < d.PSZ; w += blockDim.x) {
+    for (int w = lane; w < d.PSZ; w += 32) {
       const int m = w / d.r2, b = w - m * d.r2;
-      Ps[m * d.R2p + b] = __ldcg(ck + w);
+      Pw[m * d.R2p + b] = __ldcg(ck + w);
     }
-    __syncthreads();
-    apply_g3(d, Ps, g3, uids, a, bnd, rows);
-    __syncthreads();
+    __syncwarp();
+    apply_g3(d, Pw, g3, uids, a, bnd, rows, lane, 32);
+    __syncwarp();
   }
 }
 
@@ -477,22 +528,28 @@ __device__ __forceinline__ int lower_bound_dev(const int* a, int n, int key) {
   return lo;
 }
 
+// dG3 partials: block (i3, part) sums P_g(u)^T dRow_u over a fixed
+// contiguous part of the i3 bucket (unique ids in ascending order); sub-groups
+// of threads take a fixed strided subset and are combined in order.
 __global__ void dg3_kernel(Dev d, const int* __restrict__ keys,
                            const int* __restrict__ vals, int n,
                            const int* __restrict__ ug,
                            const float* __restrict__ Pbuf,
                            const float* __restrict__ d_rows, int slots,
-                           float* __restrict__ dg3) {
+                           float* __restrict__ dg3p) {
   __shared__ int s_u[kBatch];
   __shared__ int s_gg[kBatch];
   __shared__ float s_red[kThreads];
-  const int i3 = blockIdx.x;
+  const int i3 = blockIdx.x, part = blockIdx.y;
   const int tid = threadIdx.x;
-  const int lo = lower_bound_dev(keys, n, i3);
-  const int hi = lower_bound_dev(keys, n, i3 + 1);
+  const int blo = lower_bound_dev(keys, n, i3);
+  const int bhi = lower_bound_dev(keys, n, i3 + 1);
+  const int per = (bhi - blo + kS3 - 1) / kS3;
+  const int lo = min(bhi, blo + part * per), hi = min(bhi, lo + per);
   const int E3 = d.r2 * d.q3;
   const int EW = min(E3, (int)blockDim.x);
   const int W = blockDim.x / EW;
+  float* out = dg3p + ((size_t)i3 * kS3 + part) * E3;
   for (int e0 = 0; e0 < E3; e0 += EW) {
     const int e = e0 + tid % EW;
     const int w = tid / EW;
@@ -512,7 +569,18 @@ __global__ void dg3_kernel(Dev d, const int* __restrict__ keys,
         for (int i = w; i < cnt; i += W) {
           const float* P = Pbuf + (size_t)s_gg[i] * d.PSZ + b;
           const float* dr = d_rows + (size_t)s_u[i] * d.D + q;
-          for (int m = 0; m < d.M; ++m)
+          float pv[8], dv[8];
+          int m0 = 0;
+          for (; m0 + 8 <= d.M; m0 += 8) {
+#pragma unroll
+            for (int mm = 0; mm < 8; ++mm) {
+              pv[mm] = __ldg(P + (m0 + mm) * d.r2);
+              dv[mm] = __ldg(dr + (m0 + mm) * d.q3);
+            }
+#pragma unroll
+            for (int mm = 0; mm < 8; ++mm) acc = fmaf(pv[mm], dv[mm], acc);
+          }
+          for (int m = m0; m < d.M; ++m)
             acc = fmaf(__ldg(P + m * d.r2), __ldg(dr + m * d.q3), acc);
         }
       }
@@ -523,9 +591,21 @@ __global__ void dg3_kernel(Dev d, const int* __restrict__ keys,
     if (w == 0 && e < E3) {
       float tot = 0.f;
       for (int ww = 0; ww < W; ++ww) tot += s_red[ww * EW + tid];
-      dg3[(size_t)i3 * E3 + e] = tot;
+      out[e] = tot;
     }
   }
+}
+
+__global__ void dg3_final_kernel(Dev d, const float* __restrict__ dg3p,
+                                 float* __restrict__ dg3) {
+  const int E3 = d.r2 * d.q3;
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)d.p3 * E3) return;
+  const int i3 = (int)(i / E3), e = (int)(i % E3);
+  float tot = 0.f;
+#pragma unroll
+  for (int s = 0; s < kS3; ++s) tot += dg3p[((size_t)i3 * kS3 + s) * E3 + e];
+  dg3[i] = tot;
 }
 
 // ----------------------------- pooling --------------------------------------
@@ -580,37 +660,142 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows,
   }
 }
 
+// d_rows by a deterministic segmented reduction over the sorted order
+// (positions j -> perm[j]), so that a Zipf-hot id with 10^4..10^5
+// occurrences does not serialise one thread team.
+// Pass 1: team per chunk of kPL sorted positions; runs complete inside the
+//   chunk are written to d_rows; a run that started before the chunk leaves
+//   its chunk partial in slot (chunk, 0), a run that starts inside and
+//   continues past the chunk leaves it in slot (chunk, 1).
+// Pass 2: warp per unique id; runs spanning chunks sum their partials in
+//   chunk order (sub-teams over contiguous parts, fixed shuffle tree);
+//   u >= num_unique gets zeros.
+constexpr int kPL = 32;
+
 template <int VEC>
-__global__ void pool_bwd_rows_kernel(const float* __restrict__ dout,
-                                     const float* __restrict__ weights,
-                                     const int* __restrict__ bag_ids,
-                                     const int* __restrict__ perm,
-                                     const int* __restrict__ run_offsets,
-                                     const int* __restrict__ counts, int n,
-                                     int B, int D, int TS,
-                                     float* __restrict__ d_rows) {
+__global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
+                                 const float* __restrict__ weights,
+                                 const int* __restrict__ bag_ids,
+                                 const int* __restrict__ perm,
+                                 const int* __restrict__ inverse,
+                                 const int* __restrict__ run_offsets,
+                                 const int* __restrict__ counts, int n, int B,
+                                 int D, int TS, float* __restrict__ d_rows,
+                                 float* __restrict__ part) {
   using T = typename VecT<VEC>::T;
   const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const int u = (int)(gt / TS), lane = (int)(gt % TS);
-  if (u >= n) return;
+  const int k = (int)(gt / TS), lane = (int)(gt % TS);
+  const int nch = (n + kPL - 1) / kPL;
+  if (k >= nch) return;
   const int U = clampi(counts[0], 0, n);
+  const int cs = k * kPL, ce = min(n, cs + kPL);
   const int DV = D / VEC;
   const T* dv_ = reinterpret_cast<const T*>(dout);
   T* o = reinterpret_cast<T*>(d_rows);
-  int lo = 0, hi = 0;
-  if (u < U) {
-    lo = clampi(run_offsets[u], 0, n);
-    hi = clampi(run_offsets[u + 1], lo, n);
-  }
+  T* pv = reinterpret_cast<T*>(part);
   for (int dv = lane; dv < DV; dv += TS) {
+    int cur = -1;
     T acc = vzero<T>();
-#pragma unroll 4
-    for (int j = lo; j < hi; ++j) {
-      const int k = clampi(__ldg(perm + j), 0, n - 1);
-      const int b = clampi(__ldg(bag_ids + k), 0, B - 1);
-      vfma(acc, __ldg(weights + k), dv_[(size_t)b * DV + dv]);
+    auto flush = [&](int u) {
+      if (u < 0 || u >= U) return;
+      const int s = run_offsets[u], e = run_offsets[u + 1];
+      if (s >= cs && e <= ce) {
+        o[(size_t)u * DV + dv] = acc;
+      } else {
+        const int side = (s < cs) ? 0 : 1;
+        pv[((size_t)k * 2 + side) * DV + dv] = acc;
+      }
+    };
+    for (int j0 = cs; j0 < ce; j0 += 8) {
+      int uj[8];
+      float wj[8];
+      T xj[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int j = j0 + i;
+        uj[i] = -1;
+        wj[i] = 0.f;
+        xj[i] = vzero<T>();
+        if (j < ce) {
+          const int p = clampi(__ldg(perm + j), 0, n - 1);
+          uj[i] = __ldg(inverse + p);
+          wj[i] = __ldg(weights + p);
+          const int b = clampi(__ldg(bag_ids + p), 0, B - 1);
+          xj[i] = dv_[(size_t)b * DV + dv];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (j0 + i < ce) {
+          if (uj[i] != cur) {
+            flush(cur);
+            cur = uj[i];
+            acc = vzero<T>();
+          }
+          vfma(acc, wj[i], xj[i]);
+        }
+      }
     }
-    o[(size_t)u * DV + dv] = acc;
+    flush(cur);
+  }
+}
+
+template <int VEC>
+__global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
+                                 const int* __restrict__ counts, int n, int D,
+                                 int TS, const float* __restrict__ part,
+                                 float* __restrict__ d_rows) {
+  using T = typename VecT<VEC>::T;
+  const long long gw = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= n) return;  // whole warp exits together
+  const int u = (int)gw;
+  const int U = clampi(counts[0], 0, n);
+  const int DV = D / VEC;
+  T* o = reinterpret_cast<T*>(d_rows);
+  const T* pv = reinterpret_cast<const T*>(part);
+  if (u >= U) {
+    for (int dv = lane; dv < DV; dv += 32) o[(size_t)u * DV + dv] = vzero<T>();
+    return;
+  }
+  const int s = clampi(run_offsets[u], 0, n);
+  const int e = clampi(run_offsets[u + 1], s, n);
+  if (e <= s) {
+    for (int dv = lane; dv < DV; dv += 32) o[(size_t)u * DV + dv] = vzero<T>();
+    return;
+  }
+  const int k0 = s / kPL, k1 = (e - 1) / kPL;
+  if (k0 == k1) return;  // written by pass 1
+  // partial list: (k0, side 1), (k0+1, 0), ..., (k1, 0): L = k1 - k0 + 1
+  const int L = k1 - k0 + 1;
+  const int S = 32 / TS;  // sub-teams (TS divides 32)
+  const int sub = lane / TS, tl = lane % TS;
+  const int per = (L + S - 1) / S;
+  const int ib = min(L, sub * per), ie = min(L, ib + per);
+  for (int dv0 = 0; dv0 < DV; dv0 += TS) {
+    const int dv = dv0 + tl;
+    T acc = vzero<T>();
+    if (dv < DV) {
+#pragma unroll 8
+      for (int i = ib; i < ie; ++i) {
+        const int kk = k0 + i;
+        const int side = (i == 0) ? 1 : 0;
+        const T v = pv[((size_t)kk * 2 + side) * DV + dv];
+        vfma(acc, 1.f, v);
+      }
+    }
+    // fixed-order tree over sub-teams
+    for (int off = TS; off < 32; off <<= 1) {
+      if constexpr (VEC == 4) {
+        acc.x += __shfl_xor_sync(0xffffffffu, acc.x, off);
+        acc.y += __shfl_xor_sync(0xffffffffu, acc.y, off);
+        acc.z += __shfl_xor_sync(0xffffffffu, acc.z, off);
+        acc.w += __shfl_xor_sync(0xffffffffu, acc.w, off);
+      } else {
+        acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      }
+    }
+    if (sub == 0 && dv < DV) o[(size_t)u * DV + dv] = acc;
   }
 }
 
@@ -654,7 +839,8 @@ int num_sms() {
 
 size_t fwd_smem(const Dev& d) {
   return sizeof(float) *
-         (size_t)(align4(d.R1Q2R2) + align4(d.Q1R1) + align4(d.M * d.R2p));
+         (size_t)(align4(d.R1Q2R2) +
+                  (kThreads / 32) * (align4(d.Q1R1) + align4(d.M * d.R2p)));
 }
 size_t bwd_smem(const Dev& d) {
   return sizeof(float) * (size_t)(2 * align4(d.R1Q2R2) + align4(d.Q1R1) +
@@ -690,6 +876,7 @@ FwdScratch fwd_layout(const Dev& d, int n, void* base) {
 struct BwdScratch {
   int* map; int* ctrl; int* tile_flag; float* Pbuf; float* dG1p; float* dG2p;
   int* ug; int* keys_in; int* keys_out; int* vals_in; int* vals_out;
+  float* dg3p;
   void* cub_tmp; size_t cub_bytes; size_t bytes; int slots; int nT1; int nTiles;
 };
 BwdScratch bwd_layout(const Dev& d, int n, void* base) {
@@ -709,6 +896,7 @@ BwdScratch bwd_layout(const Dev& d, int n, void* base) {
   s.keys_out = bp.take<int>(n);
   s.vals_in = bp.take<int>(n);
   s.vals_out = bp.take<int>(n);
+  s.dg3p = bp.take<float>((size_t)d.p3 * kS3 * d.r2 * d.q3);
   s.cub_bytes = 0;
   cub::DeviceRadixSort::SortPairs(nullptr, s.cub_bytes, (int*)nullptr,
                                   (int*)nullptr, (int*)nullptr, (int*)nullptr,
@@ -726,6 +914,11 @@ int end_bit_for(int maxkey) {
 
 }  // namespace
 
+// Profiling aid for the harness: bit i enables backward stage i
+// (1 tile, 2 dG2 reduce, 4 dG1 reduce, 8 keys, 16 sort, 32 dG3). Default: all.
+int g_stage_mask = ~0;
+void set_stage_mask(int m) { g_stage_mask = m; }
+
 const char* check_dims(const TTDims& t) {
   if (t.p1 <= 0 || t.p2 <= 0 || t.p3 <= 0 || t.q1 <= 0 || t.q2 <= 0 ||
       t.q3 <= 0 || t.r1 <= 0 || t.r2 <= 0)
@@ -733,8 +926,9 @@ const char* check_dims(const TTDims& t) {
   if ((long long)t.p1 * t.p2 > (1LL << 26))
     return "flowtt CUDA: p1*p2 too large for the dense prefix map (max 2^26)";
   if (t.p2 > 65535) return "flowtt CUDA: p2 > 65535 unsupported";
+  if (t.q1 > kQ1Max) return "flowtt CUDA: q1 > 8 unsupported";
   const Dev d = make_dev(t);
-  if (bwd_smem(d) > 200 * 1024)
+  if (bwd_smem(d) > 200 * 1024 || fwd_smem(d) > 200 * 1024)
     return "flowtt CUDA: cores too large for the shared-memory kernels "
            "(r1*q2*r2 must be <= ~24k); use impl='reference'";
   return nullptr;
@@ -801,6 +995,7 @@ cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2,
   build_map_kernel<<<eblocks, 256, 0, stream>>>(d, unique_ids, group_offsets,
                                                 counts, n, s.map, nullptr);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if (!(g_stage_mask & 1)) return cudaGetLastError();
   const size_t smem = bwd_smem(d);
   if ((err = cudaFuncSetAttribute(rows_bwd_tile_kernel,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -814,12 +1009,14 @@ cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2,
       d, g1, g2, g3, d_rows, unique_ids, group_offsets, counts, n, s.map,
       s.ctrl, s.tile_flag, s.Pbuf, s.dG1p, s.dG2p, s.ug, s.slots);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if (!(g_stage_mask & 2)) return cudaGetLastError();
   {
     dim3 grid((d.R1Q2R2 + 255) / 256, d.p2);
     dg2_reduce_kernel<<<grid, 256, 0, stream>>>(d, s.nT1, s.tile_flag, s.dG2p,
                                                 dg2);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
+  if (!(g_stage_mask & 4)) return cudaGetLastError();
   {
     const size_t sm1 = sizeof(int) * align4(d.p2) +
                        sizeof(float) * (size_t)kThreads;
@@ -832,16 +1029,25 @@ cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2,
                                                        s.slots, s.dG1p, dg1);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
+  if (!(g_stage_mask & 8)) return cudaGetLastError();
   dg3_keys_kernel<<<eblocks, 256, 0, stream>>>(d, unique_ids, counts, n,
                                                s.keys_in, s.vals_in);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if (!(g_stage_mask & 16)) return cudaGetLastError();
   size_t cub_bytes = s.cub_bytes;
   if ((err = cub::DeviceRadixSort::SortPairs(
            s.cub_tmp, cub_bytes, s.keys_in, s.keys_out, s.vals_in, s.vals_out,
            n, 0, end_bit_for(d.p3), stream)) != cudaSuccess)
     return err;
-  dg3_kernel<<<d.p3, kThreads, 0, stream>>>(d, s.keys_out, s.vals_out, n, s.ug,
-                                            s.Pbuf, d_rows, s.slots, dg3);
+  if (!(g_stage_mask & 32)) return cudaGetLastError();
+  dg3_kernel<<<dim3(d.p3, kS3), kThreads, 0, stream>>>(
+      d, s.keys_out, s.vals_out, n, s.ug, s.Pbuf, d_rows, s.slots, s.dg3p);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  {
+    const long long tot = (long long)d.p3 * d.r2 * d.q3;
+    dg3_final_kernel<<<(int)((tot + 255) / 256), 256, 0, stream>>>(d, s.dg3p,
+                                                                 dg3);
+  }
   return cudaGetLastError();
 }
 
@@ -867,37 +1073,49 @@ cudaError_t bag_pool_fwd(const float* rows, const int* inverse,
   return cudaGetLastError();
 }
 
+size_t bag_pool_bwd_scratch_bytes(int n, int D) {
+  return sizeof(float) * (size_t)((n + kPL - 1) / kPL) * 2 * D + 256;
+}
+
 cudaError_t bag_pool_bwd(const float* dout, const float* rows,
                          const float* weights, const int* inverse,
                          const int* bag_ids, const int* perm,
                          const int* run_offsets, const int* counts, int n,
                          int B, int D, float* d_rows, float* d_weights,
-                         cudaStream_t stream) {
+                         void* scratch, cudaStream_t stream) {
+  float* part = static_cast<float*>(scratch);
   const bool v4 = (D % 4) == 0 &&
                   ((reinterpret_cast<uintptr_t>(dout) |
                     reinterpret_cast<uintptr_t>(rows) |
-                    reinterpret_cast<uintptr_t>(d_rows)) % 16) == 0;
+                    reinterpret_cast<uintptr_t>(d_rows) |
+                    reinterpret_cast<uintptr_t>(part)) % 16) == 0;
   const int DV = v4 ? D / 4 : D;
   const int TS = team_size(DV);
-  const int blocks = (int)(((long long)n * TS + 255) / 256);
   if (B <= 0) {
-    // No bags: every id belongs to no bag (n must then be... keep it safe).
     cudaError_t e = cudaMemsetAsync(d_rows, 0, sizeof(float) * (size_t)n * D,
                                     stream);
     if (e != cudaSuccess) return e;
     return cudaMemsetAsync(d_weights, 0, sizeof(float) * (size_t)n, stream);
   }
+  const int nch = (n + kPL - 1) / kPL;
+  const int b1 = (int)(((long long)nch * TS + 255) / 256);
+  const int b2 = (int)(((long long)n * 32 + 255) / 256);
+  const int bw = (int)(((long long)n * TS + 255) / 256);
   if (v4) {
-    pool_bwd_rows_kernel<4><<<blocks, 256, 0, stream>>>(
-        dout, weights, bag_ids, perm, run_offsets, counts, n, B, D, TS,
-        d_rows);
-    pool_bwd_weights_kernel<4><<<blocks, 256, 0, stream>>>(
+    pool_bwd_rows_p1<4><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm,
+                                                inverse, run_offsets, counts,
+                                                n, B, D, TS, d_rows, part);
+    pool_bwd_rows_p2<4><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D, TS,
+                                                part, d_rows);
+    pool_bwd_weights_kernel<4><<<bw, 256, 0, stream>>>(
         dout, rows, inverse, bag_ids, n, B, D, TS, d_weights);
   } else {
-    pool_bwd_rows_kernel<1><<<blocks, 256, 0, stream>>>(
-        dout, weights, bag_ids, perm, run_offsets, counts, n, B, D, TS,
-        d_rows);
-    pool_bwd_weights_kernel<1><<<blocks, 256, 0, stream>>>(
+    pool_bwd_rows_p1<1><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm,
+                                                inverse, run_offsets, counts,
+                                                n, B, D, TS, d_rows, part);
+    pool_bwd_rows_p2<1><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D, TS,
+                                                part, d_rows);
+    pool_bwd_weights_kernel<1><<<bw, 256, 0, stream>>>(
         dout, rows, inverse, bag_ids, n, B, D, TS, d_weights);
   }
   return cudaGetLastError();

@@ -40,11 +40,15 @@ cudaError_t bag_pool_fwd(const float* rows, const int* inverse,
                          int B, int D, float* out, cudaStream_t stream);
 
 // ---- op 3: flowtt_bag_pool_bwd ----
+size_t bag_pool_bwd_scratch_bytes(int n, int D);
 cudaError_t bag_pool_bwd(const float* dout, const float* rows,
                          const float* weights, const int* inverse,
                          const int* bag_ids, const int* perm,
                          const int* run_offsets, const int* counts, int n,
                          int B, int D, float* d_rows, float* d_weights,
-                         cudaStream_t stream);
+                         void* scratch, cudaStream_t stream);
+
+// Profiling aid (harness only): bit mask of backward stages to run.
+void set_stage_mask(int mask);
 
 }  // namespace flowtt
