@@ -23,6 +23,8 @@ Runs on the default JAX backend: CPU, or the GPU when one is present.
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
 import dataclasses
 import math
 import os
@@ -41,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from criteo_synth import CRITEO_KAGGLE_CARDINALITIES, NUM_DENSE, SynthConfig, SynthCriteo  # noqa: E402
 
+from flowtt_jax import ffi  # noqa: E402
 from flowtt_jax.collection import TableConfig, make_table_configs  # noqa: E402
 from flowtt_jax.nnx import TTEmbeddingCollection  # noqa: E402
 
@@ -142,6 +145,17 @@ class RunResult:
         return self.dense_equivalent_bytes / self.embedding_bytes
 
 
+def prefetch(make, n: int, depth: int = 2):
+    """Yields ``make(0), ..., make(n-1)``, generated ``depth`` ahead on a worker thread."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = collections.deque(pool.submit(make, i) for i in range(min(depth, n)))
+        for i in range(n):
+            out = pending.popleft().result()
+            if i + depth < n:
+                pending.append(pool.submit(make, i + depth))
+            yield out
+
+
 def build_optimizer(name: str, lr: float) -> optax.GradientTransformation:
     if name == "adam":
         return optax.adam(lr)
@@ -175,7 +189,8 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
     full_dense = sum(n * args.dim * 4 for n in data.raw_cardinalities)
     n_tt = sum(t.kind == "tt" for t in tables)
     log(
-        f"[{name}] backend={jax.default_backend()} impl={args.impl} tables: {n_tt} TT (rank "
+        f"[{name}] backend={jax.default_backend()} impl={args.impl} (compiled kernels "
+        f"{'available' if ffi.available() else 'not built: reference'}) tables: {n_tt} TT (rank "
         f"{args.rank}) + {len(tables) - n_tt} dense, dim {args.dim}, "
         f"max_rows={args.max_rows or 'none (full Criteo cardinalities)'}"
     )
@@ -200,29 +215,29 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
     def predict(model, dense, sparse):
         return model(dense, sparse)
 
-    # compile outside the timed loop (first step is still counted as a training step)
-    batches = (data.batch(i, args.batch_size, stream=0) for i in range(args.steps))
+    # train_seconds counts everything (compile included); examples/s is measured after
+    # the first (compiling) step
+    batches = prefetch(lambda i: data.batch(i, args.batch_size, stream=0), args.steps)
     bar = None
     if tqdm is not None and not args.no_progress:
         bar = tqdm(total=args.steps, desc=f"train[{name}]", unit="step", dynamic_ncols=True)
     t0 = time.perf_counter()
     t_first = None
-    ema = None
-    loss_val = float("nan")
+    losses = []
     for step, (d, s, y, _) in enumerate(batches):
         loss = train_step(model, optimizer, jnp.asarray(d), jnp.asarray(s), jnp.asarray(y))
+        losses.append(loss)
         if step == 0:
-            loss_val = float(loss)
+            float(loss)
             t_first = time.perf_counter()
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            loss_val = float(loss)
-            ema = loss_val if ema is None else 0.7 * ema + 0.3 * loss_val
+            loss_val = float(jnp.mean(jnp.stack(losses[-args.log_every:])))
             elapsed = time.perf_counter() - t_first
             eps = step * args.batch_size / elapsed if step > 0 else float("nan")
             if bar is not None:
-                bar.set_postfix(loss=f"{loss_val:.4f}", ex_s=f"{eps:,.0f}")
+                bar.set_postfix_str(f"loss {loss_val:.4f}, {eps:,.0f} examples/s")
             else:
-                log(f"[{name}] step {step + 1}/{args.steps} loss {loss_val:.4f} ({eps:,.0f} ex/s)")
+                log(f"[{name}] step {step + 1}/{args.steps} loss {loss_val:.4f} ({eps:,.0f} examples/s)")
         if bar is not None:
             bar.update(1)
     jax.block_until_ready(nnx.state(model))
@@ -230,6 +245,8 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
     if bar is not None:
         bar.close()
     train_seconds = t_end - t0
+    tail = max(1, args.steps // 10)
+    loss_val = float(jnp.mean(jnp.stack(losses[-tail:])))
     steady = (args.steps - 1) * args.batch_size / max(t_end - t_first, 1e-9) if args.steps > 1 else float("nan")
 
     scores, labels, logits = [], [], []
@@ -244,7 +261,8 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
     eval_loss = float(bce(jnp.asarray(scores), jnp.asarray(labels)))
     log(
         f"[{name}] trained {args.steps} steps x {args.batch_size} in {train_seconds:.1f} s "
-        f"({steady:,.0f} examples/s after compile); final train loss {loss_val:.4f}"
+        f"({steady:,.0f} examples/s after compile); train loss (mean of last {tail} steps) "
+        f"{loss_val:.4f}"
     )
     log(
         f"[{name}] held-out: AUC {auc:.4f}, log loss {eval_loss:.4f} on {labels.size:,} examples "
@@ -263,9 +281,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--dense", action="store_true", help="train with dense tables only")
     mode.add_argument("--compare", action="store_true", help="train TT, then dense, on the same data")
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch-size", type=int, default=1024)
-    p.add_argument("--eval-batches", type=int, default=64, help="held-out batches for AUC")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--batch-size", type=int, default=4096)
+    p.add_argument("--eval-batches", type=int, default=16, help="held-out batches for AUC")
     p.add_argument("--dim", type=int, default=16, help="embedding dim (DLRM Kaggle config: 16)")
     p.add_argument("--rank", type=int, default=16, help="TT rank")
     p.add_argument("--dense-threshold", type=int, default=2000,
@@ -273,14 +291,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-rows", type=int, default=1_000_000,
                    help="cap table rows by hashing ids mod cap (both runs); 0 = full cardinalities")
     p.add_argument("--optimizer", choices=("adam", "adagrad"), default="adam")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--bottom", type=int, nargs="*", default=[64], help="bottom MLP hidden sizes")
     p.add_argument("--top", type=int, nargs="*", default=[128, 64], help="top MLP hidden sizes")
     p.add_argument("--zipf-a", type=float, default=1.2, help="id popularity exponent")
     p.add_argument("--impl", default="auto", choices=("auto", "ffi", "reference"))
     p.add_argument("--seed", type=int, default=0, help="model init seed")
     p.add_argument("--data-seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of tqdm")
     return p.parse_args(argv)
 
