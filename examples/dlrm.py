@@ -281,7 +281,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--dense", action="store_true", help="train with dense tables only")
     mode.add_argument("--compare", action="store_true", help="train TT, then dense, on the same data")
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches for AUC")
     p.add_argument("--dim", type=int, default=16, help="embedding dim (DLRM Kaggle config: 16)")
