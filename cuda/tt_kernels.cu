@@ -45,6 +45,11 @@ constexpr int kT1F = 32;   // i1 values per forward tile
 constexpr int kQ1Max = 8;  // register blocking bound for q1
 constexpr int kJ = 4;      // columns per lane in warp_compute_P
 constexpr int kS3 = 16;    // parts per i3 bucket in the dG3 pass
+constexpr int kMMax = 16;  // q1*q2 bound (backward register blocking)
+constexpr int kQ3Max = 8;  // q3 bound
+constexpr int kBB = 2;     // r2 <= 64: columns b per lane
+constexpr int kAMax = 64;  // r1 bound
+constexpr int kKC = 16;    // K rows per dG2 staging chunk
 constexpr int kT1B = 32;   // i1 values per backward tile
 constexpr int kCH = 64;    // unique ids per chunk (split threshold)
 constexpr int kBatch = 256;
@@ -143,6 +148,52 @@ __device__ __forceinline__ void apply_g3(const Dev& d, const float* Ps,
   }
 }
 
+__device__ __forceinline__ int id3(const Dev& d, int id) {
+  long long c = id;
+  if (c < 0) c = 0;
+  if (c >= d.nrows) c = d.nrows - 1;
+  return (int)c % d.p3;
+}
+
+// A warp applies G3 for the unique ids [ulo, uhi) of one group: each lane
+// keeps fixed outputs o (all index math hoisted out of the id loop).
+__device__ __forceinline__ void warp_apply_g3(const Dev& d, const float* Pw,
+                                              const float* __restrict__ g3,
+                                              const int* __restrict__ uids,
+                                              int ulo, int uhi,
+                                              float* __restrict__ rows,
+                                              int lane) {
+  const int G3S = d.r2 * d.q3;
+  if (d.D <= 32 && (32 % d.D) == 0) {
+    const int per = 32 / d.D;
+    const int o = lane % d.D, js = lane / d.D;
+    const int m = o / d.q3, q = o - m * d.q3;
+    const float* pr = Pw + m * d.R2p;
+    for (int u = ulo + js; u < uhi; u += per) {
+      const float* g = g3 + (size_t)id3(d, __ldg(uids + u)) * G3S + q;
+      float acc = 0.f;
+#pragma unroll 8
+      for (int b = 0; b < d.r2; ++b) acc = fmaf(pr[b], __ldg(g + b * d.q3), acc);
+      rows[(size_t)u * d.D + o] = acc;
+    }
+  } else {
+    for (int o0 = 0; o0 < d.D; o0 += 32) {
+      const int o = o0 + lane;
+      if (o >= d.D) break;
+      const int m = o / d.q3, q = o - m * d.q3;
+      const float* pr = Pw + m * d.R2p;
+      for (int u = ulo; u < uhi; ++u) {
+        const float* g = g3 + (size_t)id3(d, __ldg(uids + u)) * G3S + q;
+        float acc = 0.f;
+#pragma unroll 8
+        for (int b = 0; b < d.r2; ++b)
+          acc = fmaf(pr[b], __ldg(g + b * d.q3), acc);
+        rows[(size_t)u * d.D + o] = acc;
+      }
+    }
+  }
+}
+
 __global__ void build_map_kernel(Dev d, const int* __restrict__ uids,
                                  const int* __restrict__ goffs,
                                  const int* __restrict__ counts, int n,
@@ -168,27 +219,29 @@ __global__ void build_map_kernel(Dev d, const int* __restrict__ uids,
 // One warp forms P for one group: lanes own columns j = (q2, b) (kJ per
 // lane) and all q1 rows, so each G2 element read from shared memory feeds
 // q1 FMAs and each (broadcast) G1 element kJ FMAs.
+template <int Q1C>
 __device__ __forceinline__ void warp_compute_P(const Dev& d, const float* G1w,
-                                               const float* G2s, float* Pw,
-                                               int lane) {
+                                               const float* G2s, int ld2,
+                                               float* Pw, int lane) {
   const int Q2R2 = d.q2 * d.r2;
   for (int j0 = 0; j0 < Q2R2; j0 += 32 * kJ) {
-    float acc[kJ][kQ1Max];
+    constexpr int NQ1 = Q1C ? Q1C : kQ1Max;
+    float acc[kJ][NQ1];
 #pragma unroll
     for (int jj = 0; jj < kJ; ++jj)
 #pragma unroll
-      for (int q1 = 0; q1 < kQ1Max; ++q1) acc[jj][q1] = 0.f;
+      for (int q1 = 0; q1 < NQ1; ++q1) acc[jj][q1] = 0.f;
 #pragma unroll 2
     for (int a = 0; a < d.r1; ++a) {
       float g2v[kJ];
 #pragma unroll
       for (int jj = 0; jj < kJ; ++jj) {
         const int j = j0 + jj * 32 + lane;
-        g2v[jj] = (j < Q2R2) ? G2s[a * Q2R2 + j] : 0.f;
+        g2v[jj] = (j < Q2R2) ? G2s[a * ld2 + j] : 0.f;
       }
 #pragma unroll
-      for (int q1 = 0; q1 < kQ1Max; ++q1) {
-        if (q1 < d.q1) {
+      for (int q1 = 0; q1 < NQ1; ++q1) {
+        if (Q1C || q1 < d.q1) {
           const float g1v = G1w[q1 * d.r1 + a];
 #pragma unroll
           for (int jj = 0; jj < kJ; ++jj)
@@ -202,13 +255,14 @@ __device__ __forceinline__ void warp_compute_P(const Dev& d, const float* G1w,
       if (j < Q2R2) {
         const int q2 = j / d.r2, b = j - q2 * d.r2;
 #pragma unroll
-        for (int q1 = 0; q1 < kQ1Max; ++q1)
-          if (q1 < d.q1) Pw[(q1 * d.q2 + q2) * d.R2p + b] = acc[jj][q1];
+        for (int q1 = 0; q1 < NQ1; ++q1)
+          if (Q1C || q1 < d.q1) Pw[(q1 * d.q2 + q2) * d.R2p + b] = acc[jj][q1];
       }
     }
   }
 }
 
+template <int Q1C>
 __global__ void __launch_bounds__(kThreads)
     rows_fwd_kernel(Dev d, const float* __restrict__ g1,
                     const float* __restrict__ g2, const float* __restrict__ g3,
@@ -260,7 +314,7 @@ __global__ void __launch_bounds__(kThreads)
       const float* g1s = g1 + (size_t)(i1b + k) * d.Q1R1;
       for (int i = lane; i < d.Q1R1; i += 32) G1w[i] = __ldg(g1s + i);
       __syncwarp();
-      warp_compute_P(d, G1w, G2s, Pw, lane);
+      warp_compute_P<Q1C>(d, G1w, G2s, d.q2 * d.r2, Pw, lane);
       __syncwarp();
       const int sz = ge - gs;
       if (sz > kCH) {
@@ -274,7 +328,7 @@ __global__ void __launch_bounds__(kThreads)
         __syncwarp();
         if (lane == 0) atomicExch(flags + slot, 1);
       }
-      apply_g3(d, Pw, g3, uids, gs, gs + min(sz, kCH), rows, lane, 32);
+      warp_apply_g3(d, Pw, g3, uids, gs, gs + min(sz, kCH), rows, lane);
       __syncwarp();
     }
     __syncthreads();
@@ -315,13 +369,19 @@ __global__ void __launch_bounds__(kThreads)
       Pw[m * d.R2p + b] = __ldcg(ck + w);
     }
     __syncwarp();
-    apply_g3(d, Pw, g3, uids, a, bnd, rows, lane, 32);
+    warp_apply_g3(d, Pw, g3, uids, a, bnd, rows, lane);
     __syncwarp();
   }
 }
 
 // --------------------------- backward ---------------------------------------
 
+// Backward tile: i2 column x kT1B i1 values. G2[i2] stays in shared memory
+// (rows padded to ld = q2*r2+1). Each warp takes whole groups: P (stored for
+// the dG3 pass), dP = sum_u dRow_u G3[i3_u]^T (stored), the group's dG1
+// partial dP.G2^T. Then the CTA forms this tile's dG2 partial
+// sum_k G1[i1_k]^T dP_k (groups in i1 order) with register accumulators.
+template <int Q1C, int MC, int Q3C, int BBC>
 __global__ void __launch_bounds__(kThreads)
     rows_bwd_tile_kernel(Dev d, const float* __restrict__ g1,
                          const float* __restrict__ g2,
@@ -332,24 +392,30 @@ __global__ void __launch_bounds__(kThreads)
                          const int* __restrict__ counts, int n,
                          const int* __restrict__ map, int* ctrl,
                          int* __restrict__ tile_flag, float* __restrict__ Pbuf,
-                         float* __restrict__ dG1p, float* __restrict__ dG2p,
-                         int* __restrict__ ug, int slots) {
+                         float* __restrict__ dPbuf, float* __restrict__ dG1p,
+                         float* __restrict__ dG2p, int* __restrict__ ug,
+                         int slots) {
   extern __shared__ float4 smem4[];
-  float* G2s = reinterpret_cast<float*>(smem4);
-  float* A2s = G2s + align4(d.R1Q2R2);
-  float* G1s = A2s + align4(d.R1Q2R2);
-  float* Ps = G1s + align4(d.Q1R1);
-  float* dPs = Ps + align4(d.M * d.R2p);
-  __shared__ int s_item;
-  __shared__ int s_g[kT1B];
-
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const int NJ = d.q2 * d.r2;
+  const int LS = NJ + 1;
+  float* G2s = reinterpret_cast<float*>(smem4);
+  float* WR = G2s + align4(d.r1 * LS);  // warp regions, aliased by As/Bs
+  float* G1w = WR + warp * (align4(d.Q1R1) + align4(d.M * d.R2p));
+  float* Pw = G1w + align4(d.Q1R1);
+  float* As = WR;
+  float* Bs = WR + align4(kKC * d.r1);
+  __shared__ int s_item;
+  __shared__ int s_g[kT1B];
+  __shared__ int s_lg[kT1B];
+  __shared__ int s_lk[kT1B];
+  __shared__ int s_cnt;
+
   const int U = clampi(counts[0], 0, n);
   const int G = clampi(counts[1], 0, U);
   const int nT1 = (d.p1 + kT1B - 1) / kT1B;
   const int nTiles = nT1 * d.p2;
-  const int Q2R2 = d.q2 * d.r2;
 
   for (;;) {
     if (tid == 0) s_item = atomicAdd(ctrl, 1);
@@ -367,71 +433,190 @@ __global__ void __launch_bounds__(kThreads)
       }
       s_g[tid] = gk;
     }
+    if (tid < 32) {  // ordered list of present groups
+      const bool v = (tid < kT1B) && gk >= 0;
+      const unsigned bal = __ballot_sync(0xffffffffu, v);
+      if (v) {
+        const int pos = __popc(bal & ((1u << tid) - 1u));
+        s_lg[pos] = gk;
+        s_lk[pos] = tid;
+      }
+      if (tid == 0) s_cnt = __popc(bal);
+    }
     if (!__syncthreads_or(gk >= 0)) {
       if (tid == 0) tile_flag[t] = 0;
       continue;
     }
-    load_smem(G2s, g2 + (size_t)i2 * d.R1Q2R2, d.R1Q2R2);
-    for (int e = tid; e < d.R1Q2R2; e += blockDim.x) A2s[e] = 0.f;
-    for (int k = 0; k < kT1B; ++k) {
+    {
+      const float* src = g2 + (size_t)i2 * d.R1Q2R2;
+      for (int i = tid; i < d.R1Q2R2; i += blockDim.x) {
+        const int a = i / NJ;
+        G2s[a * LS + (i - a * NJ)] = __ldg(src + i);
+      }
+    }
+    __syncthreads();
+    // ---- warp per group ----
+    for (int k = warp; k < kT1B; k += nwarps) {
       const int g = s_g[k];
       if (g < 0) continue;
       const int gs = clampi(goffs[g], 0, U);
       const int ge = clampi(goffs[g + 1], gs, U);
-      load_smem(G1s, g1 + (size_t)(i1b + k) * d.Q1R1, d.Q1R1);
-      __syncthreads();
-      compute_P(d, G1s, G2s, Ps);
-      // dP[m, b] = sum_u sum_q dRow_u[m*q3 + q] * G3[i3_u, b, q]
-      for (int w = tid; w < d.PSZ; w += blockDim.x) {
-        const int m = w / d.r2, b = w - m * d.r2;
-        float acc = 0.f;
-        for (int u = gs; u < ge; ++u) {
-          int i1, i2x, i3;
-          split_id(d, __ldg(uids + u), i1, i2x, i3);
-          const float* dr = d_rows + (size_t)u * d.D + m * d.q3;
-          const float* gg = g3 + ((size_t)i3 * d.r2 + b) * d.q3;
-          for (int q = 0; q < d.q3; ++q)
-            acc = fmaf(__ldg(dr + q), __ldg(gg + q), acc);
-        }
-        dPs[m * d.R2p + b] = acc;
-      }
-      for (int u = gs + tid; u < ge; u += blockDim.x) ug[u] = g;
-      __syncthreads();
-      // store P for the dG3 pass
+      const float* g1s = g1 + (size_t)(i1b + k) * d.Q1R1;
+      for (int i = lane; i < d.Q1R1; i += 32) G1w[i] = __ldg(g1s + i);
+      __syncwarp();
+      warp_compute_P<Q1C>(d, G1w, G2s, LS, Pw, lane);
+      __syncwarp();
       {
         float* pb = Pbuf + (size_t)g * d.PSZ;
-        for (int w = tid; w < d.PSZ; w += blockDim.x) {
+        for (int w = lane; w < d.PSZ; w += 32) {
           const int m = w / d.r2, b = w - m * d.r2;
-          pb[w] = Ps[m * d.R2p + b];
+          pb[w] = Pw[m * d.R2p + b];
         }
       }
-      // dG2[a, q2, b] += sum_q1 G1[q1, a] dP[q1*q2 + q2, b]
-      for (int e = tid; e < d.R1Q2R2; e += blockDim.x) {
-        const int a = e / Q2R2;
-        const int rem = e - a * Q2R2;
-        const int q2 = rem / d.r2, b = rem - q2 * d.r2;
-        float acc = A2s[e];
-        for (int q1 = 0; q1 < d.q1; ++q1)
-          acc = fmaf(G1s[q1 * d.r1 + a], dPs[(q1 * d.q2 + q2) * d.R2p + b], acc);
-        A2s[e] = acc;
-      }
-      // dG1 partial[g][q1, a] = sum_{q2, b} dP[q1, q2, b] G2[a, q2, b]
-      for (int o = warp; o < d.Q1R1; o += nwarps) {
-        const int q1 = o / d.r1, a = o - q1 * d.r1;
-        float s = 0.f;
-        for (int j = lane; j < Q2R2; j += 32) {
-          const int q2 = j / d.r2, b = j - q2 * d.r2;
-          s = fmaf(dPs[(q1 * d.q2 + q2) * d.R2p + b], G2s[a * Q2R2 + j], s);
+      for (int u = gs + lane; u < ge; u += 32) ug[u] = g;
+      // dP[m, b] = sum_u sum_q dRow_u[m*q3+q] G3[i3_u, b, q]; lanes own b
+      constexpr int NBB = BBC ? BBC : kBB;
+      constexpr int NM = MC ? MC : kMMax;
+      constexpr int NQ3 = Q3C ? Q3C : kQ3Max;
+      constexpr int NQ1 = Q1C ? Q1C : kQ1Max;
+      float acc[NBB][NM];
+#pragma unroll
+      for (int bb = 0; bb < NBB; ++bb)
+#pragma unroll
+        for (int m = 0; m < NM; ++m) acc[bb][m] = 0.f;
+      for (int u = gs; u < ge; ++u) {
+        int i1x, i2x, i3;
+        split_id(d, __ldg(uids + u), i1x, i2x, i3);
+        const float* dr = d_rows + (size_t)u * d.D;
+        float g3v[NBB][NQ3];
+#pragma unroll
+        for (int bb = 0; bb < NBB; ++bb) {
+          const int b = lane + 32 * bb;
+#pragma unroll
+          for (int q = 0; q < NQ3; ++q)
+            g3v[bb][q] = (b < d.r2 && (Q3C || q < d.q3))
+                             ? __ldg(g3 + ((size_t)i3 * d.r2 + b) * d.q3 + q)
+                             : 0.f;
         }
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1)
-          s += __shfl_xor_sync(0xffffffffu, s, off);
-        if (lane == 0) dG1p[(size_t)g * d.Q1R1 + o] = s;
+        for (int m = 0; m < NM; ++m) {
+          if (MC || m < d.M) {
+#pragma unroll
+            for (int q = 0; q < NQ3; ++q) {
+              if (Q3C || q < d.q3) {
+                const float dv = __ldg(dr + m * (Q3C ? Q3C : d.q3) + q);
+#pragma unroll
+                for (int bb = 0; bb < NBB; ++bb)
+                  acc[bb][m] = fmaf(dv, g3v[bb][q], acc[bb][m]);
+              }
+            }
+          }
+        }
       }
-      __syncthreads();
+      __syncwarp();  // Pw (P) fully read
+      {
+        float* dpb = dPbuf + (size_t)g * d.PSZ;
+#pragma unroll
+        for (int bb = 0; bb < NBB; ++bb) {
+          const int b = lane + 32 * bb;
+          if (b < d.r2) {
+#pragma unroll
+            for (int m = 0; m < NM; ++m) {
+              if (MC || m < d.M) {
+                Pw[m * d.R2p + b] = acc[bb][m];
+                dpb[m * d.r2 + b] = acc[bb][m];
+              }
+            }
+          }
+        }
+      }
+      __syncwarp();
+      // dG1 partial[g][q1, a] = sum_{q2, b} dP[q1*q2+q2, b] G2[a, q2, b]
+      for (int a0 = 0; a0 < d.r1; a0 += 32) {
+        const int a = a0 + lane;
+        if (a < d.r1) {
+          float s1[NQ1];
+#pragma unroll
+          for (int q1 = 0; q1 < NQ1; ++q1) s1[q1] = 0.f;
+          const float* g2r = G2s + a * LS;
+          for (int q2 = 0; q2 < d.q2; ++q2) {
+#pragma unroll 4
+            for (int b = 0; b < d.r2; ++b) {
+              const float gv = g2r[q2 * d.r2 + b];
+#pragma unroll
+              for (int q1 = 0; q1 < NQ1; ++q1)
+                if (Q1C || q1 < d.q1)
+                  s1[q1] = fmaf(Pw[(q1 * d.q2 + q2) * d.R2p + b], gv, s1[q1]);
+            }
+          }
+          float* o = dG1p + (size_t)g * d.Q1R1;
+#pragma unroll
+          for (int q1 = 0; q1 < NQ1; ++q1)
+            if (Q1C || q1 < d.q1) o[q1 * d.r1 + a] = s1[q1];
+        }
+      }
+      __syncwarp();
     }
-    float* out = dG2p + (size_t)t * d.R1Q2R2;
-    for (int e = tid; e < d.R1Q2R2; e += blockDim.x) out[e] = A2s[e];
+    __syncthreads();  // dPbuf writes visible to the block; warp regions free
+    // ---- tile dG2 partial: C[a, j] = sum_{k, q1} G1[i1_k, q1, a] dP_k[q1, j]
+    {
+      const int cnt = s_cnt;
+      const int K = cnt * d.q1;
+      const int TPJ = max(1, min((int)blockDim.x / NJ, d.r1));
+      const int NA = (d.r1 + TPJ - 1) / TPJ;
+      for (int j0 = 0; j0 < NJ; j0 += (int)blockDim.x) {
+        const int jl = (NJ >= (int)blockDim.x) ? tid : (tid % NJ);
+        const int h = (NJ >= (int)blockDim.x) ? 0 : (tid / NJ);
+        const int j = j0 + jl;
+        const bool act = (j < NJ) && (h < TPJ);
+        const int a0 = h * NA;
+        float c[kAMax];
+#pragma unroll
+        for (int i = 0; i < kAMax; ++i) c[i] = 0.f;
+        for (int kc = 0; kc < K; kc += kKC) {
+          const int kn = min(kKC, K - kc);
+          __syncthreads();
+          for (int i = tid; i < kn * d.r1; i += blockDim.x) {
+            const int kk = kc + i / d.r1, a = i % d.r1;
+            const int gi = kk / d.q1, q1 = kk - gi * d.q1;
+            As[(i / d.r1) * d.r1 + a] =
+                __ldg(g1 + (size_t)(i1b + s_lk[gi]) * d.Q1R1 + q1 * d.r1 + a);
+          }
+          for (int i = tid; i < kn * NJ; i += blockDim.x) {
+            const int r = i / NJ, jj = i - r * NJ;
+            const int kk = kc + r;
+            const int gi = kk / d.q1, q1 = kk - gi * d.q1;
+            Bs[r * NJ + jj] = dPbuf[(size_t)s_lg[gi] * d.PSZ + q1 * NJ + jj];
+          }
+          __syncthreads();
+          if (act) {
+            for (int r = 0; r < kn; ++r) {
+              const float bv = Bs[r * NJ + j];
+              const float* ar = As + r * d.r1 + a0;
+#pragma unroll
+              for (int ib = 0; ib < kAMax / 16; ++ib) {
+                if (ib * 16 + 16 <= NA && a0 + ib * 16 + 16 <= d.r1) {
+#pragma unroll
+                  for (int i = ib * 16; i < ib * 16 + 16; ++i)
+                    c[i] = fmaf(ar[i], bv, c[i]);
+                } else if (ib * 16 < NA) {
+#pragma unroll
+                  for (int i = ib * 16; i < ib * 16 + 16; ++i)
+                    if (i < NA && a0 + i < d.r1) c[i] = fmaf(ar[i], bv, c[i]);
+                }
+              }
+            }
+          }
+        }
+        if (act) {
+          float* out = dG2p + (size_t)t * d.R1Q2R2;
+#pragma unroll
+          for (int i = 0; i < kAMax; ++i)
+            if (i < NA && a0 + i < d.r1) out[(size_t)(a0 + i) * NJ + j] = c[i];
+        }
+        __syncthreads();
+      }
+    }
     if (tid == 0) tile_flag[t] = 1;
   }
 }
@@ -741,61 +926,67 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
 }
 
 template <int VEC>
+__device__ __forceinline__ void shfl_add(float& v, int off) {
+  v += __shfl_xor_sync(0xffffffffu, v, off);
+}
+template <int VEC>
+__device__ __forceinline__ void shfl_add(float4& v, int off) {
+  v.x += __shfl_xor_sync(0xffffffffu, v.x, off);
+  v.y += __shfl_xor_sync(0xffffffffu, v.y, off);
+  v.z += __shfl_xor_sync(0xffffffffu, v.z, off);
+  v.w += __shfl_xor_sync(0xffffffffu, v.w, off);
+}
+
+// Persistent warps over unique ids. A run spanning chunks k0..k1 sums its
+// partials: lane l takes partials l, l+32, ... (fixed), then a fixed xor
+// tree across lanes. u >= num_unique rows are zeroed.
+template <int VEC>
 __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
                                  const int* __restrict__ counts, int n, int D,
-                                 int TS, const float* __restrict__ part,
+                                 const float* __restrict__ part,
                                  float* __restrict__ d_rows) {
   using T = typename VecT<VEC>::T;
-  const long long gw = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  constexpr int kV = 8;  // vectors per lane per pass
   const int lane = threadIdx.x & 31;
-  if (gw >= n) return;  // whole warp exits together
-  const int u = (int)gw;
+  const int gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int nw = (gridDim.x * blockDim.x) >> 5;
   const int U = clampi(counts[0], 0, n);
   const int DV = D / VEC;
   T* o = reinterpret_cast<T*>(d_rows);
   const T* pv = reinterpret_cast<const T*>(part);
-  if (u >= U) {
-    for (int dv = lane; dv < DV; dv += 32) o[(size_t)u * DV + dv] = vzero<T>();
-    return;
-  }
-  const int s = clampi(run_offsets[u], 0, n);
-  const int e = clampi(run_offsets[u + 1], s, n);
-  if (e <= s) {
-    for (int dv = lane; dv < DV; dv += 32) o[(size_t)u * DV + dv] = vzero<T>();
-    return;
-  }
-  const int k0 = s / kPL, k1 = (e - 1) / kPL;
-  if (k0 == k1) return;  // written by pass 1
-  // partial list: (k0, side 1), (k0+1, 0), ..., (k1, 0): L = k1 - k0 + 1
-  const int L = k1 - k0 + 1;
-  const int S = 32 / TS;  // sub-teams (TS divides 32)
-  const int sub = lane / TS, tl = lane % TS;
-  const int per = (L + S - 1) / S;
-  const int ib = min(L, sub * per), ie = min(L, ib + per);
-  for (int dv0 = 0; dv0 < DV; dv0 += TS) {
-    const int dv = dv0 + tl;
-    T acc = vzero<T>();
-    if (dv < DV) {
-#pragma unroll 8
-      for (int i = ib; i < ie; ++i) {
+  for (int u = gw; u < n; u += nw) {
+    int s = 0, e = 0;
+    if (u < U) {
+      s = clampi(run_offsets[u], 0, n);
+      e = clampi(run_offsets[u + 1], s, n);
+    }
+    if (e <= s) {
+      for (int dv = lane; dv < DV; dv += 32) o[(size_t)u * DV + dv] = vzero<T>();
+      continue;
+    }
+    const int k0 = s / kPL, k1 = (e - 1) / kPL;
+    if (k0 == k1) continue;  // written by pass 1
+    const int L = k1 - k0 + 1;  // partials: (k0,1), (k0+1,0), ..., (k1,0)
+    for (int dv0 = 0; dv0 < DV; dv0 += kV) {
+      T acc[kV];
+#pragma unroll
+      for (int v = 0; v < kV; ++v) acc[v] = vzero<T>();
+      for (int i = lane; i < L; i += 32) {
         const int kk = k0 + i;
         const int side = (i == 0) ? 1 : 0;
-        const T v = pv[((size_t)kk * 2 + side) * DV + dv];
-        vfma(acc, 1.f, v);
+        const T* src = pv + ((size_t)kk * 2 + side) * DV + dv0;
+#pragma unroll
+        for (int v = 0; v < kV; ++v)
+          if (dv0 + v < DV) vfma(acc[v], 1.f, src[v]);
       }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+        for (int v = 0; v < kV; ++v) shfl_add<VEC>(acc[v], off);
+#pragma unroll
+      for (int v = 0; v < kV; ++v)
+        if (lane == v && dv0 + v < DV) o[(size_t)u * DV + dv0 + v] = acc[v];
     }
-    // fixed-order tree over sub-teams
-    for (int off = TS; off < 32; off <<= 1) {
-      if constexpr (VEC == 4) {
-        acc.x += __shfl_xor_sync(0xffffffffu, acc.x, off);
-        acc.y += __shfl_xor_sync(0xffffffffu, acc.y, off);
-        acc.z += __shfl_xor_sync(0xffffffffu, acc.z, off);
-        acc.w += __shfl_xor_sync(0xffffffffu, acc.w, off);
-      } else {
-        acc += __shfl_xor_sync(0xffffffffu, acc, off);
-      }
-    }
-    if (sub == 0 && dv < DV) o[(size_t)u * DV + dv] = acc;
   }
 }
 
@@ -843,8 +1034,12 @@ size_t fwd_smem(const Dev& d) {
                   (kThreads / 32) * (align4(d.Q1R1) + align4(d.M * d.R2p)));
 }
 size_t bwd_smem(const Dev& d) {
-  return sizeof(float) * (size_t)(2 * align4(d.R1Q2R2) + align4(d.Q1R1) +
-                                  2 * align4(d.M * d.R2p));
+  const int NJ = d.q2 * d.r2;
+  const size_t warps = (size_t)(kThreads / 32) *
+                       (align4(d.Q1R1) + align4(d.M * d.R2p));
+  const size_t ab = (size_t)align4(kKC * d.r1) + (size_t)kKC * NJ;
+  return sizeof(float) *
+         ((size_t)align4(d.r1 * (NJ + 1)) + std::max(warps, ab));
 }
 
 struct Bump {
@@ -874,7 +1069,8 @@ FwdScratch fwd_layout(const Dev& d, int n, void* base) {
 }
 
 struct BwdScratch {
-  int* map; int* ctrl; int* tile_flag; float* Pbuf; float* dG1p; float* dG2p;
+  int* map; int* ctrl; int* tile_flag; float* Pbuf; float* dPbuf; float* dG1p;
+  float* dG2p;
   int* ug; int* keys_in; int* keys_out; int* vals_in; int* vals_out;
   float* dg3p;
   void* cub_tmp; size_t cub_bytes; size_t bytes; int slots; int nT1; int nTiles;
@@ -889,6 +1085,7 @@ BwdScratch bwd_layout(const Dev& d, int n, void* base) {
   s.ctrl = bp.take<int>(1);
   s.tile_flag = bp.take<int>(s.nTiles);
   s.Pbuf = bp.take<float>((size_t)s.slots * d.PSZ);
+  s.dPbuf = bp.take<float>((size_t)s.slots * d.PSZ);
   s.dG1p = bp.take<float>((size_t)s.slots * d.Q1R1);
   s.dG2p = bp.take<float>((size_t)s.nTiles * d.R1Q2R2);
   s.ug = bp.take<int>(n);
@@ -904,6 +1101,20 @@ BwdScratch bwd_layout(const Dev& d, int n, void* base) {
   s.cub_tmp = bp.take<char>(s.cub_bytes + 16);
   s.bytes = bp.off;
   return s;
+}
+
+// Persistent grid: as many CTAs as fit on the device at once.
+template <typename Kernel, typename... Args>
+cudaError_t launch_persistent(Kernel kernel, size_t smem, cudaStream_t stream,
+                              int sms, Args... args) {
+  cudaError_t err = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (err != cudaSuccess) return err;
+  int occ = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kThreads, smem);
+  occ = std::max(1, std::min(occ, 8));
+  kernel<<<sms * occ, kThreads, smem, stream>>>(args...);
+  return cudaGetLastError();
 }
 
 int end_bit_for(int maxkey) {
@@ -926,7 +1137,10 @@ const char* check_dims(const TTDims& t) {
   if ((long long)t.p1 * t.p2 > (1LL << 26))
     return "flowtt CUDA: p1*p2 too large for the dense prefix map (max 2^26)";
   if (t.p2 > 65535) return "flowtt CUDA: p2 > 65535 unsupported";
-  if (t.q1 > kQ1Max) return "flowtt CUDA: q1 > 8 unsupported";
+  if (t.q1 > kQ1Max || t.q1 * t.q2 > kMMax || t.q3 > kQ3Max ||
+      t.r2 > 32 * kBB || t.r1 > kAMax)
+    return "flowtt CUDA: unsupported core shape (need q1<=8, q1*q2<=16, "
+           "q3<=8, r1<=64, r2<=64); use impl='reference'";
   const Dev d = make_dev(t);
   if (bwd_smem(d) > 200 * 1024 || fwd_smem(d) > 200 * 1024)
     return "flowtt CUDA: cores too large for the shared-memory kernels "
@@ -959,17 +1173,13 @@ cudaError_t rows_fwd(const TTDims& t, const float* g1, const float* g2,
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   const size_t smem = fwd_smem(d);
-  if ((err = cudaFuncSetAttribute(rows_fwd_kernel,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  (int)smem)) != cudaSuccess)
-    return err;
-  int occ = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, rows_fwd_kernel,
-                                                kThreads, smem);
-  occ = std::max(1, std::min(occ, 8));
-  rows_fwd_kernel<<<sms * occ, kThreads, smem, stream>>>(
-      d, g1, g2, g3, unique_ids, group_offsets, counts, n, s.map, s.ctrl,
-      s.flags, s.ckpt, rows);
+  switch (d.q1) {
+    case 1: return launch_persistent(rows_fwd_kernel<1>, smem, stream, sms, d, g1, g2, g3, unique_ids, group_offsets, counts, n, s.map, s.ctrl, s.flags, s.ckpt, rows);
+    case 2: return launch_persistent(rows_fwd_kernel<2>, smem, stream, sms, d, g1, g2, g3, unique_ids, group_offsets, counts, n, s.map, s.ctrl, s.flags, s.ckpt, rows);
+    case 4: return launch_persistent(rows_fwd_kernel<4>, smem, stream, sms, d, g1, g2, g3, unique_ids, group_offsets, counts, n, s.map, s.ctrl, s.flags, s.ckpt, rows);
+    case 8: return launch_persistent(rows_fwd_kernel<8>, smem, stream, sms, d, g1, g2, g3, unique_ids, group_offsets, counts, n, s.map, s.ctrl, s.flags, s.ckpt, rows);
+    default: return launch_persistent(rows_fwd_kernel<0>, smem, stream, sms, d, g1, g2, g3, unique_ids, group_offsets, counts, n, s.map, s.ctrl, s.flags, s.ckpt, rows);
+  }
   return cudaGetLastError();
 }
 
@@ -997,18 +1207,27 @@ cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2,
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   if (!(g_stage_mask & 1)) return cudaGetLastError();
   const size_t smem = bwd_smem(d);
-  if ((err = cudaFuncSetAttribute(rows_bwd_tile_kernel,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  (int)smem)) != cudaSuccess)
-    return err;
-  int occ = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, rows_bwd_tile_kernel,
-                                                kThreads, smem);
-  occ = std::max(1, std::min(occ, 8));
-  rows_bwd_tile_kernel<<<sms * occ, kThreads, smem, stream>>>(
-      d, g1, g2, g3, d_rows, unique_ids, group_offsets, counts, n, s.map,
-      s.ctrl, s.tile_flag, s.Pbuf, s.dG1p, s.dG2p, s.ug, s.slots);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+#define FLOWTT_BWD(Q1, M, Q3, BB)                                              \
+  err = launch_persistent(rows_bwd_tile_kernel<Q1, M, Q3, BB>, smem, stream,   \
+                          sms, d, g1, g2, g3, d_rows, unique_ids,              \
+                          group_offsets, counts, n, s.map, s.ctrl,             \
+                          s.tile_flag, s.Pbuf, s.dPbuf, s.dG1p, s.dG2p, s.ug,  \
+                          s.slots)
+  {
+    const int bb = d.r2 > 32 ? 2 : 1;
+    const int key = d.q1 * 1000 + d.M * 10 + d.q3;
+    if (key == 2084 && bb == 1) FLOWTT_BWD(2, 8, 4, 1);
+    else if (key == 2084) FLOWTT_BWD(2, 8, 4, 2);
+    else if (key == 4168 && bb == 1) FLOWTT_BWD(4, 16, 8, 1);
+    else if (key == 4168) FLOWTT_BWD(4, 16, 8, 2);
+    else if (key == 2044 && bb == 1) FLOWTT_BWD(2, 4, 4, 1);
+    else if (key == 2044) FLOWTT_BWD(2, 4, 4, 2);
+    else if (key == 4164 && bb == 1) FLOWTT_BWD(4, 16, 4, 1);
+    else if (key == 4164) FLOWTT_BWD(4, 16, 4, 2);
+    else FLOWTT_BWD(0, 0, 0, 0);
+  }
+#undef FLOWTT_BWD
+  if (err != cudaSuccess) return err;
   if (!(g_stage_mask & 2)) return cudaGetLastError();
   {
     dim3 grid((d.R1Q2R2 + 255) / 256, d.p2);
@@ -1099,13 +1318,14 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows,
   }
   const int nch = (n + kPL - 1) / kPL;
   const int b1 = (int)(((long long)nch * TS + 255) / 256);
-  const int b2 = (int)(((long long)n * 32 + 255) / 256);
+  const int b2 = std::max(1, std::min((int)(((long long)n * 32 + 255) / 256),
+                                      num_sms() * 8));
   const int bw = (int)(((long long)n * TS + 255) / 256);
   if (v4) {
     pool_bwd_rows_p1<4><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm,
                                                 inverse, run_offsets, counts,
                                                 n, B, D, TS, d_rows, part);
-    pool_bwd_rows_p2<4><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D, TS,
+    pool_bwd_rows_p2<4><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D,
                                                 part, d_rows);
     pool_bwd_weights_kernel<4><<<bw, 256, 0, stream>>>(
         dout, rows, inverse, bag_ids, n, B, D, TS, d_weights);
@@ -1113,7 +1333,7 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows,
     pool_bwd_rows_p1<1><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm,
                                                 inverse, run_offsets, counts,
                                                 n, B, D, TS, d_rows, part);
-    pool_bwd_rows_p2<1><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D, TS,
+    pool_bwd_rows_p2<1><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D,
                                                 part, d_rows);
     pool_bwd_weights_kernel<1><<<bw, 256, 0, stream>>>(
         dout, rows, inverse, bag_ids, n, B, D, TS, d_weights);

@@ -1,16 +1,27 @@
 // nanobind module `_flowtt_cuda`: registrations() hands the CUDA handlers'
-// capsules (cuda/handlers.cu) to jax.ffi.register_ffi_target(platform="CUDA").
+// capsules (cuda/handlers.cu) to jax.ffi.register_ffi_target(platform="CUDA");
+// scratch_bytes() reports the handlers' run-time scratch (for benchmarks).
 #include "handlers.h"
 #include "nanobind/nanobind.h"
+#include "tt_kernels.h"
 
 NB_MODULE(_flowtt_cuda, m) {
+  namespace nb = nanobind;
   m.def("registrations", []() {
-    namespace nb = nanobind;
     nb::dict d;
     d["flowtt_tt_rows_fwd"] = nb::capsule(reinterpret_cast<void*>(FlowttRowsFwdCuda));
     d["flowtt_tt_rows_bwd"] = nb::capsule(reinterpret_cast<void*>(FlowttRowsBwdCuda));
     d["flowtt_bag_pool_fwd"] = nb::capsule(reinterpret_cast<void*>(FlowttPoolFwdCuda));
     d["flowtt_bag_pool_bwd"] = nb::capsule(reinterpret_cast<void*>(FlowttPoolBwdCuda));
+    return d;
+  });
+  m.def("scratch_bytes", [](int p1, int p2, int p3, int q1, int q2, int q3, int r1, int r2,
+                            int n) {
+    flowtt::TTDims t{p1, p2, p3, q1, q2, q3, r1, r2};
+    nb::dict d;
+    d["rows_fwd"] = flowtt::rows_fwd_scratch_bytes(t, n);
+    d["rows_bwd"] = flowtt::rows_bwd_scratch_bytes(t, n);
+    d["pool_bwd"] = flowtt::bag_pool_bwd_scratch_bytes(n, t.D());
     return d;
   });
 }

@@ -1,0 +1,223 @@
+"""Single-table benchmark: dense bag, TT reference, TT reference + dedup, FlowTT kernels.
+
+Usage: python benchmarks/bench_single_table.py --out results.json [--configs S1,D128_B4096,...]
+
+Timing method ("queued"): a jitted function is called K times back to back
+(asynchronous dispatch, all calls queued on the device), then one
+block_until_ready; time per call = wall / K; the median over R repeats is
+reported, after warm-up. This is device time whenever one call's device work is
+longer than its host dispatch (~tens of microseconds); the JSON also records
+the dispatch floor measured the same way on a trivial jitted function with the
+same arguments, so a number near that floor is flagged as dispatch-bound.
+Temporary memory is XLA's compile-time memory_analysis().temp_size_in_bytes;
+the FFI handlers' scratch (allocated at run time through XLA's scratch
+allocator, invisible to memory_analysis) is reported separately from the
+kernels' own size function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flowtt_jax as ftt
+from flowtt_jax import reference
+from flowtt_jax.plan import make_plan
+
+FP32_PEAK = 67e12  # H100/H200 SXM datasheet non-tensor fp32 FLOP/s
+
+CONFIGS = {
+    # name: (N, row_shape, D, col_shape, rank, bags, dist)
+    "S1": (10_000_000, (200, 200, 250), 32, (2, 4, 4), 32, 32768, "zipf1.05"),
+    "D128_r64_B4096": (10_000_000, (200, 200, 250), 128, (4, 4, 8), 64, 4096, "zipf1.05"),
+    "D128_r64_B65536": (10_000_000, (200, 200, 250), 128, (4, 4, 8), 64, 65536, "zipf1.05"),
+    "D32_r32_B4096": (10_000_000, (200, 200, 250), 32, (2, 4, 4), 32, 4096, "zipf1.05"),
+    "D32_r32_B65536": (10_000_000, (200, 200, 250), 32, (2, 4, 4), 32, 65536, "zipf1.05"),
+    "S1_uniform": (10_000_000, (200, 200, 250), 32, (2, 4, 4), 32, 32768, "uniform"),
+    "S1_zipf1.2": (10_000_000, (200, 200, 250), 32, (2, 4, 4), 32, 32768, "zipf1.2"),
+}
+
+
+def make_workload(N, bags, dist, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 28, bags)  # uniform in [1, 27]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    n = int(offsets[-1])
+    if dist == "uniform":
+        ids = rng.integers(0, N, n)
+    else:
+        ranks = rng.zipf(float(dist[4:]), n) - 1
+        ids = (ranks.astype(np.uint64) * np.uint64(2654435761)) % np.uint64(N)
+    ids = ids.astype(np.int32)
+    bag_ids = (np.repeat(np.arange(bags), lengths)).astype(np.int32)
+    weights = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    return ids, offsets, bag_ids, weights
+
+
+def queued_time(f, args, K=20, R=15, warm=3):
+    for _ in range(warm):
+        jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(R):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(K):
+            out = f(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / K * 1e3)
+    return statistics.median(ts)
+
+
+def temp_bytes(f, args):
+    try:
+        ma = jax.jit(f).lower(*args).compile().memory_analysis()
+        return int(ma.temp_size_in_bytes)
+    except Exception as e:  # noqa: BLE001
+        return f"n/a ({type(e).__name__})"
+
+
+def scratch_bytes(spec, n, D):
+    try:
+        from flowtt_jax import _flowtt_cuda
+
+        p1, p2, p3 = spec.row_shape
+        q1, q2, q3 = spec.col_shape
+        r1, r2 = spec.ranks[1], spec.ranks[2]
+        return _flowtt_cuda.scratch_bytes(p1, p2, p3, q1, q2, q3, r1, r2, n)
+    except Exception as e:  # noqa: BLE001
+        return f"n/a ({e})"
+
+
+def run_config(name, K, R):
+    N, row_shape, D, col_shape, rank, bags, dist = CONFIGS[name]
+    spec = ftt.TTSpec.create(N, D, rank, row_shape=row_shape, col_shape=col_shape)
+    cores = tuple(ftt.init_cores(jax.random.key(1), spec))
+    ids_np, offsets_np, bag_ids_np, w_np = make_workload(N, bags, dist)
+    n = ids_np.shape[0]
+    ids, offsets, bag_ids, w = map(jnp.asarray, (ids_np, offsets_np, bag_ids_np, w_np))
+    cot = jax.random.normal(jax.random.key(2), (bags, D), jnp.float32)
+    res = {"config": name, "N": N, "row_shape": row_shape, "D": D, "col_shape": col_shape,
+           "rank": rank, "bags": bags, "nnz": n, "ids": dist}
+
+    plan = jax.jit(make_plan, static_argnums=1)(ids, row_shape[-1])
+    nu, ng = (int(x) for x in plan.counts)
+    res["num_unique"], res["num_groups"] = nu, ng
+    M = col_shape[0] * col_shape[1]
+    flops_fwd = 2.0 * ng * M * rank * rank + 2.0 * nu * D * rank
+    res["fwd_flop_floor"] = flops_fwd
+    res["fwd_floor_ms_fp32"] = flops_fwd / FP32_PEAK * 1e3
+
+    # dispatch floor: trivial jitted fn with the same arguments
+    triv = jax.jit(lambda c, i, o, ww: ww[:1] + 1.0)
+    res["dispatch_floor_ms"] = queued_time(triv, (cores, ids, offsets, w), K, R)
+
+    def tt_impl(impl):
+        def fwd(c, i, o, ww):
+            return ftt.tt_embedding_bag(c, i, offsets=o, weights=ww, impl=impl)
+
+        def fb(c, i, o, ww):
+            out, vjp = jax.vjp(lambda cc, www: fwd(cc, i, o, www), c, ww)
+            return out, vjp(cot)
+        return fwd, fb
+
+    def dedup_impls():
+        def fwd(c, i, o, ww):
+            uniq, inv = jnp.unique(i, size=i.shape[0], fill_value=0, return_inverse=True)
+            rows = reference.tt_rows(c, uniq)[inv.reshape(-1)]
+            return jax.ops.segment_sum(rows * ww[:, None], bag_ids, num_segments=bags)
+
+        def fb(c, i, o, ww):
+            out, vjp = jax.vjp(lambda cc, www: fwd(cc, i, o, www), c, ww)
+            return out, vjp(cot)
+        return fwd, fb
+
+    impls = {"ours": tt_impl("ffi"), "tt_reference": tt_impl("reference"),
+             "tt_reference_dedup": dedup_impls()}
+    for label, (fwd, fb) in impls.items():
+        r = {}
+        try:
+            args = (cores, ids, offsets, w)
+            r["fwd_ms"] = queued_time(jax.jit(fwd), args, K, R)
+            r["fwd_bwd_ms"] = queued_time(jax.jit(fb), args, K, R)
+            r["fwd_temp_bytes"] = temp_bytes(fwd, args)
+            r["fwd_bwd_temp_bytes"] = temp_bytes(fb, args)
+            r["fwd_fraction_of_fp32_peak"] = flops_fwd / FP32_PEAK / (r["fwd_ms"] * 1e-3)
+        except Exception as e:  # noqa: BLE001
+            r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        res[label] = r
+        print(name, label, r, flush=True)
+
+    # where our time goes: plan / rows kernel / pooling (each jitted alone)
+    from flowtt_jax import ffi as fffi
+
+    try:
+        rows = jax.jit(fffi.rows_fwd)(cores, plan)
+        res["ours_breakdown_ms"] = {
+            "plan": queued_time(jax.jit(make_plan, static_argnums=1), (ids, row_shape[-1]), K, R),
+            "rows_fwd_kernel": queued_time(jax.jit(fffi.rows_fwd), (cores, plan), K, R),
+            "pool_fwd_kernel": queued_time(jax.jit(fffi.pool_fwd), (rows, plan.inverse, w, offsets), K, R),
+            "pool_bwd_kernel": queued_time(jax.jit(fffi.pool_bwd), (cot, rows, w, bag_ids, plan), K, R),
+            "rows_bwd_kernel": queued_time(jax.jit(fffi.rows_bwd), (cores, rows, plan), K, R),
+        }
+        res["ours_scratch_bytes"] = scratch_bytes(spec, n, D)
+    except Exception as e:  # noqa: BLE001
+        res["ours_breakdown_ms"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+
+    # dense EmbeddingBag baseline (uncompressed table)
+    try:
+        table = jax.random.normal(jax.random.key(3), (N, D), jnp.float32) * 0.01
+
+        def dense_fwd(t, i, ww):
+            return jax.ops.segment_sum(jnp.take(t, i, axis=0) * ww[:, None], bag_ids, num_segments=bags)
+
+        def dense_fb(t, i, ww):
+            out, vjp = jax.vjp(lambda tt: dense_fwd(tt, i, ww), t)
+            return out, vjp(cot)
+        r = {"fwd_ms": queued_time(jax.jit(dense_fwd), (table, ids, w), K, R),
+             "fwd_bwd_ms": queued_time(jax.jit(dense_fb), (table, ids, w), K, R),
+             "fwd_temp_bytes": temp_bytes(dense_fwd, (table, ids, w)),
+             "table_bytes": N * D * 4}
+        del table
+    except Exception as e:  # noqa: BLE001
+        r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    res["dense_bag"] = r
+    print(name, "dense", r, flush=True)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/single_table.json")
+    ap.add_argument("--configs", default="S1,D128_r64_B4096,D128_r64_B65536")
+    ap.add_argument("--K", type=int, default=20)
+    ap.add_argument("--R", type=int, default=15)
+    a = ap.parse_args()
+    commit = os.environ.get("FLOWTT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        except Exception:  # noqa: BLE001
+            commit = "unknown"
+    dev = jax.devices()[0]
+    out = {"device": f"{dev.platform}:{dev.device_kind}", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "git_commit": commit, "jax": jax.__version__,
+           "timing": "queued: K calls of a jitted fn then one block; median over R of wall/K (ms)",
+           "K": a.K, "R": a.R, "results": []}
+    for name in a.configs.split(","):
+        out["results"].append(run_config(name, a.K, a.R))
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Turn benchmarks/results/*.json (bench_single_table.py output) into a markdown table.
+
+Usage: python benchmarks/report.py [results/*.json] > benchmarks/results/REPORT.md
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import sys
+
+
+def fmt(x, nd=3):
+    if isinstance(x, (int, float)):
+        return f"{x:.{nd}f}"
+    return str(x) if x is not None else "-"
+
+
+def mb(x):
+    return f"{x / 1e6:.1f}" if isinstance(x, (int, float)) else str(x)
+
+
+def main(paths):
+    paths = paths or sorted(glob.glob("benchmarks/results/*.json"))
+    for p in paths:
+        data = json.load(open(p))
+        print(f"## {p}\n")
+        print(f"device `{data.get('device')}`, date {data.get('date')}, commit `{data.get('git_commit')}`, "
+              f"jax {data.get('jax')}; timing: {data.get('timing')} (K={data.get('K')}, R={data.get('R')})\n")
+        print("| config | nnz | unique | groups | impl | fwd ms | fwd+bwd ms | fwd temp MB (XLA) | "
+              "fwd % of fp32 peak |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in data["results"]:
+            for impl in ("dense_bag", "tt_reference", "tt_reference_dedup", "ours"):
+                x = r.get(impl, {})
+                if "error" in x:
+                    print(f"| {r['config']} | {r['nnz']} | {r.get('num_unique')} | {r.get('num_groups')} | "
+                          f"{impl} | error: {x['error'][:80]} | | | |")
+                    continue
+                frac = x.get("fwd_fraction_of_fp32_peak")
+                print(f"| {r['config']} | {r['nnz']} | {r.get('num_unique')} | {r.get('num_groups')} | {impl} | "
+                      f"{fmt(x.get('fwd_ms'))} | {fmt(x.get('fwd_bwd_ms'))} | {mb(x.get('fwd_temp_bytes'))} | "
+                      f"{fmt(100 * frac, 1) if isinstance(frac, float) else '-'} |")
+        print()
+        for r in data["results"]:
+            print(f"- {r['config']}: dispatch floor {fmt(r.get('dispatch_floor_ms'))} ms; fwd FLOP floor "
+                  f"{r.get('fwd_flop_floor', 0):.3g} ({fmt(r.get('fwd_floor_ms_fp32'), 4)} ms at fp32 peak); "
+                  f"ours breakdown (ms, each jitted alone): {r.get('ours_breakdown_ms')}; "
+                  f"FFI scratch bytes: {r.get('ours_scratch_bytes')}")
+        print()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# GPU check on the device machine (one `run` call per stage):
+#   scripts/gpu_check.sh test   build + CUDA harness + pytest + compute-sanitizer
+#   scripts/gpu_check.sh bench  build + single-table benchmark (JSON + markdown)
+#   scripts/gpu_check.sh all    both
+# Logs and JSON go to $OUT (default ./gpu_check_out).
+set -uo pipefail
+STAGE=${1:-all}
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export FLOWTT_COMMIT=${FLOWTT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+PY=${PY:-python3}
+status=0
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/build.log"
+echo "== build (FLOWTT_CUDA=ON)" | tee -a "$OUT/build.log"
+FLOWTT_CUDA=ON FLOWTT_CUDA_ARCHITECTURES=90 $PY -m pip install --no-build-isolation --no-deps -v -e . \
+  >>"$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1; }
+$PY -c "import flowtt_jax._flowtt_cuda as m, jax; print('ext ok', sorted(m.registrations()), jax.devices())" \
+  2>&1 | tee -a "$OUT/build.log"
+
+if [[ $STAGE == test || $STAGE == all ]]; then
+  echo "== CUDA harness (kernels alone, CUDA events)"
+  nvcc -arch=sm_90 -O3 -std=c++17 cuda/test_harness.cu cuda/tt_kernels.cu -o /tmp/flowtt_harness \
+    && /tmp/flowtt_harness 2>&1 | tee "$OUT/harness.log" | grep -E "FAIL|PASS \(|TIMING|STAGES" || status=1
+  echo "== pytest: GPU tests"
+  $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/pytest.log" | tail -5
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+  echo "== pytest: the rest of tests/ on the GPU backend" | tee -a "$OUT/pytest.log"
+  $PY -m pytest -q -p no:cacheprovider --timeout=600 tests --ignore=tests/test_cuda.py 2>&1 \
+    | tee -a "$OUT/pytest.log" | tail -8
+  echo "== compute-sanitizer (memcheck, racecheck) on a small forward+backward" | tee "$OUT/sanitizer.log"
+  for tool in memcheck racecheck; do
+    echo "-- $tool (JAX, flowtt kernels)" | tee -a "$OUT/sanitizer.log"
+    compute-sanitizer --tool $tool --target-processes all --kernel-regex kns=flowtt \
+      $PY scripts/sanitize_small.py >>"$OUT/sanitizer.log" 2>&1
+    tail -2 "$OUT/sanitizer.log"
+    echo "-- $tool (standalone harness --quick)" | tee -a "$OUT/sanitizer.log"
+    compute-sanitizer --tool $tool /tmp/flowtt_harness --quick >>"$OUT/sanitizer.log" 2>&1
+    tail -1 "$OUT/sanitizer.log"
+  done
+fi
+
+if [[ $STAGE == bench || $STAGE == all ]]; then
+  echo "== benchmark"
+  XLA_PYTHON_CLIENT_PREALLOCATE=true $PY benchmarks/bench_single_table.py --out "$OUT/bench.json" \
+    ${BENCH_CONFIGS:+--configs $BENCH_CONFIGS} 2>&1 | tee "$OUT/bench.log" | grep -vE "^\s*$" | tail -30
+  $PY benchmarks/report.py "$OUT/bench.json" > "$OUT/REPORT.md" 2>&1
+  cat "$OUT/REPORT.md"
+fi
+exit $status

@@ -1,0 +1,201 @@
+"""The CUDA path (impl="ffi" on a GPU) against the reference, forward and backward.
+
+Skipped unless a GPU backend and the compiled ``_flowtt_cuda`` extension exist.
+The reference runs in float64 on the CPU (no TF32 anywhere); the CUDA results
+are fp32 on the GPU. Every case draws fresh random cores, ids, offsets and
+weights. Outputs of the raw targets are poisoned (aliased to NaN buffers).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flowtt_jax as ftt
+from conftest import make_ids, random_offsets, rel_err
+from flowtt_jax.plan import make_plan
+
+
+def _gpu():
+    try:
+        devs = jax.devices("gpu")
+        return devs[0] if devs else None
+    except RuntimeError:
+        return None
+
+
+GPU = _gpu()
+CPU = jax.devices("cpu")[0]
+HAS_EXT = importlib.util.find_spec("flowtt_jax._flowtt_cuda") is not None
+if os.environ.get("FLOWTT_TEST_CUDA_ON_CPU") == "1":  # dev aid: run this file's logic on the CPU kernels
+    GPU, HAS_EXT = CPU, True
+pytestmark = pytest.mark.skipif(GPU is None or not HAS_EXT,
+                                reason="needs a GPU backend and the _flowtt_cuda extension")
+
+TOL = 1e-5
+KINDS = ("uniform", "zipf1.05", "zipf1.2", "all_equal", "last_row", "single")
+# (D, r) pairs covering D in {16,32,64,128} and r in {8,16,32,64}
+SHAPES = ((16, 8), (32, 16), (64, 32), (128, 64), (32, 64), (128, 8), (16, 32), (64, 16))
+
+_seed = np.random.SeedSequence().entropy % (2**31)  # fresh inputs every run
+
+
+def _next_seed():
+    global _seed
+    _seed += 1
+    return _seed
+
+
+def _case(kind, dim, rank, n=3000, num_bags=300, num_embeddings=20000, row_shape=None):
+    spec = ftt.TTSpec.create(num_embeddings, dim, rank, **({"row_shape": row_shape} if row_shape else {}))
+    cores = ftt.init_cores(jax.random.key(_next_seed()), spec, std=1.0)
+    if kind == "single":
+        n, num_bags = 1, 1
+        ids = np.array([np.random.default_rng(_next_seed()).integers(0, num_embeddings)], np.int32)
+        offsets = np.array([0, 1], np.int32)
+    else:
+        ids = make_ids(kind, n, num_embeddings, seed=_next_seed())
+        offsets = random_offsets(num_bags, n, seed=_next_seed())
+    rng = np.random.default_rng(_next_seed())
+    weights = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    cot = rng.standard_normal((num_bags, dim)).astype(np.float32)
+    return spec, [np.asarray(c) for c in cores], ids, offsets, weights, cot
+
+
+def _loss_fn(impl, mode, ids, offsets):
+    def loss(cores, weights, cot):
+        out = ftt.tt_embedding_bag(tuple(cores), ids, offsets=offsets, weights=weights, mode=mode,
+                                   impl=impl)
+        return jnp.sum(out * cot), out
+    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+
+
+def _run_gpu(mode, cores, ids, offsets, weights, cot):
+    put = lambda x: jax.device_put(x, GPU)
+    f = jax.jit(lambda c, w, i, o, ct: _loss_fn("ffi", mode, i, o)(c, w, ct))
+    (loss, out), (gc, gw) = f([put(c) for c in cores], put(weights), put(ids), put(offsets), put(cot))
+    return np.asarray(out), [np.asarray(g) for g in gc], np.asarray(gw), f
+
+
+def _run_ref(mode, cores, ids, offsets, weights, cot):
+    with jax.enable_x64(True), jax.default_device(CPU):
+        c64 = [jnp.asarray(c, jnp.float64) for c in cores]
+        f = _loss_fn("reference", mode, jnp.asarray(ids), jnp.asarray(offsets))
+        (loss, out), (gc, gw) = f(c64, jnp.asarray(weights, jnp.float64), jnp.asarray(cot, jnp.float64))
+        return np.asarray(out), [np.asarray(g) for g in gc], np.asarray(gw)
+
+
+def _check(mode, cores, ids, offsets, weights, cot, bitwise=True):
+    out, gc, gw, f = _run_gpu(mode, cores, ids, offsets, weights, cot)
+    rout, rgc, rgw = _run_ref(mode, cores, ids, offsets, weights, cot)
+    assert rel_err(out, rout) <= TOL, ("forward", rel_err(out, rout))
+    for k, (g, r) in enumerate(zip(gc, rgc)):
+        assert rel_err(g, r) <= TOL, (f"dcore{k}", rel_err(g, r))
+    assert rel_err(gw, rgw) <= TOL, ("dweights", rel_err(gw, rgw))
+    if bitwise:
+        out2, gc2, gw2, _ = _run_gpu(mode, cores, ids, offsets, weights, cot)
+        assert np.array_equal(out, out2)
+        for g, g2 in zip(gc, gc2):
+            assert np.array_equal(g, g2), "core gradient not bitwise reproducible"
+        assert np.array_equal(gw, gw2)
+
+
+@pytest.mark.parametrize("dim,rank", SHAPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_bag_matches_reference(kind, dim, rank):
+    spec, cores, ids, offsets, weights, cot = _case(kind, dim, rank)
+    _check("sum", cores, ids, offsets, weights, cot)
+
+
+@pytest.mark.parametrize("mode", ["mean", "sqrtn"])
+def test_modes(mode):
+    spec, cores, ids, offsets, weights, cot = _case("zipf1.05", 32, 32)
+    _check(mode, cores, ids, offsets, weights, cot, bitwise=False)
+
+
+@pytest.mark.parametrize("dim,rank", [(32, 32), (128, 64)])
+def test_hot_prefix_groups(dim, rank):
+    """Groups with hundreds of unique ids (split into chunks, P shared via checkpoint)."""
+    spec, cores, ids, offsets, weights, cot = _case(
+        "uniform", dim, rank, n=6000, num_bags=400, num_embeddings=100000, row_shape=(10, 10, 1000))
+    ids = np.random.default_rng(_next_seed()).integers(0, 3000, ids.shape[0]).astype(np.int32)
+    _check("sum", cores, ids, offsets, weights, cot)
+
+
+def test_tt_lookup_matches_reference():
+    spec, cores, ids, offsets, weights, cot = _case("zipf1.2", 64, 16)
+    ids2 = ids.reshape(-1, 3)
+    put = lambda x: jax.device_put(x, GPU)
+    got = jax.jit(lambda c, i: ftt.tt_lookup(tuple(c), i, impl="ffi"))([put(c) for c in cores], put(ids2))
+    with jax.enable_x64(True), jax.default_device(CPU):
+        ref = ftt.tt_lookup(tuple(jnp.asarray(c, jnp.float64) for c in cores), jnp.asarray(ids2),
+                            impl="reference")
+    assert got.shape == ref.shape
+    assert rel_err(got, ref) <= TOL
+
+
+def _poisoned(target, out_shapes, *args):
+    poison = [jnp.full(s.shape, jnp.nan, s.dtype, device=GPU) for s in out_shapes]
+    aliases = {len(args) + k: k for k in range(len(out_shapes))}
+    call = jax.ffi.ffi_call(target, tuple(out_shapes), input_output_aliases=aliases)
+    return [np.asarray(x) for x in jax.jit(call)(*[jax.device_put(a, GPU) for a in args], *poison)]
+
+
+@pytest.mark.parametrize("kind", ["uniform", "zipf1.05", "all_equal"])
+@pytest.mark.parametrize("dim,rank", [(32, 32), (128, 64)])
+def test_raw_targets_write_every_element(kind, dim, rank):
+    from flowtt_jax import ffi
+
+    assert "CUDA" in ffi._register() or GPU is CPU
+    spec, cores, ids, offsets, weights, cot = _case(kind, dim, rank)
+    n, num_bags = ids.shape[0], offsets.shape[0] - 1
+    f32 = lambda s: jax.ShapeDtypeStruct(s, jnp.float32)
+    plan = make_plan(jax.device_put(jnp.asarray(ids), GPU), spec.row_shape[-1])
+    nu = int(plan.counts[0])
+    bag_ids = (np.searchsorted(offsets, np.arange(n), side="right") - 1).astype(np.int32)
+    (rows,) = _poisoned("flowtt_tt_rows_fwd", [f32((n, dim))], *cores, plan.unique_ids,
+                        plan.group_offsets, plan.counts)
+    assert np.all(np.isfinite(rows))
+    np.testing.assert_array_equal(rows[nu:], 0.0)
+    (out,) = _poisoned("flowtt_bag_pool_fwd", [f32((num_bags, dim))], rows, plan.inverse, weights,
+                       offsets)
+    assert np.all(np.isfinite(out))
+    d_rows, d_w = _poisoned("flowtt_bag_pool_bwd", [f32((n, dim)), f32((n,))], cot, rows, weights,
+                            plan.inverse, bag_ids, plan.perm, plan.run_offsets, plan.counts)
+    assert np.all(np.isfinite(d_rows)) and np.all(np.isfinite(d_w))
+    np.testing.assert_array_equal(d_rows[nu:], 0.0)
+    grads = _poisoned("flowtt_tt_rows_bwd", [f32(c.shape) for c in cores], *cores, d_rows,
+                      plan.unique_ids, plan.group_offsets, plan.counts)
+    for g in grads:
+        assert np.all(np.isfinite(g))
+    # and the values: rows against the float64 reference
+    with jax.enable_x64(True), jax.default_device(CPU):
+        ref = ftt.reference.tt_rows([jnp.asarray(c, jnp.float64) for c in cores],
+                                    jnp.asarray(np.asarray(plan.unique_ids)[:nu]))
+    assert rel_err(rows[:nu], ref) <= TOL
+
+
+def test_bad_shape_is_an_error():
+    spec, cores, ids, offsets, weights, cot = _case("uniform", 32, 16)
+    plan = make_plan(jax.device_put(jnp.asarray(ids), GPU), spec.row_shape[-1])
+    call = jax.ffi.ffi_call("flowtt_tt_rows_fwd", jax.ShapeDtypeStruct((ids.shape[0], 31), jnp.float32))
+    with pytest.raises(Exception, match="rows must be"):
+        jax.block_until_ready(call(*[jax.device_put(c, GPU) for c in cores], plan.unique_ids,
+                                   plan.group_offsets, plan.counts))
+
+
+def test_out_of_range_ids_never_read_outside():
+    """Kernels clamp ids (no error on GPU: checking would need a host sync)."""
+    spec, cores, ids, offsets, weights, cot = _case("uniform", 32, 16, n=64, num_bags=8)
+    plan = make_plan(jax.device_put(jnp.asarray(ids), GPU), spec.row_shape[-1])
+    nu = int(plan.counts[0])
+    bad = plan.unique_ids.at[nu - 1].set(2**31 - 1).at[0].set(-5)
+    call = jax.ffi.ffi_call("flowtt_tt_rows_fwd", jax.ShapeDtypeStruct((64, 32), jnp.float32))
+    # must neither fault nor hang (compute-sanitizer memcheck covers the reads)
+    jax.block_until_ready(call(*[jax.device_put(c, GPU) for c in cores], bad, plan.group_offsets,
+                               plan.counts))
