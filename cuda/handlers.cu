@@ -45,7 +45,7 @@ ffi::Error PrepareCores(const F32& g1, const F32& g2, const F32& g3,
 }
 
 void* Scratch(ffi::ScratchAllocator& scratch, size_t bytes) {
-  auto p = scratch.Allocate(bytes < 256 ? 256 : bytes, 256);
+  auto p = scratch.Allocate(bytes < 256 ? 256 : bytes, 16);  // XLA caps the alignment
   return p.has_value() ? *p : nullptr;
 }
 

@@ -716,7 +716,13 @@ __device__ __forceinline__ int lower_bound_dev(const int* a, int n, int key) {
 // dG3 partials: block (i3, part) sums P_g(u)^T dRow_u over a fixed
 // contiguous part of the i3 bucket (unique ids in ascending order); sub-groups
 // of threads take a fixed strided subset and are combined in order.
-__global__ void dg3_kernel(Dev d, const int* __restrict__ keys,
+__global__ void dg3_bounds_kernel(Dev d, const int* __restrict__ keys, int n,
+                                  int* __restrict__ bounds) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i <= d.p3) bounds[i] = lower_bound_dev(keys, n, i);
+}
+
+__global__ void dg3_kernel(Dev d, const int* __restrict__ bounds,
                            const int* __restrict__ vals, int n,
                            const int* __restrict__ ug,
                            const float* __restrict__ Pbuf,
@@ -727,8 +733,8 @@ __global__ void dg3_kernel(Dev d, const int* __restrict__ keys,
   __shared__ float s_red[kThreads];
   const int i3 = blockIdx.x, part = blockIdx.y;
   const int tid = threadIdx.x;
-  const int blo = lower_bound_dev(keys, n, i3);
-  const int bhi = lower_bound_dev(keys, n, i3 + 1);
+  const int blo = bounds[i3];
+  const int bhi = bounds[i3 + 1];
   const int per = (bhi - blo + kS3 - 1) / kS3;
   const int lo = min(bhi, blo + part * per), hi = min(bhi, lo + per);
   const int E3 = d.r2 * d.q3;
@@ -855,7 +861,7 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows,
 // Pass 2: warp per unique id; runs spanning chunks sum their partials in
 //   chunk order (sub-teams over contiguous parts, fixed shuffle tree);
 //   u >= num_unique gets zeros.
-constexpr int kPL = 32;
+constexpr int kPL = 16;
 
 template <int VEC>
 __global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
@@ -1089,7 +1095,7 @@ BwdScratch bwd_layout(const Dev& d, int n, void* base) {
   s.dG1p = bp.take<float>((size_t)s.slots * d.Q1R1);
   s.dG2p = bp.take<float>((size_t)s.nTiles * d.R1Q2R2);
   s.ug = bp.take<int>(n);
-  s.keys_in = bp.take<int>(n);
+  s.keys_in = bp.take<int>(std::max(n, d.p3 + 1));
   s.keys_out = bp.take<int>(n);
   s.vals_in = bp.take<int>(n);
   s.vals_out = bp.take<int>(n);
@@ -1259,8 +1265,12 @@ cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2,
            n, 0, end_bit_for(d.p3), stream)) != cudaSuccess)
     return err;
   if (!(g_stage_mask & 32)) return cudaGetLastError();
+  dg3_bounds_kernel<<<(d.p3 + 256) / 256, 256, 0, stream>>>(d, s.keys_out, n,
+                                                           s.keys_in);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  // keys_in is free after the sort: it holds the p3+1 bucket bounds
   dg3_kernel<<<dim3(d.p3, kS3), kThreads, 0, stream>>>(
-      d, s.keys_out, s.vals_out, n, s.ug, s.Pbuf, d_rows, s.slots, s.dg3p);
+      d, s.keys_in, s.vals_out, n, s.ug, s.Pbuf, d_rows, s.slots, s.dg3p);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   {
     const long long tot = (long long)d.p3 * d.r2 * d.q3;
@@ -1319,7 +1329,7 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows,
   const int nch = (n + kPL - 1) / kPL;
   const int b1 = (int)(((long long)nch * TS + 255) / 256);
   const int b2 = std::max(1, std::min((int)(((long long)n * 32 + 255) / 256),
-                                      num_sms() * 8));
+                                      num_sms() * 64));
   const int bw = (int)(((long long)n * TS + 255) / 256);
   if (v4) {
     pool_bwd_rows_p1<4><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm,

@@ -28,12 +28,12 @@ if [[ $STAGE == test || $STAGE == all ]]; then
   $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/pytest.log" | tail -5
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   echo "== pytest: the rest of tests/ on the GPU backend" | tee -a "$OUT/pytest.log"
-  $PY -m pytest -q -p no:cacheprovider --timeout=600 tests --ignore=tests/test_cuda.py 2>&1 \
+  JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -p no:cacheprovider --timeout=600 tests --ignore=tests/test_cuda.py 2>&1 \
     | tee -a "$OUT/pytest.log" | tail -8
   echo "== compute-sanitizer (memcheck, racecheck) on a small forward+backward" | tee "$OUT/sanitizer.log"
   for tool in memcheck racecheck; do
     echo "-- $tool (JAX, flowtt kernels)" | tee -a "$OUT/sanitizer.log"
-    compute-sanitizer --tool $tool --target-processes all --kernel-regex kns=flowtt \
+    compute-sanitizer --tool $tool --target-processes all --kernel-name kns=flowtt \
       $PY scripts/sanitize_small.py >>"$OUT/sanitizer.log" 2>&1
     tail -2 "$OUT/sanitizer.log"
     echo "-- $tool (standalone harness --quick)" | tee -a "$OUT/sanitizer.log"
