@@ -329,6 +329,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, RunResult]:
     else:
         r = train_and_eval(args, dense_tables=args.dense)
         results[r.name] = r
+        if not args.dense:
+            print("(--dense trains the same model with dense tables; --compare runs both on the same data)")
     return results
 
 

@@ -199,7 +199,11 @@ class TTEmbedBag(_TTTable):
 
 
 class EmbedBag(nnx.Module):
-    """Bags over a plain dense ``[N, D]`` table (param ``embedding``); same call as ``TTEmbedBag``."""
+    """Bags over a plain dense ``[N, D]`` table (param ``embedding``); same call as ``TTEmbedBag``.
+
+    ``embedding_init``: None (normal, std ``1/sqrt(features)``), a float std, or a Flax
+    initializer ``(key, shape, dtype)``. ``lookup(ids)`` gives unpooled rows.
+    """
 
     def __init__(
         self,
