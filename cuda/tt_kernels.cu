@@ -7,29 +7,36 @@
 //   2. build_map: map[i1*p2+i2] = g for every prefix group g (and zero the
 //      padding rows u >= num_unique).
 //   3. rows_fwd_kernel: persistent CTAs, two work queues (atomic counters):
-//      phase 1 "tiles": a tile is one i2 column x kT1F consecutive i1 values;
-//        the CTA keeps G2[i2] in shared memory for the whole tile (so G2 is
-//        read ~p1/kT1F times from L2 instead of once per group), and for each
-//        present group forms P = G1[i1].G2[i2] in shared memory, then applies
-//        G3[i3] for the first kCH unique ids of the group. A group with more
-//        than kCH unique ids publishes P to an L2 checkpoint slot (slot =
-//        group_start / kCH, unique per large group) and sets a flag.
-//      phase 2 "chunks": chunk c = unique indices [c*kCH, (c+1)*kCH); the only
-//        work left in a chunk is the tail of (at most one) large group that
-//        started before it; the CTA waits for that group's flag, reloads P
-//        from the checkpoint (ld.cg) and applies G3. Dependencies only point
-//        to tiles already claimed by running CTAs: no deadlock.
+//      phase 1 "tiles": a tile is one i2 column x kT1F consecutive i1 values,
+//        claimed by a CTA; G2[i2] stays in shared memory for the whole tile
+//        (G2 is read ~p1/kT1F times from L2 instead of once per group). Each
+//        warp takes whole groups of the tile: P = G1[i1].G2[i2] in its own
+//        shared-memory slice (register-blocked over q1 and 4 columns/lane),
+//        then G3[i3] applied for the first kCH unique ids of the group. A group
+//        with more than kCH unique ids publishes P to an L2 checkpoint slot
+//        (slot = group_start / kCH, unique per large group) and sets a flag.
+//      phase 2 "chunks": warps claim chunks c = unique indices
+//        [c*kCH, (c+1)*kCH); the only work left in a chunk is the tail of (at
+//        most one) large group that started before it: the warp waits for the
+//        group's flag, reloads P from the checkpoint (ld.cg) and applies G3.
+//        Dependencies only point to tiles already claimed by running CTAs:
+//        no deadlock.
 //   No per-id intermediate goes to HBM: rows are written once.
-// Backward (flowtt_tt_rows_bwd), all reductions in a fixed order (bitwise
-// reproducible):
-//   tile kernel (i2 column x kT1B i1 values): per group recompute P, form
-//     dP = sum_u dRow_u . G3[i3_u]^T, accumulate dG2[i2] += G1[i1]^T dP in
-//     shared memory (in i1 order), write per-group dG1 partials
-//     dP . G2[i2]^T, store P (for dG3) and the unique->group map.
-//   dg2_reduce: dG2[i2] = sum over the i1-blocks, in order.
-//   dg1_reduce: dG1[i1] = sum over the groups of i1 (i2 ascending).
-//   dG3: unique ids stably radix-sorted by i3 (cub), then one CTA per i3 sums
-//     P_g^T dRow_u in a fixed order.
+// Backward (flowtt_tt_rows_bwd), every reduction in a fixed order (bitwise
+// reproducible, no float atomics):
+//   tile kernel (i2 column x kT1B i1 values, G2[i2] in shared memory): a warp
+//     per group recomputes P (stored for dG3), dP = sum_u dRow_u G3[i3_u]^T
+//     (stored), and the group's dG1 partial dP.G2^T; then the CTA forms the
+//     tile's dG2 partial sum_k G1[i1_k]^T dP_k (groups in i1 order).
+//   dg2_reduce: dG2[i2] = sum of the tile partials, i1-blocks in order.
+//   dg1_reduce: dG1[i1] = sum of the group partials of i1, i2 ascending.
+//   dG3: unique ids stably radix-sorted by i3 (cub), bucket bounds, then fixed
+//     parts of each bucket summed (P_g^T dRow_u) and the parts combined in
+//     order.
+// Pooling: forward one thread team per bag, ids in increasing k; backward
+//   d_rows by a segmented reduction over the sorted order (chunks of kPL
+//   sorted positions + a fixed-order combine of the chunk partials of hot
+//   ids), d_weights one team per id.
 #include <cub/cub.cuh>
 
 #include <algorithm>
@@ -107,44 +114,6 @@ __device__ __forceinline__ void load_smem(float* dst,
       dst[i] = __ldg(src + i);
   } else {
     for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = __ldg(src + i);
-  }
-}
-
-// Ps[m*R2p + b] = sum_a G1s[q1*r1 + a] * G2s[(a*q2 + q2)*r2 + b], m = q1*q2+q2.
-__device__ __forceinline__ void compute_P(const Dev& d, const float* G1s,
-                                          const float* G2s, float* Ps) {
-  const int stride = d.q2 * d.r2;
-  for (int w = threadIdx.x; w < d.PSZ; w += blockDim.x) {
-    const int m = w / d.r2, b = w - m * d.r2;
-    const int q1 = m / d.q2, q2 = m - q1 * d.q2;
-    const float* g1r = G1s + q1 * d.r1;
-    const float* g2c = G2s + q2 * d.r2 + b;
-    float acc = 0.f;
-#pragma unroll 8
-    for (int a = 0; a < d.r1; ++a) acc = fmaf(g1r[a], g2c[a * stride], acc);
-    Ps[m * d.R2p + b] = acc;
-  }
-}
-
-// rows[u, o] = sum_b P[m, b] * G3[i3(u), b, q3], o = m*q3 + q3, u in [ulo,uhi)
-__device__ __forceinline__ void apply_g3(const Dev& d, const float* Ps,
-                                         const float* __restrict__ g3,
-                                         const int* __restrict__ uids, int ulo,
-                                         int uhi, float* __restrict__ rows,
-                                         int t0, int nt) {
-  const int total = (uhi - ulo) * d.D;
-  for (int w = t0; w < total; w += nt) {
-    const int j = w / d.D, o = w - j * d.D;
-    const int u = ulo + j;
-    int i1, i2, i3;
-    split_id(d, __ldg(uids + u), i1, i2, i3);
-    const int m = o / d.q3, q = o - m * d.q3;
-    const float* pr = Ps + m * d.R2p;
-    const float* g = g3 + (size_t)i3 * d.r2 * d.q3 + q;
-    float acc = 0.f;
-#pragma unroll 8
-    for (int b = 0; b < d.r2; ++b) acc = fmaf(pr[b], __ldg(g + b * d.q3), acc);
-    rows[(size_t)u * d.D + o] = acc;
   }
 }
 
