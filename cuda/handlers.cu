@@ -154,57 +154,20 @@ ffi::Error PoolBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttRowsFwdCuda, flowtt::RowsFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::S32>()
-                                  .RemainingArgs()
-                                  .Ret<flowtt::F32>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttRowsBwdCuda, flowtt::RowsBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::S32>()
-                                  .RemainingArgs()
-                                  .Ret<flowtt::F32>()
-                                  .Ret<flowtt::F32>()
-                                  .Ret<flowtt::F32>());
-
+// Context first (the stream XLA hands us, its scratch allocator), then the
+// contract's operands and results (ffi/contract.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlowttRowsFwdCuda, flowtt::RowsFwdImpl,
+    flowtt::BindRowsFwd(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlowttRowsBwdCuda, flowtt::RowsBwdImpl,
+    flowtt::BindRowsBwd(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolFwdCuda, flowtt::PoolFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::S32>()
-                                  .RemainingArgs()
-                                  .Ret<flowtt::F32>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolBwdCuda, flowtt::PoolBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::F32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::S32>()
-                                  .Arg<flowtt::S32>()
-                                  .RemainingArgs()
-                                  .Ret<flowtt::F32>()
-                                  .Ret<flowtt::F32>());
+                              flowtt::BindPoolFwd(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlowttPoolBwdCuda, flowtt::PoolBwdImpl,
+    flowtt::BindPoolBwd(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>()));

@@ -76,6 +76,8 @@ def test_all_targets_write_every_output(kind):
         assert rel_err(g, e) < 1e-5
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu",
+                    reason="the CPU handler reports bad ids; CUDA kernels clamp them (no host sync)")
 def test_kernels_reject_out_of_range_ids():
     cores = make_cores(SPEC, seed=1)
     plan = make_plan(jnp.array([5, 1999], jnp.int32), SPEC.row_shape[-1])
