@@ -1,13 +1,20 @@
 """Turn benchmarks/results/*.json (bench_single_table.py output) into a markdown table.
 
 Usage: python benchmarks/report.py [results/*.json] > benchmarks/results/REPORT.md
+       python benchmarks/report.py --readme README.md [results/*.json]
+         (rewrites the block between the README's bench markers)
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import json
+import re
 import sys
+
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
 def fmt(x, nd=3):
@@ -50,5 +57,20 @@ def main(paths):
         print()
 
 
+def update_readme(readme: str, paths) -> None:
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        main(paths)
+    text = open(readme).read()
+    if START not in text or END not in text:
+        raise SystemExit(f"{readme} has no {START} ... {END} block")
+    block = f"{START}\n{buf.getvalue().replace('## ', '#### ')}{END}"
+    open(readme, "w").write(re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: block, text,
+                                   flags=re.S))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--readme"]:
+        update_readme(sys.argv[2], sys.argv[3:])
+    else:
+        main(sys.argv[1:])
