@@ -1,8 +1,12 @@
 // nanobind module `_flowtt_cuda`: registrations() hands the CUDA handlers'
 // capsules (cuda/handlers.cu) to jax.ffi.register_ffi_target(platform="CUDA");
-// scratch_bytes() reports the handlers' run-time scratch (for benchmarks).
+// scratch_bytes() reports the handlers' run-time scratch (for benchmarks);
+// unsupported_reason() says why the kernels cannot take a core shape (None if they can).
+#include <string>
+
 #include "handlers.h"
 #include "nanobind/nanobind.h"
+#include "nanobind/stl/string.h"
 #include "tt_kernels.h"
 
 NB_MODULE(_flowtt_cuda, m) {
@@ -15,6 +19,11 @@ NB_MODULE(_flowtt_cuda, m) {
     d["flowtt_bag_pool_bwd"] = nb::capsule(reinterpret_cast<void*>(FlowttPoolBwdCuda));
     return d;
   });
+  m.def("unsupported_reason",
+        [](int p1, int p2, int p3, int q1, int q2, int q3, int r1, int r2) -> nb::object {
+          const char* why = flowtt::check_dims(flowtt::TTDims{p1, p2, p3, q1, q2, q3, r1, r2});
+          return why == nullptr ? nb::none() : nb::cast(std::string(why));
+        });
   m.def("scratch_bytes", [](int p1, int p2, int p3, int q1, int q2, int q3, int r1, int r2,
                             int n) {
     flowtt::TTDims t{p1, p2, p3, q1, q2, q3, r1, r2};

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from .plan import Plan
 
-__all__ = ["available", "rows_fwd", "rows_bwd", "pool_fwd", "pool_bwd"]
+__all__ = ["available", "cuda_unsupported_reason", "rows_fwd", "rows_bwd", "pool_fwd", "pool_bwd"]
 
 _TARGETS = ("flowtt_tt_rows_fwd", "flowtt_tt_rows_bwd", "flowtt_bag_pool_fwd", "flowtt_bag_pool_bwd")
 
@@ -53,6 +53,15 @@ def _register() -> tuple[str, ...]:
 def available() -> bool:
     """True when the compiled CPU extension is importable (the FFI path can run)."""
     return "cpu" in _register()
+
+
+def cuda_unsupported_reason(cores) -> str | None:
+    """Why the CUDA kernels cannot take these 3 cores, or None (also None without CUDA)."""
+    ext = _import("_flowtt_cuda") if "CUDA" in _register() else None
+    if ext is None:
+        return None
+    (p1, _, q1, r1), (p2, _, q2, r2), (p3, _, q3, _) = (c.shape for c in cores)
+    return ext.unsupported_reason(p1, p2, p3, q1, q2, q3, r1, r2)
 
 
 def _call(target: str, outs, *args):

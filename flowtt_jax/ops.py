@@ -5,7 +5,8 @@ unique-row kernel -> fixed-order pooling, under one ``jax.custom_vjp`` whose
 backward gives gradients for every core and for per-id weights.
 
 ``impl``: ``"auto"`` (the FFI kernels when the extension is built and the table
-has 3 cores with float32/bfloat16 cores, else the reference), ``"ffi"`` (require the
+has 3 cores with float32/bfloat16 cores that the platform's kernels support, else
+the reference), ``"ffi"`` (require the
 kernels), ``"reference"`` (pure jax.numpy).
 """
 
@@ -59,8 +60,11 @@ def _choose_impl(impl: str, cores: Sequence[jax.Array]) -> str:
             "impl='ffi' needs 3 cores of float32 or bfloat16; got "
             f"{len(cores)} cores of {[str(c.dtype) for c in cores]} (use impl='reference')"
         )
+    gpu_reason = ffi.cuda_unsupported_reason(cores) if kernel_ok and jax.default_backend() == "gpu" else None
+    if impl == "ffi" and gpu_reason:
+        raise ValueError(gpu_reason)
     if impl == "auto":
-        return "ffi" if kernel_ok and ffi.available() else "reference"
+        return "ffi" if kernel_ok and not gpu_reason and ffi.available() else "reference"
     return impl
 
 

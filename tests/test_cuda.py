@@ -199,3 +199,15 @@ def test_out_of_range_ids_never_read_outside():
     # must neither fault nor hang (compute-sanitizer memcheck covers the reads)
     jax.block_until_ready(call(*[jax.device_put(c, GPU) for c in cores], bad, plan.group_offsets,
                                plan.counts))
+
+
+def test_auto_falls_back_for_shapes_the_kernels_do_not_take():
+    """D = 256 (q1*q2 = 32 > 16): impl='auto' uses the reference, impl='ffi' says why."""
+    spec = ftt.TTSpec.create(5000, 256, 8)
+    cores = jax.device_put(ftt.init_cores(jax.random.key(_next_seed()), spec), GPU)
+    ids = jax.device_put(jnp.asarray(make_ids("zipf1.2", 200, 5000, _next_seed())), GPU)
+    out = ftt.tt_lookup(cores, ids)
+    ref = ftt.tt_lookup(jax.device_put(cores, CPU), jax.device_put(ids, CPU), impl="reference")
+    assert rel_err(out, ref) < TOL
+    with pytest.raises(ValueError, match="unsupported core shape"):
+        ftt.tt_lookup(cores, ids, impl="ffi")

@@ -4,6 +4,8 @@ Each target ignores trailing operands; here every output is aliased to a NaN-fil
 trailing operand, so the buffer the kernel writes starts as NaN.
 """
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,3 +99,14 @@ def test_kernels_reject_bad_shapes():
     with pytest.raises(Exception, match="ranks"):
         jax.block_until_ready(call(cores[0], cores[0], cores[2], plan.unique_ids,
                                    plan.group_offsets, plan.counts))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flowtt_jax._flowtt_cuda") is None,
+                    reason="built without CUDA")
+def test_cuda_shape_limits_are_reported():
+    from flowtt_jax import _flowtt_cuda
+
+    assert _flowtt_cuda.unsupported_reason(200, 200, 250, 2, 4, 4, 32, 32) is None
+    assert _flowtt_cuda.unsupported_reason(100, 100, 100, 4, 4, 8, 64, 64) is None
+    assert "unsupported core shape" in _flowtt_cuda.unsupported_reason(10, 10, 10, 4, 8, 8, 8, 8)
+    assert "r1<=64" in _flowtt_cuda.unsupported_reason(10, 10, 10, 2, 4, 4, 128, 32)
