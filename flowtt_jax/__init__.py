@@ -1,7 +1,7 @@
 """flowtt_jax: Tensor-Train compressed embedding tables for JAX with fused FFI kernels.
 
-``flowtt_jax.nnx`` and ``flowtt_jax.linen`` (Flax layers) load on first access, so
-the core ops need no Flax.
+``flowtt_jax.nnx`` and ``flowtt_jax.linen`` (Flax layers) and ``flowtt_jax.sharding``
+load on first access, so the core ops need no Flax.
 """
 
 import importlib
@@ -25,6 +25,6 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name in ("nnx", "linen"):
+    if name in ("nnx", "linen", "sharding"):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
