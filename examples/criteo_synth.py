@@ -20,7 +20,7 @@ How the data is made (all documented knobs are ``SynthConfig`` fields):
    + pair_scale * sum_(f,g) in pairs <e_f(id_f), e_g(id_g)> / sqrt(|pairs| * hidden_dim)
    + dense_scale * <w, z(x)>``, with random unit ``v_f``, ``w``, a fixed set of feature
    pairs, and ``z(x)`` the standardised ``log1p`` of the dense features.
-   ``label ~ Bernoulli(sigmoid(logit))``; ``bias`` sets the click rate (about 25%).
+   ``label ~ Bernoulli(sigmoid(logit))``; ``bias`` sets the click rate (about 20%).
 3. **Learnability.** The signal is low-dimensional per id (``hidden_dim`` = 4 numbers)
    and carried mostly by the popular ids (Zipf), which a model with small (or
    low-rank TT) embeddings sees many times within a few hundred steps. The Bayes

@@ -300,7 +300,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of tqdm")
-    return p.parse_args(argv)
+    p.add_argument("--check", action="store_true",
+                   help="with --compare: exit 1 unless |dense AUC - TT AUC| <= --max-auc-gap and "
+                        "the embedding memory ratio >= --min-memory-ratio")
+    p.add_argument("--max-auc-gap", type=float, default=0.01)
+    p.add_argument("--min-memory-ratio", type=float, default=100.0)
+    args = p.parse_args(argv)
+    if args.check and not args.compare:
+        p.error("--check needs --compare")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, RunResult]:
@@ -326,6 +334,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, RunResult]:
         print(f"AUC difference (dense - TT): {de.auc - tt.auc:+.4f}")
         print(f"embedding memory ratio (dense / TT): {de.embedding_bytes / tt.embedding_bytes:,.1f}x")
         print(f"vs full-cardinality dense tables: {tt.full_dense_bytes / tt.embedding_bytes:,.1f}x")
+        gap, ratio = abs(de.auc - tt.auc), de.embedding_bytes / tt.embedding_bytes
+        ok = gap <= args.max_auc_gap and ratio >= args.min_memory_ratio
+        print(f"target (|AUC gap| <= {args.max_auc_gap}, memory ratio >= {args.min_memory_ratio:g}x): "
+              f"{'met' if ok else 'MISSED'}")
+        if args.check and not ok:
+            raise SystemExit(1)
     else:
         r = train_and_eval(args, dense_tables=args.dense)
         results[r.name] = r

@@ -162,10 +162,11 @@ def dense_embedding_bag(
     weights: jax.Array | None = None,
     mode: str = "sum",
     oob: str = "zero",
+    dtype: jnp.dtype | None = None,
 ) -> jax.Array:
     """``tt_embedding_bag``'s semantics over a dense ``[N, D]`` table (fp32 accumulation).
 
-    Output in the table's dtype.
+    Output in ``dtype`` (default: the table's dtype).
     """
     bags = canonical_bags(
         ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags, mask=mask,
@@ -174,9 +175,10 @@ def dense_embedding_bag(
     flat, valid = apply_oob(bags.ids, table.shape[0], oob)
     w = bags.weights if valid is None else jnp.where(valid, bags.weights, 0.0)
     num = bags.offsets.shape[0] - 1
-    rows = jnp.take(table, flat, axis=0).astype(jnp.float32)
+    rows = jnp.take(table, flat, axis=0)
+    rows = rows.astype(jnp.promote_types(rows.dtype, jnp.float32))
     out = jax.ops.segment_sum(rows * w[:, None], bags.bag_ids, num_segments=num)
-    return out.astype(table.dtype)
+    return out.astype(table.dtype if dtype is None else dtype)
 
 
 def dense_lookup(table: jax.Array, ids: jax.Array, *, oob: str = "zero") -> jax.Array:

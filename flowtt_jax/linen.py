@@ -99,8 +99,8 @@ class TTEmbed(_TTTable):
     """
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        out = tt_lookup(self.cores, ids, num_embeddings=self.num_embeddings, oob=self.oob, impl=self.impl)
-        return out.astype(self.out_dtype)
+        return tt_lookup(self.cores, ids, num_embeddings=self.num_embeddings, oob=self.oob,
+                         impl=self.impl, dtype=self.out_dtype)
 
 
 class TTEmbedBag(_TTTable):
@@ -119,12 +119,11 @@ class TTEmbedBag(_TTTable):
         weights: jax.Array | None = None,
         mode: str | None = None,
     ) -> jax.Array:
-        out = tt_embedding_bag(
+        return tt_embedding_bag(
             self.cores, ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags,
             mask=mask, weights=weights, mode=mode or self.mode,
-            num_embeddings=self.num_embeddings, oob=self.oob, impl=self.impl,
+            num_embeddings=self.num_embeddings, oob=self.oob, impl=self.impl, dtype=self.out_dtype,
         )
-        return out.astype(self.out_dtype)
 
 
 class EmbedBag(nn.Module):
@@ -163,11 +162,10 @@ class EmbedBag(nn.Module):
         weights: jax.Array | None = None,
         mode: str | None = None,
     ) -> jax.Array:
-        out = dense_embedding_bag(
+        return dense_embedding_bag(
             self.embedding, ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags,
-            mask=mask, weights=weights, mode=mode or self.mode, oob=self.oob,
+            mask=mask, weights=weights, mode=mode or self.mode, oob=self.oob, dtype=self.out_dtype,
         )
-        return out.astype(self.out_dtype)
 
     def lookup(self, ids: jax.Array) -> jax.Array:
         return dense_lookup(self.embedding, ids, oob=self.oob).astype(self.out_dtype)

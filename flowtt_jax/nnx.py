@@ -23,6 +23,7 @@ uses the compiled kernels when the extension is built, else the pure-jnp referen
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Callable, Mapping, Sequence
 
@@ -39,17 +40,47 @@ from .spec import TTSpec
 __all__ = ["TTEmbed", "TTEmbedBag", "EmbedBag", "TTEmbeddingCollection", "TableConfig", "resolve_init"]
 
 # ``embedding_init``: None (rows with std 1/sqrt(features), like nnx.Embed), a float
-# (that row std), or a callable ``(key, spec, dtype) -> tuple of cores``.
+# (that row std), a Flax initializer ``(key, shape, dtype)`` (its scale is matched), or
+# a callable ``(key, spec, dtype) -> tuple of cores``.
 CoreInit = Callable[[jax.Array, TTSpec, Any], Sequence[jax.Array]]
 
+# Rows drawn from a Flax initializer to measure the scale it would give a dense table.
+_SCALE_SAMPLE_ROWS = 4096
 
-def resolve_init(embedding_init: CoreInit | float | None) -> CoreInit:
-    """Normalise ``embedding_init`` to a callable ``(key, spec, dtype) -> cores``."""
+
+def _is_flax_initializer(fn: Callable) -> bool:
+    """True for ``(key, shape, dtype)`` initializers (jax.nn / flax initializers)."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 2 and params[1] == "shape"
+
+
+def resolve_init(embedding_init: CoreInit | Callable | float | None) -> CoreInit:
+    """Normalise ``embedding_init`` to a callable ``(key, spec, dtype) -> cores``.
+
+    A Flax initializer cannot fill TT cores directly; its scale carries over: the
+    cores are drawn so the materialised rows have the RMS of ``_SCALE_SAMPLE_ROWS``
+    rows it draws for a dense table of the same width.
+    """
     if embedding_init is None or isinstance(embedding_init, (int, float)):
         std = None if embedding_init is None else float(embedding_init)
         return lambda key, spec, dtype: init_cores(key, spec, std=std, dtype=dtype)
     if not callable(embedding_init):
-        raise TypeError(f"embedding_init must be None, a float std or a callable, got {embedding_init!r}")
+        raise TypeError(
+            "embedding_init must be None, a float row std, a Flax initializer (key, shape, dtype) "
+            f"or a callable (key, spec, dtype) -> cores; got {embedding_init!r}"
+        )
+    if _is_flax_initializer(embedding_init):
+
+        def matched_scale(key, spec, dtype):
+            sample_key, core_key = jax.random.split(key)
+            sample = embedding_init(sample_key, (_SCALE_SAMPLE_ROWS, spec.embedding_dim), jnp.float32)
+            std = jnp.sqrt(jnp.mean(jnp.square(sample)))
+            return init_cores(core_key, spec, std=float(std), dtype=dtype)
+
+        return matched_scale
     return embedding_init
 
 
@@ -162,8 +193,8 @@ class TTEmbed(_TTTable):
     """
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        out = tt_lookup(self.cores, ids, num_embeddings=self.num_embeddings, oob=self.oob, impl=self.impl)
-        return out.astype(self.out_dtype)
+        return tt_lookup(self.cores, ids, num_embeddings=self.num_embeddings, oob=self.oob,
+                         impl=self.impl, dtype=self.out_dtype)
 
 
 class TTEmbedBag(_TTTable):
@@ -190,12 +221,11 @@ class TTEmbedBag(_TTTable):
         weights: jax.Array | None = None,
         mode: str | None = None,
     ) -> jax.Array:
-        out = tt_embedding_bag(
+        return tt_embedding_bag(
             self.cores, ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags,
             mask=mask, weights=weights, mode=mode or self.mode,
-            num_embeddings=self.num_embeddings, oob=self.oob, impl=self.impl,
+            num_embeddings=self.num_embeddings, oob=self.oob, impl=self.impl, dtype=self.out_dtype,
         )
-        return out.astype(self.out_dtype)
 
 
 class EmbedBag(nnx.Module):
@@ -253,11 +283,10 @@ class EmbedBag(nnx.Module):
         weights: jax.Array | None = None,
         mode: str | None = None,
     ) -> jax.Array:
-        out = dense_embedding_bag(
+        return dense_embedding_bag(
             self.embedding[...], ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags,
-            mask=mask, weights=weights, mode=mode or self.mode, oob=self.oob,
+            mask=mask, weights=weights, mode=mode or self.mode, oob=self.oob, dtype=self.out_dtype,
         )
-        return out.astype(self.out_dtype)
 
 
 def _check_tables(tables: Sequence[TableConfig]) -> tuple[TableConfig, ...]:

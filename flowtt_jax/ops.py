@@ -27,6 +27,7 @@ from .spec import TTSpec
 __all__ = ["tt_lookup", "tt_embedding_bag"]
 
 IMPLS = ("auto", "ffi", "reference")
+_KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 @jax.custom_vjp
@@ -54,10 +55,10 @@ _fused_bag.defvjp(_fused_bag_fwd, _fused_bag_bwd)
 def _choose_impl(impl: str, cores: Sequence[jax.Array]) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    kernel_ok = len(cores) == 3 and all(c.dtype in (jnp.float32, jnp.bfloat16) for c in cores)
+    kernel_ok = len(cores) == 3 and all(c.dtype in _KERNEL_DTYPES for c in cores)
     if impl == "ffi" and not kernel_ok:
         raise ValueError(
-            "impl='ffi' needs 3 cores of float32 or bfloat16; got "
+            "impl='ffi' needs 3 cores of float32, bfloat16 or float16; got "
             f"{len(cores)} cores of {[str(c.dtype) for c in cores]} (use impl='reference')"
         )
     gpu_reason = ffi.cuda_unsupported_reason(cores) if kernel_ok and jax.default_backend() == "gpu" else None
@@ -68,9 +69,11 @@ def _choose_impl(impl: str, cores: Sequence[jax.Array]) -> str:
     return impl
 
 
-def _bag(cores, ids, offsets, bag_ids, weights, num_bags, impl) -> jax.Array:
-    dtype = cores[0].dtype
-    c32 = tuple(c.astype(jnp.float32) if c.dtype == jnp.bfloat16 else c for c in cores)
+def _bag(cores, ids, offsets, bag_ids, weights, num_bags, impl, dtype) -> jax.Array:
+    """Weighted bag sums in float32 (float64 cores stay float64), cast once to ``dtype``."""
+    dtype = cores[0].dtype if dtype is None else dtype
+    c32 = tuple(jnp.promote_types(c.dtype, jnp.float32) for c in cores)
+    c32 = tuple(c.astype(t) for c, t in zip(cores, c32))
     if ids.shape[0] == 0:
         return jnp.zeros((num_bags, math.prod(c.shape[2] for c in cores)), dtype)
     if impl == "reference":
@@ -94,8 +97,9 @@ def tt_embedding_bag(
     num_embeddings: int | None = None,
     oob: str = "zero",
     impl: str = "auto",
+    dtype: jnp.dtype | None = None,
 ) -> jax.Array:
-    """Pooled TT embedding bags: ``[B, D]`` in the cores' dtype.
+    """Pooled TT embedding bags: ``[B, D]`` in ``dtype`` (default: the cores' dtype).
 
     Args:
       cores: d cores, core k ``[p_k, r_{k-1}, q_k, r_k]``.
@@ -106,6 +110,8 @@ def tt_embedding_bag(
       num_embeddings: N (defaults to ``prod(row_shape)``); ids outside [0, N) follow ``oob``.
       oob: ``"error" | "clip" | "zero"`` (see ``flowtt_jax.oob``).
       impl: ``"auto" | "ffi" | "reference"``.
+      dtype: output dtype; the contraction and pooling accumulate in float32 (at least)
+        whatever the cores' dtype, and cast once at the end.
     """
     impl = _choose_impl(impl, cores)
     n_rows = TTSpec.from_cores(cores, num_embeddings).num_embeddings
@@ -115,7 +121,7 @@ def tt_embedding_bag(
     )
     flat, valid = apply_oob(bags.ids, n_rows, oob)
     w = bags.weights if valid is None else jnp.where(valid, bags.weights, 0.0)
-    return _bag(cores, flat, bags.offsets, bags.bag_ids, w, bags.offsets.shape[0] - 1, impl)
+    return _bag(cores, flat, bags.offsets, bags.bag_ids, w, bags.offsets.shape[0] - 1, impl, dtype)
 
 
 def tt_lookup(
@@ -125,8 +131,10 @@ def tt_lookup(
     num_embeddings: int | None = None,
     oob: str = "zero",
     impl: str = "auto",
+    dtype: jnp.dtype | None = None,
 ) -> jax.Array:
-    """Rows of the TT table: int ids of any shape ``[...]`` -> ``[..., D]`` (cores' dtype).
+    """Rows of the TT table: int ids of any shape ``[...]`` -> ``[..., D]`` in ``dtype``
+    (default: the cores' dtype; computed in float32 at least).
 
     Same pipeline as ``tt_embedding_bag`` with one bag per id, so duplicate ids
     are computed once and the backward is deterministic.
@@ -139,5 +147,5 @@ def tt_lookup(
     w = jnp.ones((n,), jnp.float32) if valid is None else valid.astype(jnp.float32)
     pos = jnp.arange(n, dtype=jnp.int32)
     offsets = jnp.arange(n + 1, dtype=jnp.int32)
-    out = _bag(cores, flat, offsets, pos, w, n, impl)
+    out = _bag(cores, flat, offsets, pos, w, n, impl, dtype)
     return out.reshape(*ids.shape, out.shape[-1])

@@ -5,6 +5,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
@@ -59,3 +60,12 @@ def test_synthetic_data_deterministic_and_capped():
     # the planted signal is informative: the teacher's logit ranks labels well
     _, _, y, logit = data.batch(0, 4000, stream=1)
     assert dlrm.roc_auc(y, logit) > 0.75
+
+
+def test_check_fails_when_targets_are_missed():
+    # Tiny tables compress little (far below 100x): --check must turn that into exit 1.
+    with pytest.raises(SystemExit) as exc:
+        dlrm.main(TINY + ["--compare", "--check", "--impl", "reference"])
+    assert exc.value.code == 1
+    with pytest.raises(SystemExit):
+        dlrm.main(TINY + ["--check"])  # --check without --compare is a usage error

@@ -140,8 +140,12 @@ def test_gradients_reach_cores_and_equal_op_grads(impl):
     close(g2["core_1"][...], ref[1], 1e-4)
     # per-id weights are differentiable through the layer
     w = jnp.ones(ids.shape)
-    gw = jax.grad(lambda w: jnp.sum(m(ids, weights=w) * target[:, None, :].sum(1)))(w)
+    probe = target[:, None, :].sum(1)
+    gw = jax.grad(lambda w: jnp.sum(m(ids, weights=w) * probe))(w)
     assert gw.shape == ids.shape and float(jnp.abs(gw).max()) > 0
+    # d/dw_k of sum(probe[b] . sum_k w_k row(ids_k)) = probe[b] . row(ids_k)
+    rows = m.to_dense()[ids]  # [B, L, D]
+    close(gw, jnp.einsum("bld,bd->bl", rows, probe), 1e-4)
 
 
 def test_nnx_jit_matches_eager():
@@ -264,3 +268,26 @@ def test_bf16():
     close(out, ref, 2e-2)
     g = nnx.grad(lambda mod: jnp.sum(mod(ids[None]).astype(jnp.float32)))(mp)
     assert g["core_0"][...].dtype == jnp.bfloat16
+
+
+def test_bf16_storage_with_fp32_output_is_not_rounded():
+    """param_dtype=bf16, dtype=f32: the f32 result of the bf16 cores, no bf16 rounding."""
+    m = TTEmbed(N, D, rank=R, param_dtype=jnp.bfloat16, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    ids = rand_ids(jax.random.key(2), (40,))
+    out = m(ids)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), np.asarray(m.to_dense()[ids]), rtol=1e-5, atol=1e-6)
+    assert not np.array_equal(np.asarray(out), np.asarray(out.astype(jnp.bfloat16).astype(jnp.float32)))
+    bag = TTEmbedBag(N, D, rank=R, param_dtype=jnp.bfloat16, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    pooled = bag(ids[None])
+    np.testing.assert_allclose(np.asarray(pooled[0]), np.asarray(bag.to_dense()[ids].sum(0)), rtol=1e-5, atol=1e-5)
+    dense = EmbedBag(N, D, param_dtype=jnp.bfloat16, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    table = np.asarray(dense.embedding[...].astype(jnp.float32), np.float64)
+    np.testing.assert_allclose(np.asarray(dense(ids[None])[0]), table[np.asarray(ids)].sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_flax_initializer_sets_row_scale():
+    m = TTEmbed(20_000, 32, rank=16, embedding_init=nnx.initializers.normal(0.05), rngs=nnx.Rngs(3))
+    assert abs(float(m.to_dense().std()) - 0.05) < 0.005
+    with pytest.raises(ValueError, match="initializer returned cores"):
+        TTEmbed(100, 8, rank=4, embedding_init=lambda key, spec, dtype: (jnp.ones((2, 2)),), rngs=nnx.Rngs(0))

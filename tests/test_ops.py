@@ -306,3 +306,19 @@ def test_four_cores_fall_back_to_reference():
 def test_bad_input_raises_clearly(call, error, match):
     with pytest.raises(error, match=match):
         call(make_cores(SPECS["d16r8"], seed=0))
+
+
+@pytest.mark.parametrize("core_dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+def test_low_precision_cores_accumulate_in_float32(core_dtype, impl):
+    spec = SPECS["d32r16"]
+    cores = make_cores(spec, seed=14, dtype=core_dtype)
+    ids = make_ids("zipf1.05", 300, spec.num_embeddings, seed=14)
+    offsets = random_offsets(30, 300, seed=14)
+    exact = bag_f64([c.astype(jnp.float32) for c in cores], ids, offsets=offsets)
+    out = ftt.tt_embedding_bag(cores, ids, offsets=offsets, impl=impl, dtype=jnp.float32)
+    assert out.dtype == jnp.float32 and rel_err(out, exact) < 1e-5
+    rows = ftt.tt_lookup(cores, ids, impl=impl, dtype=jnp.float32)
+    assert rows.dtype == jnp.float32
+    assert rel_err(rows, dense_of(cores, spec.num_embeddings)[ids]) < 1e-5
+    assert ftt.tt_lookup(cores, ids, impl=impl).dtype == core_dtype
