@@ -35,34 +35,37 @@ class Plan(NamedTuple):
     counts: jax.Array
 
 
-def _starts_to_offsets(is_start: jax.Array, total: jax.Array) -> jax.Array:
-    """Indices where ``is_start`` holds, compacted, padded with ``total``: shape [n+1]."""
+def _starts_to_offsets(is_start: jax.Array, rank: jax.Array, total: jax.Array) -> jax.Array:
+    """Indices where ``is_start`` holds, compacted, padded with ``total``: shape [n+1].
+
+    ``rank`` is ``cumsum(is_start) - 1`` (the caller has it already).
+    """
     n = is_start.shape[0]
-    slot = jnp.where(is_start, jnp.cumsum(is_start) - 1, n + 1)  # n + 1: dropped
+    slot = jnp.where(is_start, rank, n + 1)  # n + 1: dropped
     offsets = jnp.full((n + 1,), total, jnp.int32)
-    return offsets.at[slot].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    return offsets.at[slot].set(jnp.arange(n, dtype=jnp.int32), mode="drop", unique_indices=True)
 
 
 def make_plan(ids: jax.Array, last_extent: int) -> Plan:
     """Plan for flat int32 ``ids`` [n] (n >= 1, values in range).
 
     ``last_extent`` is p_d, the extent of the last core: the prefix of id i is
-    ``i // p_d`` (for 3 cores, the pair (i1, i2)).
+    ``i // p_d`` (for 3 cores, the pair (i1, i2)). One sort, two prefix sums, three
+    scatters of distinct indices and one gather.
     """
     n = ids.shape[0]
     iota = jnp.arange(n, dtype=jnp.int32)
     sorted_ids, perm = jax.lax.sort((ids.astype(jnp.int32), iota), num_keys=1, is_stable=True)
     new_id = jnp.concatenate([jnp.ones((1,), bool), sorted_ids[1:] != sorted_ids[:-1]])
-    uidx = (jnp.cumsum(new_id) - 1).astype(jnp.int32)  # unique index of each sorted position
+    uidx = (jnp.cumsum(new_id, dtype=jnp.int32) - 1).astype(jnp.int32)  # unique index per sorted position
     num_unique = uidx[-1] + 1
     inverse = jnp.zeros((n,), jnp.int32).at[perm].set(uidx, unique_indices=True)
-    unique_ids = jnp.zeros((n,), jnp.int32).at[jnp.where(new_id, uidx, n)].set(
-        sorted_ids, mode="drop"
-    )
-    run_offsets = _starts_to_offsets(new_id, jnp.int32(n))
-    prefix = unique_ids // last_extent
+    run_offsets = _starts_to_offsets(new_id, uidx, jnp.int32(n))
     live = iota < num_unique
+    unique_ids = jnp.where(live, sorted_ids[jnp.minimum(run_offsets[:n], n - 1)], 0)
+    prefix = unique_ids // last_extent
     new_group = live & jnp.concatenate([jnp.ones((1,), bool), prefix[1:] != prefix[:-1]])
-    group_offsets = _starts_to_offsets(new_group, num_unique)
-    counts = jnp.stack([num_unique, new_group.sum(dtype=jnp.int32)])
+    gidx = (jnp.cumsum(new_group, dtype=jnp.int32) - 1).astype(jnp.int32)
+    group_offsets = _starts_to_offsets(new_group, gidx, num_unique)
+    counts = jnp.stack([num_unique, gidx[-1] + 1])
     return Plan(perm, inverse, unique_ids, run_offsets, group_offsets, counts)
