@@ -1,14 +1,19 @@
 """Forward temporary memory of tt_embedding_bag from XLA's memory analysis (no run).
 
 Usage: python benchmarks/memory_cpu.py [--num-embeddings N] [--dim D] [--rank R]
+                                      [--out results.json] [--readme README.md]
 Prints temp bytes for the FFI path and the XLA reference at several nnz, so one
-can see which grows with nnz x r^2 (per-id gathered cores) and which does not.
+can see which grows with nnz x r^2 (per-id gathered cores) and which does not;
+``--readme`` rewrites the README's memory table from this run.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import subprocess
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +36,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--bag-len", type=int, default=14)
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--readme", help="rewrite this README's memory block")
     args = parser.parse_args()
     spec = ftt.TTSpec.create(args.num_embeddings, args.dim, args.rank)
     results = []
@@ -44,8 +51,23 @@ def main() -> None:
         print(f"B={num_bags:6d} nnz={nnz:7d}  ffi temp {row['ffi_temp_bytes'] / 2**20:8.2f} MiB"
               f"  reference temp {row['reference_temp_bytes'] / 2**20:9.2f} MiB"
               f"  (nnz*r^2*4 = {row['nnz_r2_bytes'] / 2**20:8.2f} MiB)")
-    print(json.dumps({"spec": repr(spec), "device": jax.devices()[0].device_kind,
-                      "results": results}))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    record = {"spec": repr(spec), "device": jax.devices()[0].device_kind,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": commit, "bag_len": args.bag_len, "results": results}
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    if args.readme:
+        from report import replace_block  # noqa: PLC0415  (benchmarks/ is the script's folder)
+
+        rows = "".join(
+            f"| {r['num_bags']} | {r['nnz']:,} | {r['ffi_temp_bytes'] / 2**20:.2f} MiB | "
+            f"{r['reference_temp_bytes'] / 2**20:.2f} MiB |\n" for r in results)
+        replace_block(args.readme, "memory",
+                      f"{spec!r}, bags of {args.bag_len} ids, {record['device']}, {record['date']}, "
+                      f"commit `{commit}`:\n\n| bags | nnz | fused (FFI) temp | XLA reference temp |\n"
+                      f"|---|---|---|---|\n{rows}")
 
 
 if __name__ == "__main__":

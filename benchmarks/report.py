@@ -1,7 +1,7 @@
 """Turn benchmarks/results/*.json (bench_single_table.py output) into a markdown table.
 
-Usage: python benchmarks/report.py [results/*.json] > benchmarks/results/REPORT.md
-       python benchmarks/report.py --readme README.md [results/*.json]
+Usage: python benchmarks/report.py [results/single_table_*.json] > benchmarks/results/REPORT.md
+       python benchmarks/report.py --readme README.md [results/single_table_*.json]
          (rewrites the block between the README's bench markers)
 """
 
@@ -14,7 +14,6 @@ import json
 import re
 import sys
 
-START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
 def fmt(x, nd=3):
@@ -28,7 +27,7 @@ def mb(x):
 
 
 def main(paths):
-    paths = paths or sorted(glob.glob("benchmarks/results/*.json"))
+    paths = paths or sorted(glob.glob("benchmarks/results/single_table_*.json"))
     for p in paths:
         data = json.load(open(p))
         print(f"## {p}\n")
@@ -57,16 +56,22 @@ def main(paths):
         print()
 
 
+def replace_block(readme: str, name: str, body: str) -> None:
+    """Rewrites the text between ``<!-- {name}:start -->`` and ``<!-- {name}:end -->``."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = open(readme).read()
+    if start not in text or end not in text:
+        raise SystemExit(f"{readme} has no {start} ... {end} block")
+    block = f"{start}\n{body}{end}"
+    open(readme, "w").write(re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block, text,
+                                   flags=re.S))
+
+
 def update_readme(readme: str, paths) -> None:
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         main(paths)
-    text = open(readme).read()
-    if START not in text or END not in text:
-        raise SystemExit(f"{readme} has no {START} ... {END} block")
-    block = f"{START}\n{buf.getvalue().replace('## ', '#### ')}{END}"
-    open(readme, "w").write(re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: block, text,
-                                   flags=re.S))
+    replace_block(readme, "bench", buf.getvalue().replace("## ", "#### "))
 
 
 if __name__ == "__main__":
