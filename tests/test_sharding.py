@@ -1,16 +1,19 @@
-"""Data parallelism over 4 virtual CPU devices (run in a subprocess: the device count
-is fixed when jax starts)."""
+"""Data parallelism over 4 virtual CPU devices, and across 2 processes through
+``jax.distributed`` on localhost (each in subprocesses: the device count is fixed when
+jax starts)."""
 
+import importlib.util
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from flowtt_jax import ffi
-
-pytestmark = pytest.mark.skipif(not ffi.available(), reason="compiled extension not built")
+# Importing this module must not start jax's backends: the workers import it first.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("flowtt_jax._flowtt_cpu") is None,
+                                reason="compiled extension not built")
 
 
 def _check_data_parallel() -> None:
@@ -69,13 +72,74 @@ def _check_data_parallel() -> None:
     print("data parallel OK")
 
 
-def test_data_parallel_over_four_devices():
+def _multiprocess_worker(process_id: int, port: int) -> None:
+    """One of 2 processes x 2 CPU devices: a global batch split over 4 devices."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 2)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                               process_id=process_id, initialization_timeout=120)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import flowtt_jax as ftt
+    from conftest import make_cores, make_ids, rel_err
+    from flowtt_jax.sharding import data_parallel
+
+    assert jax.process_count() == 2 and jax.device_count() == 4
+    mesh = jax.make_mesh((4,), ("data",))
+    spec = ftt.TTSpec.create(5000, 32, 16)
+    cores = make_cores(spec, seed=1)
+    ids = make_ids("zipf1.2", 64 * 9, spec.num_embeddings, seed=2).reshape(64, 9)
+    local = ids[process_id * 32 : (process_id + 1) * 32]  # this process's half of the batch
+    g_ids = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), local, ids.shape)
+    g_cores = jax.device_put(cores, NamedSharding(mesh, P()))
+    bag = data_parallel(lambda c, i: ftt.tt_embedding_bag(c, i, mode="mean"), mesh)
+    grads = jax.jit(jax.grad(lambda c, i: jnp.sum(jnp.sin(bag(c, i)))))(g_cores, g_ids)
+    with jax.enable_x64(True):
+        c64 = [jnp.asarray(c, jnp.float64) for c in cores]
+        ref = jax.grad(lambda c: jnp.sum(jnp.sin(
+            ftt.tt_embedding_bag(c, ids, mode="mean", impl="reference"))))(c64)
+    for g, r in zip(grads, ref):
+        assert rel_err(np.asarray(g.addressable_data(0)), r) < 1e-5
+    jax.distributed.shutdown()
+    print(f"process {process_id} OK")
+
+
+def _env(**extra: str) -> dict:
     tests_dir = Path(__file__).resolve().parent
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               PYTHONPATH=os.pathsep.join([str(tests_dir), os.environ.get("PYTHONPATH", "")]))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests_dir), os.environ.get("PYTHONPATH", "")]),
+                **extra)
+
+
+def test_data_parallel_over_four_devices():
     proc = subprocess.run(
         [sys.executable, "-c", "import test_sharding; test_sharding._check_data_parallel()"],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"),
+        capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "data parallel OK" in proc.stdout
+
+
+def test_data_parallel_across_two_processes():
+    with socket.socket() as s:  # a free loopback port for the coordinator
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", f"import test_sharding; test_sharding._multiprocess_worker({i}, {port})"],
+            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and f"process {i} OK" in out, out[-3000:]
