@@ -21,8 +21,10 @@ import argparse
 import datetime
 import json
 import os
+import glob
 import statistics
 import subprocess
+import tempfile
 import time
 
 import jax
@@ -76,6 +78,54 @@ def queued_time(f, args, K=20, R=15, warm=3):
         jax.block_until_ready(out)
         ts.append((time.perf_counter() - t0) / K * 1e3)
     return statistics.median(ts)
+
+
+def device_profile(f, args, iters=20, top=12):
+    """Device-side time per call from a profiler trace of ``iters`` queued calls.
+
+    busy_ms: union of the GPU kernel/memcpy intervals of all streams / iters (device
+    busy time, no host dispatch); span_ms: first start to last end / iters;
+    kernels: per kernel name, summed duration / iters (the largest ``top``).
+    """
+    from jax.profiler import ProfileData
+
+    for _ in range(3):
+        jax.block_until_ready(f(*args))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        out = None
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        jax.profiler.stop_trace()
+        path = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))[-1]
+        data = ProfileData.from_file(path)
+    intervals, per_name = [], {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for ev in line.events:
+                intervals.append((ev.start_ns, ev.start_ns + ev.duration_ns))
+                per_name[ev.name] = per_name.get(ev.name, 0.0) + ev.duration_ns
+    if not intervals:
+        return {"error": "no GPU stream events in the trace"}
+    intervals.sort()
+    busy, cur_s, cur_e = 0.0, *intervals[0]
+    for s_, e_ in intervals[1:]:
+        if s_ > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s_, e_
+        else:
+            cur_e = max(cur_e, e_)
+    busy += cur_e - cur_s
+    span = intervals[-1][1] - intervals[0][0]
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"busy_ms": busy / iters * 1e-6, "span_ms": span / iters * 1e-6,
+            "events_per_call": len(intervals) / iters,
+            "kernels_ms": {k[:90]: v / iters * 1e-6 for k, v in ranked}}
 
 
 def temp_bytes(f, args):
@@ -151,6 +201,9 @@ def run_config(name, K, R):
             r["fwd_bwd_ms"] = queued_time(jax.jit(fb), args, K, R)
             r["fwd_temp_bytes"] = temp_bytes(fwd, args)
             r["fwd_bwd_temp_bytes"] = temp_bytes(fb, args)
+            if jax.default_backend() == "gpu":
+                r["fwd_device"] = device_profile(jax.jit(fwd), args)
+                r["fwd_bwd_device"] = device_profile(jax.jit(fb), args)
             r["fwd_fraction_of_fp32_peak"] = flops_fwd / FP32_PEAK / (r["fwd_ms"] * 1e-3)
         except Exception as e:  # noqa: BLE001
             r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -211,7 +264,8 @@ def main():
     dev = jax.devices()[0]
     out = {"device": f"{dev.platform}:{dev.device_kind}", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "git_commit": commit, "jax": jax.__version__,
-           "timing": "queued: K calls of a jitted fn then one block; median over R of wall/K (ms)",
+           "timing": "queued: K calls of a jitted fn then one block; median over R of wall/K (ms); "
+                     "*_device: profiler trace of 20 queued calls, GPU busy time per call (ms)",
            "K": a.K, "R": a.R, "results": []}
     for name in a.configs.split(","):
         out["results"].append(run_config(name, a.K, a.R))

@@ -343,6 +343,274 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- forward, GEMM tile kernel (the fast path) ----------------------------
+// Used when q3 in {4, 8}, q1*q2 in {4, 8, 16} and r2 % 4 == 0 (else the warp
+// kernel above). A tile is one i2 column x kT1F consecutive i1 values:
+//   1. the tile's present groups (dense prefix map) are compacted and G2[i2]
+//      goes to shared memory once per tile;
+//   2. per batch of up to GB groups: their G1 rows (transposed, As[a][row])
+//      to shared memory, then P of the whole batch as one small GEMM
+//      [GB*q1, r1] x [r1, q2*r2], 8x4 outputs per thread, kept in shared
+//      memory as Ps[group][m][b] (m = q1*q2 index);
+//   3. threads take (unique id, block of MB rows m) items across all the
+//      batch's groups: each item is r2/4 steps of (MB float4 P loads, four
+//      G3 row segments, 4*MB*Q3 FMAs) in registers, written once to rows.
+// Groups with more than kCH unique ids: the tile does the first kCH, writes
+// P to the L2 checkpoint slot and sets its flag; the chunk phase (a warp per
+// kCH-chunk of unique indices) finishes them from the checkpoint.
+constexpr int kGT = 256;  // threads of the GEMM tile kernel
+constexpr int kRPT = 8;   // GEMM rows per thread
+
+struct TileGeo {
+  int GB, ldA, PT, ps_floats, smem_bytes;
+};
+
+__host__ __device__ inline TileGeo tile_geo(const Dev& d, int GB) {
+  TileGeo g;
+  g.GB = GB;
+  g.ldA = (GB * d.q1 + kRPT - 1) / kRPT * kRPT;
+  g.PT = d.r2 * d.M + 4;  // +4: groups start in different bank quads
+  const int chunk_floats = (kGT / 32) * d.r2 * d.M;  // chunk phase: P per warp
+  g.ps_floats = GB * g.PT > chunk_floats ? GB * g.PT : chunk_floats;
+  g.smem_bytes = (int)sizeof(float) *
+                 (d.r1 * d.q2 * d.r2 + d.r1 * g.ldA + g.ps_floats);
+  return g;
+}
+
+// One item: rows u, m in [m0, m0+MB), all q3, from P (layout [m][b], row
+// stride r2) and G3[i3], four b per step (float4 loads of both). Writes
+// MB*Q3 contiguous floats.
+template <int M, int Q3, int MB>
+__device__ __forceinline__ void apply_item(const Dev& d, const float* Pk,
+                                           const float* __restrict__ g3,
+                                           int id, int m0,
+                                           float* __restrict__ out) {
+  float acc[MB][Q3];
+#pragma unroll
+  for (int i = 0; i < MB; ++i)
+#pragma unroll
+    for (int j = 0; j < Q3; ++j) acc[i][j] = 0.f;
+  const float4* g = reinterpret_cast<const float4*>(
+      g3 + (size_t)id3(d, id) * d.r2 * Q3);
+  const float* p = Pk + m0 * d.r2;
+  for (int b0 = 0; b0 < d.r2; b0 += 4) {
+    float gv[4][Q3];
+#pragma unroll
+    for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+      for (int j = 0; j < Q3 / 4; ++j) {
+        const float4 v = __ldg(g + (b0 + bb) * (Q3 / 4) + j);
+        gv[bb][4 * j] = v.x; gv[bb][4 * j + 1] = v.y;
+        gv[bb][4 * j + 2] = v.z; gv[bb][4 * j + 3] = v.w;
+      }
+#pragma unroll
+    for (int i = 0; i < MB; ++i) {
+      const float4 v = *reinterpret_cast<const float4*>(p + i * d.r2 + b0);
+#pragma unroll
+      for (int j = 0; j < Q3; ++j) {
+        float a = acc[i][j];
+        a = fmaf(v.x, gv[0][j], a);
+        a = fmaf(v.y, gv[1][j], a);
+        a = fmaf(v.z, gv[2][j], a);
+        acc[i][j] = fmaf(v.w, gv[3][j], a);
+      }
+    }
+  }
+  float4* o = reinterpret_cast<float4*>(out + m0 * Q3);
+#pragma unroll
+  for (int i = 0; i < MB; ++i)
+#pragma unroll
+    for (int j = 0; j < Q3 / 4; ++j)
+      o[i * (Q3 / 4) + j] = make_float4(acc[i][4 * j], acc[i][4 * j + 1],
+                                        acc[i][4 * j + 2], acc[i][4 * j + 3]);
+}
+
+template <int M, int Q3>
+__global__ void __launch_bounds__(kGT)
+    rows_fwd_gemm_kernel(Dev d, TileGeo geo, const float* __restrict__ g1,
+                         const float* __restrict__ g2,
+                         const float* __restrict__ g3,
+                         const int* __restrict__ uids,
+                         const int* __restrict__ goffs,
+                         const int* __restrict__ counts, int n,
+                         const int* __restrict__ map, int* ctrl, int* flags,
+                         float* ckpt, float* __restrict__ rows) {
+  constexpr int MB = (32 / Q3) < M ? (32 / Q3) : M;  // rows m per item
+  constexpr int NMB = M / MB;
+  extern __shared__ float4 smem4[];
+  const int NC = d.q2 * d.r2;
+  float* G2s = reinterpret_cast<float*>(smem4);  // [r1][NC]
+  float* As = G2s + d.r1 * NC;                   // [r1][ldA]
+  float* Ps = As + d.r1 * geo.ldA;               // [GB][PT]
+  __shared__ int s_next, s_n, s_w;
+  __shared__ int s_k[kT1F], s_gs[kT1F], s_big[kT1F], s_sz[kT1F];
+  __shared__ int s_pref[kT1F + 1];  // exclusive scan of the batch's sizes
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int U = clampi(counts[0], 0, n);
+  const int G = clampi(counts[1], 0, U);
+  const int nTiles = (d.p1 + kT1F - 1) / kT1F * d.p2;
+
+  if (tid == 0) s_next = atomicAdd(ctrl, 1);
+  for (;;) {
+    __syncthreads();
+    const int t = s_next;
+    if (t >= nTiles) break;
+    const int i2 = t % d.p2;
+    const int i1b = (t / d.p2) * kT1F;
+    if (tid < 32) {  // compact the present groups, scan their (capped) sizes
+      int g = -1, sz = 0, gs = 0;
+      if (tid < kT1F && i1b + tid < d.p1) {
+        g = map[(i1b + tid) * d.p2 + i2];
+        if (g >= G) g = -1;
+      }
+      if (g >= 0) {
+        gs = clampi(goffs[g], 0, U);
+        sz = clampi(goffs[g + 1], gs, U) - gs;
+      }
+      const unsigned bal = __ballot_sync(0xffffffffu, g >= 0);
+      const int pos = __popc(bal & ((1u << tid) - 1u));
+      if (g >= 0) {
+        s_k[pos] = tid;
+        s_gs[pos] = gs;
+        s_big[pos] = sz > kCH ? gs / kCH : -1;  // checkpoint slot
+        s_sz[pos] = min(sz, kCH);
+      }
+      if (tid == 0) s_n = __popc(bal);
+    }
+    int nxt = 0;
+    if (tid == 0) nxt = atomicAdd(ctrl, 1);  // next tile, used at the end
+    load_smem(G2s, g2 + (size_t)i2 * d.R1Q2R2, d.R1Q2R2);
+    __syncthreads();
+    const int nG = s_n;
+    for (int k0 = 0; k0 < nG; k0 += geo.GB) {
+      const int nB = min(geo.GB, nG - k0);
+      if (tid < 32) {  // exclusive scan of the batch's sizes
+        const int v = tid < nB ? s_sz[k0 + tid] : 0;
+        int incl = v;
+        for (int off = 1; off < 32; off <<= 1) {
+          const int o = __shfl_up_sync(0xffffffffu, incl, off);
+          if (tid >= off) incl += o;
+        }
+        if (tid < nB) s_pref[tid] = incl - v;
+        if (tid == 31) s_w = incl;  // the batch's unique ids (nB <= 32)
+      }
+      for (int i = tid; i < nB * d.Q1R1; i += kGT) {  // rows fastest: no bank conflicts
+        const int nR = nB * d.q1;
+        const int a = i / nR, row = i - a * nR;
+        const int k = row / d.q1, q1 = row - k * d.q1;
+        As[a * geo.ldA + row] =
+            __ldg(g1 + (size_t)(i1b + s_k[k0 + k]) * d.Q1R1 + q1 * d.r1 + a);
+      }
+      __syncthreads();
+      const int W = s_w * NMB;
+      {  // P = A . G2 for the nB*q1 rows, kRPT x 4 outputs per thread
+        const int TC = NC / 4;
+        const int nRows = nB * d.q1;
+        const int nRB = (nRows + kRPT - 1) / kRPT;
+        for (int it = tid; it < TC * nRB; it += kGT) {
+          const int rb = it / TC, c4 = it - rb * TC;
+          float acc[kRPT][4];
+#pragma unroll
+          for (int i = 0; i < kRPT; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+          const float* ap = As + rb * kRPT;
+          const float* bp = G2s + c4 * 4;
+#pragma unroll 4
+          for (int a = 0; a < d.r1; ++a) {
+            const float4 a0 = *reinterpret_cast<const float4*>(ap + a * geo.ldA);
+            const float4 a1 = *reinterpret_cast<const float4*>(ap + a * geo.ldA + 4);
+            const float4 bv = *reinterpret_cast<const float4*>(bp + a * NC);
+            const float av[kRPT] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            const float bw[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+            for (int i = 0; i < kRPT; ++i)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bw[j], acc[i][j]);
+          }
+          const int q2 = (c4 * 4) / d.r2, b0 = c4 * 4 - q2 * d.r2;  // r2 % 4 == 0
+#pragma unroll
+          for (int i = 0; i < kRPT; ++i) {
+            const int row = rb * kRPT + i;
+            if (row < nRows) {
+              const int k = row / d.q1, q1 = row - k * d.q1;
+              *reinterpret_cast<float4*>(Ps + k * geo.PT + (q1 * d.q2 + q2) * d.r2 + b0) =
+                  make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+            }
+          }
+        }
+      }
+      __syncthreads();
+      // checkpoint P of the groups split across chunks (layout [m][b], PSZ)
+      bool wrote = false;
+      for (int k = 0; k < nB; ++k) {
+        const int slot = s_big[k0 + k];
+        if (slot < 0) continue;
+        float* ck = ckpt + (size_t)slot * d.PSZ;
+        for (int w = tid; w < d.PSZ; w += kGT) __stcg(ck + w, Ps[k * geo.PT + w]);
+        wrote = true;
+      }
+      if (__syncthreads_or(wrote)) {
+        __threadfence();
+        __syncthreads();
+        if (tid < nB && s_big[k0 + tid] >= 0) atomicExch(flags + s_big[k0 + tid], 1);
+      }
+      for (int it = tid; it < W; it += kGT) {
+        const int uq = it / NMB, mb = it - uq * NMB;
+        int k = 0;
+        while (k + 1 < nB && s_pref[k + 1] <= uq) ++k;
+        const int u = s_gs[k0 + k] + (uq - s_pref[k]);
+        apply_item<M, Q3, MB>(d, Ps + k * geo.PT, g3, __ldg(uids + u), mb * MB,
+                              rows + (size_t)u * d.D);
+      }
+      __syncthreads();
+    }
+    if (tid == 0) s_next = nxt;
+  }
+
+  // ---- chunk phase: tails of large groups, a warp per chunk ----
+  const int warp = tid >> 5;
+  float* Pw = Ps + warp * d.PSZ;
+  const int nCh = (U + kCH - 1) / kCH;
+  for (;;) {
+    int c = 0;
+    if (lane == 0) c = atomicAdd(ctrl + 1, 1);
+    c = __shfl_sync(0xffffffffu, c, 0);
+    if (c >= nCh) break;
+    const int u0 = c * kCH, u1 = min(u0 + kCH, U);
+    int lo = 0, hi = G - 1;  // largest g with goffs[g] <= u0
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (goffs[mid] <= u0) lo = mid; else hi = mid - 1;
+    }
+    const int g = lo;
+    const int gs = clampi(goffs[g], 0, U);
+    const int ge = clampi(goffs[g + 1], gs, U);
+    const int a = max(u0, gs + kCH), bnd = min(u1, ge);
+    if (a >= bnd) continue;
+    {  // only wait for a group that phase 1 owns (always, for a valid plan)
+      int i1, i2, i3;
+      split_id(d, uids[gs], i1, i2, i3);
+      if (map[i1 * d.p2 + i2] != g) continue;
+    }
+    const int slot = gs / kCH;
+    if (lane == 0) {
+      while (atomicAdd(flags + slot, 0) == 0) __nanosleep(64);
+      __threadfence();
+    }
+    __syncwarp();
+    const float* ck = ckpt + (size_t)slot * d.PSZ;
+    for (int w = lane; w < d.PSZ; w += 32) Pw[w] = __ldcg(ck + w);
+    __syncwarp();
+    for (int it = lane; it < (bnd - a) * NMB; it += 32) {
+      const int u = a + it / NMB, mb = it % NMB;
+      apply_item<M, Q3, MB>(d, Pw, g3, __ldg(uids + u), mb * MB,
+                            rows + (size_t)u * d.D);
+    }
+    __syncwarp();
+  }
+}
+
 // --------------------------- backward ---------------------------------------
 
 // Backward tile: i2 column x kT1B i1 values. G2[i2] stays in shared memory
@@ -830,7 +1098,7 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows,
 // Pass 2: warp per unique id; runs spanning chunks sum their partials in
 //   chunk order (sub-teams over contiguous parts, fixed shuffle tree);
 //   u >= num_unique gets zeros.
-constexpr int kPL = 16;
+constexpr int kPL = 32;
 
 template <int VEC>
 __global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
@@ -912,9 +1180,10 @@ __device__ __forceinline__ void shfl_add(float4& v, int off) {
   v.w += __shfl_xor_sync(0xffffffffu, v.w, off);
 }
 
-// Persistent warps over unique ids. A run spanning chunks k0..k1 sums its
-// partials: lane l takes partials l, l+32, ... (fixed), then a fixed xor
-// tree across lanes. u >= num_unique rows are zeroed.
+// Persistent warps over blocks of 32 unique ids (a lane reads one id's run
+// bounds). A run spanning chunks k0..k1 sums its partials: lane l takes
+// partials l, l+32, ... (fixed), then a fixed xor tree across lanes. Rows of
+// ids without occurrences (u >= num_unique) are zeroed, coalesced.
 template <int VEC>
 __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
                                  const int* __restrict__ counts, int n, int D,
@@ -929,38 +1198,50 @@ __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
   const int DV = D / VEC;
   T* o = reinterpret_cast<T*>(d_rows);
   const T* pv = reinterpret_cast<const T*>(part);
-  for (int u = gw; u < n; u += nw) {
+  for (int base = gw * 32; base < n; base += nw * 32) {
+    const int u = base + lane;
     int s = 0, e = 0;
     if (u < U) {
       s = clampi(run_offsets[u], 0, n);
       e = clampi(run_offsets[u + 1], s, n);
     }
-    if (e <= s) {
-      for (int dv = lane; dv < DV; dv += 32) o[(size_t)u * DV + dv] = vzero<T>();
-      continue;
+    const bool empty = u < n && e <= s;
+    const bool cross = e > s && s / kPL != (e - 1) / kPL;
+    unsigned zmask = __ballot_sync(0xffffffffu, empty);
+    if (zmask == 0xffffffffu) {  // a block of empty rows: one coalesced sweep
+      for (int i = lane; i < 32 * DV; i += 32) o[(size_t)base * DV + i] = vzero<T>();
+      zmask = 0;
     }
-    const int k0 = s / kPL, k1 = (e - 1) / kPL;
-    if (k0 == k1) continue;  // written by pass 1
-    const int L = k1 - k0 + 1;  // partials: (k0,1), (k0+1,0), ..., (k1,0)
-    for (int dv0 = 0; dv0 < DV; dv0 += kV) {
-      T acc[kV];
+    for (; zmask; zmask &= zmask - 1) {
+      const int uz = base + __ffs(zmask) - 1;
+      for (int dv = lane; dv < DV; dv += 32) o[(size_t)uz * DV + dv] = vzero<T>();
+    }
+    for (unsigned cmask = __ballot_sync(0xffffffffu, cross); cmask; cmask &= cmask - 1) {
+      const int src_lane = __ffs(cmask) - 1;
+      const int uc = base + src_lane;
+      const int k0 = __shfl_sync(0xffffffffu, s, src_lane) / kPL;
+      const int k1 = (__shfl_sync(0xffffffffu, e, src_lane) - 1) / kPL;
+      const int L = k1 - k0 + 1;  // partials: (k0,1), (k0+1,0), ..., (k1,0)
+      for (int dv0 = 0; dv0 < DV; dv0 += kV) {
+        T acc[kV];
 #pragma unroll
-      for (int v = 0; v < kV; ++v) acc[v] = vzero<T>();
-      for (int i = lane; i < L; i += 32) {
-        const int kk = k0 + i;
-        const int side = (i == 0) ? 1 : 0;
-        const T* src = pv + ((size_t)kk * 2 + side) * DV + dv0;
+        for (int v = 0; v < kV; ++v) acc[v] = vzero<T>();
+        for (int i = lane; i < L; i += 32) {
+          const int kk = k0 + i;
+          const int side = (i == 0) ? 1 : 0;
+          const T* src = pv + ((size_t)kk * 2 + side) * DV + dv0;
+#pragma unroll
+          for (int v = 0; v < kV; ++v)
+            if (dv0 + v < DV) vfma(acc[v], 1.f, src[v]);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+          for (int v = 0; v < kV; ++v) shfl_add<VEC>(acc[v], off);
 #pragma unroll
         for (int v = 0; v < kV; ++v)
-          if (dv0 + v < DV) vfma(acc[v], 1.f, src[v]);
+          if (lane == v && dv0 + v < DV) o[(size_t)uc * DV + dv0 + v] = acc[v];
       }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1)
-#pragma unroll
-        for (int v = 0; v < kV; ++v) shfl_add<VEC>(acc[v], off);
-#pragma unroll
-      for (int v = 0; v < kV; ++v)
-        if (lane == v && dv0 + v < DV) o[(size_t)u * DV + dv0 + v] = acc[v];
     }
   }
 }
@@ -1015,6 +1296,18 @@ size_t bwd_smem(const Dev& d) {
   const size_t ab = (size_t)align4(kKC * d.r1) + (size_t)kKC * NJ;
   return sizeof(float) *
          ((size_t)align4(d.r1 * (NJ + 1)) + std::max(warps, ab));
+}
+
+// Groups per batch of the GEMM forward tile (largest power of two <= kT1F
+// whose shared memory fits ~100 KB, two CTAs per SM), or 0 when the GEMM
+// kernel does not take these dims (then the warp kernel runs).
+int gemm_batch_groups(const Dev& d) {
+  if ((d.q3 != 4 && d.q3 != 8) || (d.M != 4 && d.M != 8 && d.M != 16) ||
+      d.r2 % 4 != 0)
+    return 0;
+  for (int GB = kT1F; GB >= 1; GB /= 2)
+    if (tile_geo(d, GB).smem_bytes <= 100 * 1024) return GB;
+  return 0;
 }
 
 struct Bump {
@@ -1146,6 +1439,19 @@ cudaError_t rows_fwd(const TTDims& t, const float* g1, const float* g2,
     build_map_kernel<<<blocks, 256, 0, stream>>>(d, unique_ids, group_offsets,
                                                  counts, n, s.map, rows);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  const int GB = gemm_batch_groups(d);
+  if (GB > 0) {
+    const TileGeo geo = tile_geo(d, GB);
+#define FLOWTT_FWD_GEMM(MM, QQ3)                                               \
+  if (d.M == MM && d.q3 == QQ3)                                                \
+    return launch_persistent(rows_fwd_gemm_kernel<MM, QQ3>, geo.smem_bytes,    \
+                             stream, sms, d, geo, g1, g2, g3, unique_ids,      \
+                             group_offsets, counts, n, s.map, s.ctrl, s.flags, \
+                             s.ckpt, rows);
+    FLOWTT_FWD_GEMM(4, 4) FLOWTT_FWD_GEMM(8, 4) FLOWTT_FWD_GEMM(16, 4)
+    FLOWTT_FWD_GEMM(4, 8) FLOWTT_FWD_GEMM(8, 8) FLOWTT_FWD_GEMM(16, 8)
+#undef FLOWTT_FWD_GEMM
   }
   const size_t smem = fwd_smem(d);
   switch (d.q1) {
@@ -1293,12 +1599,14 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows,
     cudaError_t e = cudaMemsetAsync(d_rows, 0, sizeof(float) * (size_t)n * D,
                                     stream);
     if (e != cudaSuccess) return e;
-    return cudaMemsetAsync(d_weights, 0, sizeof(float) * (size_t)n, stream);
+    return d_weights == nullptr
+               ? cudaSuccess
+               : cudaMemsetAsync(d_weights, 0, sizeof(float) * (size_t)n, stream);
   }
   const int nch = (n + kPL - 1) / kPL;
   const int b1 = (int)(((long long)nch * TS + 255) / 256);
-  const int b2 = std::max(1, std::min((int)(((long long)n * 32 + 255) / 256),
-                                      num_sms() * 64));
+  const int b2 = std::max(1, std::min((int)(((long long)n + 255) / 256),
+                                      num_sms() * 16));
   const int bw = (int)(((long long)n * TS + 255) / 256);
   if (v4) {
     pool_bwd_rows_p1<4><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm,
@@ -1306,16 +1614,18 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows,
                                                 n, B, D, TS, d_rows, part);
     pool_bwd_rows_p2<4><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D,
                                                 part, d_rows);
-    pool_bwd_weights_kernel<4><<<bw, 256, 0, stream>>>(
-        dout, rows, inverse, bag_ids, n, B, D, TS, d_weights);
+    if (d_weights != nullptr)
+      pool_bwd_weights_kernel<4><<<bw, 256, 0, stream>>>(
+          dout, rows, inverse, bag_ids, n, B, D, TS, d_weights);
   } else {
     pool_bwd_rows_p1<1><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm,
                                                 inverse, run_offsets, counts,
                                                 n, B, D, TS, d_rows, part);
     pool_bwd_rows_p2<1><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D,
                                                 part, d_rows);
-    pool_bwd_weights_kernel<1><<<bw, 256, 0, stream>>>(
-        dout, rows, inverse, bag_ids, n, B, D, TS, d_weights);
+    if (d_weights != nullptr)
+      pool_bwd_weights_kernel<1><<<bw, 256, 0, stream>>>(
+          dout, rows, inverse, bag_ids, n, B, D, TS, d_weights);
   }
   return cudaGetLastError();
 }

@@ -45,7 +45,8 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows,
                          const float* weights, const int* inverse,
                          const int* bag_ids, const int* perm,
                          const int* run_offsets, const int* counts, int n,
-                         int B, int D, float* d_rows, float* d_weights,
+                         int B, int D, float* d_rows,
+                         float* d_weights,  // nullptr: not computed
                          void* scratch, cudaStream_t stream);
 
 // Profiling aid (harness only): bit mask of backward stages to run.

@@ -92,7 +92,9 @@ def canonical_bags(
         seg = seg.astype(jnp.int32)
         w_in = jnp.ones((n,), jnp.float32) if w is None else w
         seg, ids, w = jax.lax.sort((seg, ids, w_in), num_keys=1, is_stable=True)
-        offsets = jnp.searchsorted(seg, jnp.arange(num_bags + 1, dtype=jnp.int32), side="left")
+        offsets = jnp.searchsorted(
+            seg, jnp.arange(num_bags + 1, dtype=jnp.int32), side="left", method="scan_unrolled"
+        )
         offsets = offsets.astype(jnp.int32)
         keep = seg < num_bags
     else:
@@ -112,7 +114,9 @@ def canonical_bags(
 
     num = offsets.shape[0] - 1
     pos = jnp.arange(n, dtype=jnp.int32)
-    bag_ids = jnp.clip(jnp.searchsorted(offsets, pos, side="right") - 1, 0, max(num - 1, 0))
+    # scan_unrolled: no while loop (on GPU a while loop copies its carry and waits on the host)
+    bag = jnp.searchsorted(offsets, pos, side="right", method="scan_unrolled") - 1
+    bag_ids = jnp.clip(bag, 0, max(num - 1, 0))
     bag_ids = bag_ids.astype(jnp.int32)
     eff = jnp.ones((n,), jnp.float32) if w is None else w
     if keep is not None:
