@@ -129,10 +129,11 @@ ffi::Error PoolBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       dout.dimensions().size() == 2 ? dout.dimensions()[0] : -1;
   if (n < 1 || Length(weights) != n || Length(bag_ids) != n ||
       Length(perm) != n || Length(run_offsets) != n + 1 ||
-      Length(counts) != 2 || Length(*d_weights) != n)
+      Length(counts) != 2 ||
+      (Length(*d_weights) != n && Length(*d_weights) != 0))
     return ffi::Error::InvalidArgument(
-        "need weights, inverse, bag_ids, perm, d_weights [n], run_offsets "
-        "[n+1], counts [2]");
+        "need weights, inverse, bag_ids, perm [n], d_weights [n] or [0], "
+        "run_offsets [n+1], counts [2]");
   if (ffi::Error e = CheckMatrix(rows, n, d, "rows"); e.failure()) return e;
   if (ffi::Error e = CheckMatrix(dout, bags, d, "dout"); e.failure()) return e;
   if (ffi::Error e = CheckMatrix(*d_rows, n, d, "d_rows"); e.failure())
@@ -145,7 +146,9 @@ ffi::Error PoolBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                    inverse.typed_data(), bag_ids.typed_data(),
                    perm.typed_data(), run_offsets.typed_data(),
                    counts.typed_data(), (int)n, (int)bags, (int)d,
-                   d_rows->typed_data(), d_weights->typed_data(), ws, stream),
+                   d_rows->typed_data(),
+                   Length(*d_weights) == 0 ? nullptr : d_weights->typed_data(),
+                   ws, stream),
       "bag_pool_bwd");
 }
 

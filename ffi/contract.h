@@ -59,7 +59,32 @@ ffi::Error CheckMatrix(const Buf& x, int64_t rows, int64_t cols, const char* nam
   return ffi::Error::Success();
 }
 
-// Operand and result lists of the four targets, appended to a binding that may
+// flowtt_plan: ids [n] (n >= 0, n + 1 < 2^31); outputs perm, inverse, unique_ids [n],
+// run_offsets, group_offsets [n+1], counts [2]; attrs 1 <= last_extent < 2^31,
+// 1 <= num_rows < 2^31.
+template <typename Buf>
+ffi::Error CheckPlan(const Buf& ids, const Buf& perm, const Buf& inverse, const Buf& unique_ids,
+                     const Buf& run_offsets, const Buf& group_offsets, const Buf& counts,
+                     int64_t last_extent, int64_t num_rows) {
+  constexpr int64_t kInt32Limit = int64_t{1} << 31;
+  const int64_t n = Length(ids);
+  if (n < 0 || n + 1 >= kInt32Limit) {
+    return ffi::Error::InvalidArgument("flowtt_plan: ids must be 1-D [n] with n + 1 < 2^31");
+  }
+  if (Length(perm) != n || Length(inverse) != n || Length(unique_ids) != n ||
+      Length(run_offsets) != n + 1 || Length(group_offsets) != n + 1 || Length(counts) != 2) {
+    return ffi::Error::InvalidArgument(
+        "flowtt_plan: outputs must be perm, inverse, unique_ids [n], run_offsets, "
+        "group_offsets [n+1], counts [2]");
+  }
+  if (last_extent < 1 || last_extent >= kInt32Limit || num_rows < 1 || num_rows >= kInt32Limit) {
+    return ffi::Error::InvalidArgument(
+        "flowtt_plan: need 1 <= last_extent < 2^31 and 1 <= num_rows < 2^31");
+  }
+  return ffi::Error::Success();
+}
+
+// Operand and result lists of the targets, appended to a binding that may
 // already hold context arguments (the CUDA stream, the scratch allocator).
 // Trailing operands past the contract's are accepted and ignored (RemainingArgs).
 using F32Buffer = ffi::Buffer<ffi::F32>;
@@ -102,6 +127,20 @@ auto BindPoolBwd(Binding b) {
       .template Arg<S32Buffer>().template Arg<S32Buffer>()
       .RemainingArgs()
       .template Ret<F32Buffer>().template Ret<F32Buffer>();
+}
+
+using S32Out = ffi::ResultBuffer<ffi::S32>;
+
+template <typename Binding>
+auto BindPlan(Binding b) {
+  // ids -> perm inverse unique_ids run_offsets group_offsets counts; attrs last_extent, num_rows
+  return std::move(b)
+      .template Arg<S32Buffer>()
+      .RemainingArgs()
+      .template Ret<S32Buffer>().template Ret<S32Buffer>().template Ret<S32Buffer>()
+      .template Ret<S32Buffer>().template Ret<S32Buffer>().template Ret<S32Buffer>()
+      .template Attr<int64_t>("last_extent")
+      .template Attr<int64_t>("num_rows");
 }
 
 }  // namespace flowtt

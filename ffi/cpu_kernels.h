@@ -164,7 +164,7 @@ inline std::string PoolBwd(const float* dout, int64_t num_bags, const float* row
                            int64_t d, const float* weights, const int32_t* inverse,
                            const int32_t* bag_ids, const int32_t* perm,
                            const int32_t* run_offsets, int32_t num_unique, float* d_rows,
-                           float* d_weights) {
+                           float* d_weights) {  // d_weights may be null: not computed
   if (num_unique < 0 || num_unique > n) return "plan counts out of range";
   for (int64_t k = 0; k < n; ++k) {
     if (inverse[k] < 0 || inverse[k] >= n || bag_ids[k] < 0 || bag_ids[k] >= num_bags ||
@@ -187,7 +187,7 @@ inline std::string PoolBwd(const float* dout, int64_t num_bags, const float* row
       for (int64_t c = 0; c < d; ++c) dr[c] += w * g[c];
     }
   }
-  for (int64_t k = 0; k < n; ++k) {
+  for (int64_t k = 0; d_weights != nullptr && k < n; ++k) {
     const float* g = dout + int64_t(bag_ids[k]) * d;
     const float* r = rows + int64_t(inverse[k]) * d;
     float acc = 0.0f;

@@ -7,6 +7,7 @@
 
 #include "contract.h"
 #include "cpu_kernels.h"
+#include "cpu_plan.h"
 #include "nanobind/nanobind.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -84,9 +85,11 @@ ffi::Error PoolBwdImpl(F32 dout, F32 rows, F32 weights, S32 inverse, S32 bag_ids
   const int64_t d = rows.dimensions().size() == 2 ? rows.dimensions()[1] : -1;
   const int64_t bags = dout.dimensions().size() == 2 ? dout.dimensions()[0] : -1;
   if (n < 1 || Length(weights) != n || Length(bag_ids) != n || Length(perm) != n ||
-      Length(run_offsets) != n + 1 || Length(counts) != 2 || Length(*d_weights) != n) {
+      Length(run_offsets) != n + 1 || Length(counts) != 2 ||
+      (Length(*d_weights) != n && Length(*d_weights) != 0)) {
     return ffi::Error::InvalidArgument(
-        "need weights, inverse, bag_ids, perm, d_weights [n], run_offsets [n+1], counts [2]");
+        "need weights, inverse, bag_ids, perm [n], d_weights [n] or [0], run_offsets [n+1], "
+        "counts [2]");
   }
   if (ffi::Error e = CheckMatrix(rows, n, d, "rows"); e.failure()) return e;
   if (ffi::Error e = CheckMatrix(dout, bags, d, "dout"); e.failure()) return e;
@@ -95,7 +98,8 @@ ffi::Error PoolBwdImpl(F32 dout, F32 rows, F32 weights, S32 inverse, S32 bag_ids
                                   weights.typed_data(), inverse.typed_data(),
                                   bag_ids.typed_data(), perm.typed_data(),
                                   run_offsets.typed_data(), counts.typed_data()[0],
-                                  d_rows->typed_data(), d_weights->typed_data()));
+                                  d_rows->typed_data(),
+                                  Length(*d_weights) == 0 ? nullptr : d_weights->typed_data()));
 }
 
 }  // namespace
@@ -118,6 +122,7 @@ NB_MODULE(_flowtt_cpu, m) {
     d["flowtt_tt_rows_bwd"] = nb::capsule(reinterpret_cast<void*>(FlowttRowsBwdCpu));
     d["flowtt_bag_pool_fwd"] = nb::capsule(reinterpret_cast<void*>(FlowttPoolFwdCpu));
     d["flowtt_bag_pool_bwd"] = nb::capsule(reinterpret_cast<void*>(FlowttPoolBwdCpu));
+    d["flowtt_plan"] = nb::capsule(reinterpret_cast<void*>(FlowttPlanCpu));  // ffi/cpu_plan.cc
     return d;
   });
 }

@@ -1,5 +1,6 @@
 // nanobind module `_flowtt_cuda`: registrations() hands the CUDA handlers'
-// capsules (cuda/handlers.cu) to jax.ffi.register_ffi_target(platform="CUDA");
+// capsules (cuda/handlers.cu, cuda/plan_handler.cu) to
+// jax.ffi.register_ffi_target(platform="CUDA");
 // scratch_bytes() reports the handlers' run-time scratch (for benchmarks);
 // unsupported_reason() says why the kernels cannot take a core shape (None if they can).
 #include <string>
@@ -7,6 +8,7 @@
 #include "handlers.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
+#include "plan_handler.h"
 #include "tt_kernels.h"
 
 NB_MODULE(_flowtt_cuda, m) {
@@ -17,6 +19,7 @@ NB_MODULE(_flowtt_cuda, m) {
     d["flowtt_tt_rows_bwd"] = nb::capsule(reinterpret_cast<void*>(FlowttRowsBwdCuda));
     d["flowtt_bag_pool_fwd"] = nb::capsule(reinterpret_cast<void*>(FlowttPoolFwdCuda));
     d["flowtt_bag_pool_bwd"] = nb::capsule(reinterpret_cast<void*>(FlowttPoolBwdCuda));
+    d["flowtt_plan"] = nb::capsule(reinterpret_cast<void*>(FlowttPlanCuda));
     return d;
   });
   m.def("unsupported_reason",

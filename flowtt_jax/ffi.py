@@ -12,12 +12,12 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .plan import Plan
 
-__all__ = ["available", "cuda_unsupported_reason", "rows_fwd", "rows_bwd", "pool_fwd", "pool_bwd"]
-
-_TARGETS = ("flowtt_tt_rows_fwd", "flowtt_tt_rows_bwd", "flowtt_bag_pool_fwd", "flowtt_bag_pool_bwd")
+__all__ = ["available", "cuda_unsupported_reason", "plan", "rows_fwd", "rows_bwd", "pool_fwd",
+           "pool_bwd"]
 
 
 def _import(name: str):
@@ -64,17 +64,32 @@ def cuda_unsupported_reason(cores) -> str | None:
     return ext.unsupported_reason(p1, p2, p3, q1, q2, q3, r1, r2)
 
 
-def _call(target: str, outs, *args):
+def _call(target: str, outs, *args, **attrs):
     if not available():
         raise ImportError(
             "flowtt_jax was installed without its compiled extension (_flowtt_cpu); "
             "reinstall with `pip install -e .` or use impl='reference'"
         )
-    return jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*args)
+    return jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*args, **attrs)
 
 
 def _f32(shape) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def plan(ids: jax.Array, last_extent: int, num_rows: int) -> Plan:
+    """``plan.make_plan(ids, last_extent)`` as one call of target ``flowtt_plan``.
+
+    ``ids`` [n] int are clamped to ``[0, num_rows)``: for in-range ids the plan equals
+    ``make_plan``'s bit for bit. ``num_rows`` (< 2^31) also bounds the radix sort's key
+    bits on the GPU. ``last_extent`` and ``num_rows`` are static ints.
+    """
+    if ids.ndim != 1:
+        raise ValueError(f"ids must be flat [n], got shape {ids.shape}")
+    n = ids.shape[0]
+    outs = tuple(jax.ShapeDtypeStruct((m,), jnp.int32) for m in (n, n, n, n + 1, n + 1, 2))
+    return Plan(*_call("flowtt_plan", outs, ids.astype(jnp.int32),
+                       last_extent=np.int64(last_extent), num_rows=np.int64(num_rows)))
 
 
 def rows_fwd(cores, plan: Plan) -> jax.Array:
@@ -98,8 +113,12 @@ def pool_fwd(rows: jax.Array, inverse: jax.Array, weights: jax.Array, offsets: j
     return _call("flowtt_bag_pool_fwd", out, rows, inverse, weights, offsets)
 
 
-def pool_bwd(dout, rows, weights, bag_ids, plan: Plan) -> tuple[jax.Array, jax.Array]:
-    """(d_rows [n, D], d_weights [n]) of the pooling, reduced in sorted order."""
-    outs = (_f32(rows.shape), _f32(weights.shape))
-    return tuple(_call("flowtt_bag_pool_bwd", outs, dout, rows, weights, plan.inverse, bag_ids,
-                       plan.perm, plan.run_offsets, plan.counts))
+def pool_bwd(dout, rows, weights, bag_ids, plan: Plan, with_d_weights: bool = True):
+    """(d_rows [n, D], d_weights [n] or None) of the pooling, reduced in sorted order.
+
+    ``with_d_weights=False`` skips the weight gradient (the kernel gets a [0] result).
+    """
+    outs = (_f32(rows.shape), _f32(weights.shape if with_d_weights else (0,)))
+    d_rows, d_weights = _call("flowtt_bag_pool_bwd", outs, dout, rows, weights, plan.inverse,
+                              bag_ids, plan.perm, plan.run_offsets, plan.counts)
+    return d_rows, (d_weights if with_d_weights else None)

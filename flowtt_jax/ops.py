@@ -12,6 +12,7 @@ kernels), ``"reference"`` (pure jax.numpy).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -21,7 +22,6 @@ import jax.numpy as jnp
 from . import ffi, reference
 from .bag import canonical_bags
 from .oob import apply_oob
-from .plan import make_plan
 from .spec import TTSpec
 
 __all__ = ["tt_lookup", "tt_embedding_bag"]
@@ -30,22 +30,26 @@ IMPLS = ("auto", "ffi", "reference")
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-@jax.custom_vjp
-def _fused_bag(cores, weights, ids, offsets, bag_ids):
-    return _fused_bag_fwd(cores, weights, ids, offsets, bag_ids)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused_bag(weighted, cores, weights, ids, offsets, bag_ids):
+    """``weighted`` (static): the caller passed weights, so their gradient is computed."""
+    return _fused_bag_fwd(weighted, cores, weights, ids, offsets, bag_ids)[0]
 
 
-def _fused_bag_fwd(cores, weights, ids, offsets, bag_ids):
-    plan = make_plan(ids, cores[-1].shape[0])
+def _fused_bag_fwd(weighted, cores, weights, ids, offsets, bag_ids):
+    num_rows = math.prod(c.shape[0] for c in cores)
+    plan = ffi.plan(ids, cores[-1].shape[0], num_rows)
     rows = ffi.rows_fwd(cores, plan)
     out = ffi.pool_fwd(rows, plan.inverse, weights, offsets)
     return out, (cores, weights, bag_ids, plan, rows)
 
 
-def _fused_bag_bwd(res, dout):
+def _fused_bag_bwd(weighted, res, dout):
     cores, weights, bag_ids, plan, rows = res
-    d_rows, d_weights = ffi.pool_bwd(dout, rows, weights, bag_ids, plan)
+    d_rows, d_weights = ffi.pool_bwd(dout, rows, weights, bag_ids, plan, with_d_weights=weighted)
     d_cores = ffi.rows_bwd(cores, d_rows, plan)
+    if d_weights is None:
+        d_weights = jnp.zeros_like(weights)
     return d_cores, d_weights, None, None, None
 
 
@@ -69,7 +73,7 @@ def _choose_impl(impl: str, cores: Sequence[jax.Array]) -> str:
     return impl
 
 
-def _bag(cores, ids, offsets, bag_ids, weights, num_bags, impl, dtype) -> jax.Array:
+def _bag(cores, ids, offsets, bag_ids, weights, weighted, num_bags, impl, dtype) -> jax.Array:
     """Weighted bag sums in float32 (float64 cores stay float64), cast once to ``dtype``."""
     dtype = cores[0].dtype if dtype is None else dtype
     c32 = tuple(jnp.promote_types(c.dtype, jnp.float32) for c in cores)
@@ -80,7 +84,7 @@ def _bag(cores, ids, offsets, bag_ids, weights, num_bags, impl, dtype) -> jax.Ar
         rows = reference.tt_rows(c32, ids)
         out = reference.pool(rows, weights.astype(rows.dtype), bag_ids, num_bags)
     else:
-        out = _fused_bag(c32, weights.astype(jnp.float32), ids, offsets, bag_ids)
+        out = _fused_bag(weighted, c32, weights.astype(jnp.float32), ids, offsets, bag_ids)
     return out.astype(dtype)
 
 
@@ -121,7 +125,8 @@ def tt_embedding_bag(
     )
     flat, valid = apply_oob(bags.ids, n_rows, oob)
     w = bags.weights if valid is None else jnp.where(valid, bags.weights, 0.0)
-    return _bag(cores, flat, bags.offsets, bags.bag_ids, w, bags.offsets.shape[0] - 1, impl, dtype)
+    return _bag(cores, flat, bags.offsets, bags.bag_ids, w, weights is not None,
+                bags.offsets.shape[0] - 1, impl, dtype)
 
 
 def tt_lookup(
@@ -147,5 +152,5 @@ def tt_lookup(
     w = jnp.ones((n,), jnp.float32) if valid is None else valid.astype(jnp.float32)
     pos = jnp.arange(n, dtype=jnp.int32)
     offsets = jnp.arange(n + 1, dtype=jnp.int32)
-    out = _bag(cores, flat, offsets, pos, w, n, impl, dtype)
+    out = _bag(cores, flat, offsets, pos, w, False, n, impl, dtype)
     return out.reshape(*ids.shape, out.shape[-1])

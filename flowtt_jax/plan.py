@@ -1,9 +1,11 @@
 """On-device FlowTT plan: group ids by sort, all shapes static (size nnz).
 
 Sorting ids sorts them by prefix (mixed radix, first digit most significant), so
-unique ids and unique prefix groups are runs of the sorted ids. Everything here
-is ``jax.numpy`` / ``jax.lax``: it jits, vmaps and never leaves the device.
-See ``docs/op_contract.md`` for the meaning of each field.
+unique ids and unique prefix groups are runs of the sorted ids. ``make_plan`` is
+pure ``jax.numpy`` / ``jax.lax``: it jits, vmaps and never leaves the device.
+``flowtt_jax.ffi.plan`` builds the same plan with one FFI call (``flowtt_plan``: C++ on
+CPU, cub radix sort + scan on CUDA). See ``docs/op_contract.md`` for the meaning
+of each field.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["Plan", "make_plan"]
 
@@ -69,3 +72,4 @@ def make_plan(ids: jax.Array, last_extent: int) -> Plan:
     group_offsets = _starts_to_offsets(new_group, gidx, num_unique)
     counts = jnp.stack([num_unique, gidx[-1] + 1])
     return Plan(perm, inverse, unique_ids, run_offsets, group_offsets, counts)
+

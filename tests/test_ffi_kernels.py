@@ -66,6 +66,12 @@ def test_all_targets_write_every_output(kind):
     assert rel_err(d_rows, exp_rows) < 1e-5
     exp_w = np.sum(np.asarray(dout, np.float64)[np.asarray(bag_ids)] * table[np.asarray(ids)], axis=1)
     assert rel_err(d_w, exp_w) < 1e-5
+    # a [0] d_weights result skips the weight gradient; d_rows is unchanged, bit for bit
+    d_rows_only, d_w0 = poisoned_call("flowtt_bag_pool_bwd", [f32((n, 24)), f32((0,))], dout, rows,
+                                      weights, plan.inverse, bag_ids, plan.perm,
+                                      plan.run_offsets, plan.counts)
+    assert d_w0.shape == (0,)
+    np.testing.assert_array_equal(d_rows_only, d_rows)
 
     grads = poisoned_call("flowtt_tt_rows_bwd", [f32(c.shape) for c in cores], *cores, d_rows,
                           plan.unique_ids, plan.group_offsets, plan.counts)

@@ -1,0 +1,32 @@
+// On-device FlowTT plan (target flowtt_plan, docs/op_contract.md): launcher,
+// no XLA dependency. The FFI handler is cuda/plan_handler.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+namespace flowtt {
+
+// The plan's int32 device arrays (fields of flowtt_jax.plan.Plan).
+struct PlanOutputs {
+  int* perm;           // [n]   positions sorted by id (stable)
+  int* inverse;        // [n]   position -> unique index
+  int* unique_ids;     // [n]   ascending unique ids, then 0
+  int* run_offsets;    // [n+1] first sorted position of each unique id, then n
+  int* group_offsets;  // [n+1] first unique index of each prefix group, then num_unique
+  int* counts;         // [2]   (num_unique, num_groups)
+};
+
+// Scratch bytes build_plan needs for n ids (0 for n == 0); any base alignment.
+cudaError_t plan_scratch_bytes(int n, int num_rows, size_t* bytes);
+
+// Plan of ids [n] (n + 1 < 2^31), the prefix of an id being id / last_extent.
+// Ids are clamped to [0, num_rows - 1] first (num_rows >= 1), so for in-range
+// ids the plan equals flowtt_jax.plan.make_plan bit for bit. All work is
+// queued on `stream`; `scratch` holds plan_scratch_bytes(n, num_rows) bytes.
+cudaError_t build_plan(const int* ids, int n, int last_extent, int num_rows,
+                       const PlanOutputs& out, void* scratch,
+                       cudaStream_t stream);
+
+}  // namespace flowtt

@@ -1,0 +1,67 @@
+// flowtt_plan on the CPU: the plan of flowtt_jax.plan.make_plan, bit for bit
+// (docs/op_contract.md). Ids are clamped to [0, num_rows); the stable sort is a
+// sort of the 64-bit keys (id << 32 | position), which are distinct, so the
+// order is the stable order of the ids. One pass over the sorted keys then
+// writes every output element once.
+#include "cpu_plan.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "contract.h"
+
+namespace flowtt {
+namespace {
+
+// ids [n] -> perm, inverse, unique_ids [n], run_offsets, group_offsets [n+1], counts [2].
+void MakePlan(const int32_t* ids, int64_t n, int64_t last_extent, int64_t num_rows,
+              int32_t* perm, int32_t* inverse, int32_t* unique_ids, int32_t* run_offsets,
+              int32_t* group_offsets, int32_t* counts) {
+  std::vector<uint64_t> keys(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t id = static_cast<uint64_t>(std::clamp<int64_t>(ids[i], 0, num_rows - 1));
+    keys[i] = id << 32 | static_cast<uint64_t>(i);
+  }
+  std::sort(keys.begin(), keys.end());
+  int32_t u = -1, g = -1;  // unique and group index of the current sorted position
+  int64_t prev = 0;        // previous sorted id
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t id = static_cast<int64_t>(keys[s] >> 32);
+    const int32_t pos = static_cast<int32_t>(keys[s] & 0xffffffffu);
+    if (s == 0 || id != prev) {
+      run_offsets[++u] = static_cast<int32_t>(s);
+      unique_ids[u] = static_cast<int32_t>(id);
+      if (s == 0 || id / last_extent != prev / last_extent) group_offsets[++g] = u;
+    }
+    perm[s] = pos;
+    inverse[pos] = u;
+    prev = id;
+  }
+  const int32_t num_unique = u + 1, num_groups = g + 1;
+  std::fill(run_offsets + num_unique, run_offsets + n + 1, static_cast<int32_t>(n));
+  std::fill(unique_ids + num_unique, unique_ids + n, 0);
+  std::fill(group_offsets + num_groups, group_offsets + n + 1, num_unique);
+  counts[0] = num_unique;
+  counts[1] = num_groups;
+}
+
+ffi::Error PlanImpl(S32Buffer ids, ffi::RemainingArgs, S32Out perm, S32Out inverse,
+                    S32Out unique_ids, S32Out run_offsets, S32Out group_offsets, S32Out counts,
+                    int64_t last_extent, int64_t num_rows) {
+  if (ffi::Error e = CheckPlan(ids, *perm, *inverse, *unique_ids, *run_offsets, *group_offsets,
+                               *counts, last_extent, num_rows);
+      e.failure()) {
+    return e;
+  }
+  MakePlan(ids.typed_data(), Length(ids), last_extent, num_rows, perm->typed_data(),
+           inverse->typed_data(), unique_ids->typed_data(), run_offsets->typed_data(),
+           group_offsets->typed_data(), counts->typed_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace flowtt
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPlanCpu, flowtt::PlanImpl,
+                              flowtt::BindPlan(xla::ffi::Ffi::Bind()));

@@ -1,0 +1,115 @@
+"""The plan op flowtt_plan (ffi.plan) equals the jnp plan (make_plan) bit for bit.
+
+Runs on the CPU, and also on the GPU when one is present with the _flowtt_cuda
+extension. The raw target's outputs are aliased to buffers filled with -7 (trailing
+operands, ignored by the handler), so an element the op does not write fails.
+"""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import ID_KINDS, custom_call_targets, make_ids
+from flowtt_jax import ffi
+from flowtt_jax.plan import Plan, make_plan
+
+pytestmark = pytest.mark.skipif(not ffi.available(), reason="compiled extension not built")
+
+CPU = jax.devices("cpu")[0]
+
+
+def _devices():
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    has_cuda_ext = importlib.util.find_spec("flowtt_jax._flowtt_cuda") is not None
+    return [CPU] + (gpus[:1] if has_cuda_ext else [])
+
+
+DEVICES = _devices()
+device_param = pytest.mark.parametrize("device", DEVICES, ids=lambda d: d.platform)
+NUM_ROWS = 13 * 11 * 7
+
+
+def poisoned_plan(ids, last_extent: int, num_rows: int) -> Plan:
+    """flowtt_plan called directly under jit, each output aliased to a -7 buffer."""
+    n = ids.shape[0]
+    sizes = (n, n, n, n + 1, n + 1, 2)
+    outs = tuple(jax.ShapeDtypeStruct((m,), jnp.int32) for m in sizes)
+    call = jax.ffi.ffi_call("flowtt_plan", outs, input_output_aliases={1 + k: k for k in range(6)})
+    attrs = dict(last_extent=np.int64(last_extent), num_rows=np.int64(num_rows))
+    fn = jax.jit(lambda x, *poison: call(x, *poison, **attrs))
+    return Plan(*fn(ids, *(jnp.full((m,), -7, jnp.int32) for m in sizes)))
+
+
+def oracle(ids, last_extent: int) -> Plan:
+    """The jnp plan, on the CPU."""
+    with jax.default_device(CPU):
+        return jax.jit(make_plan, static_argnums=1)(jnp.asarray(ids), last_extent)
+
+
+def assert_plans_equal(got: Plan, want: Plan):
+    for name, g, w in zip(Plan._fields, got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+
+
+@device_param
+@pytest.mark.parametrize("kind", ID_KINDS)
+@pytest.mark.parametrize("n", [1, 2, 257, 4999])
+@pytest.mark.parametrize("last_extent", [1, 13, 77, NUM_ROWS + 5])
+def test_matches_make_plan(device, kind, n, last_extent):
+    ids = make_ids(kind, n, NUM_ROWS, seed=n + last_extent)
+    with jax.default_device(device):
+        got = poisoned_plan(ids, last_extent, NUM_ROWS)
+    assert_plans_equal(got, oracle(ids, last_extent))
+
+
+@device_param
+@pytest.mark.parametrize("num_rows, last_extent", [(1, 1), (2, 1), (10**7, 250), (2**31 - 1, 1 << 20)])
+def test_table_sizes(device, num_rows, last_extent):
+    """Sort key widths from 1 bit (num_rows 1 or 2) to 31 bits; ids include num_rows - 1."""
+    for kind in ("uniform", "zipf1.05", "last_row"):
+        ids = make_ids(kind, 3001, num_rows, seed=num_rows % 1000)
+        with jax.default_device(device):
+            got = poisoned_plan(ids, last_extent, num_rows)
+        assert_plans_equal(got, oracle(ids, last_extent))
+
+
+@device_param
+def test_out_of_range_ids_are_clamped(device):
+    ids = np.array([5, -3, 1001, 7, 2**31 - 1, 0, -(2**31), 1000], np.int32)
+    with jax.default_device(device):
+        got = ffi.plan(jnp.asarray(ids), 10, NUM_ROWS)
+    assert_plans_equal(got, oracle(np.clip(ids, 0, NUM_ROWS - 1), 10))
+
+
+@device_param
+def test_jit_and_vmap(device):
+    batch = np.stack([make_ids("zipf1.2", 301, NUM_ROWS, seed=s) for s in range(3)])
+    with jax.default_device(device):
+        fn = jax.jit(ffi.plan, static_argnums=(1, 2))
+        assert custom_call_targets(fn.lower(jnp.asarray(batch[0]), 11, NUM_ROWS).compile().as_text()) \
+            >= {"flowtt_plan"}
+        assert_plans_equal(fn(jnp.asarray(batch[0]), 11, NUM_ROWS), oracle(batch[0], 11))
+        batched = jax.jit(jax.vmap(lambda x: ffi.plan(x, 11, NUM_ROWS)))(jnp.asarray(batch))
+    for b in range(3):
+        assert_plans_equal(Plan(*(f[b] for f in batched)), oracle(batch[b], 11))
+
+
+@device_param
+def test_no_ids(device):
+    with jax.default_device(device):
+        plan = ffi.plan(jnp.zeros((0,), jnp.int32), 10, NUM_ROWS)
+    assert all(f.shape == (0,) for f in plan[:3])
+    for f in plan[3:]:
+        np.testing.assert_array_equal(f, 0)
+
+
+@pytest.mark.parametrize("last_extent, num_rows", [(0, 10), (10, 0), (2**31, 10), (10, 2**31)])
+def test_rejects_bad_attributes(last_extent, num_rows):
+    with pytest.raises(Exception, match="last_extent < 2"):
+        jax.block_until_ready(ffi.plan(jnp.arange(4, dtype=jnp.int32), last_extent, num_rows))
