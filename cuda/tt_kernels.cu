@@ -858,6 +858,292 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- backward, GEMM tile kernel (the fast path) ----------------------------
+// Same tiles as the forward GEMM kernel (i2 column x kT1B i1 values) and the
+// same outputs as rows_bwd_tile_kernel: Pbuf[g] (P, [m][b]), dG1p[g],
+// dG2p[t] + tile_flag[t], ug[u]. Per batch of up to GB groups:
+//   P by the GEMM of the forward (-> Pbuf for the dG3 pass);
+//   dP_k = sum_u dRow_u G3[i3_u]^T, items (group, MB2 rows m, 4 columns b),
+//     the group's unique ids in order;
+//   the groups' dG1 partials dP_k . G2^T, items (group, 4 strided a);
+//   the tile's dG2 partial A^T . dP added to shared memory, items (4 a, 4 j),
+//     batches in order.
+// Every output element has one owner thread and a fixed summation order:
+// bitwise reproducible.
+struct BwdGeo {
+  int GB, ldA, ldG2, PT, smem_bytes;
+};
+
+__host__ __device__ inline BwdGeo bwd_geo(const Dev& d, int GB) {
+  BwdGeo g;
+  const int NC = d.q2 * d.r2;
+  g.GB = GB;
+  g.ldA = (GB * d.q1 + kRPT - 1) / kRPT * kRPT;
+  g.ldG2 = NC + 4;  // a-strided reads of the dG1 pass hit different banks
+  g.PT = d.M * d.r2 + 4;
+  g.smem_bytes = (int)sizeof(float) *
+                 (d.r1 * g.ldG2 + d.r1 * NC + d.r1 * g.ldA + GB * g.PT);
+  return g;
+}
+
+template <int M, int Q3>
+__global__ void __launch_bounds__(kGT)
+    rows_bwd_gemm_kernel(Dev d, BwdGeo geo, const float* __restrict__ g1,
+                         const float* __restrict__ g2,
+                         const float* __restrict__ g3,
+                         const float* __restrict__ d_rows,
+                         const int* __restrict__ uids,
+                         const int* __restrict__ goffs,
+                         const int* __restrict__ counts, int n,
+                         const int* __restrict__ map, int* ctrl,
+                         int* __restrict__ tile_flag, float* __restrict__ Pbuf,
+                         float* __restrict__ dG1p, float* __restrict__ dG2p,
+                         int* __restrict__ ug, int slots) {
+  constexpr int MB2 = (32 / Q3) < M ? (32 / Q3) : M;  // rows m per dP item
+  constexpr int NMB2 = M / MB2;
+  extern __shared__ float4 smem4[];
+  const int NC = d.q2 * d.r2;
+  float* G2s = reinterpret_cast<float*>(smem4);  // [r1][ldG2]
+  float* dG2s = G2s + d.r1 * geo.ldG2;           // [r1][NC], the tile's dG2
+  float* As = dG2s + d.r1 * NC;                  // [r1][ldA], G1 transposed
+  float* PD = As + d.r1 * geo.ldA;               // [GB][PT]: P, then dP
+  __shared__ int s_next, s_n;
+  __shared__ int s_k[kT1B], s_g[kT1B], s_gs[kT1B], s_ge[kT1B];
+  const int tid = threadIdx.x;
+  const int U = clampi(counts[0], 0, n);
+  const int G = clampi(counts[1], 0, U);
+  const int nTiles = (d.p1 + kT1B - 1) / kT1B * d.p2;
+  const int NC4 = NC / 4, R14 = d.r1 / 4;
+
+  if (tid == 0) s_next = atomicAdd(ctrl, 1);
+  for (;;) {
+    __syncthreads();
+    const int t = s_next;
+    if (t >= nTiles) break;
+    const int i2 = t % d.p2;
+    const int i1b = (t / d.p2) * kT1B;
+    if (tid < 32) {  // compact the present groups
+      int g = -1, gs = 0, ge = 0;
+      if (tid < kT1B && i1b + tid < d.p1) {
+        g = map[(i1b + tid) * d.p2 + i2];
+        if (g >= G || g >= slots) g = -1;
+      }
+      if (g >= 0) {
+        gs = clampi(goffs[g], 0, U);
+        ge = clampi(goffs[g + 1], gs, U);
+      }
+      const unsigned bal = __ballot_sync(0xffffffffu, g >= 0);
+      const int pos = __popc(bal & ((1u << tid) - 1u));
+      if (g >= 0) {
+        s_k[pos] = tid;
+        s_g[pos] = g;
+        s_gs[pos] = gs;
+        s_ge[pos] = ge;
+      }
+      if (tid == 0) s_n = __popc(bal);
+    }
+    int nxt = 0;
+    if (tid == 0) nxt = atomicAdd(ctrl, 1);  // next tile, used at the end
+    __syncthreads();
+    const int nG = s_n;
+    if (nG == 0) {
+      if (tid == 0) {
+        tile_flag[t] = 0;
+        s_next = nxt;
+      }
+      continue;
+    }
+    {
+      const float4* src = reinterpret_cast<const float4*>(g2 + (size_t)i2 * d.R1Q2R2);
+      for (int i = tid; i < d.r1 * NC4; i += kGT) {
+        const int a = i / NC4, c = i - a * NC4;
+        *reinterpret_cast<float4*>(G2s + a * geo.ldG2 + 4 * c) = __ldg(src + i);
+        reinterpret_cast<float4*>(dG2s)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+    for (int k0 = 0; k0 < nG; k0 += geo.GB) {
+      const int nB = min(geo.GB, nG - k0);
+      const int nR = nB * d.q1;
+      for (int i = tid; i < nB * d.Q1R1; i += kGT) {  // rows fastest: no bank conflicts
+        const int a = i / nR, row = i - a * nR;
+        const int k = row / d.q1, q1 = row - k * d.q1;
+        As[a * geo.ldA + row] =
+            __ldg(g1 + (size_t)(i1b + s_k[k0 + k]) * d.Q1R1 + q1 * d.r1 + a);
+      }
+      for (int k = 0; k < nB; ++k)
+        for (int u = s_gs[k0 + k] + tid; u < s_ge[k0 + k]; u += kGT) ug[u] = s_g[k0 + k];
+      __syncthreads();
+      {  // P = A . G2 for the nR rows, kRPT x 4 outputs per thread
+        const int nRB = (nR + kRPT - 1) / kRPT;
+        for (int it = tid; it < NC4 * nRB; it += kGT) {
+          const int rb = it / NC4, c4 = it - rb * NC4;
+          float acc[kRPT][4];
+#pragma unroll
+          for (int i = 0; i < kRPT; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+          const float* ap = As + rb * kRPT;
+          const float* bp = G2s + c4 * 4;
+#pragma unroll 4
+          for (int a = 0; a < d.r1; ++a) {
+            const float4 a0 = *reinterpret_cast<const float4*>(ap + a * geo.ldA);
+            const float4 a1 = *reinterpret_cast<const float4*>(ap + a * geo.ldA + 4);
+            const float4 bv = *reinterpret_cast<const float4*>(bp + a * geo.ldG2);
+            const float av[kRPT] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            const float bw[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+            for (int i = 0; i < kRPT; ++i)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bw[j], acc[i][j]);
+          }
+          const int q2 = (c4 * 4) / d.r2, b0 = c4 * 4 - q2 * d.r2;
+#pragma unroll
+          for (int i = 0; i < kRPT; ++i) {
+            const int row = rb * kRPT + i;
+            if (row < nR) {
+              const int k = row / d.q1, q1 = row - k * d.q1;
+              *reinterpret_cast<float4*>(PD + k * geo.PT + (q1 * d.q2 + q2) * d.r2 + b0) =
+                  make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+            }
+          }
+        }
+      }
+      __syncthreads();
+      {  // P -> Pbuf (layout [m][b])
+        const int P4 = d.PSZ / 4;
+        for (int i = tid; i < nB * P4; i += kGT) {
+          const int k = i / P4, w = i - k * P4;
+          reinterpret_cast<float4*>(Pbuf + (size_t)s_g[k0 + k] * d.PSZ)[w] =
+              *reinterpret_cast<const float4*>(PD + k * geo.PT + 4 * w);
+        }
+      }
+      __syncthreads();
+      {  // dP_k[m][b] = sum_u sum_q dRow_u[m][q] G3[i3_u][b][q]
+        const int R24 = d.r2 / 4;
+        const int IPG = NMB2 * R24;
+        for (int it = tid; it < nB * IPG; it += kGT) {
+          const int k = it / IPG, rest = it - k * IPG;
+          const int mb = rest / R24, b0 = 4 * (rest - mb * R24);
+          const int m0 = mb * MB2;
+          float acc[MB2][4];
+#pragma unroll
+          for (int i = 0; i < MB2; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+          const int ge = s_ge[k0 + k];
+          for (int u = s_gs[k0 + k]; u < ge; ++u) {
+            const float4* dr4 = reinterpret_cast<const float4*>(
+                d_rows + (size_t)u * d.D + m0 * Q3);
+            const float4* g34 = reinterpret_cast<const float4*>(
+                g3 + ((size_t)id3(d, __ldg(uids + u)) * d.r2 + b0) * Q3);
+            float dr[MB2 * Q3], gv[4 * Q3];
+#pragma unroll
+            for (int i = 0; i < MB2 * Q3 / 4; ++i) {
+              const float4 v = __ldg(dr4 + i);
+              dr[4 * i] = v.x; dr[4 * i + 1] = v.y; dr[4 * i + 2] = v.z; dr[4 * i + 3] = v.w;
+            }
+#pragma unroll
+            for (int i = 0; i < Q3; ++i) {
+              const float4 v = __ldg(g34 + i);
+              gv[4 * i] = v.x; gv[4 * i + 1] = v.y; gv[4 * i + 2] = v.z; gv[4 * i + 3] = v.w;
+            }
+#pragma unroll
+            for (int i = 0; i < MB2; ++i)
+#pragma unroll
+              for (int bb = 0; bb < 4; ++bb) {
+                float a = acc[i][bb];
+#pragma unroll
+                for (int q = 0; q < Q3; ++q) a = fmaf(dr[i * Q3 + q], gv[bb * Q3 + q], a);
+                acc[i][bb] = a;
+              }
+          }
+#pragma unroll
+          for (int i = 0; i < MB2; ++i)
+            *reinterpret_cast<float4*>(PD + k * geo.PT + (m0 + i) * d.r2 + b0) =
+                make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+        }
+      }
+      __syncthreads();
+      // dG1 partial [q1][a] = sum_j dP_k[q1][j] G2[a][j]; a = a0 + i*r1/4
+      for (int it = tid; it < nB * R14; it += kGT) {
+        const int k = it / R14, a0 = it - k * R14;
+        float acc[4][4];
+#pragma unroll
+        for (int q1 = 0; q1 < 4; ++q1)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[q1][i] = 0.f;
+        const float* pk = PD + k * geo.PT;
+        for (int j = 0; j < NC; j += 4) {
+          float4 gv[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            gv[i] = *reinterpret_cast<const float4*>(G2s + (a0 + i * R14) * geo.ldG2 + j);
+#pragma unroll
+          for (int q1 = 0; q1 < 4; ++q1) {
+            if (q1 < d.q1) {
+              const float4 p = *reinterpret_cast<const float4*>(pk + q1 * NC + j);
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                float a = acc[q1][i];
+                a = fmaf(p.x, gv[i].x, a);
+                a = fmaf(p.y, gv[i].y, a);
+                a = fmaf(p.z, gv[i].z, a);
+                acc[q1][i] = fmaf(p.w, gv[i].w, a);
+              }
+            }
+          }
+        }
+        float* o = dG1p + (size_t)s_g[k0 + k] * d.Q1R1;
+#pragma unroll
+        for (int q1 = 0; q1 < 4; ++q1)
+          if (q1 < d.q1)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[q1 * d.r1 + a0 + i * R14] = acc[q1][i];
+      }
+      // the tile's dG2 [a][j] += sum_rows A[row][a] dP[row][j], rows in order
+      for (int it = tid; it < R14 * NC4; it += kGT) {
+        const int ab = it / NC4, j4 = it - ab * NC4;
+        float acc[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+        for (int k = 0; k < nB; ++k) {
+          for (int q1 = 0; q1 < d.q1; ++q1) {
+            const int row = k * d.q1 + q1;
+            const float4 p =
+                *reinterpret_cast<const float4*>(PD + k * geo.PT + q1 * NC + 4 * j4);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float av = As[(ab * 4 + i) * geo.ldA + row];
+              acc[i][0] = fmaf(av, p.x, acc[i][0]);
+              acc[i][1] = fmaf(av, p.y, acc[i][1]);
+              acc[i][2] = fmaf(av, p.z, acc[i][2]);
+              acc[i][3] = fmaf(av, p.w, acc[i][3]);
+            }
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float4* o = reinterpret_cast<float4*>(dG2s + (ab * 4 + i) * NC + 4 * j4);
+          float4 v = *o;
+          v.x += acc[i][0]; v.y += acc[i][1]; v.z += acc[i][2]; v.w += acc[i][3];
+          *o = v;
+        }
+      }
+      __syncthreads();
+    }
+    {
+      float4* dst = reinterpret_cast<float4*>(dG2p + (size_t)t * d.R1Q2R2);
+      for (int i = tid; i < d.r1 * NC4; i += kGT) dst[i] = reinterpret_cast<const float4*>(dG2s)[i];
+    }
+    if (tid == 0) {
+      tile_flag[t] = 1;
+      s_next = nxt;
+    }
+  }
+}
+
 __global__ void dg2_reduce_kernel(Dev d, int nT1, const int* __restrict__ flag,
                                   const float* __restrict__ dG2p,
                                   float* __restrict__ dg2) {
@@ -1310,6 +1596,16 @@ int gemm_batch_groups(const Dev& d) {
   return 0;
 }
 
+// Groups per batch of the GEMM backward tile (~110 KB of shared memory if
+// possible, else up to 200 KB), or 0 when it does not take these dims.
+int gemm_bwd_batch_groups(const Dev& d) {
+  if (gemm_batch_groups(d) == 0 || d.r1 % 4 != 0 || d.q1 > 4) return 0;
+  for (int lim : {110 * 1024, 200 * 1024})
+    for (int GB = kT1B; GB >= 1; GB /= 2)
+      if (bwd_geo(d, GB).smem_bytes <= lim) return GB;
+  return 0;
+}
+
 struct Bump {
   char* base;
   size_t off = 0;
@@ -1487,27 +1783,43 @@ cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2,
                                                 counts, n, s.map, nullptr);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   if (!(g_stage_mask & 1)) return cudaGetLastError();
-  const size_t smem = bwd_smem(d);
-#define FLOWTT_BWD(Q1, M, Q3, BB)                                              \
-  err = launch_persistent(rows_bwd_tile_kernel<Q1, M, Q3, BB>, smem, stream,   \
-                          sms, d, g1, g2, g3, d_rows, unique_ids,              \
-                          group_offsets, counts, n, s.map, s.ctrl,             \
-                          s.tile_flag, s.Pbuf, s.dPbuf, s.dG1p, s.dG2p, s.ug,  \
-                          s.slots)
-  {
-    const int bb = d.r2 > 32 ? 2 : 1;
-    const int key = d.q1 * 1000 + d.M * 10 + d.q3;
-    if (key == 2084 && bb == 1) FLOWTT_BWD(2, 8, 4, 1);
-    else if (key == 2084) FLOWTT_BWD(2, 8, 4, 2);
-    else if (key == 4168 && bb == 1) FLOWTT_BWD(4, 16, 8, 1);
-    else if (key == 4168) FLOWTT_BWD(4, 16, 8, 2);
-    else if (key == 2044 && bb == 1) FLOWTT_BWD(2, 4, 4, 1);
-    else if (key == 2044) FLOWTT_BWD(2, 4, 4, 2);
-    else if (key == 4164 && bb == 1) FLOWTT_BWD(4, 16, 4, 1);
-    else if (key == 4164) FLOWTT_BWD(4, 16, 4, 2);
-    else FLOWTT_BWD(0, 0, 0, 0);
+  const int GBB = gemm_bwd_batch_groups(d);
+  if (GBB > 0) {
+    const BwdGeo geo = bwd_geo(d, GBB);
+#define FLOWTT_BWD_GEMM(MM, QQ3)                                               \
+  else if (d.M == MM && d.q3 == QQ3) err =                                     \
+      launch_persistent(rows_bwd_gemm_kernel<MM, QQ3>, geo.smem_bytes, stream, \
+                        sms, d, geo, g1, g2, g3, d_rows, unique_ids,           \
+                        group_offsets, counts, n, s.map, s.ctrl, s.tile_flag,  \
+                        s.Pbuf, s.dG1p, s.dG2p, s.ug, s.slots);
+    if (false) {
+    }
+    FLOWTT_BWD_GEMM(4, 4) FLOWTT_BWD_GEMM(8, 4) FLOWTT_BWD_GEMM(16, 4)
+    FLOWTT_BWD_GEMM(4, 8) FLOWTT_BWD_GEMM(8, 8) FLOWTT_BWD_GEMM(16, 8)
+#undef FLOWTT_BWD_GEMM
+  } else {
+    const size_t smem = bwd_smem(d);
+  #define FLOWTT_BWD(Q1, M, Q3, BB)                                              \
+    err = launch_persistent(rows_bwd_tile_kernel<Q1, M, Q3, BB>, smem, stream,   \
+                            sms, d, g1, g2, g3, d_rows, unique_ids,              \
+                            group_offsets, counts, n, s.map, s.ctrl,             \
+                            s.tile_flag, s.Pbuf, s.dPbuf, s.dG1p, s.dG2p, s.ug,  \
+                            s.slots)
+    {
+      const int bb = d.r2 > 32 ? 2 : 1;
+      const int key = d.q1 * 1000 + d.M * 10 + d.q3;
+      if (key == 2084 && bb == 1) FLOWTT_BWD(2, 8, 4, 1);
+      else if (key == 2084) FLOWTT_BWD(2, 8, 4, 2);
+      else if (key == 4168 && bb == 1) FLOWTT_BWD(4, 16, 8, 1);
+      else if (key == 4168) FLOWTT_BWD(4, 16, 8, 2);
+      else if (key == 2044 && bb == 1) FLOWTT_BWD(2, 4, 4, 1);
+      else if (key == 2044) FLOWTT_BWD(2, 4, 4, 2);
+      else if (key == 4164 && bb == 1) FLOWTT_BWD(4, 16, 4, 1);
+      else if (key == 4164) FLOWTT_BWD(4, 16, 4, 2);
+      else FLOWTT_BWD(0, 0, 0, 0);
+    }
+  #undef FLOWTT_BWD
   }
-#undef FLOWTT_BWD
   if (err != cudaSuccess) return err;
   if (!(g_stage_mask & 2)) return cudaGetLastError();
   {
