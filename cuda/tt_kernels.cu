@@ -1310,6 +1310,74 @@ __global__ void dg3_kernel(Dev d, const int* __restrict__ bounds,
   }
 }
 
+// dG3 partials, blocked (the fast path, same dims as the GEMM kernels):
+// block (i3, part) as in dg3_kernel; a thread owns 4 columns b x all q3 of
+// the output and a fixed strided subset of the part's unique ids (stream
+// `sub`); per id it reads P_g[m][b0..b0+3] and dRow_u[m][:] as float4s
+// (4*M*Q3 FMAs per 2 float4s per m). Streams are combined in order.
+template <int M, int Q3>
+__global__ void __launch_bounds__(kThreads)
+    dg3_blocked_kernel(Dev d, const int* __restrict__ bounds,
+                       const int* __restrict__ vals, int n,
+                       const int* __restrict__ ug,
+                       const float* __restrict__ Pbuf,
+                       const float* __restrict__ d_rows, int slots,
+                       float* __restrict__ dg3p) {
+  extern __shared__ float4 smem4[];
+  float* s_red = reinterpret_cast<float*>(smem4);  // [subs][r2*Q3]
+  const int i3 = blockIdx.x, part = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int NB4 = d.r2 / 4;
+  const int subs = kThreads / NB4;
+  const int sub = tid / NB4, b0 = 4 * (tid - sub * NB4);
+  const int E3 = d.r2 * Q3;
+  const int blo = bounds[i3], bhi = bounds[i3 + 1];
+  const int per = (bhi - blo + kS3 - 1) / kS3;
+  const int lo = min(bhi, blo + part * per), hi = min(bhi, lo + per);
+  float acc[4][Q3];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int q = 0; q < Q3; ++q) acc[i][q] = 0.f;
+  if (sub < subs) {
+    for (int j = lo + sub; j < hi; j += subs) {
+      const int u = clampi(__ldg(vals + j), 0, n - 1);
+      const int g = clampi(__ldg(ug + u), 0, slots - 1);
+      const float* P = Pbuf + (size_t)g * d.PSZ + b0;
+      const float4* dr = reinterpret_cast<const float4*>(d_rows + (size_t)u * d.D);
+#pragma unroll 4
+      for (int m = 0; m < M; ++m) {
+        const float4 p = __ldg(reinterpret_cast<const float4*>(P + m * d.r2));
+        float dv[Q3];
+#pragma unroll
+        for (int i = 0; i < Q3 / 4; ++i) {
+          const float4 v = __ldg(dr + m * (Q3 / 4) + i);
+          dv[4 * i] = v.x; dv[4 * i + 1] = v.y; dv[4 * i + 2] = v.z; dv[4 * i + 3] = v.w;
+        }
+#pragma unroll
+        for (int q = 0; q < Q3; ++q) {
+          acc[0][q] = fmaf(p.x, dv[q], acc[0][q]);
+          acc[1][q] = fmaf(p.y, dv[q], acc[1][q]);
+          acc[2][q] = fmaf(p.z, dv[q], acc[2][q]);
+          acc[3][q] = fmaf(p.w, dv[q], acc[3][q]);
+        }
+      }
+    }
+    float* r = s_red + sub * E3 + b0 * Q3;  // [b][q] order
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int q = 0; q < Q3; ++q) r[i * Q3 + q] = acc[i][q];
+  }
+  __syncthreads();
+  float* out = dg3p + ((size_t)i3 * kS3 + part) * E3;
+  for (int e = tid; e < E3; e += kThreads) {
+    float tot = 0.f;
+    for (int k = 0; k < subs; ++k) tot += s_red[k * E3 + e];
+    out[e] = tot;
+  }
+}
+
 __global__ void dg3_final_kernel(Dev d, const float* __restrict__ dg3p,
                                  float* __restrict__ dg3) {
   const int E3 = d.r2 * d.q3;
@@ -1856,8 +1924,26 @@ cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2,
                                                            s.keys_in);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   // keys_in is free after the sort: it holds the p3+1 bucket bounds
-  dg3_kernel<<<dim3(d.p3, kS3), kThreads, 0, stream>>>(
-      d, s.keys_in, s.vals_out, n, s.ug, s.Pbuf, d_rows, s.slots, s.dg3p);
+  if (GBB > 0) {  // the GEMM path's dims: blocked dG3
+    const size_t sm3 = sizeof(float) * (size_t)(kThreads / (d.r2 / 4)) * d.r2 * d.q3;
+#define FLOWTT_DG3(MM, QQ3)                                                    \
+  else if (d.M == MM && d.q3 == QQ3) {                                         \
+    if ((err = cudaFuncSetAttribute(dg3_blocked_kernel<MM, QQ3>,               \
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, \
+                                    (int)sm3)) != cudaSuccess)                 \
+      return err;                                                              \
+    dg3_blocked_kernel<MM, QQ3><<<dim3(d.p3, kS3), kThreads, sm3, stream>>>(   \
+        d, s.keys_in, s.vals_out, n, s.ug, s.Pbuf, d_rows, s.slots, s.dg3p);   \
+  }
+    if (false) {
+    }
+    FLOWTT_DG3(4, 4) FLOWTT_DG3(8, 4) FLOWTT_DG3(16, 4)
+    FLOWTT_DG3(4, 8) FLOWTT_DG3(8, 8) FLOWTT_DG3(16, 8)
+#undef FLOWTT_DG3
+  } else {
+    dg3_kernel<<<dim3(d.p3, kS3), kThreads, 0, stream>>>(
+        d, s.keys_in, s.vals_out, n, s.ug, s.Pbuf, d_rows, s.slots, s.dg3p);
+  }
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   {
     const long long tot = (long long)d.p3 * d.r2 * d.q3;
