@@ -20,5 +20,8 @@ for dim, rank, rows in ((32, 32, (10, 10, 200)), (128, 64, (10, 10, 100))):
 
     val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(cores, w)
     jax.block_until_ready(grads)
+    # unweighted bags: the pooling backward skips the weight gradient
+    unweighted = jax.grad(lambda c: jnp.sum(ftt.tt_embedding_bag(c, ids, offsets=offsets, impl="ffi") ** 2))
+    jax.block_until_ready(jax.jit(unweighted)(cores))
     print("dim", dim, "loss", float(val), "grad norms", [float(jnp.linalg.norm(g)) for g in grads[0]])
 print("sanitize_small done")
