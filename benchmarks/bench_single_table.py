@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import glob
+import re
 import statistics
 import subprocess
 import tempfile
@@ -80,6 +81,17 @@ def queued_time(f, args, K=20, R=15, warm=3):
     return statistics.median(ts)
 
 
+# Where device time goes: the first pattern that matches a kernel name wins.
+CATEGORIES = (
+    ("rows backward (dG1/dG2/dG3)", r"rows_bwd|dg[123]_"),
+    ("radix sort (plan; + i3 bucketing in the backward)", r"RadixSort"),
+    ("plan scan + finalize", r"DeviceScan|finalize_kernel|clamp_kernel"),
+    ("rows forward (prefix map + GEMM tile kernel)", r"rows_fwd|build_map"),
+    ("pooling fwd/bwd", r"pool_"),
+    ("memset / memcpy", r"Memset|Memcpy|memcpy"),
+)
+
+
 def device_profile(f, args, iters=20, top=12):
     """Device-side time per call from a profiler trace of ``iters`` queued calls.
 
@@ -123,8 +135,13 @@ def device_profile(f, args, iters=20, top=12):
     busy += cur_e - cur_s
     span = intervals[-1][1] - intervals[0][0]
     ranked = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
+    cats: dict[str, float] = {}
+    for name, ns in per_name.items():
+        cat = next((c for c, pat in CATEGORIES if re.search(pat, name)), "XLA fusions (glue)")
+        cats[cat] = cats.get(cat, 0.0) + ns / iters * 1e-6
     return {"busy_ms": busy / iters * 1e-6, "span_ms": span / iters * 1e-6,
             "events_per_call": len(intervals) / iters,
+            "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
             "kernels_ms": {k[:90]: v / iters * 1e-6 for k, v in ranked}}
 
 
@@ -216,7 +233,7 @@ def run_config(name, K, R):
     try:
         rows = jax.jit(fffi.rows_fwd)(cores, plan)
         res["ours_breakdown_ms"] = {
-            "plan": queued_time(jax.jit(make_plan, static_argnums=1), (ids, row_shape[-1]), K, R),
+            "plan": queued_time(jax.jit(fffi.plan, static_argnums=(1, 2)), (ids, row_shape[-1], N), K, R),
             "rows_fwd_kernel": queued_time(jax.jit(fffi.rows_fwd), (cores, plan), K, R),
             "pool_fwd_kernel": queued_time(jax.jit(fffi.pool_fwd), (rows, plan.inverse, w, offsets), K, R),
             "pool_bwd_kernel": queued_time(jax.jit(fffi.pool_bwd), (cot, rows, w, bag_ids, plan), K, R),
@@ -238,6 +255,8 @@ def run_config(name, K, R):
             return out, vjp(cot)
         r = {"fwd_ms": queued_time(jax.jit(dense_fwd), (table, ids, w), K, R),
              "fwd_bwd_ms": queued_time(jax.jit(dense_fb), (table, ids, w), K, R),
+             "fwd_device": device_profile(jax.jit(dense_fwd), (table, ids, w)),
+             "fwd_bwd_device": device_profile(jax.jit(dense_fb), (table, ids, w)),
              "fwd_temp_bytes": temp_bytes(dense_fwd, (table, ids, w)),
              "table_bytes": N * D * 4}
         del table

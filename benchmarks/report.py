@@ -15,11 +15,16 @@ import re
 import sys
 
 
-
 def fmt(x, nd=3):
     if isinstance(x, (int, float)):
         return f"{x:.{nd}f}"
     return str(x) if x is not None else "-"
+
+
+def busy(x: dict, key: str):
+    """Device busy ms of a profiled run, or None."""
+    d = x.get(key)
+    return d.get("busy_ms") if isinstance(d, dict) else None
 
 
 def mb(x):
@@ -33,18 +38,19 @@ def main(paths):
         print(f"## {p}\n")
         print(f"device `{data.get('device')}`, date {data.get('date')}, commit `{data.get('git_commit')}`, "
               f"jax {data.get('jax')}; timing: {data.get('timing')} (K={data.get('K')}, R={data.get('R')})\n")
-        print("| config | nnz | unique | groups | impl | fwd ms | fwd+bwd ms | fwd temp MB (XLA) | "
-              "fwd % of fp32 peak |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| config | nnz | unique | groups | impl | fwd ms (device) | fwd+bwd ms (device) | "
+              "fwd ms (queued) | fwd+bwd ms (queued) | fwd temp MB (XLA) | fwd % of fp32 peak |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in data["results"]:
             for impl in ("dense_bag", "tt_reference", "tt_reference_dedup", "ours"):
                 x = r.get(impl, {})
                 if "error" in x:
                     print(f"| {r['config']} | {r['nnz']} | {r.get('num_unique')} | {r.get('num_groups')} | "
-                          f"{impl} | error: {x['error'][:80]} | | | |")
+                          f"{impl} | error: {x['error'][:80]} | | | | | |")
                     continue
                 frac = x.get("fwd_fraction_of_fp32_peak")
                 print(f"| {r['config']} | {r['nnz']} | {r.get('num_unique')} | {r.get('num_groups')} | {impl} | "
+                      f"{fmt(busy(x, 'fwd_device'))} | {fmt(busy(x, 'fwd_bwd_device'))} | "
                       f"{fmt(x.get('fwd_ms'))} | {fmt(x.get('fwd_bwd_ms'))} | {mb(x.get('fwd_temp_bytes'))} | "
                       f"{fmt(100 * frac, 1) if isinstance(frac, float) else '-'} |")
         print()
@@ -54,6 +60,18 @@ def main(paths):
                   f"ours breakdown (ms, each jitted alone): {r.get('ours_breakdown_ms')}; "
                   f"FFI scratch bytes: {r.get('ours_scratch_bytes')}")
         print()
+        for r in data["results"]:
+            ours = r.get("ours", {})
+            if not isinstance(ours.get("fwd_device"), dict) or "categories_ms" not in ours["fwd_device"]:
+                continue
+            fwd, fb = ours["fwd_device"]["categories_ms"], ours["fwd_bwd_device"]["categories_ms"]
+            print(f"Where the device time of ours goes, {r['config']} (ms per call, profiler):\n")
+            print("| part | fwd | fwd+bwd |")
+            print("|---|---|---|")
+            for cat in sorted(set(fwd) | set(fb), key=lambda c: -fb.get(c, 0.0)):
+                print(f"| {cat} | {fmt(fwd.get(cat), 4)} | {fmt(fb.get(cat), 4)} |")
+            print(f"| busy (union of kernels) | {fmt(ours['fwd_device']['busy_ms'], 4)} | "
+                  f"{fmt(ours['fwd_bwd_device']['busy_ms'], 4)} |\n")
 
 
 def replace_block(readme: str, name: str, body: str) -> None:

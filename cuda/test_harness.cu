@@ -1,6 +1,6 @@
 // Standalone check + timing of the FlowTT kernels (no JAX, no XLA).
 // Build: nvcc -arch=sm_90 -O3 -std=c++17 cuda/test_harness.cu cuda/tt_kernels.cu -o harness
-// Run:   ./harness [--quick]
+// Run:   ./harness [--quick | --s1 | --s1-timing]
 // For every case: host plan (same as flowtt_jax.plan.make_plan), outputs
 // poisoned with NaN, all four ops on the GPU, compared with a float64 host
 // reference (relative L2 error), backward run twice and compared bitwise.
@@ -385,7 +385,8 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
 
 int main(int argc, char** argv) {
   bool quick = argc > 1 && std::string(argv[1]) == "--quick";
-  bool s1only = argc > 1 && std::string(argv[1]) == "--s1";
+  const bool s1time = argc > 1 && std::string(argv[1]) == "--s1-timing";
+  const bool s1only = s1time || (argc > 1 && std::string(argv[1]) == "--s1");
   std::mt19937_64 rng(12345);
   int fails = 0;
   auto mk = [](int p1, int p2, int p3, int q1, int q2, int q3, int r) {
@@ -440,7 +441,7 @@ int main(int argc, char** argv) {
       Case c{"S1_D32_r32_B32768_zipf1.05", mk(200, 200, 250, 2, 4, 4, 32), 10000000};
       c.bag_offsets = bags_uniform(rng, 32768, 1, 27);
       c.ids = zipf_ids(rng, c.N, 1.05, c.bag_offsets.back(), true);
-      fails += run_case(c, rng, !s1only);
+      fails += run_case(c, rng, !s1only || s1time);
     }
     if (s1only) return fails;
     for (int B : {4096, 65536}) {

@@ -359,6 +359,15 @@ __global__ void __launch_bounds__(kThreads)
 // P to the L2 checkpoint slot and sets its flag; the chunk phase (a warp per
 // kCH-chunk of unique indices) finishes them from the checkpoint.
 constexpr int kGT = 256;  // threads of the GEMM tile kernel
+#ifndef FLOWTT_FWD_MINB  // tuning knobs (CTAs per SM the compiler targets, smem cap)
+#define FLOWTT_FWD_MINB 3
+#endif
+#ifndef FLOWTT_BWD_MINB
+#define FLOWTT_BWD_MINB 3
+#endif
+#ifndef FLOWTT_FWD_SMEM_KB
+#define FLOWTT_FWD_SMEM_KB 100
+#endif
 constexpr int kRPT = 8;   // GEMM rows per thread
 
 struct TileGeo {
@@ -426,7 +435,7 @@ __device__ __forceinline__ void apply_item(const Dev& d, const float* Pk,
 }
 
 template <int M, int Q3>
-__global__ void __launch_bounds__(kGT)
+__global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
     rows_fwd_gemm_kernel(Dev d, TileGeo geo, const float* __restrict__ g1,
                          const float* __restrict__ g2,
                          const float* __restrict__ g3,
@@ -887,7 +896,7 @@ __host__ __device__ inline BwdGeo bwd_geo(const Dev& d, int GB) {
 }
 
 template <int M, int Q3>
-__global__ void __launch_bounds__(kGT)
+__global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
     rows_bwd_gemm_kernel(Dev d, BwdGeo geo, const float* __restrict__ g1,
                          const float* __restrict__ g2,
                          const float* __restrict__ g3,
@@ -1660,7 +1669,7 @@ int gemm_batch_groups(const Dev& d) {
       d.r2 % 4 != 0)
     return 0;
   for (int GB = kT1F; GB >= 1; GB /= 2)
-    if (tile_geo(d, GB).smem_bytes <= 100 * 1024) return GB;
+    if (tile_geo(d, GB).smem_bytes <= FLOWTT_FWD_SMEM_KB * 1024) return GB;
   return 0;
 }
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check on the device machine (one `run` call per stage):
-#   scripts/gpu_check.sh test   build + CUDA harness + pytest + compute-sanitizer
+#   scripts/gpu_check.sh test   build + CUDA harness + GPU tests + compute-sanitizer
+#   scripts/gpu_check.sh full   test, plus the rest of tests/ on the GPU backend (~5 more minutes)
 #   scripts/gpu_check.sh bench  build + single-table benchmark (JSON + markdown)
 #   scripts/gpu_check.sh all    both (over 10 minutes on one H200: run the stages separately)
 # BENCH_CONFIGS=S1,D128_r64_B4096,... and BENCH_ARGS="--K 10 --R 7" tune the benchmark.
@@ -21,16 +22,18 @@ FLOWTT_CUDA=ON FLOWTT_CUDA_ARCHITECTURES=90 $PY -m pip install --no-build-isolat
 $PY -c "import flowtt_jax._flowtt_cuda as m, jax; print('ext ok', sorted(m.registrations()), jax.devices())" \
   2>&1 | tee -a "$OUT/build.log"
 
-if [[ $STAGE == test || $STAGE == all ]]; then
+if [[ $STAGE == test || $STAGE == full || $STAGE == all ]]; then
   echo "== CUDA harness (kernels alone, CUDA events)"
   nvcc -arch=sm_90 -O3 -std=c++17 cuda/test_harness.cu cuda/tt_kernels.cu -o /tmp/flowtt_harness \
     && /tmp/flowtt_harness 2>&1 | tee "$OUT/harness.log" | grep -E "FAIL|PASS \(|TIMING|STAGES" || status=1
-  echo "== pytest: GPU tests"
-  $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/pytest.log" | tail -5
+  echo "== pytest: GPU tests (CUDA path and CUDA plan against the references)"
+  $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_plan_ffi.py 2>&1 | tee "$OUT/pytest.log" | tail -5
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-  echo "== pytest: the rest of tests/ on the GPU backend" | tee -a "$OUT/pytest.log"
-  JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -p no:cacheprovider --timeout=600 tests --ignore=tests/test_cuda.py 2>&1 \
-    | tee -a "$OUT/pytest.log" | tail -8
+  if [[ $STAGE != test ]]; then
+    echo "== pytest: the rest of tests/ on the GPU backend" | tee -a "$OUT/pytest.log"
+    JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -p no:cacheprovider tests \
+      --ignore=tests/test_cuda.py --ignore=tests/test_plan_ffi.py 2>&1 | tee -a "$OUT/pytest.log" | tail -8
+  fi
   echo "== compute-sanitizer (memcheck, racecheck) on a small forward+backward" | tee "$OUT/sanitizer.log"
   for tool in memcheck racecheck; do
     echo "-- $tool (JAX, flowtt kernels)" | tee -a "$OUT/sanitizer.log"
