@@ -9,6 +9,7 @@
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "plan_handler.h"
+#include "plan_kernels.h"
 #include "tt_kernels.h"
 
 NB_MODULE(_flowtt_cuda, m) {
@@ -34,6 +35,9 @@ NB_MODULE(_flowtt_cuda, m) {
     d["rows_fwd"] = flowtt::rows_fwd_scratch_bytes(t, n);
     d["rows_bwd"] = flowtt::rows_bwd_scratch_bytes(t, n);
     d["pool_bwd"] = flowtt::bag_pool_bwd_scratch_bytes(n, t.D());
+    size_t plan_bytes = 0;
+    if (flowtt::plan_scratch_bytes(n, p1 * p2 * p3, &plan_bytes) == cudaSuccess)
+      d["plan"] = plan_bytes;
     return d;
   });
 }

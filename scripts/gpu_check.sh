@@ -5,7 +5,8 @@
 #   scripts/gpu_check.sh bench  build + single-table benchmark (JSON + markdown)
 #   scripts/gpu_check.sh all    both (over 10 minutes on one H200: run the stages separately)
 # BENCH_CONFIGS=S1,D128_r64_B4096,... and BENCH_ARGS="--K 10 --R 7" tune the benchmark.
-# Logs and JSON go to $OUT (default ./gpu_check_out).
+# Logs and JSON go to $OUT (default ./gpu_check_out). Set FLOWTT_COMMIT=<sha> when the
+# machine's copy of .git may lag the working tree (the device tool's can).
 set -uo pipefail
 STAGE=${1:-all}
 OUT=${OUT:-$PWD/gpu_check_out}
