@@ -163,6 +163,44 @@ __device__ __forceinline__ void warp_apply_g3(const Dev& d, const float* Pw,
   }
 }
 
+// Chunk phase of the forward kernels: a warp claims the next chunk c of
+// unique indices [c*kCH, (c+1)*kCH) from *counter. The only work in it is the
+// tail [a, bnd) of (at most) one large group that started before it. Returns
+// -1 when the chunks are exhausted, 0 when the chunk has no tail (or the group
+// is not owned by a tile, never for a valid plan), else 1 after waiting for
+// the group's checkpoint flag (slot = its checkpoint slot).
+__device__ __forceinline__ int claim_chunk_tail(
+    const Dev& d, int* counter, int U, int G, const int* __restrict__ goffs,
+    const int* __restrict__ uids, const int* __restrict__ map, int* flags,
+    int lane, int& a, int& bnd, int& slot) {
+  int c = 0;
+  if (lane == 0) c = atomicAdd(counter, 1);
+  c = __shfl_sync(0xffffffffu, c, 0);
+  if (c >= (U + kCH - 1) / kCH) return -1;
+  const int u0 = c * kCH, u1 = min(u0 + kCH, U);
+  int lo = 0, hi = G - 1;  // largest g with goffs[g] <= u0
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (goffs[mid] <= u0) lo = mid; else hi = mid - 1;
+  }
+  const int g = lo;
+  const int gs = clampi(goffs[g], 0, U);
+  const int ge = clampi(goffs[g + 1], gs, U);
+  a = max(u0, gs + kCH);
+  bnd = min(u1, ge);
+  if (a >= bnd) return 0;
+  int i1, i2, i3;
+  split_id(d, uids[gs], i1, i2, i3);
+  if (map[i1 * d.p2 + i2] != g) return 0;
+  slot = gs / kCH;
+  if (lane == 0) {
+    while (atomicAdd(flags + slot, 0) == 0) __nanosleep(64);
+    __threadfence();
+  }
+  __syncwarp();
+  return 1;
+}
+
 __global__ void build_map_kernel(Dev d, const int* __restrict__ uids,
                                  const int* __restrict__ goffs,
                                  const int* __restrict__ counts, int n,
@@ -304,34 +342,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   // ---- phase 2: tails of large groups, a warp per chunk ----
-  const int nCh = (U + kCH - 1) / kCH;
   for (;;) {
-    int c = 0;
-    if (lane == 0) c = atomicAdd(ctrl + 1, 1);
-    c = __shfl_sync(0xffffffffu, c, 0);
-    if (c >= nCh) break;
-    const int u0 = c * kCH, u1 = min(u0 + kCH, U);
-    int lo = 0, hi = G - 1;  // largest g with goffs[g] <= u0
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (goffs[mid] <= u0) lo = mid; else hi = mid - 1;
-    }
-    const int g = lo;
-    const int gs = clampi(goffs[g], 0, U);
-    const int ge = clampi(goffs[g + 1], gs, U);
-    const int a = max(u0, gs + kCH), bnd = min(u1, ge);
-    if (a >= bnd) continue;
-    {  // only wait for a group that phase 1 owns (always, for a valid plan)
-      int i1, i2, i3;
-      split_id(d, uids[gs], i1, i2, i3);
-      if (map[i1 * d.p2 + i2] != g) continue;
-    }
-    const int slot = gs / kCH;
-    if (lane == 0) {
-      while (atomicAdd(flags + slot, 0) == 0) __nanosleep(64);
-      __threadfence();
-    }
-    __syncwarp();
+    int a, bnd, slot;
+    const int got = claim_chunk_tail(d, ctrl + 1, U, G, goffs, uids, map, flags, lane, a, bnd, slot);
+    if (got < 0) break;
+    if (got == 0) continue;
     const float* ck = ckpt + (size_t)slot * d.PSZ;
     for (int w = lane; w < d.PSZ; w += 32) {
       const int m = w / d.r2, b = w - m * d.r2;
@@ -434,6 +449,48 @@ __device__ __forceinline__ void apply_item(const Dev& d, const float* Pk,
                                         acc[i][4 * j + 2], acc[i][4 * j + 3]);
 }
 
+// P of the nR rows (group k, q1) of a batch = A . G2, kRPT x 4 outputs per
+// thread (float4 loads of A^T and G2 from shared memory), stored as
+// Ps[k][m][b] (m = q1*q2 index, group stride PT). As: [r1][ldA], G2s: [r1][ldB].
+__device__ __forceinline__ void tile_gemm_P(const Dev& d, const float* As,
+                                            int ldA, const float* G2s, int ldB,
+                                            int nR, float* Ps, int PT) {
+  const int NC4 = d.q2 * d.r2 / 4;
+  const int nRB = (nR + kRPT - 1) / kRPT;
+  for (int it = threadIdx.x; it < NC4 * nRB; it += kGT) {
+    const int rb = it / NC4, c4 = it - rb * NC4;
+    float acc[kRPT][4];
+#pragma unroll
+    for (int i = 0; i < kRPT; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+    const float* ap = As + rb * kRPT;
+    const float* bp = G2s + c4 * 4;
+#pragma unroll 4
+    for (int a = 0; a < d.r1; ++a) {
+      const float4 a0 = *reinterpret_cast<const float4*>(ap + a * ldA);
+      const float4 a1 = *reinterpret_cast<const float4*>(ap + a * ldA + 4);
+      const float4 bv = *reinterpret_cast<const float4*>(bp + a * ldB);
+      const float av[kRPT] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+      const float bw[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+      for (int i = 0; i < kRPT; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bw[j], acc[i][j]);
+    }
+    const int q2 = (c4 * 4) / d.r2, b0 = c4 * 4 - q2 * d.r2;  // r2 % 4 == 0
+#pragma unroll
+    for (int i = 0; i < kRPT; ++i) {
+      const int row = rb * kRPT + i;
+      if (row < nR) {
+        const int k = row / d.q1, q1 = row - k * d.q1;
+        *reinterpret_cast<float4*>(Ps + k * PT + (q1 * d.q2 + q2) * d.r2 + b0) =
+            make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+      }
+    }
+  }
+}
+
 template <int M, int Q3>
 __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
     rows_fwd_gemm_kernel(Dev d, TileGeo geo, const float* __restrict__ g1,
@@ -512,43 +569,7 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
       }
       __syncthreads();
       const int W = s_w * NMB;
-      {  // P = A . G2 for the nB*q1 rows, kRPT x 4 outputs per thread
-        const int TC = NC / 4;
-        const int nRows = nB * d.q1;
-        const int nRB = (nRows + kRPT - 1) / kRPT;
-        for (int it = tid; it < TC * nRB; it += kGT) {
-          const int rb = it / TC, c4 = it - rb * TC;
-          float acc[kRPT][4];
-#pragma unroll
-          for (int i = 0; i < kRPT; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
-          const float* ap = As + rb * kRPT;
-          const float* bp = G2s + c4 * 4;
-#pragma unroll 4
-          for (int a = 0; a < d.r1; ++a) {
-            const float4 a0 = *reinterpret_cast<const float4*>(ap + a * geo.ldA);
-            const float4 a1 = *reinterpret_cast<const float4*>(ap + a * geo.ldA + 4);
-            const float4 bv = *reinterpret_cast<const float4*>(bp + a * NC);
-            const float av[kRPT] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-            const float bw[4] = {bv.x, bv.y, bv.z, bv.w};
-#pragma unroll
-            for (int i = 0; i < kRPT; ++i)
-#pragma unroll
-              for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bw[j], acc[i][j]);
-          }
-          const int q2 = (c4 * 4) / d.r2, b0 = c4 * 4 - q2 * d.r2;  // r2 % 4 == 0
-#pragma unroll
-          for (int i = 0; i < kRPT; ++i) {
-            const int row = rb * kRPT + i;
-            if (row < nRows) {
-              const int k = row / d.q1, q1 = row - k * d.q1;
-              *reinterpret_cast<float4*>(Ps + k * geo.PT + (q1 * d.q2 + q2) * d.r2 + b0) =
-                  make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-            }
-          }
-        }
-      }
+      tile_gemm_P(d, As, geo.ldA, G2s, NC, nB * d.q1, Ps, geo.PT);
       __syncthreads();
       // checkpoint P of the groups split across chunks (layout [m][b], PSZ)
       bool wrote = false;
@@ -580,34 +601,11 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
   // ---- chunk phase: tails of large groups, a warp per chunk ----
   const int warp = tid >> 5;
   float* Pw = Ps + warp * d.PSZ;
-  const int nCh = (U + kCH - 1) / kCH;
   for (;;) {
-    int c = 0;
-    if (lane == 0) c = atomicAdd(ctrl + 1, 1);
-    c = __shfl_sync(0xffffffffu, c, 0);
-    if (c >= nCh) break;
-    const int u0 = c * kCH, u1 = min(u0 + kCH, U);
-    int lo = 0, hi = G - 1;  // largest g with goffs[g] <= u0
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (goffs[mid] <= u0) lo = mid; else hi = mid - 1;
-    }
-    const int g = lo;
-    const int gs = clampi(goffs[g], 0, U);
-    const int ge = clampi(goffs[g + 1], gs, U);
-    const int a = max(u0, gs + kCH), bnd = min(u1, ge);
-    if (a >= bnd) continue;
-    {  // only wait for a group that phase 1 owns (always, for a valid plan)
-      int i1, i2, i3;
-      split_id(d, uids[gs], i1, i2, i3);
-      if (map[i1 * d.p2 + i2] != g) continue;
-    }
-    const int slot = gs / kCH;
-    if (lane == 0) {
-      while (atomicAdd(flags + slot, 0) == 0) __nanosleep(64);
-      __threadfence();
-    }
-    __syncwarp();
+    int a, bnd, slot;
+    const int got = claim_chunk_tail(d, ctrl + 1, U, G, goffs, uids, map, flags, lane, a, bnd, slot);
+    if (got < 0) break;
+    if (got == 0) continue;
     const float* ck = ckpt + (size_t)slot * d.PSZ;
     for (int w = lane; w < d.PSZ; w += 32) Pw[w] = __ldcg(ck + w);
     __syncwarp();
@@ -982,41 +980,7 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
       for (int k = 0; k < nB; ++k)
         for (int u = s_gs[k0 + k] + tid; u < s_ge[k0 + k]; u += kGT) ug[u] = s_g[k0 + k];
       __syncthreads();
-      {  // P = A . G2 for the nR rows, kRPT x 4 outputs per thread
-        const int nRB = (nR + kRPT - 1) / kRPT;
-        for (int it = tid; it < NC4 * nRB; it += kGT) {
-          const int rb = it / NC4, c4 = it - rb * NC4;
-          float acc[kRPT][4];
-#pragma unroll
-          for (int i = 0; i < kRPT; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
-          const float* ap = As + rb * kRPT;
-          const float* bp = G2s + c4 * 4;
-#pragma unroll 4
-          for (int a = 0; a < d.r1; ++a) {
-            const float4 a0 = *reinterpret_cast<const float4*>(ap + a * geo.ldA);
-            const float4 a1 = *reinterpret_cast<const float4*>(ap + a * geo.ldA + 4);
-            const float4 bv = *reinterpret_cast<const float4*>(bp + a * geo.ldG2);
-            const float av[kRPT] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-            const float bw[4] = {bv.x, bv.y, bv.z, bv.w};
-#pragma unroll
-            for (int i = 0; i < kRPT; ++i)
-#pragma unroll
-              for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bw[j], acc[i][j]);
-          }
-          const int q2 = (c4 * 4) / d.r2, b0 = c4 * 4 - q2 * d.r2;
-#pragma unroll
-          for (int i = 0; i < kRPT; ++i) {
-            const int row = rb * kRPT + i;
-            if (row < nR) {
-              const int k = row / d.q1, q1 = row - k * d.q1;
-              *reinterpret_cast<float4*>(PD + k * geo.PT + (q1 * d.q2 + q2) * d.r2 + b0) =
-                  make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-            }
-          }
-        }
-      }
+      tile_gemm_P(d, As, geo.ldA, G2s, geo.ldG2, nR, PD, geo.PT);
       __syncthreads();
       {  // P -> Pbuf (layout [m][b])
         const int P4 = d.PSZ / 4;
