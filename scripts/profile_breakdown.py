@@ -1,3 +1,10 @@
+"""Device-time breakdown of the fused ops on a GPU (profiler trace per kernel).
+
+Usage (on the GPU machine): python scripts/profile_breakdown.py S1[,D128_r64_B4096,...]
+Prints, for weighted and unweighted bags, forward and forward+backward, the JSON of
+benchmarks/bench_single_table.device_profile (busy ms, per-part and per-kernel ms),
+then the pure-JAX plan (make_plan) alone for comparison.
+"""
 import sys, json
 sys.path.insert(0, "benchmarks")
 import jax, jax.numpy as jnp
