@@ -74,3 +74,13 @@ def custom_call_targets(compiled_text: str) -> set[str]:
 def assert_no_host_callback(compiled_text: str) -> None:
     targets = custom_call_targets(compiled_text)
     assert not any("callback" in t for t in targets), targets
+
+
+def poisoned_call(target: str, out_shapes, *args, **attrs):
+    """``jax.ffi.ffi_call`` under jit with each output aliased to a poisoned buffer
+    appended after ``args`` (NaN for floats, -7 for ints), so an unwritten element shows."""
+    poison = [jnp.full(s.shape, jnp.nan if jnp.issubdtype(s.dtype, jnp.floating) else -7, s.dtype)
+              for s in out_shapes]
+    aliases = {len(args) + k: k for k in range(len(out_shapes))}
+    call = jax.ffi.ffi_call(target, tuple(out_shapes), input_output_aliases=aliases)
+    return jax.jit(lambda *xs: call(*xs, **attrs))(*args, *poison)

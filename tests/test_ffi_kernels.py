@@ -12,19 +12,11 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
-from conftest import ID_KINDS, make_cores, make_ids, random_offsets, rel_err
+from conftest import ID_KINDS, make_cores, make_ids, poisoned_call, random_offsets, rel_err
 from flowtt_jax import ffi
 from flowtt_jax.plan import make_plan
 
 pytestmark = pytest.mark.skipif(not ffi.available(), reason="compiled extension not built")
-
-
-def poisoned_call(target, out_shapes, *args):
-    """ffi_call with each output aliased to a NaN buffer appended after ``args``."""
-    poison = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shapes]
-    aliases = {len(args) + k: k for k in range(len(out_shapes))}
-    call = jax.ffi.ffi_call(target, tuple(out_shapes), input_output_aliases=aliases)
-    return jax.jit(call)(*args, *poison)
 
 
 def f32(shape):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ID_KINDS, custom_call_targets, make_ids
+from conftest import ID_KINDS, custom_call_targets, make_ids, poisoned_call
 from flowtt_jax import ffi
 from flowtt_jax.plan import Plan, make_plan
 
@@ -38,12 +38,9 @@ NUM_ROWS = 13 * 11 * 7
 def poisoned_plan(ids, last_extent: int, num_rows: int) -> Plan:
     """flowtt_plan called directly under jit, each output aliased to a -7 buffer."""
     n = ids.shape[0]
-    sizes = (n, n, n, n + 1, n + 1, 2)
-    outs = tuple(jax.ShapeDtypeStruct((m,), jnp.int32) for m in sizes)
-    call = jax.ffi.ffi_call("flowtt_plan", outs, input_output_aliases={1 + k: k for k in range(6)})
-    attrs = dict(last_extent=np.int64(last_extent), num_rows=np.int64(num_rows))
-    fn = jax.jit(lambda x, *poison: call(x, *poison, **attrs))
-    return Plan(*fn(ids, *(jnp.full((m,), -7, jnp.int32) for m in sizes)))
+    outs = [jax.ShapeDtypeStruct((m,), jnp.int32) for m in (n, n, n, n + 1, n + 1, 2)]
+    return Plan(*poisoned_call("flowtt_plan", outs, ids, last_extent=np.int64(last_extent),
+                               num_rows=np.int64(num_rows)))
 
 
 def oracle(ids, last_extent: int) -> Plan:
