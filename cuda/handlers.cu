@@ -100,6 +100,32 @@ ffi::Error RowsBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       "rows_bwd");
 }
 
+ffi::Error BagFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                      F32 g1, F32 g2, F32 g3, S32 unique_ids, S32 group_offsets,
+                      S32 counts, S32 inverse, F32 weights, S32 offsets,
+                      ffi::RemainingArgs, F32Out out, int64_t chunk_rows) {
+  TTDims t;
+  int64_t n, bags;
+  if (ffi::Error e = PrepareCores(g1, g2, g3, unique_ids, group_offsets,
+                                  counts, &t, &n);
+      e.failure())
+    return e;
+  if (ffi::Error e = CheckBagFwd(inverse, weights, offsets, *out, n, t.D(),
+                                 chunk_rows, &bags);
+      e.failure())
+    return e;
+  void* ws = Scratch(scratch, bag_fwd_scratch_bytes(t, (int)n, chunk_rows));
+  if (ws == nullptr)
+    return ffi::Error::Internal("flowtt CUDA: scratch allocation failed");
+  return CudaError(
+      bag_fwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(),
+              unique_ids.typed_data(), group_offsets.typed_data(),
+              counts.typed_data(), inverse.typed_data(), weights.typed_data(),
+              offsets.typed_data(), (int)n, (int)bags, chunk_rows,
+              out->typed_data(), ws, stream),
+      "bag_fwd");
+}
+
 ffi::Error PoolFwdImpl(cudaStream_t stream, F32 rows, S32 inverse, F32 weights,
                        S32 offsets, ffi::RemainingArgs, F32Out out) {
   const int64_t n = Length(inverse), bags = Length(offsets) - 1;
@@ -166,6 +192,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     FlowttRowsBwdCuda, flowtt::RowsBwdImpl,
     flowtt::BindRowsBwd(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlowttBagFwdCuda, flowtt::BagFwdImpl,
+    flowtt::BindBagFwd(
         ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolFwdCuda, flowtt::PoolFwdImpl,
                               flowtt::BindPoolFwd(

@@ -1,4 +1,4 @@
-// XLA FFI handler symbols (platform CUDA) for the four ops of
+// XLA FFI handler symbols (platform CUDA) for the ops of
 // docs/op_contract.md; defined in cuda/handlers.cu, exported to jax by the
 // nanobind module in ffi/cuda_module.cc.
 #pragma once
@@ -9,3 +9,4 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttRowsFwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttRowsBwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttPoolFwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttPoolBwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttBagFwdCuda);

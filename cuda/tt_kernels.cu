@@ -129,7 +129,7 @@ __device__ __forceinline__ int id3(const Dev& d, int id) {
 __device__ __forceinline__ void warp_apply_g3(const Dev& d, const float* Pw,
                                               const float* __restrict__ g3,
                                               const int* __restrict__ uids,
-                                              int ulo, int uhi,
+                                              int ulo, int uhi, int lo,
                                               float* __restrict__ rows,
                                               int lane) {
   const int G3S = d.r2 * d.q3;
@@ -143,7 +143,7 @@ __device__ __forceinline__ void warp_apply_g3(const Dev& d, const float* Pw,
       float acc = 0.f;
 #pragma unroll 8
       for (int b = 0; b < d.r2; ++b) acc = fmaf(pr[b], __ldg(g + b * d.q3), acc);
-      rows[(size_t)u * d.D + o] = acc;
+      rows[(size_t)(u - lo) * d.D + o] = acc;
     }
   } else {
     for (int o0 = 0; o0 < d.D; o0 += 32) {
@@ -157,42 +157,50 @@ __device__ __forceinline__ void warp_apply_g3(const Dev& d, const float* Pw,
 #pragma unroll 8
         for (int b = 0; b < d.r2; ++b)
           acc = fmaf(pr[b], __ldg(g + b * d.q3), acc);
-        rows[(size_t)u * d.D + o] = acc;
+        rows[(size_t)(u - lo) * d.D + o] = acc;
       }
     }
   }
 }
 
-// Chunk phase of the forward kernels: a warp claims the next chunk c of
-// unique indices [c*kCH, (c+1)*kCH) from *counter. The only work in it is the
-// tail [a, bnd) of (at most) one large group that started before it. Returns
-// -1 when the chunks are exhausted, 0 when the chunk has no tail (or the group
-// is not owned by a tile, never for a valid plan), else 1 after waiting for
-// the group's checkpoint flag (slot = its checkpoint slot).
+// Checkpoint slot of a large group starting at unique index gs, for a
+// forward pass over the unique range [lo, hi) (lo a multiple of kCH): 0 for
+// the (only) group that starts before lo and reaches into the range, else
+// (gs - lo) / kCH + 1 (distinct: large groups start > kCH apart). Slots
+// needed: (hi - lo) / kCH + 2.
+__device__ __forceinline__ int ckpt_slot(int gs, int lo) {
+  return max(gs - lo + kCH, 0) / kCH;
+}
+
+// Chunk phase of the forward kernels over the unique range [lo, end), end =
+// min(hi, U): a warp claims the next chunk c of unique indices
+// [c*kCH, (c+1)*kCH) from *counter (starting at lo / kCH). The only work in it
+// is the tail [a, bnd) of (at most) one large group that started before it
+// (the group of u0, found through the prefix map). Returns -1 when the chunks
+// are exhausted, 0 when the chunk has no tail (or the plan is inconsistent),
+// else 1 after waiting for the group's checkpoint flag (slot = its
+// checkpoint slot).
 __device__ __forceinline__ int claim_chunk_tail(
-    const Dev& d, int* counter, int U, int G, const int* __restrict__ goffs,
-    const int* __restrict__ uids, const int* __restrict__ map, int* flags,
-    int lane, int& a, int& bnd, int& slot) {
+    const Dev& d, int* counter, int lo, int end, int U, int G,
+    const int* __restrict__ goffs, const int* __restrict__ uids,
+    const int* __restrict__ map, int* flags, int lane, int& a, int& bnd,
+    int& slot) {
   int c = 0;
   if (lane == 0) c = atomicAdd(counter, 1);
-  c = __shfl_sync(0xffffffffu, c, 0);
-  if (c >= (U + kCH - 1) / kCH) return -1;
-  const int u0 = c * kCH, u1 = min(u0 + kCH, U);
-  int lo = 0, hi = G - 1;  // largest g with goffs[g] <= u0
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (goffs[mid] <= u0) lo = mid; else hi = mid - 1;
-  }
-  const int g = lo;
+  c = lo / kCH + __shfl_sync(0xffffffffu, c, 0);
+  if ((long long)c * kCH >= end) return -1;
+  const int u0 = c * kCH, u1 = min(u0 + kCH, end);
+  int i1, i2, i3;  // the group holding u0, through the prefix map
+  split_id(d, uids[u0], i1, i2, i3);
+  const int g = map[i1 * d.p2 + i2];
+  if (g < 0 || g >= G) return 0;
   const int gs = clampi(goffs[g], 0, U);
   const int ge = clampi(goffs[g + 1], gs, U);
+  if (u0 < gs || u0 >= ge) return 0;  // never, for a valid plan
   a = max(u0, gs + kCH);
   bnd = min(u1, ge);
   if (a >= bnd) return 0;
-  int i1, i2, i3;
-  split_id(d, uids[gs], i1, i2, i3);
-  if (map[i1 * d.p2 + i2] != g) return 0;
-  slot = gs / kCH;
+  slot = ckpt_slot(gs, lo);
   if (lane == 0) {
     while (atomicAdd(flags + slot, 0) == 0) __nanosleep(64);
     __threadfence();
@@ -204,22 +212,15 @@ __device__ __forceinline__ int claim_chunk_tail(
 __global__ void build_map_kernel(Dev d, const int* __restrict__ uids,
                                  const int* __restrict__ goffs,
                                  const int* __restrict__ counts, int n,
-                                 int* __restrict__ map,
-                                 float* __restrict__ rows_zero) {
+                                 int* __restrict__ map) {
   const int U = clampi(counts[0], 0, n);
   const int G = clampi(counts[1], 0, U);
   const int stride = gridDim.x * blockDim.x;
-  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
-  for (int g = tid; g < G; g += stride) {
+  for (int g = blockIdx.x * blockDim.x + threadIdx.x; g < G; g += stride) {
     const int gs = clampi(goffs[g], 0, n - 1);
     int i1, i2, i3;
     split_id(d, uids[gs], i1, i2, i3);
     map[i1 * d.p2 + i2] = g;
-  }
-  if (rows_zero != nullptr) {
-    const size_t end = (size_t)n * d.D;
-    for (size_t i = (size_t)U * d.D + tid; i < end; i += stride)
-      rows_zero[i] = 0.f;
   }
 }
 
@@ -269,13 +270,16 @@ __device__ __forceinline__ void warp_compute_P(const Dev& d, const float* G1w,
   }
 }
 
+// Both forward kernels compute the rows of unique indices [lo, min(hi, U))
+// into rows[u - lo] (lo a multiple of kCH; the fused bag forward runs one
+// range per chunk of its rows buffer).
 template <int Q1C>
 __global__ void __launch_bounds__(kThreads)
     rows_fwd_kernel(Dev d, const float* __restrict__ g1,
                     const float* __restrict__ g2, const float* __restrict__ g3,
                     const int* __restrict__ uids,
                     const int* __restrict__ goffs,
-                    const int* __restrict__ counts, int n,
+                    const int* __restrict__ counts, int n, int lo, int hi,
                     const int* __restrict__ map, int* ctrl, int* flags,
                     float* ckpt, float* __restrict__ rows) {
   extern __shared__ float4 smem4[];
@@ -290,6 +294,8 @@ __global__ void __launch_bounds__(kThreads)
 
   const int U = clampi(counts[0], 0, n);
   const int G = clampi(counts[1], 0, U);
+  const int end = min(hi, U);
+  if (lo >= end) return;
   const int nT1 = (d.p1 + kT1F - 1) / kT1F;
   const int nTiles = nT1 * d.p2;
 
@@ -306,7 +312,7 @@ __global__ void __launch_bounds__(kThreads)
     if (tid < kT1F) {
       if (i1b + tid < d.p1) {
         gk = map[(i1b + tid) * d.p2 + i2];
-        if (gk >= G) gk = -1;
+        if (gk >= G || goffs[gk] >= end || goffs[gk + 1] <= lo) gk = -1;
       }
       s_g[tid] = gk;
     }
@@ -325,7 +331,7 @@ __global__ void __launch_bounds__(kThreads)
       __syncwarp();
       const int sz = ge - gs;
       if (sz > kCH) {
-        const int slot = gs / kCH;
+        const int slot = ckpt_slot(gs, lo);
         float* ck = ckpt + (size_t)slot * d.PSZ;
         for (int w = lane; w < d.PSZ; w += 32) {
           const int m = w / d.r2, b = w - m * d.r2;
@@ -335,7 +341,8 @@ __global__ void __launch_bounds__(kThreads)
         __syncwarp();
         if (lane == 0) atomicExch(flags + slot, 1);
       }
-      warp_apply_g3(d, Pw, g3, uids, gs, gs + min(sz, kCH), rows, lane);
+      warp_apply_g3(d, Pw, g3, uids, max(gs, lo), min(gs + min(sz, kCH), end), lo, rows,
+                    lane);
       __syncwarp();
     }
     __syncthreads();
@@ -344,7 +351,8 @@ __global__ void __launch_bounds__(kThreads)
   // ---- phase 2: tails of large groups, a warp per chunk ----
   for (;;) {
     int a, bnd, slot;
-    const int got = claim_chunk_tail(d, ctrl + 1, U, G, goffs, uids, map, flags, lane, a, bnd, slot);
+    const int got = claim_chunk_tail(d, ctrl + 1, lo, end, U, G, goffs, uids, map, flags, lane,
+                                     a, bnd, slot);
     if (got < 0) break;
     if (got == 0) continue;
     const float* ck = ckpt + (size_t)slot * d.PSZ;
@@ -353,7 +361,7 @@ __global__ void __launch_bounds__(kThreads)
       Pw[m * d.R2p + b] = __ldcg(ck + w);
     }
     __syncwarp();
-    warp_apply_g3(d, Pw, g3, uids, a, bnd, rows, lane);
+    warp_apply_g3(d, Pw, g3, uids, a, bnd, lo, rows, lane);
     __syncwarp();
   }
 }
@@ -366,10 +374,11 @@ __global__ void __launch_bounds__(kThreads)
 //   2. per batch of up to GB groups: their G1 rows (transposed, As[a][row])
 //      to shared memory, then P of the whole batch as one small GEMM
 //      [GB*q1, r1] x [r1, q2*r2], 8x4 outputs per thread, kept in shared
-//      memory as Ps[group][m][b] (m = q1*q2 index);
-//   3. threads take (unique id, block of MB rows m) items across all the
-//      batch's groups: each item is r2/4 steps of (MB float4 P loads, four
-//      G3 row segments, 4*MB*Q3 FMAs) in registers, written once to rows.
+//      memory transposed as Ps[group][b][m] (row stride M + 4);
+//   3. a team of T lanes per unique id (apply_team): four lanes split b, so
+//      the id's G3 row is read in coalesced segments, multiply-add over their
+//      b, a reduce-scatter over the four leaves each lane a quarter of its
+//      rows, and the team's stores cover the row contiguously.
 // Groups with more than kCH unique ids: the tile does the first kCH, writes
 // P to the L2 checkpoint slot and sets its flag; the chunk phase (a warp per
 // kCH-chunk of unique indices) finishes them from the checkpoint.
@@ -385,6 +394,21 @@ constexpr int kGT = 256;  // threads of the GEMM tile kernel
 #endif
 constexpr int kRPT = 8;   // GEMM rows per thread
 
+// Team of one unique id in apply_team: lane t = qh + QH*(tb + TB*ms) takes
+// the four q of half qh, the b = tb, tb + TB, ... and the Mm rows m of block
+// ms; after the reduce-scatter over tb it owns Mm / TB consecutive rows m.
+template <int M, int Q3>
+struct Team {
+  static constexpr int QH = Q3 / 4;
+  static constexpr int MS = M * 4 > 32 ? M * 4 / 32 : 1;
+  static constexpr int Mm = M / MS;  // 4 or 8
+  static constexpr int TB = 4;       // lanes splitting b
+  static constexpr int LOG_TB = 2;
+  static constexpr int OWN = Mm / TB;     // rows m a lane owns at the end
+  static constexpr int T = QH * TB * MS;  // 4 .. 16
+  static constexpr int LDM = M + 4;       // Ps row stride: conflict-free float4 reads
+};
+
 struct TileGeo {
   int GB, ldA, PT, ps_floats, smem_bytes;
 };
@@ -393,68 +417,88 @@ __host__ __device__ inline TileGeo tile_geo(const Dev& d, int GB) {
   TileGeo g;
   g.GB = GB;
   g.ldA = (GB * d.q1 + kRPT - 1) / kRPT * kRPT;
-  g.PT = d.r2 * d.M + 4;  // +4: groups start in different bank quads
-  const int chunk_floats = (kGT / 32) * d.r2 * d.M;  // chunk phase: P per warp
+  g.PT = d.r2 * (d.M + 4);  // [b][m], row stride M + 4
+  const int chunk_floats = (kGT / 32) * g.PT;  // chunk phase: P per warp
   g.ps_floats = GB * g.PT > chunk_floats ? GB * g.PT : chunk_floats;
   g.smem_bytes = (int)sizeof(float) *
                  (d.r1 * d.q2 * d.r2 + d.r1 * g.ldA + g.ps_floats);
   return g;
 }
 
-// One item: rows u, m in [m0, m0+MB), all q3, from P (layout [m][b], row
-// stride r2) and G3[i3], four b per step (float4 loads of both). Writes
-// MB*Q3 contiguous floats.
-template <int M, int Q3, int MB>
-__device__ __forceinline__ void apply_item(const Dev& d, const float* Pk,
+// c ? a : b as one selp, so the compiler cannot turn a select between two
+// elements of a register array into a dynamically indexed (local) load.
+__device__ __forceinline__ float select(bool c, float a, float b) {
+  float r;
+  asm("{\n\t.reg .pred p;\n\tsetp.ne.s32 p, %3, 0;\n\tselp.f32 %0, %1, %2, p;\n\t}"
+      : "=f"(r) : "f"(a), "f"(b), "r"((int)c));
+  return r;
+}
+
+// Row of one unique id from its group's P (Pt: [b][m], stride LDM) and
+// G3[i3], by a team of T lanes (t: lane in the team, tmask: the team's lanes
+// in the warp). Fixed order: bitwise reproducible.
+template <int M, int Q3>
+__device__ __forceinline__ void apply_team(const Dev& d, const float* Pt,
                                            const float* __restrict__ g3,
-                                           int id, int m0,
+                                           int id, int t, unsigned tmask,
                                            float* __restrict__ out) {
-  float acc[MB][Q3];
+  using A = Team<M, Q3>;
+  const int qh = t % A::QH, tb = (t / A::QH) % A::TB, ms = t / (A::QH * A::TB);
+  float acc[A::Mm][4];
 #pragma unroll
-  for (int i = 0; i < MB; ++i)
+  for (int i = 0; i < A::Mm; ++i)
 #pragma unroll
-    for (int j = 0; j < Q3; ++j) acc[i][j] = 0.f;
-  const float4* g = reinterpret_cast<const float4*>(
-      g3 + (size_t)id3(d, id) * d.r2 * Q3);
-  const float* p = Pk + m0 * d.r2;
-  for (int b0 = 0; b0 < d.r2; b0 += 4) {
-    float gv[4][Q3];
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+  const float* g = g3 + (size_t)id3(d, id) * d.r2 * Q3 + qh * 4;
+  const float* p = Pt + ms * A::Mm;
+#pragma unroll 4
+  for (int b = tb; b < d.r2; b += A::TB) {  // r2 % TB == 0: same trip count
+    const float4 gv = __ldg(reinterpret_cast<const float4*>(g + b * Q3));
 #pragma unroll
-    for (int bb = 0; bb < 4; ++bb)
+    for (int i4 = 0; i4 < A::Mm / 4; ++i4) {
+      const float4 pv = *reinterpret_cast<const float4*>(p + b * A::LDM + 4 * i4);
+      const float pm[4] = {pv.x, pv.y, pv.z, pv.w};
 #pragma unroll
-      for (int j = 0; j < Q3 / 4; ++j) {
-        const float4 v = __ldg(g + (b0 + bb) * (Q3 / 4) + j);
-        gv[bb][4 * j] = v.x; gv[bb][4 * j + 1] = v.y;
-        gv[bb][4 * j + 2] = v.z; gv[bb][4 * j + 3] = v.w;
-      }
-#pragma unroll
-    for (int i = 0; i < MB; ++i) {
-      const float4 v = *reinterpret_cast<const float4*>(p + i * d.r2 + b0);
-#pragma unroll
-      for (int j = 0; j < Q3; ++j) {
-        float a = acc[i][j];
-        a = fmaf(v.x, gv[0][j], a);
-        a = fmaf(v.y, gv[1][j], a);
-        a = fmaf(v.z, gv[2][j], a);
-        acc[i][j] = fmaf(v.w, gv[3][j], a);
+      for (int i = 0; i < 4; ++i) {
+        acc[4 * i4 + i][0] = fmaf(pm[i], gv.x, acc[4 * i4 + i][0]);
+        acc[4 * i4 + i][1] = fmaf(pm[i], gv.y, acc[4 * i4 + i][1]);
+        acc[4 * i4 + i][2] = fmaf(pm[i], gv.z, acc[4 * i4 + i][2]);
+        acc[4 * i4 + i][3] = fmaf(pm[i], gv.w, acc[4 * i4 + i][3]);
       }
     }
   }
-  float4* o = reinterpret_cast<float4*>(out + m0 * Q3);
+  // reduce-scatter over the tb bits: level l keeps the half of the live rows
+  // selected by bit l of tb and adds the partner's copy of it
+  int mloc = 0;
 #pragma unroll
-  for (int i = 0; i < MB; ++i)
+  for (int l = 0; l < A::LOG_TB; ++l) {
+    const int half = A::Mm >> (l + 1);
+    const bool up = (tb >> l) & 1;
 #pragma unroll
-    for (int j = 0; j < Q3 / 4; ++j)
-      o[i * (Q3 / 4) + j] = make_float4(acc[i][4 * j], acc[i][4 * j + 1],
-                                        acc[i][4 * j + 2], acc[i][4 * j + 3]);
+    for (int i = 0; i < half; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float send = select(up, acc[i][j], acc[i + half][j]);
+        const float keep = select(up, acc[i + half][j], acc[i][j]);
+        acc[i][j] = keep + __shfl_xor_sync(tmask, send, A::QH << l);
+      }
+    mloc += up ? half : 0;
+  }
+#pragma unroll
+  for (int i = 0; i < A::OWN; ++i)
+    *reinterpret_cast<float4*>(out + (ms * A::Mm + mloc + i) * Q3 + qh * 4) =
+        make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
 }
 
 // P of the nR rows (group k, q1) of a batch = A . G2, kRPT x 4 outputs per
 // thread (float4 loads of A^T and G2 from shared memory), stored as
-// Ps[k][m][b] (m = q1*q2 index, group stride PT). As: [r1][ldA], G2s: [r1][ldB].
+// Ps[k][m][b] (m = q1*q2 index, group stride PT) when ldm == 0, else
+// transposed as Ps[k][b][m] with row stride ldm (the forward's layout).
+// As: [r1][ldA], G2s: [r1][ldB].
 __device__ __forceinline__ void tile_gemm_P(const Dev& d, const float* As,
                                             int ldA, const float* G2s, int ldB,
-                                            int nR, float* Ps, int PT) {
+                                            int nR, float* Ps, int PT,
+                                            int ldm = 0) {
   const int NC4 = d.q2 * d.r2 / 4;
   const int nRB = (nR + kRPT - 1) / kRPT;
   for (int it = threadIdx.x; it < NC4 * nRB; it += kGT) {
@@ -483,9 +527,14 @@ __device__ __forceinline__ void tile_gemm_P(const Dev& d, const float* As,
     for (int i = 0; i < kRPT; ++i) {
       const int row = rb * kRPT + i;
       if (row < nR) {
-        const int k = row / d.q1, q1 = row - k * d.q1;
-        *reinterpret_cast<float4*>(Ps + k * PT + (q1 * d.q2 + q2) * d.r2 + b0) =
-            make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+        const int k = row / d.q1, m = (row - k * d.q1) * d.q2 + q2;
+        if (ldm == 0) {
+          *reinterpret_cast<float4*>(Ps + k * PT + m * d.r2 + b0) =
+              make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) Ps[k * PT + (b0 + j) * ldm + m] = acc[i][j];
+        }
       }
     }
   }
@@ -498,11 +547,10 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
                          const float* __restrict__ g3,
                          const int* __restrict__ uids,
                          const int* __restrict__ goffs,
-                         const int* __restrict__ counts, int n,
+                         const int* __restrict__ counts, int n, int lo, int hi,
                          const int* __restrict__ map, int* ctrl, int* flags,
                          float* ckpt, float* __restrict__ rows) {
-  constexpr int MB = (32 / Q3) < M ? (32 / Q3) : M;  // rows m per item
-  constexpr int NMB = M / MB;
+  using A = Team<M, Q3>;
   extern __shared__ float4 smem4[];
   const int NC = d.q2 * d.r2;
   float* G2s = reinterpret_cast<float*>(smem4);  // [r1][NC]
@@ -511,10 +559,16 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
   __shared__ int s_next, s_n, s_w;
   __shared__ int s_k[kT1F], s_gs[kT1F], s_big[kT1F], s_sz[kT1F];
   __shared__ int s_pref[kT1F + 1];  // exclusive scan of the batch's sizes
+  __shared__ int s_rowoff[kT1F * kQ1Max];  // G1 offset of each batch row
   const int tid = threadIdx.x, lane = tid & 31;
   const int U = clampi(counts[0], 0, n);
   const int G = clampi(counts[1], 0, U);
+  const int end = min(hi, U);
+  if (lo >= end) return;
   const int nTiles = (d.p1 + kT1F - 1) / kT1F * d.p2;
+  const int team = tid / A::T, nTeams = kGT / A::T, tl = tid % A::T;
+  const unsigned tmask =
+      A::T == 32 ? 0xffffffffu : ((1u << A::T) - 1u) << (lane & ~(A::T - 1));
 
   if (tid == 0) s_next = atomicAdd(ctrl, 1);
   for (;;) {
@@ -524,22 +578,25 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
     const int i2 = t % d.p2;
     const int i1b = (t / d.p2) * kT1F;
     if (tid < 32) {  // compact the present groups, scan their (capped) sizes
-      int g = -1, sz = 0, gs = 0;
+      int g = -1, first = 0, cnt = 0, gs = 0, ge = 0;
       if (tid < kT1F && i1b + tid < d.p1) {
         g = map[(i1b + tid) * d.p2 + i2];
         if (g >= G) g = -1;
       }
       if (g >= 0) {
         gs = clampi(goffs[g], 0, U);
-        sz = clampi(goffs[g + 1], gs, U) - gs;
+        ge = clampi(goffs[g + 1], gs, U);
+        if (gs >= end || ge <= lo) g = -1;  // outside the range
+        first = max(gs, lo);
+        cnt = max(0, min(min(gs + kCH, ge), end) - first);
       }
       const unsigned bal = __ballot_sync(0xffffffffu, g >= 0);
       const int pos = __popc(bal & ((1u << tid) - 1u));
       if (g >= 0) {
         s_k[pos] = tid;
-        s_gs[pos] = gs;
-        s_big[pos] = sz > kCH ? gs / kCH : -1;  // checkpoint slot
-        s_sz[pos] = min(sz, kCH);
+        s_gs[pos] = first;
+        s_big[pos] = ge - gs > kCH ? ckpt_slot(gs, lo) : -1;
+        s_sz[pos] = cnt;
       }
       if (tid == 0) s_n = __popc(bal);
     }
@@ -560,24 +617,32 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
         if (tid < nB) s_pref[tid] = incl - v;
         if (tid == 31) s_w = incl;  // the batch's unique ids (nB <= 32)
       }
-      for (int i = tid; i < nB * d.Q1R1; i += kGT) {  // rows fastest: no bank conflicts
-        const int nR = nB * d.q1;
-        const int a = i / nR, row = i - a * nR;
-        const int k = row / d.q1, q1 = row - k * d.q1;
-        As[a * geo.ldA + row] =
-            __ldg(g1 + (size_t)(i1b + s_k[k0 + k]) * d.Q1R1 + q1 * d.r1 + a);
+      const int nR = nB * d.q1;
+      if (tid < nR) {  // G1 offset of each batch row (group k, q1)
+        const int k = tid / d.q1;
+        s_rowoff[tid] = (i1b + s_k[k0 + k]) * d.Q1R1 + (tid - k * d.q1) * d.r1;
       }
       __syncthreads();
-      const int W = s_w * NMB;
-      tile_gemm_P(d, As, geo.ldA, G2s, NC, nB * d.q1, Ps, geo.PT);
+      {  // As[a][row] = G1 rows, rows fastest (no bank conflicts), no divisions
+        int a = tid / nR, row = tid - a * nR;
+        const int da = kGT / nR, drow = kGT - da * nR;
+        for (; a < d.r1; a += da, row += drow) {
+          if (row >= nR) { row -= nR; ++a; if (a >= d.r1) break; }
+          As[a * geo.ldA + row] = __ldg(g1 + s_rowoff[row] + a);
+        }
+      }
       __syncthreads();
-      // checkpoint P of the groups split across chunks (layout [m][b], PSZ)
+      const int W = s_w;
+      tile_gemm_P(d, As, geo.ldA, G2s, NC, nB * d.q1, Ps, geo.PT, A::LDM);
+      __syncthreads();
+      // checkpoint P of the groups split across chunks (compact [b][m], PSZ)
       bool wrote = false;
       for (int k = 0; k < nB; ++k) {
         const int slot = s_big[k0 + k];
         if (slot < 0) continue;
         float* ck = ckpt + (size_t)slot * d.PSZ;
-        for (int w = tid; w < d.PSZ; w += kGT) __stcg(ck + w, Ps[k * geo.PT + w]);
+        for (int w = tid; w < d.PSZ; w += kGT)
+          __stcg(ck + w, Ps[k * geo.PT + (w / M) * A::LDM + w % M]);
         wrote = true;
       }
       if (__syncthreads_or(wrote)) {
@@ -585,13 +650,13 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
         __syncthreads();
         if (tid < nB && s_big[k0 + tid] >= 0) atomicExch(flags + s_big[k0 + tid], 1);
       }
-      for (int it = tid; it < W; it += kGT) {
-        const int uq = it / NMB, mb = it - uq * NMB;
-        int k = 0;
-        while (k + 1 < nB && s_pref[k + 1] <= uq) ++k;
+      for (int uq = team; uq < W; uq += nTeams) {
+        int k = 0;  // last group of the batch with s_pref[k] <= uq
+        for (int step = 16; step > 0; step >>= 1)
+          if (k + step < nB && s_pref[k + step] <= uq) k += step;
         const int u = s_gs[k0 + k] + (uq - s_pref[k]);
-        apply_item<M, Q3, MB>(d, Ps + k * geo.PT, g3, __ldg(uids + u), mb * MB,
-                              rows + (size_t)u * d.D);
+        apply_team<M, Q3>(d, Ps + k * geo.PT, g3, __ldg(uids + u), tl, tmask,
+                          rows + (size_t)(u - lo) * d.D);
       }
       __syncthreads();
     }
@@ -600,20 +665,19 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
 
   // ---- chunk phase: tails of large groups, a warp per chunk ----
   const int warp = tid >> 5;
-  float* Pw = Ps + warp * d.PSZ;
+  float* Pw = Ps + warp * geo.PT;
   for (;;) {
     int a, bnd, slot;
-    const int got = claim_chunk_tail(d, ctrl + 1, U, G, goffs, uids, map, flags, lane, a, bnd, slot);
+    const int got = claim_chunk_tail(d, ctrl + 1, lo, end, U, G, goffs, uids, map, flags, lane,
+                                     a, bnd, slot);
     if (got < 0) break;
     if (got == 0) continue;
     const float* ck = ckpt + (size_t)slot * d.PSZ;
-    for (int w = lane; w < d.PSZ; w += 32) Pw[w] = __ldcg(ck + w);
+    for (int w = lane; w < d.PSZ; w += 32) Pw[(w / M) * A::LDM + w % M] = __ldcg(ck + w);
     __syncwarp();
-    for (int it = lane; it < (bnd - a) * NMB; it += 32) {
-      const int u = a + it / NMB, mb = it % NMB;
-      apply_item<M, Q3, MB>(d, Pw, g3, __ldg(uids + u), mb * MB,
-                            rows + (size_t)u * d.D);
-    }
+    for (int u = a + lane / A::T; u < bnd; u += 32 / A::T)
+      apply_team<M, Q3>(d, Pw, g3, __ldg(uids + u), lane % A::T, tmask,
+                        rows + (size_t)(u - lo) * d.D);
     __syncwarp();
   }
 }
@@ -1389,27 +1453,36 @@ template <> __device__ __forceinline__ float4 vzero<float4>() {
   return make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
+// One thread team (TS lanes over D/VEC vectors) per bag, positions in
+// increasing k. Only positions whose unique index is in [lo, hi) (hi capped
+// at num_unique when counts is given) add w * rows[idx - lo]; accumulate:
+// start from out (the fused forward's later chunks), else from 0.
 template <int VEC>
 __global__ void pool_fwd_kernel(const float* __restrict__ rows,
                                 const int* __restrict__ inverse,
                                 const float* __restrict__ weights,
                                 const int* __restrict__ bag_offsets, int n,
-                                int B, int D, int TS, float* __restrict__ out) {
+                                int B, int D, int TS, int lo, int hi,
+                                const int* __restrict__ counts,
+                                bool accumulate, float* __restrict__ out) {
   using T = typename VecT<VEC>::T;
+  if (counts != nullptr) hi = min(hi, clampi(counts[0], 0, n));
+  if (accumulate && lo >= hi) return;
   const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const int bag = (int)(gt / TS), lane = (int)(gt % TS);
   if (bag >= B) return;
-  const int lo = clampi(bag_offsets[bag], 0, n);
-  const int hi = clampi(bag_offsets[bag + 1], lo, n);
+  const int kb = clampi(bag_offsets[bag], 0, n);
+  const int ke = clampi(bag_offsets[bag + 1], kb, n);
   const int DV = D / VEC;
+  const unsigned span = (unsigned)max(hi - lo, 0);
   const T* rv = reinterpret_cast<const T*>(rows);
   T* ov = reinterpret_cast<T*>(out);
   for (int dv = lane; dv < DV; dv += TS) {
-    T acc = vzero<T>();
+    T acc = accumulate ? ov[(size_t)bag * DV + dv] : vzero<T>();
 #pragma unroll 4
-    for (int k = lo; k < hi; ++k) {
-      const int idx = clampi(__ldg(inverse + k), 0, n - 1);
-      vfma(acc, __ldg(weights + k), rv[(size_t)idx * DV + dv]);
+    for (int k = kb; k < ke; ++k) {
+      const unsigned idx = (unsigned)(__ldg(inverse + k) - lo);
+      if (idx < span) vfma(acc, __ldg(weights + k), rv[(size_t)idx * DV + dv]);
     }
     ov[(size_t)bag * DV + dv] = acc;
   }
@@ -1423,8 +1496,8 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows,
 //   its chunk partial in slot (chunk, 0), a run that starts inside and
 //   continues past the chunk leaves it in slot (chunk, 1).
 // Pass 2: warp per unique id; runs spanning chunks sum their partials in
-//   chunk order (sub-teams over contiguous parts, fixed shuffle tree);
-//   u >= num_unique gets zeros.
+//   chunk order (sub-teams over contiguous parts, fixed shuffle tree).
+// d_rows past num_unique is not written (the contract leaves it unspecified).
 constexpr int kPL = 32;
 
 template <int VEC>
@@ -1509,8 +1582,8 @@ __device__ __forceinline__ void shfl_add(float4& v, int off) {
 
 // Persistent warps over blocks of 32 unique ids (a lane reads one id's run
 // bounds). A run spanning chunks k0..k1 sums its partials: lane l takes
-// partials l, l+32, ... (fixed), then a fixed xor tree across lanes. Rows of
-// ids without occurrences (u >= num_unique) are zeroed, coalesced.
+// partials l, l+32, ... (fixed), then a fixed xor tree across lanes. A unique
+// id without occurrences (never, for a valid plan) gets zeros.
 template <int VEC>
 __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
                                  const int* __restrict__ counts, int n, int D,
@@ -1525,21 +1598,16 @@ __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
   const int DV = D / VEC;
   T* o = reinterpret_cast<T*>(d_rows);
   const T* pv = reinterpret_cast<const T*>(part);
-  for (int base = gw * 32; base < n; base += nw * 32) {
+  for (int base = gw * 32; base < U; base += nw * 32) {
     const int u = base + lane;
     int s = 0, e = 0;
     if (u < U) {
       s = clampi(run_offsets[u], 0, n);
       e = clampi(run_offsets[u + 1], s, n);
     }
-    const bool empty = u < n && e <= s;
+    const bool empty = u < U && e <= s;
     const bool cross = e > s && s / kPL != (e - 1) / kPL;
-    unsigned zmask = __ballot_sync(0xffffffffu, empty);
-    if (zmask == 0xffffffffu) {  // a block of empty rows: one coalesced sweep
-      for (int i = lane; i < 32 * DV; i += 32) o[(size_t)base * DV + i] = vzero<T>();
-      zmask = 0;
-    }
-    for (; zmask; zmask &= zmask - 1) {
+    for (unsigned zmask = __ballot_sync(0xffffffffu, empty); zmask; zmask &= zmask - 1) {
       const int uz = base + __ffs(zmask) - 1;
       for (int dv = lane; dv < DV; dv += 32) o[(size_t)uz * DV + dv] = vzero<T>();
     }
@@ -1658,17 +1726,21 @@ struct Bump {
   }
 };
 
+// Forward scratch for a unique range of `range` rows (n for flowtt_tt_rows_fwd,
+// the chunk for flowtt_bag_fwd), plus `buf_rows` rows of D floats (the fused
+// forward's rows buffer; 0 otherwise).
 struct FwdScratch {
-  int* map; int* ctrl; int* flags; float* ckpt; size_t bytes; int nchunks;
+  int* map; int* ctrl; int* flags; float* ckpt; float* rows; size_t bytes; int nslots;
 };
-FwdScratch fwd_layout(const Dev& d, int n, void* base) {
+FwdScratch fwd_layout(const Dev& d, int range, int buf_rows, void* base) {
   Bump bp{static_cast<char*>(base)};
   FwdScratch s;
-  s.nchunks = n / kCH + 1;
+  s.nslots = range / kCH + 2;
   s.map = bp.take<int>((size_t)d.p1 * d.p2);
-  s.ctrl = bp.take<int>(2 + (size_t)s.nchunks);
+  s.ctrl = bp.take<int>(2 + (size_t)s.nslots);
   s.flags = s.ctrl ? s.ctrl + 2 : nullptr;
-  s.ckpt = bp.take<float>((size_t)s.nchunks * d.PSZ);
+  s.ckpt = bp.take<float>((size_t)s.nslots * d.PSZ);
+  s.rows = bp.take<float>((size_t)buf_rows * d.D);
   s.bytes = bp.off;
   return s;
 }
@@ -1754,29 +1826,33 @@ const char* check_dims(const TTDims& t) {
 }
 
 size_t rows_fwd_scratch_bytes(const TTDims& t, int n) {
-  return fwd_layout(make_dev(t), n, nullptr).bytes;
+  return fwd_layout(make_dev(t), n, 0, nullptr).bytes;
 }
 
-cudaError_t rows_fwd(const TTDims& t, const float* g1, const float* g2,
-                     const float* g3, const int* unique_ids,
-                     const int* group_offsets, const int* counts, int n,
-                     float* rows, void* scratch, cudaStream_t stream) {
-  const Dev d = make_dev(t);
-  FwdScratch s = fwd_layout(d, n, scratch);
-  cudaError_t err;
-  if ((err = cudaMemsetAsync(s.map, 0xFF, sizeof(int) * (size_t)d.p1 * d.p2,
-                             stream)) != cudaSuccess)
-    return err;
-  if ((err = cudaMemsetAsync(s.ctrl, 0, sizeof(int) * (2 + (size_t)s.nchunks),
-                             stream)) != cudaSuccess)
-    return err;
+namespace {
+
+cudaError_t build_prefix_map(const Dev& d, const int* unique_ids,
+                             const int* group_offsets, const int* counts, int n,
+                             int* map, cudaStream_t stream) {
+  cudaError_t err = cudaMemsetAsync(map, 0xFF, sizeof(int) * (size_t)d.p1 * d.p2, stream);
+  if (err != cudaSuccess) return err;
+  const int blocks = std::max(1, std::min((n + 255) / 256, num_sms() * 8));
+  build_map_kernel<<<blocks, 256, 0, stream>>>(d, unique_ids, group_offsets, counts, n, map);
+  return cudaGetLastError();
+}
+
+// Rows of the unique range [lo, lo + range) into rows[u - lo] (after the
+// prefix map is built): resets the work counters and flags, one launch.
+cudaError_t rows_fwd_range(const Dev& d, const float* g1, const float* g2,
+                           const float* g3, const int* unique_ids,
+                           const int* group_offsets, const int* counts, int n,
+                           int lo, int range, const FwdScratch& s, float* rows,
+                           cudaStream_t stream) {
+  cudaError_t err =
+      cudaMemsetAsync(s.ctrl, 0, sizeof(int) * (2 + (size_t)s.nslots), stream);
+  if (err != cudaSuccess) return err;
   const int sms = num_sms();
-  {
-    const int blocks = std::max(1, std::min((n + 255) / 256, sms * 8));
-    build_map_kernel<<<blocks, 256, 0, stream>>>(d, unique_ids, group_offsets,
-                                                 counts, n, s.map, rows);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  }
+  const int hi = lo + range;
   const int GB = gemm_batch_groups(d);
   if (GB > 0) {
     const TileGeo geo = tile_geo(d, GB);
@@ -1784,21 +1860,96 @@ cudaError_t rows_fwd(const TTDims& t, const float* g1, const float* g2,
   if (d.M == MM && d.q3 == QQ3)                                                \
     return launch_persistent(rows_fwd_gemm_kernel<MM, QQ3>, geo.smem_bytes,    \
                              stream, sms, d, geo, g1, g2, g3, unique_ids,      \
-                             group_offsets, counts, n, s.map, s.ctrl, s.flags, \
-                             s.ckpt, rows);
+                             group_offsets, counts, n, lo, hi, s.map, s.ctrl,  \
+                             s.flags, s.ckpt, rows);
     FLOWTT_FWD_GEMM(4, 4) FLOWTT_FWD_GEMM(8, 4) FLOWTT_FWD_GEMM(16, 4)
     FLOWTT_FWD_GEMM(4, 8) FLOWTT_FWD_GEMM(8, 8) FLOWTT_FWD_GEMM(16, 8)
 #undef FLOWTT_FWD_GEMM
   }
   const size_t smem = fwd_smem(d);
+#define FLOWTT_FWD_WARP(Q1)                                                     \
+  return launch_persistent(rows_fwd_kernel<Q1>, smem, stream, sms, d, g1, g2,  \
+                           g3, unique_ids, group_offsets, counts, n, lo, hi,   \
+                           s.map, s.ctrl, s.flags, s.ckpt, rows)
   switch (d.q1) {
-    case 1: return launch_persistent(rows_fwd_kernel<1>, smem, stream, sms, d, g1, g2, g3, unique_ids, group_offsets, counts, n, s.map, s.ctrl, s.flags, s.ckpt, rows);
-    case 2: return launch_persistent(rows_fwd_kernel<2>, smem, stream, sms, d, g1, g2, g3, unique_ids, group_offsets, counts, n, s.map, s.ctrl, s.flags, s.ckpt, rows);
-    case 4: return launch_persistent(rows_fwd_kernel<4>, smem, stream, sms, d, g1, g2, g3, unique_ids, group_offsets, counts, n, s.map, s.ctrl, s.flags, s.ckpt, rows);
-    case 8: return launch_persistent(rows_fwd_kernel<8>, smem, stream, sms, d, g1, g2, g3, unique_ids, group_offsets, counts, n, s.map, s.ctrl, s.flags, s.ckpt, rows);
-    default: return launch_persistent(rows_fwd_kernel<0>, smem, stream, sms, d, g1, g2, g3, unique_ids, group_offsets, counts, n, s.map, s.ctrl, s.flags, s.ckpt, rows);
+    case 1: FLOWTT_FWD_WARP(1);
+    case 2: FLOWTT_FWD_WARP(2);
+    case 4: FLOWTT_FWD_WARP(4);
+    case 8: FLOWTT_FWD_WARP(8);
+    default: FLOWTT_FWD_WARP(0);
   }
+#undef FLOWTT_FWD_WARP
+}
+
+cudaError_t launch_pool_fwd(const float* rows, const int* inverse,
+                            const float* weights, const int* bag_offsets, int n,
+                            int B, int D, int lo, int hi, const int* counts,
+                            bool accumulate, float* out, cudaStream_t stream) {
+  if (B <= 0) return cudaSuccess;
+  const bool v4 = (D % 4) == 0 &&
+                  (reinterpret_cast<uintptr_t>(rows) % 16) == 0 &&
+                  (reinterpret_cast<uintptr_t>(out) % 16) == 0;
+  const int DV = v4 ? D / 4 : D;
+  const int TS = team_size(DV);
+  const int blocks = (int)(((long long)B * TS + 255) / 256);
+  if (v4)
+    pool_fwd_kernel<4><<<blocks, 256, 0, stream>>>(rows, inverse, weights, bag_offsets, n, B, D,
+                                                   TS, lo, hi, counts, accumulate, out);
+  else
+    pool_fwd_kernel<1><<<blocks, 256, 0, stream>>>(rows, inverse, weights, bag_offsets, n, B, D,
+                                                   TS, lo, hi, counts, accumulate, out);
   return cudaGetLastError();
+}
+
+// The fused forward's rows buffer: chunk_rows rounded up to kCH, at most n
+// rounded up to kCH.
+int bag_chunk(int n, long long chunk_rows) {
+  const long long c = (std::max(chunk_rows, 1LL) + kCH - 1) / kCH * kCH;
+  const long long cap = ((long long)n + kCH - 1) / kCH * kCH;
+  return (int)std::min(c, cap);
+}
+
+}  // namespace
+
+cudaError_t rows_fwd(const TTDims& t, const float* g1, const float* g2,
+                     const float* g3, const int* unique_ids,
+                     const int* group_offsets, const int* counts, int n,
+                     float* rows, void* scratch, cudaStream_t stream) {
+  const Dev d = make_dev(t);
+  const FwdScratch s = fwd_layout(d, n, 0, scratch);
+  cudaError_t err = build_prefix_map(d, unique_ids, group_offsets, counts, n, s.map, stream);
+  if (err != cudaSuccess) return err;
+  return rows_fwd_range(d, g1, g2, g3, unique_ids, group_offsets, counts, n, 0, n, s, rows,
+                        stream);
+}
+
+size_t bag_fwd_scratch_bytes(const TTDims& t, int n, long long chunk_rows) {
+  const int C = bag_chunk(n, chunk_rows);
+  return fwd_layout(make_dev(t), C, C, nullptr).bytes;
+}
+
+cudaError_t bag_fwd(const TTDims& t, const float* g1, const float* g2,
+                    const float* g3, const int* unique_ids,
+                    const int* group_offsets, const int* counts,
+                    const int* inverse, const float* weights,
+                    const int* bag_offsets, int n, int B, long long chunk_rows,
+                    float* out, void* scratch, cudaStream_t stream) {
+  if (B <= 0) return cudaSuccess;
+  const Dev d = make_dev(t);
+  const int C = bag_chunk(n, chunk_rows);
+  const FwdScratch s = fwd_layout(d, C, C, scratch);
+  cudaError_t err = build_prefix_map(d, unique_ids, group_offsets, counts, n, s.map, stream);
+  if (err != cudaSuccess) return err;
+  // static chunk count (U <= n is on the device): chunks past U exit at once
+  for (int lo = 0; lo < n; lo += C) {
+    if ((err = rows_fwd_range(d, g1, g2, g3, unique_ids, group_offsets, counts, n, lo, C, s,
+                              s.rows, stream)) != cudaSuccess)
+      return err;
+    if ((err = launch_pool_fwd(s.rows, inverse, weights, bag_offsets, n, B, d.D, lo, lo + C,
+                               counts, lo > 0, out, stream)) != cudaSuccess)
+      return err;
+  }
+  return cudaSuccess;
 }
 
 size_t rows_bwd_scratch_bytes(const TTDims& t, int n) {
@@ -1821,7 +1972,7 @@ cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2,
   const int sms = num_sms();
   const int eblocks = std::max(1, std::min((n + 255) / 256, sms * 8));
   build_map_kernel<<<eblocks, 256, 0, stream>>>(d, unique_ids, group_offsets,
-                                                counts, n, s.map, nullptr);
+                                                counts, n, s.map);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   if (!(g_stage_mask & 1)) return cudaGetLastError();
   const int GBB = gemm_bwd_batch_groups(d);
@@ -1929,23 +2080,8 @@ cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2,
 cudaError_t bag_pool_fwd(const float* rows, const int* inverse,
                          const float* weights, const int* bag_offsets, int n,
                          int B, int D, float* out, cudaStream_t stream) {
-  if (B <= 0) return cudaSuccess;
-  const bool v4 = (D % 4) == 0 &&
-                  (reinterpret_cast<uintptr_t>(rows) % 16) == 0 &&
-                  (reinterpret_cast<uintptr_t>(out) % 16) == 0;
-  const int DV = v4 ? D / 4 : D;
-  const int TS = team_size(DV);
-  const long long threads = (long long)B * TS;
-  const int blocks = (int)((threads + 255) / 256);
-  if (v4)
-    pool_fwd_kernel<4><<<blocks, 256, 0, stream>>>(rows, inverse, weights,
-                                                   bag_offsets, n, B, D, TS,
-                                                   out);
-  else
-    pool_fwd_kernel<1><<<blocks, 256, 0, stream>>>(rows, inverse, weights,
-                                                   bag_offsets, n, B, D, TS,
-                                                   out);
-  return cudaGetLastError();
+  return launch_pool_fwd(rows, inverse, weights, bag_offsets, n, B, D, 0, n, nullptr, false,
+                         out, stream);
 }
 
 size_t bag_pool_bwd_scratch_bytes(int n, int D) {

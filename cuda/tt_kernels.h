@@ -26,6 +26,16 @@ cudaError_t rows_fwd(const TTDims& d, const float* g1, const float* g2,
                      const int* group_offsets, const int* counts, int n,
                      float* rows, void* scratch, cudaStream_t stream);
 
+// ---- op 6: flowtt_bag_fwd (rows + pooling in chunks of chunk_rows unique
+// rows, rounded up to 64; the rows buffer lives in scratch) ----
+size_t bag_fwd_scratch_bytes(const TTDims& d, int n, long long chunk_rows);
+cudaError_t bag_fwd(const TTDims& d, const float* g1, const float* g2,
+                    const float* g3, const int* unique_ids,
+                    const int* group_offsets, const int* counts,
+                    const int* inverse, const float* weights,
+                    const int* bag_offsets, int n, int B, long long chunk_rows,
+                    float* out, void* scratch, cudaStream_t stream);
+
 // ---- op 4: flowtt_tt_rows_bwd ----
 size_t rows_bwd_scratch_bytes(const TTDims& d, int n);
 cudaError_t rows_bwd(const TTDims& d, const float* g1, const float* g2,
