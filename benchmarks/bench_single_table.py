@@ -12,7 +12,9 @@ same arguments, so a number near that floor is flagged as dispatch-bound.
 Temporary memory is XLA's compile-time memory_analysis().temp_size_in_bytes;
 the FFI handlers' scratch (allocated at run time through XLA's scratch
 allocator, invisible to memory_analysis) is reported separately from the
-kernels' own size function.
+kernels' own size function, and ``fwd_temp_total_bytes`` adds the largest
+scratch of the forward's FFI calls (plan, fused bag forward) to XLA's figure:
+an upper bound on the forward's peak temporary memory.
 """
 
 from __future__ import annotations
@@ -154,13 +156,16 @@ def temp_bytes(f, args):
 
 
 def scratch_bytes(spec, n, D):
+    """Run-time FFI scratch of each CUDA op for n ids (bag_fwd at the ops' chunk size)."""
     try:
         from flowtt_jax import _flowtt_cuda
+        from flowtt_jax.ops import ROWS_CHUNK_BYTES
 
         p1, p2, p3 = spec.row_shape
         q1, q2, q3 = spec.col_shape
         r1, r2 = spec.ranks[1], spec.ranks[2]
-        return _flowtt_cuda.scratch_bytes(p1, p2, p3, q1, q2, q3, r1, r2, n)
+        chunk_rows = max(64, ROWS_CHUNK_BYTES // (4 * D))
+        return _flowtt_cuda.scratch_bytes(p1, p2, p3, q1, q2, q3, r1, r2, n, chunk_rows)
     except Exception as e:  # noqa: BLE001
         return f"n/a ({e})"
 
@@ -235,11 +240,17 @@ def run_config(name, K, R):
         res["ours_breakdown_ms"] = {
             "plan": queued_time(jax.jit(fffi.plan, static_argnums=(1, 2)), (ids, row_shape[-1], N), K, R),
             "rows_fwd_kernel": queued_time(jax.jit(fffi.rows_fwd), (cores, plan), K, R),
+            "bag_fwd_kernel": queued_time(jax.jit(fffi.bag_fwd, static_argnums=4),
+                                          (cores, plan, w, offsets, max(64, (40 << 20) // (4 * D))), K, R),
             "pool_fwd_kernel": queued_time(jax.jit(fffi.pool_fwd), (rows, plan.inverse, w, offsets), K, R),
             "pool_bwd_kernel": queued_time(jax.jit(fffi.pool_bwd), (cot, rows, w, bag_ids, plan), K, R),
             "rows_bwd_kernel": queued_time(jax.jit(fffi.rows_bwd), (cores, rows, plan), K, R),
         }
-        res["ours_scratch_bytes"] = scratch_bytes(spec, n, D)
+        sb = scratch_bytes(spec, n, D)
+        res["ours_scratch_bytes"] = sb
+        fwd_temp = res["ours"].get("fwd_temp_bytes")
+        if isinstance(sb, dict) and isinstance(fwd_temp, int):
+            res["ours"]["fwd_temp_total_bytes"] = fwd_temp + max(sb.get("plan", 0), sb["bag_fwd"])
     except Exception as e:  # noqa: BLE001
         res["ours_breakdown_ms"] = f"error: {type(e).__name__}: {str(e)[:300]}"
 

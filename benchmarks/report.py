@@ -28,6 +28,8 @@ def busy(x: dict, key: str):
 
 
 def mb(x):
+    if x is None:
+        return "-"
     return f"{x / 1e6:.1f}" if isinstance(x, (int, float)) else str(x)
 
 
@@ -39,19 +41,21 @@ def main(paths):
         print(f"device `{data.get('device')}`, date {data.get('date')}, commit `{data.get('git_commit')}`, "
               f"jax {data.get('jax')}; timing: {data.get('timing')} (K={data.get('K')}, R={data.get('R')})\n")
         print("| config | nnz | unique | groups | impl | fwd ms (device) | fwd+bwd ms (device) | "
-              "fwd ms (queued) | fwd+bwd ms (queued) | fwd temp MB (XLA) | fwd % of fp32 peak |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "fwd ms (queued) | fwd+bwd ms (queued) | fwd temp MB (XLA) | fwd temp MB (XLA + FFI scratch) | "
+              "fwd % of fp32 peak |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in data["results"]:
             for impl in ("dense_bag", "tt_reference", "tt_reference_dedup", "ours"):
                 x = r.get(impl, {})
                 if "error" in x:
                     print(f"| {r['config']} | {r['nnz']} | {r.get('num_unique')} | {r.get('num_groups')} | "
-                          f"{impl} | error: {x['error'][:80]} | | | | | |")
+                          f"{impl} | error: {x['error'][:80]} | | | | | | |")
                     continue
                 frac = x.get("fwd_fraction_of_fp32_peak")
                 print(f"| {r['config']} | {r['nnz']} | {r.get('num_unique')} | {r.get('num_groups')} | {impl} | "
                       f"{fmt(busy(x, 'fwd_device'))} | {fmt(busy(x, 'fwd_bwd_device'))} | "
                       f"{fmt(x.get('fwd_ms'))} | {fmt(x.get('fwd_bwd_ms'))} | {mb(x.get('fwd_temp_bytes'))} | "
+                      f"{mb(x.get('fwd_temp_total_bytes', x.get('fwd_temp_bytes') if impl != 'ours' else None))} | "
                       f"{fmt(100 * frac, 1) if isinstance(frac, float) else '-'} |")
         print()
         for r in data["results"]:

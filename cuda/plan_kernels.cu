@@ -4,9 +4,11 @@
 //      num_rows - 1) only: 10^7 rows -> 24 bits -> 3 onesweep passes of 8 bits
 //      on sm_90 (plus cub's histogram and memsets). Radix sort is stable, so
 //      the sorted positions are perm, as jax.lax.sort(is_stable=True) gives.
-//   3. cub single-pass inclusive scan of the (new id, new prefix group) flags
-//      of each sorted position (computed on the fly by an iterator): scan[s] =
-//      (unique index + 1, group index + 1), scan[n-1] = (num_unique, num_groups).
+//   3. cub single-pass inclusive sum of the (new id, new prefix group) flags
+//      of each sorted position, packed as new_id << 32 | new_group in one
+//      uint64 (computed on the fly by an iterator; neither count can carry
+//      into the other, both are <= n < 2^31): scan[s] = (unique index + 1,
+//      group index + 1), scan[n-1] = (num_unique, num_groups).
 //   4. finalize_kernel over i in [0, n]: every output element written once
 //      (scatters at run / group starts, padding tails, counts).
 // No device synchronisation, no allocation: scratch comes from the caller.
@@ -29,17 +31,15 @@ constexpr size_t kAlign = 256;  // cub's temp storage and every scratch array
 struct PlanFlags {
   const int* keys;
   int last_extent;
-  __host__ __device__ int2 operator()(int s) const {
+  __host__ __device__ int2 flags(int s) const {
     if (s == 0) return make_int2(1, 1);
     const int k = keys[s], prev = keys[s - 1];
     const int new_id = k != prev;
     return make_int2(new_id, new_id && k / last_extent != prev / last_extent);
   }
-};
-
-struct Int2Sum {
-  __host__ __device__ int2 operator()(int2 a, int2 b) const {
-    return make_int2(a.x + b.x, a.y + b.y);
+  __host__ __device__ uint64_t operator()(int s) const {  // packed for the scan
+    const int2 f = flags(s);
+    return (uint64_t(f.x) << 32) | uint64_t(f.y);
   }
 };
 
@@ -47,6 +47,10 @@ using FlagIter = thrust::transform_iterator<PlanFlags, thrust::counting_iterator
 
 FlagIter flag_iter(const int* sorted_keys, int last_extent) {
   return FlagIter(thrust::counting_iterator<int>(0), PlanFlags{sorted_keys, last_extent});
+}
+
+__device__ __forceinline__ int2 unpack(uint64_t v) {
+  return make_int2(int(v >> 32), int(v & 0xffffffffu));
 }
 
 // Bit length of max_key >= 0, at least 1: the radix sort's end_bit.
@@ -62,7 +66,7 @@ struct PlanScratch {
   int* keys;         // [n] clamped ids
   int* sorted_keys;  // [n]
   int* positions;    // [n] 0..n-1
-  int2* scan;        // [n] inclusive (unique, group) counts
+  uint64_t* scan;    // [n] inclusive (unique, group) counts, packed
   void* cub_tmp;     // shared by the sort and the scan (they run in turn)
   size_t cub_bytes, bytes;
 };
@@ -75,8 +79,8 @@ cudaError_t plan_layout(int n, int end_bit, void* base, PlanScratch* s) {
       nullptr, sort_bytes, (const int*)nullptr, (int*)nullptr, (const int*)nullptr,
       (int*)nullptr, n, 0, end_bit);
   if (err != cudaSuccess) return err;
-  err = cub::DeviceScan::InclusiveScan(nullptr, scan_bytes, flag_iter(nullptr, 1),
-                                       (int2*)nullptr, Int2Sum{}, n);
+  err = cub::DeviceScan::InclusiveSum(nullptr, scan_bytes, flag_iter(nullptr, 1),
+                                      (uint64_t*)nullptr, n);
   if (err != cudaSuccess) return err;
   char* p = base ? reinterpret_cast<char*>(align_up(reinterpret_cast<uintptr_t>(base)))
                  : nullptr;
@@ -89,7 +93,7 @@ cudaError_t plan_layout(int n, int end_bit, void* base, PlanScratch* s) {
   s->keys = reinterpret_cast<int*>(take(sizeof(int) * n));
   s->sorted_keys = reinterpret_cast<int*>(take(sizeof(int) * n));
   s->positions = reinterpret_cast<int*>(take(sizeof(int) * n));
-  s->scan = reinterpret_cast<int2*>(take(sizeof(int2) * n));
+  s->scan = reinterpret_cast<uint64_t*>(take(sizeof(uint64_t) * n));
   s->cub_bytes = std::max(sort_bytes, scan_bytes);
   s->cub_tmp = take(s->cub_bytes);
   s->bytes = off + kAlign - 1;
@@ -106,15 +110,15 @@ __global__ void clamp_kernel(const int* __restrict__ ids, int n, int max_id,
 
 // One thread per i in [0, n]; sorted_keys, perm, scan are [n].
 __global__ void finalize_kernel(const int* __restrict__ sorted_keys, const int* __restrict__ perm,
-                                const int2* __restrict__ scan, int n, int last_extent,
+                                const uint64_t* __restrict__ scan, int n, int last_extent,
                                 PlanOutputs out) {
   const int64_t i64 = int64_t(blockIdx.x) * kBlock + threadIdx.x;
   if (i64 > n) return;
   const int i = static_cast<int>(i64);
-  const int2 total = scan[n - 1];  // (num_unique, num_groups)
+  const int2 total = unpack(scan[n - 1]);  // (num_unique, num_groups)
   if (i < n) {
-    const int2 c = scan[i];
-    const int2 f = PlanFlags{sorted_keys, last_extent}(i);
+    const int2 c = unpack(scan[i]);
+    const int2 f = PlanFlags{sorted_keys, last_extent}.flags(i);
     const int u = c.x - 1;
     out.inverse[perm[i]] = u;
     if (f.x) {
@@ -164,8 +168,8 @@ cudaError_t build_plan(const int* ids, int n, int last_extent, int num_rows,
                                              stream)) != cudaSuccess)
     return err;
   bytes = s.cub_bytes;
-  if ((err = cub::DeviceScan::InclusiveScan(s.cub_tmp, bytes, flag_iter(s.sorted_keys, last_extent),
-                                            s.scan, Int2Sum{}, n, stream)) != cudaSuccess)
+  if ((err = cub::DeviceScan::InclusiveSum(s.cub_tmp, bytes, flag_iter(s.sorted_keys, last_extent),
+                                           s.scan, n, stream)) != cudaSuccess)
     return err;
   finalize_kernel<<<blocks, kBlock, 0, stream>>>(s.sorted_keys, out.perm, s.scan, n, last_extent,
                                                  out);

@@ -1067,12 +1067,15 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
           for (int i = 0; i < MB2; ++i)
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
-          const int ge = s_ge[k0 + k];
-          for (int u = s_gs[k0 + k]; u < ge; ++u) {
+          const int gs = s_gs[k0 + k], ge = s_ge[k0 + k];
+          int id_next = gs < ge ? __ldg(uids + gs) : 0;  // one id ahead
+          for (int u = gs; u < ge; ++u) {
+            const int id = id_next;
+            if (u + 1 < ge) id_next = __ldg(uids + u + 1);
             const float4* dr4 = reinterpret_cast<const float4*>(
                 d_rows + (size_t)u * d.D + m0 * Q3);
             const float4* g34 = reinterpret_cast<const float4*>(
-                g3 + ((size_t)id3(d, __ldg(uids + u)) * d.r2 + b0) * Q3);
+                g3 + ((size_t)id3(d, id) * d.r2 + b0) * Q3);
             float dr[MB2 * Q3], gv[4 * Q3];
 #pragma unroll
             for (int i = 0; i < MB2 * Q3 / 4; ++i) {
@@ -1621,7 +1624,8 @@ __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
         T acc[kV];
 #pragma unroll
         for (int v = 0; v < kV; ++v) acc[v] = vzero<T>();
-        for (int i = lane; i < L; i += 32) {
+#pragma unroll 4
+        for (int i = lane; i < L; i += 32) {  // unrolled: hot ids have ~10^3 partials
           const int kk = k0 + i;
           const int side = (i == 0) ? 1 : 0;
           const T* src = pv + ((size_t)kk * 2 + side) * DV + dv0;
@@ -1726,19 +1730,23 @@ struct Bump {
   }
 };
 
-// Forward scratch for a unique range of `range` rows (n for flowtt_tt_rows_fwd,
-// the chunk for flowtt_bag_fwd), plus `buf_rows` rows of D floats (the fused
+// Forward scratch for `passes` passes over unique ranges of `range` rows (one
+// pass of n rows for flowtt_tt_rows_fwd, one per chunk for flowtt_bag_fwd):
+// per pass two work counters and the checkpoint flags (zeroed by one
+// memset), one checkpoint buffer, plus `buf_rows` rows of D floats (the fused
 // forward's rows buffer; 0 otherwise).
 struct FwdScratch {
-  int* map; int* ctrl; int* flags; float* ckpt; float* rows; size_t bytes; int nslots;
+  int* map; int* ctrl; float* ckpt; float* rows; size_t bytes; int nslots; int passes;
+  int* pass_ctrl(int p) const { return ctrl + (size_t)p * (2 + nslots); }  // flags at +2
+  size_t ctrl_bytes() const { return sizeof(int) * (size_t)passes * (2 + nslots); }
 };
-FwdScratch fwd_layout(const Dev& d, int range, int buf_rows, void* base) {
+FwdScratch fwd_layout(const Dev& d, int range, int passes, int buf_rows, void* base) {
   Bump bp{static_cast<char*>(base)};
   FwdScratch s;
   s.nslots = range / kCH + 2;
+  s.passes = passes;
   s.map = bp.take<int>((size_t)d.p1 * d.p2);
-  s.ctrl = bp.take<int>(2 + (size_t)s.nslots);
-  s.flags = s.ctrl ? s.ctrl + 2 : nullptr;
+  s.ctrl = bp.take<int>((size_t)passes * (2 + s.nslots));
   s.ckpt = bp.take<float>((size_t)s.nslots * d.PSZ);
   s.rows = bp.take<float>((size_t)buf_rows * d.D);
   s.bytes = bp.off;
@@ -1826,31 +1834,33 @@ const char* check_dims(const TTDims& t) {
 }
 
 size_t rows_fwd_scratch_bytes(const TTDims& t, int n) {
-  return fwd_layout(make_dev(t), n, 0, nullptr).bytes;
+  return fwd_layout(make_dev(t), n, 1, 0, nullptr).bytes;
 }
 
 namespace {
 
+// Prefix map (and zeroed work counters of every pass) for the forward passes.
 cudaError_t build_prefix_map(const Dev& d, const int* unique_ids,
                              const int* group_offsets, const int* counts, int n,
-                             int* map, cudaStream_t stream) {
+                             const FwdScratch& s, cudaStream_t stream) {
+  int* map = s.map;
   cudaError_t err = cudaMemsetAsync(map, 0xFF, sizeof(int) * (size_t)d.p1 * d.p2, stream);
   if (err != cudaSuccess) return err;
+  if ((err = cudaMemsetAsync(s.ctrl, 0, s.ctrl_bytes(), stream)) != cudaSuccess) return err;
   const int blocks = std::max(1, std::min((n + 255) / 256, num_sms() * 8));
   build_map_kernel<<<blocks, 256, 0, stream>>>(d, unique_ids, group_offsets, counts, n, map);
   return cudaGetLastError();
 }
 
-// Rows of the unique range [lo, lo + range) into rows[u - lo] (after the
-// prefix map is built): resets the work counters and flags, one launch.
+// Rows of the unique range [lo, lo + range) into rows[u - lo] (after
+// build_prefix_map), pass p's counters and flags: one launch.
 cudaError_t rows_fwd_range(const Dev& d, const float* g1, const float* g2,
                            const float* g3, const int* unique_ids,
                            const int* group_offsets, const int* counts, int n,
-                           int lo, int range, const FwdScratch& s, float* rows,
+                           int lo, int range, const FwdScratch& s, int p, float* rows,
                            cudaStream_t stream) {
-  cudaError_t err =
-      cudaMemsetAsync(s.ctrl, 0, sizeof(int) * (2 + (size_t)s.nslots), stream);
-  if (err != cudaSuccess) return err;
+  int* ctrl = s.pass_ctrl(p);
+  int* flags = ctrl + 2;
   const int sms = num_sms();
   const int hi = lo + range;
   const int GB = gemm_batch_groups(d);
@@ -1860,8 +1870,8 @@ cudaError_t rows_fwd_range(const Dev& d, const float* g1, const float* g2,
   if (d.M == MM && d.q3 == QQ3)                                                \
     return launch_persistent(rows_fwd_gemm_kernel<MM, QQ3>, geo.smem_bytes,    \
                              stream, sms, d, geo, g1, g2, g3, unique_ids,      \
-                             group_offsets, counts, n, lo, hi, s.map, s.ctrl,  \
-                             s.flags, s.ckpt, rows);
+                             group_offsets, counts, n, lo, hi, s.map, ctrl,    \
+                             flags, s.ckpt, rows);
     FLOWTT_FWD_GEMM(4, 4) FLOWTT_FWD_GEMM(8, 4) FLOWTT_FWD_GEMM(16, 4)
     FLOWTT_FWD_GEMM(4, 8) FLOWTT_FWD_GEMM(8, 8) FLOWTT_FWD_GEMM(16, 8)
 #undef FLOWTT_FWD_GEMM
@@ -1870,7 +1880,7 @@ cudaError_t rows_fwd_range(const Dev& d, const float* g1, const float* g2,
 #define FLOWTT_FWD_WARP(Q1)                                                     \
   return launch_persistent(rows_fwd_kernel<Q1>, smem, stream, sms, d, g1, g2,  \
                            g3, unique_ids, group_offsets, counts, n, lo, hi,   \
-                           s.map, s.ctrl, s.flags, s.ckpt, rows)
+                           s.map, ctrl, flags, s.ckpt, rows)
   switch (d.q1) {
     case 1: FLOWTT_FWD_WARP(1);
     case 2: FLOWTT_FWD_WARP(2);
@@ -1916,16 +1926,16 @@ cudaError_t rows_fwd(const TTDims& t, const float* g1, const float* g2,
                      const int* group_offsets, const int* counts, int n,
                      float* rows, void* scratch, cudaStream_t stream) {
   const Dev d = make_dev(t);
-  const FwdScratch s = fwd_layout(d, n, 0, scratch);
-  cudaError_t err = build_prefix_map(d, unique_ids, group_offsets, counts, n, s.map, stream);
+  const FwdScratch s = fwd_layout(d, n, 1, 0, scratch);
+  cudaError_t err = build_prefix_map(d, unique_ids, group_offsets, counts, n, s, stream);
   if (err != cudaSuccess) return err;
-  return rows_fwd_range(d, g1, g2, g3, unique_ids, group_offsets, counts, n, 0, n, s, rows,
+  return rows_fwd_range(d, g1, g2, g3, unique_ids, group_offsets, counts, n, 0, n, s, 0, rows,
                         stream);
 }
 
 size_t bag_fwd_scratch_bytes(const TTDims& t, int n, long long chunk_rows) {
   const int C = bag_chunk(n, chunk_rows);
-  return fwd_layout(make_dev(t), C, C, nullptr).bytes;
+  return fwd_layout(make_dev(t), C, (n + C - 1) / C, C, nullptr).bytes;
 }
 
 cudaError_t bag_fwd(const TTDims& t, const float* g1, const float* g2,
@@ -1937,13 +1947,13 @@ cudaError_t bag_fwd(const TTDims& t, const float* g1, const float* g2,
   if (B <= 0) return cudaSuccess;
   const Dev d = make_dev(t);
   const int C = bag_chunk(n, chunk_rows);
-  const FwdScratch s = fwd_layout(d, C, C, scratch);
-  cudaError_t err = build_prefix_map(d, unique_ids, group_offsets, counts, n, s.map, stream);
+  const FwdScratch s = fwd_layout(d, C, (n + C - 1) / C, C, scratch);
+  cudaError_t err = build_prefix_map(d, unique_ids, group_offsets, counts, n, s, stream);
   if (err != cudaSuccess) return err;
   // static chunk count (U <= n is on the device): chunks past U exit at once
   for (int lo = 0; lo < n; lo += C) {
     if ((err = rows_fwd_range(d, g1, g2, g3, unique_ids, group_offsets, counts, n, lo, C, s,
-                              s.rows, stream)) != cudaSuccess)
+                              lo / C, s.rows, stream)) != cudaSuccess)
       return err;
     if ((err = launch_pool_fwd(s.rows, inverse, weights, bag_offsets, n, B, d.D, lo, lo + C,
                                counts, lo > 0, out, stream)) != cudaSuccess)
