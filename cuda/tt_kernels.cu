@@ -172,6 +172,18 @@ __device__ __forceinline__ int ckpt_slot(int gs, int lo) {
   return max(gs - lo + kCH, 0) / kCH;
 }
 
+// Tiles [t_lo, t_hi) of the forward kernels that can hold groups of the
+// unique range [lo, end) (tile t = i1 block t / p2, column t % p2): the i1
+// blocks from the range's first to its last unique id.
+__device__ __forceinline__ void range_tiles(const Dev& d, const int* __restrict__ uids,
+                                            int lo, int end, int& t_lo, int& t_hi) {
+  int a1, a2, a3, b1, b2, b3;
+  split_id(d, uids[lo], a1, a2, a3);
+  split_id(d, uids[end - 1], b1, b2, b3);
+  t_lo = (a1 / kT1F) * d.p2;
+  t_hi = (b1 / kT1F + 1) * d.p2;
+}
+
 // Chunk phase of the forward kernels over the unique range [lo, end), end =
 // min(hi, U): a warp claims the next chunk c of unique indices
 // [c*kCH, (c+1)*kCH) from *counter (starting at lo / kCH). The only work in it
@@ -296,16 +308,16 @@ __global__ void __launch_bounds__(kThreads)
   const int G = clampi(counts[1], 0, U);
   const int end = min(hi, U);
   if (lo >= end) return;
-  const int nT1 = (d.p1 + kT1F - 1) / kT1F;
-  const int nTiles = nT1 * d.p2;
+  int t_lo, t_hi;
+  range_tiles(d, uids, lo, end, t_lo, t_hi);
 
   // ---- phase 1: tiles (i2 column x kT1F i1 values), a warp per group ----
   for (;;) {
-    if (tid == 0) s_item = atomicAdd(ctrl, 1);
+    if (tid == 0) s_item = t_lo + atomicAdd(ctrl, 1);
     __syncthreads();
     const int t = s_item;
     __syncthreads();
-    if (t >= nTiles) break;
+    if (t >= t_hi) break;
     const int i2 = t % d.p2;
     const int i1b = (t / d.p2) * kT1F;
     int gk = -1;
@@ -565,16 +577,17 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
   const int G = clampi(counts[1], 0, U);
   const int end = min(hi, U);
   if (lo >= end) return;
-  const int nTiles = (d.p1 + kT1F - 1) / kT1F * d.p2;
+  int t_lo, t_hi;
+  range_tiles(d, uids, lo, end, t_lo, t_hi);
   const int team = tid / A::T, nTeams = kGT / A::T, tl = tid % A::T;
   const unsigned tmask =
       A::T == 32 ? 0xffffffffu : ((1u << A::T) - 1u) << (lane & ~(A::T - 1));
 
-  if (tid == 0) s_next = atomicAdd(ctrl, 1);
+  if (tid == 0) s_next = t_lo + atomicAdd(ctrl, 1);
   for (;;) {
     __syncthreads();
     const int t = s_next;
-    if (t >= nTiles) break;
+    if (t >= t_hi) break;
     const int i2 = t % d.p2;
     const int i1b = (t / d.p2) * kT1F;
     if (tid < 32) {  // compact the present groups, scan their (capped) sizes
@@ -601,10 +614,11 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
       if (tid == 0) s_n = __popc(bal);
     }
     int nxt = 0;
-    if (tid == 0) nxt = atomicAdd(ctrl, 1);  // next tile, used at the end
-    load_smem(G2s, g2 + (size_t)i2 * d.R1Q2R2, d.R1Q2R2);
+    if (tid == 0) nxt = t_lo + atomicAdd(ctrl, 1);  // next tile, used at the end
     __syncthreads();
     const int nG = s_n;
+    if (nG > 0) load_smem(G2s, g2 + (size_t)i2 * d.R1Q2R2, d.R1Q2R2);
+    __syncthreads();
     for (int k0 = 0; k0 < nG; k0 += geo.GB) {
       const int nB = min(geo.GB, nG - k0);
       if (tid < 32) {  // exclusive scan of the batch's sizes
@@ -650,13 +664,27 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
         __syncthreads();
         if (tid < nB && s_big[k0 + tid] >= 0) atomicExch(flags + s_big[k0 + tid], 1);
       }
-      for (int uq = team; uq < W; uq += nTeams) {
-        int k = 0;  // last group of the batch with s_pref[k] <= uq
+      // items uq -> (group k, unique u); the next item's id is loaded ahead
+      auto locate = [&](int uq, int& k, int& u) {
+        k = 0;  // last group of the batch with s_pref[k] <= uq
         for (int step = 16; step > 0; step >>= 1)
           if (k + step < nB && s_pref[k + step] <= uq) k += step;
-        const int u = s_gs[k0 + k] + (uq - s_pref[k]);
-        apply_team<M, Q3>(d, Ps + k * geo.PT, g3, __ldg(uids + u), tl, tmask,
+        u = s_gs[k0 + k] + (uq - s_pref[k]);
+      };
+      int k = 0, u = 0, id = 0;
+      if (team < W) {
+        locate(team, k, u);
+        id = __ldg(uids + u);
+      }
+      for (int uq = team; uq < W; uq += nTeams) {
+        int kn = 0, un = 0, idn = 0;
+        if (uq + nTeams < W) {
+          locate(uq + nTeams, kn, un);
+          idn = __ldg(uids + un);
+        }
+        apply_team<M, Q3>(d, Ps + k * geo.PT, g3, id, tl, tmask,
                           rows + (size_t)(u - lo) * d.D);
+        k = kn, u = un, id = idn;
       }
       __syncthreads();
     }
