@@ -1673,20 +1673,25 @@ __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
   }
 }
 
+// d_weights[p] = dout[bag_p] . rows[u_p], one team per position, taken in
+// sorted order (p = perm[j]) so the rows are read in runs, not gathered.
 template <int VEC>
 __global__ void pool_bwd_weights_kernel(const float* __restrict__ dout,
                                         const float* __restrict__ rows,
                                         const int* __restrict__ inverse,
                                         const int* __restrict__ bag_ids,
+                                        const int* __restrict__ perm,
                                         int n, int B, int D, int TS,
                                         float* __restrict__ d_weights) {
   using T = typename VecT<VEC>::T;
   const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const int k = (int)(gt / TS), lane = (int)(gt % TS);
-  const bool valid = k < n;
+  const int j = (int)(gt / TS), lane = (int)(gt % TS);
+  const bool valid = j < n;
   const int DV = D / VEC;
   float s = 0.f;
+  int k = 0;
   if (valid) {
+    k = clampi(__ldg(perm + j), 0, n - 1);
     const int b = clampi(__ldg(bag_ids + k), 0, B - 1);
     const int idx = clampi(__ldg(inverse + k), 0, n - 1);
     const T* a = reinterpret_cast<const T*>(dout) + (size_t)b * DV;
@@ -2161,7 +2166,7 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows,
                                                 part, d_rows);
     if (d_weights != nullptr)
       pool_bwd_weights_kernel<4><<<bw, 256, 0, stream>>>(
-          dout, rows, inverse, bag_ids, n, B, D, TS, d_weights);
+          dout, rows, inverse, bag_ids, perm, n, B, D, TS, d_weights);
   } else {
     pool_bwd_rows_p1<1><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm,
                                                 inverse, run_offsets, counts,
@@ -2170,7 +2175,7 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows,
                                                 part, d_rows);
     if (d_weights != nullptr)
       pool_bwd_weights_kernel<1><<<bw, 256, 0, stream>>>(
-          dout, rows, inverse, bag_ids, n, B, D, TS, d_weights);
+          dout, rows, inverse, bag_ids, perm, n, B, D, TS, d_weights);
   }
   return cudaGetLastError();
 }

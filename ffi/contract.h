@@ -59,6 +59,32 @@ ffi::Error CheckMatrix(const Buf& x, int64_t rows, int64_t cols, const char* nam
   return ffi::Error::Success();
 }
 
+// The pooling operands: inverse [n], weights [n], offsets [B+1] and the result out [B, dim]
+// (n >= 1); sets num_bags = B.
+template <typename FBuf, typename IBuf, typename OBuf>
+ffi::Error CheckPooling(const IBuf& inverse, const FBuf& weights, const IBuf& offsets,
+                        const OBuf& out, int64_t n, int64_t dim, int64_t* num_bags) {
+  *num_bags = Length(offsets) - 1;
+  if (n < 1 || Length(inverse) != n || Length(weights) != n || *num_bags < 0) {
+    return ffi::Error::InvalidArgument("need inverse [n], weights [n], offsets [B+1] (n = " +
+                                       std::to_string(n) + ", n >= 1)");
+  }
+  return CheckMatrix(out, *num_bags, dim, "out");
+}
+
+// flowtt_bag_fwd past the group plan and the cores (they give n and dim = D): the pooling
+// operands and chunk_rows >= 1; sets num_bags = B.
+template <typename FBuf, typename IBuf, typename OBuf>
+ffi::Error CheckBagFwd(const IBuf& inverse, const FBuf& weights, const IBuf& offsets,
+                       const OBuf& out, int64_t n, int64_t dim, int64_t chunk_rows,
+                       int64_t* num_bags) {
+  if (chunk_rows < 1) {
+    return ffi::Error::InvalidArgument("flowtt_bag_fwd: chunk_rows must be >= 1, got " +
+                                       std::to_string(chunk_rows));
+  }
+  return CheckPooling(inverse, weights, offsets, out, n, dim, num_bags);
+}
+
 // flowtt_plan: ids [n] (n >= 0, n + 1 < 2^31); outputs perm, inverse, unique_ids [n],
 // run_offsets, group_offsets [n+1], counts [2]; attrs 1 <= last_extent < 2^31,
 // 1 <= num_rows < 2^31.
@@ -127,6 +153,18 @@ auto BindPoolBwd(Binding b) {
       .template Arg<S32Buffer>().template Arg<S32Buffer>()
       .RemainingArgs()
       .template Ret<F32Buffer>().template Ret<F32Buffer>();
+}
+
+template <typename Binding>
+auto BindBagFwd(Binding b) {
+  // g1 g2 g3 unique_ids group_offsets counts inverse weights offsets -> out; attr chunk_rows
+  return std::move(b)
+      .template Arg<F32Buffer>().template Arg<F32Buffer>().template Arg<F32Buffer>()
+      .template Arg<S32Buffer>().template Arg<S32Buffer>().template Arg<S32Buffer>()
+      .template Arg<S32Buffer>().template Arg<F32Buffer>().template Arg<S32Buffer>()
+      .RemainingArgs()
+      .template Ret<F32Buffer>()
+      .template Attr<int64_t>("chunk_rows");
 }
 
 using S32Out = ffi::ResultBuffer<ffi::S32>;

@@ -4,6 +4,7 @@
 // reproducible. Each function returns an empty string on success, else why not.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -33,6 +34,9 @@ inline std::string CheckGroups(const Shape& s, const GroupPlan& p) {
       return "group_offsets are not a valid partition of the unique ids";
     }
   }
+  if (p.group_offsets[0] != 0 || p.group_offsets[p.num_groups] != p.num_unique) {
+    return "group_offsets are not a valid partition of the unique ids";
+  }
   for (int32_t u = 0; u < p.num_unique; ++u) {
     if (p.unique_ids[u] < 0 || p.unique_ids[u] >= s.rows()) {
       return "id " + std::to_string(p.unique_ids[u]) + " outside [0, " +
@@ -58,19 +62,25 @@ inline void Prefix(const Shape& s, const float* g1, const float* g2, int64_t i1,
   }
 }
 
-inline std::string RowsFwd(const Shape& s, const float* g1, const float* g2, const float* g3,
-                           const GroupPlan& p, float* rows) {
-  if (std::string e = CheckGroups(s, p); !e.empty()) return e;
+// Rows of the unique indices [u_begin, u_end) (0 <= u_begin < u_end <= num_unique, groups
+// checked) into rows[(u - u_begin) * D]. A group cut by the range gets its prefix
+// recomputed, bit for bit the same. `prefix`: scratch of q1*q2*r2 floats.
+inline void RowsRange(const Shape& s, const float* g1, const float* g2, const float* g3,
+                      const GroupPlan& p, int32_t u_begin, int32_t u_end, float* prefix,
+                      float* rows) {
   const int64_t m = s.q1 * s.q2, d = s.dim();
-  std::vector<float> prefix(m * s.r2);
-  for (int32_t g = 0; g < p.num_groups; ++g) {
-    const int32_t u0 = p.group_offsets[g], u1 = p.group_offsets[g + 1];
+  // The group holding u_begin: the last one starting at or before it.
+  int32_t g = int32_t(std::upper_bound(p.group_offsets, p.group_offsets + p.num_groups + 1,
+                                       u_begin) - p.group_offsets) - 1;
+  for (; g < p.num_groups && p.group_offsets[g] < u_end; ++g) {
+    const int32_t u0 = std::max(p.group_offsets[g], u_begin);
+    const int32_t u1 = std::min(p.group_offsets[g + 1], u_end);
     if (u0 >= u1) continue;
     const int64_t id0 = p.unique_ids[u0];
-    Prefix(s, g1, g2, id0 / (s.p2 * s.p3), (id0 / s.p3) % s.p2, prefix.data());
+    Prefix(s, g1, g2, id0 / (s.p2 * s.p3), (id0 / s.p3) % s.p2, prefix);
     for (int32_t u = u0; u < u1; ++u) {
       const float* c = g3 + (p.unique_ids[u] % s.p3) * s.r2 * s.q3;  // [r2, q3]
-      float* row = rows + int64_t(u) * d;
+      float* row = rows + int64_t(u - u_begin) * d;
       std::memset(row, 0, sizeof(float) * d);
       for (int64_t x = 0; x < m; ++x) {
         for (int64_t k = 0; k < s.r2; ++k) {
@@ -80,6 +90,14 @@ inline std::string RowsFwd(const Shape& s, const float* g1, const float* g2, con
       }
     }
   }
+}
+
+inline std::string RowsFwd(const Shape& s, const float* g1, const float* g2, const float* g3,
+                           const GroupPlan& p, float* rows) {
+  if (std::string e = CheckGroups(s, p); !e.empty()) return e;
+  const int64_t d = s.dim();
+  std::vector<float> prefix(s.q1 * s.q2 * s.r2);
+  if (p.num_unique > 0) RowsRange(s, g1, g2, g3, p, 0, p.num_unique, prefix.data(), rows);
   std::memset(rows + int64_t(p.num_unique) * d, 0, sizeof(float) * (p.n - p.num_unique) * d);
   return "";
 }
@@ -141,21 +159,65 @@ inline std::string RowsBwd(const Shape& s, const float* g1, const float* g2, con
   return "";
 }
 
+inline std::string CheckOffsets(const int32_t* offsets, int64_t num_bags, int64_t n) {
+  for (int64_t b = 0; b < num_bags; ++b) {
+    if (offsets[b] < 0 || offsets[b + 1] < offsets[b] || offsets[b + 1] > n) {
+      return "bag offsets must be non-decreasing within [0, nnz]";
+    }
+  }
+  return "";
+}
+
+// out[b] += weights[k] * rows[inverse[k] - u_begin] for k in bag b, in increasing k, over the
+// positions whose inverse[k] lies in [u_begin, u_end) (the others are skipped, never read).
+// rows holds the unique rows [u_begin, u_end); offsets are checked.
+inline void PoolRange(const float* rows, int64_t d, const int32_t* inverse, const float* weights,
+                      const int32_t* offsets, int64_t num_bags, int64_t u_begin, int64_t u_end,
+                      float* out) {
+  for (int64_t b = 0; b < num_bags; ++b) {
+    float* o = out + b * d;
+    for (int32_t k = offsets[b]; k < offsets[b + 1]; ++k) {
+      const int64_t u = inverse[k];
+      if (u < u_begin || u >= u_end) continue;
+      const float w = weights[k];
+      const float* r = rows + (u - u_begin) * d;
+      for (int64_t j = 0; j < d; ++j) o[j] += w * r[j];
+    }
+  }
+}
+
 inline std::string PoolFwd(const float* rows, int64_t n, int64_t d, const int32_t* inverse,
                            const float* weights, const int32_t* offsets, int64_t num_bags,
                            float* out) {
-  for (int64_t b = 0; b < num_bags; ++b) {
-    const int32_t k0 = offsets[b], k1 = offsets[b + 1];
-    if (k0 < 0 || k1 < k0 || k1 > n) return "bag offsets must be non-decreasing within [0, nnz]";
-    float* o = out + b * d;
-    std::memset(o, 0, sizeof(float) * d);
-    for (int32_t k = k0; k < k1; ++k) {
-      const int32_t u = inverse[k];
-      if (u < 0 || u >= n) return "inverse index out of range";
-      const float w = weights[k];
-      const float* r = rows + int64_t(u) * d;
-      for (int64_t j = 0; j < d; ++j) o[j] += w * r[j];
-    }
+  if (std::string e = CheckOffsets(offsets, num_bags, n); !e.empty()) return e;
+  for (int64_t k = offsets[0]; k < offsets[num_bags]; ++k) {  // the positions in some bag
+    if (inverse[k] < 0 || inverse[k] >= n) return "inverse index out of range";
+  }
+  std::memset(out, 0, sizeof(float) * num_bags * d);
+  PoolRange(rows, d, inverse, weights, offsets, num_bags, 0, n, out);
+  return "";
+}
+
+// flowtt_bag_fwd: PoolFwd(RowsFwd(...)) without the [n, D] rows. The unique rows are
+// computed ceil64(chunk_rows) at a time into scratch and pooled right away (chunk-major,
+// then increasing k); one chunk gives PoolFwd(RowsFwd(...)) bit for bit. chunk_rows >= 1
+// (the handler checks it).
+inline std::string BagFwd(const Shape& s, const float* g1, const float* g2, const float* g3,
+                          const GroupPlan& p, const int32_t* inverse, const float* weights,
+                          const int32_t* offsets, int64_t num_bags, int64_t chunk_rows,
+                          float* out) {
+  if (std::string e = CheckGroups(s, p); !e.empty()) return e;
+  if (std::string e = CheckOffsets(offsets, num_bags, p.n); !e.empty()) return e;
+  const int64_t d = s.dim();
+  // ceil64(chunk_rows) rows a chunk, at most num_unique (chunk_rows >= n: one chunk).
+  const int64_t c = std::min<int64_t>(p.num_unique,
+                                      chunk_rows >= p.n ? p.n : (chunk_rows + 63) / 64 * 64);
+  std::vector<float> prefix(s.q1 * s.q2 * s.r2), rows(c * d);
+  std::memset(out, 0, sizeof(float) * num_bags * d);
+  for (int64_t u0 = 0; u0 < p.num_unique; u0 += c) {
+    const int64_t u1 = std::min<int64_t>(u0 + c, p.num_unique);
+    RowsRange(s, g1, g2, g3, p, int32_t(u0), int32_t(u1), prefix.data(), rows.data());
+    PoolRange(rows.data(), d, inverse, weights, offsets, num_bags, u0, u1, out);
   }
   return "";
 }

@@ -67,16 +67,36 @@ ffi::Error RowsBwdImpl(F32 g1, F32 g2, F32 g3, F32 d_rows, S32 unique_ids, S32 g
 
 ffi::Error PoolFwdImpl(F32 rows, S32 inverse, F32 weights, S32 offsets, ffi::RemainingArgs,
                        F32Out out) {
-  const int64_t n = Length(inverse), bags = Length(offsets) - 1;
-  if (n < 1 || Length(weights) != n || bags < 0) {
-    return ffi::Error::InvalidArgument("need inverse [n], weights [n], offsets [B+1]");
-  }
+  const int64_t n = Length(inverse);
   const int64_t d = rows.dimensions().size() == 2 ? rows.dimensions()[1] : -1;
+  int64_t bags;
+  if (ffi::Error e = CheckPooling(inverse, weights, offsets, *out, n, d, &bags); e.failure()) {
+    return e;
+  }
   if (ffi::Error e = CheckMatrix(rows, n, d, "rows"); e.failure()) return e;
-  if (ffi::Error e = CheckMatrix(*out, bags, d, "out"); e.failure()) return e;
   return FromMessage(cpu::PoolFwd(rows.typed_data(), n, d, inverse.typed_data(),
                                   weights.typed_data(), offsets.typed_data(), bags,
                                   out->typed_data()));
+}
+
+ffi::Error BagFwdImpl(F32 g1, F32 g2, F32 g3, S32 unique_ids, S32 group_offsets, S32 counts,
+                      S32 inverse, F32 weights, S32 offsets, ffi::RemainingArgs, F32Out out,
+                      int64_t chunk_rows) {
+  CoreShape s;
+  cpu::GroupPlan plan;
+  if (ffi::Error e = Prepare(g1, g2, g3, unique_ids, group_offsets, counts, &s, &plan);
+      e.failure()) {
+    return e;
+  }
+  int64_t bags;
+  if (ffi::Error e = CheckBagFwd(inverse, weights, offsets, *out, plan.n, s.dim(), chunk_rows,
+                                 &bags);
+      e.failure()) {
+    return e;
+  }
+  return FromMessage(cpu::BagFwd(s, g1.typed_data(), g2.typed_data(), g3.typed_data(), plan,
+                                 inverse.typed_data(), weights.typed_data(), offsets.typed_data(),
+                                 bags, chunk_rows, out->typed_data()));
 }
 
 ffi::Error PoolBwdImpl(F32 dout, F32 rows, F32 weights, S32 inverse, S32 bag_ids, S32 perm,
@@ -111,6 +131,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttRowsBwdCpu, flowtt::RowsBwdImpl,
                               flowtt::BindRowsBwd(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolFwdCpu, flowtt::PoolFwdImpl,
                               flowtt::BindPoolFwd(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttBagFwdCpu, flowtt::BagFwdImpl,
+                              flowtt::BindBagFwd(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolBwdCpu, flowtt::PoolBwdImpl,
                               flowtt::BindPoolBwd(xla::ffi::Ffi::Bind()));
 
@@ -122,6 +144,7 @@ NB_MODULE(_flowtt_cpu, m) {
     d["flowtt_tt_rows_bwd"] = nb::capsule(reinterpret_cast<void*>(FlowttRowsBwdCpu));
     d["flowtt_bag_pool_fwd"] = nb::capsule(reinterpret_cast<void*>(FlowttPoolFwdCpu));
     d["flowtt_bag_pool_bwd"] = nb::capsule(reinterpret_cast<void*>(FlowttPoolBwdCpu));
+    d["flowtt_bag_fwd"] = nb::capsule(reinterpret_cast<void*>(FlowttBagFwdCpu));
     d["flowtt_plan"] = nb::capsule(reinterpret_cast<void*>(FlowttPlanCpu));  // ffi/cpu_plan.cc
     return d;
   });

@@ -17,7 +17,7 @@ import numpy as np
 from .plan import Plan
 
 __all__ = ["available", "cuda_unsupported_reason", "plan", "rows_fwd", "rows_bwd", "pool_fwd",
-           "pool_bwd"]
+           "pool_bwd", "bag_fwd"]
 
 
 def _import(name: str):
@@ -92,12 +92,15 @@ def plan(ids: jax.Array, last_extent: int, num_rows: int) -> Plan:
                        last_extent=np.int64(last_extent), num_rows=np.int64(num_rows)))
 
 
+def _dim(cores) -> int:
+    return cores[0].shape[2] * cores[1].shape[2] * cores[2].shape[2]
+
+
 def rows_fwd(cores, plan: Plan) -> jax.Array:
-    """Unique rows [n, D] (zero past num_unique)."""
+    """Unique rows [n, D]; rows past num_unique are unspecified."""
     n = plan.unique_ids.shape[0]
-    dim = cores[0].shape[2] * cores[1].shape[2] * cores[2].shape[2]
-    return _call("flowtt_tt_rows_fwd", _f32((n, dim)), *cores, plan.unique_ids, plan.group_offsets,
-                 plan.counts)
+    return _call("flowtt_tt_rows_fwd", _f32((n, _dim(cores))), *cores, plan.unique_ids,
+                 plan.group_offsets, plan.counts)
 
 
 def rows_bwd(cores, d_rows: jax.Array, plan: Plan) -> tuple[jax.Array, ...]:
@@ -113,8 +116,23 @@ def pool_fwd(rows: jax.Array, inverse: jax.Array, weights: jax.Array, offsets: j
     return _call("flowtt_bag_pool_fwd", out, rows, inverse, weights, offsets)
 
 
+def bag_fwd(cores, plan: Plan, weights: jax.Array, offsets: jax.Array, chunk_rows: int) -> jax.Array:
+    """Bags [B, D] = ``pool_fwd(rows_fwd(cores, plan), plan.inverse, weights, offsets)`` in one
+    call that never holds the [n, D] rows: unique rows are computed ``chunk_rows`` (static,
+    >= 1, rounded up to a multiple of 64) at a time into scratch and pooled right away.
+
+    ``weights`` [n] f32, ``offsets`` [B+1] int32. The sums run chunk by chunk, then in
+    increasing position; with num_unique <= chunk_rows the result equals the two-op path
+    bit for bit.
+    """
+    out = _f32((offsets.shape[0] - 1, _dim(cores)))
+    return _call("flowtt_bag_fwd", out, *cores, plan.unique_ids, plan.group_offsets, plan.counts,
+                 plan.inverse, weights, offsets, chunk_rows=np.int64(chunk_rows))
+
+
 def pool_bwd(dout, rows, weights, bag_ids, plan: Plan, with_d_weights: bool = True):
-    """(d_rows [n, D], d_weights [n] or None) of the pooling, reduced in sorted order.
+    """(d_rows [n, D], d_weights [n] or None) of the pooling, reduced in sorted order;
+    d_rows past num_unique are unspecified.
 
     ``with_d_weights=False`` skips the weight gradient (the kernel gets a [0] result).
     """

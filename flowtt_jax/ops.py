@@ -2,7 +2,10 @@
 
 Both run one pipeline: oob policy -> canonical bags -> on-device plan -> fused
 unique-row kernel -> fixed-order pooling, under one ``jax.custom_vjp`` whose
-backward gives gradients for every core and for per-id weights.
+backward gives gradients for every core and for per-id weights. Without a
+gradient the rows and the pooling are one op (``flowtt_bag_fwd``) that computes
+the unique rows in chunks of at most ``ROWS_CHUNK_BYTES``; the training forward
+keeps all [n, D] rows, the backward's residual.
 
 ``impl``: ``"auto"`` (the FFI kernels when the extension is built and the table
 has 3 cores with float32/bfloat16 cores that the platform's kernels support, else
@@ -29,16 +32,28 @@ __all__ = ["tt_lookup", "tt_embedding_bag"]
 IMPLS = ("auto", "ffi", "reference")
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
+#: The no-gradient forward's scratch budget for unique rows, in bytes: it computes and
+#: pools ``max(64, ROWS_CHUNK_BYTES // (4 * D))`` float32 rows at a time.
+ROWS_CHUNK_BYTES = 40 << 20
+
+
+def _plan(cores, ids):
+    return ffi.plan(ids, cores[-1].shape[0], math.prod(c.shape[0] for c in cores))
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused_bag(weighted, cores, weights, ids, offsets, bag_ids):
-    """``weighted`` (static): the caller passed weights, so their gradient is computed."""
-    return _fused_bag_fwd(weighted, cores, weights, ids, offsets, bag_ids)[0]
+    """Bags [B, D] without a gradient: one ``flowtt_bag_fwd``, rows in bounded chunks.
+
+    ``weighted`` (static): the caller passed weights, so their gradient is computed.
+    """
+    dim = math.prod(c.shape[2] for c in cores)
+    chunk_rows = max(64, ROWS_CHUNK_BYTES // (4 * dim))
+    return ffi.bag_fwd(cores, _plan(cores, ids), weights, offsets, chunk_rows)
 
 
 def _fused_bag_fwd(weighted, cores, weights, ids, offsets, bag_ids):
-    num_rows = math.prod(c.shape[0] for c in cores)
-    plan = ffi.plan(ids, cores[-1].shape[0], num_rows)
+    plan = _plan(cores, ids)
     rows = ffi.rows_fwd(cores, plan)
     out = ffi.pool_fwd(rows, plan.inverse, weights, offsets)
     return out, (cores, weights, bag_ids, plan, rows)

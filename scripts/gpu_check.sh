@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU check on the device machine (one `run` call per stage):
-#   scripts/gpu_check.sh test   build + CUDA harness + GPU tests + compute-sanitizer
+#   scripts/gpu_check.sh test   build + GPU tests + compute-sanitizer + CUDA harness
 #   scripts/gpu_check.sh full   test, plus the rest of tests/ on the GPU backend (~5 more minutes)
 #   scripts/gpu_check.sh bench  build + single-table benchmark (JSON + markdown)
-#   scripts/gpu_check.sh all    both (over 10 minutes on one H200: run the stages separately)
+#   scripts/gpu_check.sh all    GPU tests, sanitizer, benchmark, then the harness (~9 minutes)
 # BENCH_CONFIGS=S1,D128_r64_B4096,... and BENCH_ARGS="--K 10 --R 7" tune the benchmark.
 # Logs and JSON go to $OUT (default ./gpu_check_out). Set FLOWTT_COMMIT=<sha> when the
 # machine's copy of .git may lag the working tree (the device tool's can).
@@ -23,18 +23,16 @@ FLOWTT_CUDA=ON FLOWTT_CUDA_ARCHITECTURES=90 $PY -m pip install --no-build-isolat
 $PY -c "import flowtt_jax._flowtt_cuda as m, jax; print('ext ok', sorted(m.registrations()), jax.devices())" \
   2>&1 | tee -a "$OUT/build.log"
 
-if [[ $STAGE == test || $STAGE == full || $STAGE == all ]]; then
-  echo "== CUDA harness (kernels alone, CUDA events)"
-  nvcc -arch=sm_90 -O3 -std=c++17 cuda/test_harness.cu cuda/tt_kernels.cu -o /tmp/flowtt_harness \
-    && /tmp/flowtt_harness 2>&1 | tee "$OUT/harness.log" | grep -E "FAIL|PASS \(|TIMING|STAGES" || status=1
+run_tests() {
   echo "== pytest: GPU tests (CUDA path and CUDA plan against the references)"
   $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_plan_ffi.py 2>&1 | tee "$OUT/pytest.log" | tail -5
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-  if [[ $STAGE != test ]]; then
+  if [[ $STAGE == full ]]; then
     echo "== pytest: the rest of tests/ on the GPU backend" | tee -a "$OUT/pytest.log"
     JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -p no:cacheprovider tests \
       --ignore=tests/test_cuda.py --ignore=tests/test_plan_ffi.py 2>&1 | tee -a "$OUT/pytest.log" | tail -8
   fi
+  nvcc -arch=sm_90 -O3 -std=c++17 cuda/test_harness.cu cuda/tt_kernels.cu -o /tmp/flowtt_harness || status=1
   echo "== compute-sanitizer (memcheck, racecheck) on a small forward+backward" | tee "$OUT/sanitizer.log"
   for tool in memcheck racecheck; do
     echo "-- $tool (JAX, flowtt kernels)" | tee -a "$OUT/sanitizer.log"
@@ -45,13 +43,26 @@ if [[ $STAGE == test || $STAGE == full || $STAGE == all ]]; then
     compute-sanitizer --tool $tool /tmp/flowtt_harness --quick >>"$OUT/sanitizer.log" 2>&1
     tail -1 "$OUT/sanitizer.log"
   done
-fi
+}
 
-if [[ $STAGE == bench || $STAGE == all ]]; then
+run_harness() {
+  echo "== CUDA harness (kernels alone, CUDA events)"
+  /tmp/flowtt_harness 2>&1 | tee "$OUT/harness.log" | grep -E "FAIL|PASS \(|TIMING|STAGES" || status=1
+}
+
+run_bench() {
   echo "== benchmark"
   XLA_PYTHON_CLIENT_PREALLOCATE=true $PY benchmarks/bench_single_table.py --out "$OUT/bench.json" \
     ${BENCH_CONFIGS:+--configs $BENCH_CONFIGS} ${BENCH_ARGS:---K 10 --R 7} 2>&1 | tee "$OUT/bench.log" | grep -vE "^\s*$" | tail -30
   $PY benchmarks/report.py "$OUT/bench.json" > "$OUT/REPORT.md" 2>&1
   cat "$OUT/REPORT.md"
-fi
+}
+
+# Order: correctness first, then timings (a call cut short keeps what it wrote).
+case $STAGE in
+  test|full) run_tests; run_harness ;;
+  bench) run_bench ;;
+  all) run_tests; run_bench; run_harness ;;
+  *) echo "unknown stage $STAGE"; exit 2 ;;
+esac
 exit $status

@@ -1,9 +1,11 @@
-"""Small forward+backward through the CUDA FFI path (for compute-sanitizer)."""
+"""Small forward+backward through the CUDA FFI path (for compute-sanitizer), and the
+no-gradient fused forward (flowtt_bag_fwd) with one chunk and with several."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import flowtt_jax as ftt
+from flowtt_jax import ffi
 
 for dim, rank, rows in ((32, 32, (10, 10, 200)), (128, 64, (10, 10, 100))):
     spec = ftt.TTSpec.create(rows[0] * rows[1] * rows[2] - 7, dim, rank, row_shape=rows)
@@ -23,5 +25,10 @@ for dim, rank, rows in ((32, 32, (10, 10, 200)), (128, 64, (10, 10, 100))):
     # unweighted bags: the pooling backward skips the weight gradient
     unweighted = jax.grad(lambda c: jnp.sum(ftt.tt_embedding_bag(c, ids, offsets=offsets, impl="ffi") ** 2))
     jax.block_until_ready(jax.jit(unweighted)(cores))
+
+    plan = ffi.plan(ids, rows[2], rows[0] * rows[1] * rows[2])
+    for chunk in (64, 100, 1 << 20):  # several chunks (groups split across them) and one
+        jax.block_until_ready(jax.jit(ffi.bag_fwd, static_argnums=4)(cores, plan, w, offsets, chunk))
+    jax.block_until_ready(jax.jit(lambda c: ftt.tt_embedding_bag(c, ids, offsets=offsets, impl="ffi"))(cores))
     print("dim", dim, "loss", float(val), "grad norms", [float(jnp.linalg.norm(g)) for g in grads[0]])
 print("sanitize_small done")

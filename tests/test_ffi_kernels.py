@@ -1,7 +1,8 @@
 """The FFI targets themselves, on outputs poisoned with NaN (an unwritten element fails).
 
 Each target ignores trailing operands; here every output is aliased to a NaN-filled
-trailing operand, so the buffer the kernel writes starts as NaN.
+trailing operand, so the buffer the kernel writes starts as NaN. Rows and d_rows past
+num_unique are unspecified: only their [:num_unique] part is checked.
 """
 
 import importlib.util
@@ -12,18 +13,27 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
-from conftest import ID_KINDS, make_cores, make_ids, poisoned_call, random_offsets, rel_err
+from conftest import (
+    ID_KINDS,
+    bag_fwd_shape_errors,
+    check_bag_fwd,
+    check_rows_past_num_unique_unread,
+    f32,
+    hot_prefix_ids,
+    make_cores,
+    make_ids,
+    poisoned_call,
+    random_offsets,
+    rel_err,
+)
 from flowtt_jax import ffi
 from flowtt_jax.plan import make_plan
 
 pytestmark = pytest.mark.skipif(not ffi.available(), reason="compiled extension not built")
 
-
-def f32(shape):
-    return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
 SPEC = ftt.TTSpec.create(2000, 24, (6, 10), row_shape=(10, 10, 20), col_shape=(2, 3, 4))
+# p3 = 500: prefix groups of hundreds of unique ids, cut by bag_fwd's chunks of 64 / 128.
+BAG_SPEC = ftt.TTSpec.create(10000, 24, (6, 10), row_shape=(4, 5, 500), col_shape=(2, 3, 4))
 
 
 @pytest.mark.parametrize("kind", ID_KINDS)
@@ -41,7 +51,6 @@ def test_all_targets_write_every_output(kind):
     (rows,) = poisoned_call("flowtt_tt_rows_fwd", [f32((n, 24))], *cores, plan.unique_ids,
                             plan.group_offsets, plan.counts)
     assert rel_err(rows[:nu], table[np.asarray(plan.unique_ids[:nu])]) < 1e-5
-    np.testing.assert_array_equal(rows[nu:], 0.0)
 
     (out,) = poisoned_call("flowtt_bag_pool_fwd", [f32((num_bags, 24))], rows, plan.inverse,
                            weights, offsets)
@@ -55,7 +64,7 @@ def test_all_targets_write_every_output(kind):
                                 plan.counts)
     per_id = np.asarray(weights)[:, None] * np.asarray(dout, np.float64)[np.asarray(bag_ids)]
     exp_rows = jax.ops.segment_sum(per_id, np.asarray(plan.inverse), n)
-    assert rel_err(d_rows, exp_rows) < 1e-5
+    assert rel_err(d_rows[:nu], exp_rows[:nu]) < 1e-5
     exp_w = np.sum(np.asarray(dout, np.float64)[np.asarray(bag_ids)] * table[np.asarray(ids)], axis=1)
     assert rel_err(d_w, exp_w) < 1e-5
     # a [0] d_weights result skips the weight gradient; d_rows is unchanged, bit for bit
@@ -63,7 +72,7 @@ def test_all_targets_write_every_output(kind):
                                       weights, plan.inverse, bag_ids, plan.perm,
                                       plan.run_offsets, plan.counts)
     assert d_w0.shape == (0,)
-    np.testing.assert_array_equal(d_rows_only, d_rows)
+    np.testing.assert_array_equal(d_rows_only[:nu], d_rows[:nu])
 
     grads = poisoned_call("flowtt_tt_rows_bwd", [f32(c.shape) for c in cores], *cores, d_rows,
                           plan.unique_ids, plan.group_offsets, plan.counts)
@@ -74,6 +83,69 @@ def test_all_targets_write_every_output(kind):
         (exp_grads,) = vjp(jnp.asarray(d_rows[:nu], jnp.float64))
     for g, e in zip(grads, exp_grads):
         assert rel_err(g, e) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["zipf1.05", "zipf1.2", "all_equal", "last_row"])
+def test_consumers_never_read_rows_past_num_unique(kind):
+    n, num_bags = 600, 70
+    cores = make_cores(SPEC, seed=6)
+    plan = make_plan(jnp.asarray(make_ids(kind, n, SPEC.num_embeddings, seed=7)), SPEC.row_shape[-1])
+    rng = np.random.default_rng(8)
+    weights = rng.standard_normal(n).astype(np.float32)
+    dout = rng.standard_normal((num_bags, 24)).astype(np.float32)
+    check_rows_past_num_unique_unread(poisoned_call, cores, plan, weights,
+                                      random_offsets(num_bags, n, seed=9), dout)
+
+
+def bag_case(kind: str, seed: int):
+    """ids [n], CSR offsets [B+1] (some bags empty), weights [n] for BAG_SPEC."""
+    rng = np.random.default_rng(seed)
+    if kind == "single":
+        return (rng.integers(0, BAG_SPEC.num_embeddings, 1).astype(np.int32),
+                np.array([0, 1], np.int32), np.array([0.75], np.float32))
+    n, num_bags = 900, 80
+    if kind == "hot_prefix":
+        ids = hot_prefix_ids(BAG_SPEC.row_shape, n, seed)
+    else:
+        ids = make_ids(kind, n, BAG_SPEC.num_embeddings, seed)
+    return ids, random_offsets(num_bags, n, seed + 1), rng.standard_normal(n).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ID_KINDS + ("single", "hot_prefix"))
+def test_bag_fwd_equals_rows_then_pool(kind):
+    """Bitwise equal to pool_fwd(rows_fwd) in one chunk, close to it and to the float64
+    reference in chunks of 64 / 128 rows (cutting prefix groups)."""
+    ids, offsets, weights = bag_case(kind, seed=10)
+    cores = make_cores(BAG_SPEC, seed=11)
+    plan = make_plan(jnp.asarray(ids), BAG_SPEC.row_shape[-1])
+    if kind == "hot_prefix":  # a group of more than two chunks of unique ids
+        num_groups = int(plan.counts[1])
+        assert np.diff(np.asarray(plan.group_offsets)[:num_groups + 1]).max() > 2 * 128
+    check_bag_fwd(poisoned_call, cores, plan, ids, weights, offsets)
+
+
+def test_bag_fwd_positions_outside_every_bag():
+    """bag_offsets not starting at 0 nor ending at n: the positions outside add nothing."""
+    ids, offsets, weights = bag_case("hot_prefix", seed=12)
+    offsets = np.clip(offsets, 50, len(ids) - 70)
+    plan = make_plan(jnp.asarray(ids), BAG_SPEC.row_shape[-1])
+    check_bag_fwd(poisoned_call, make_cores(BAG_SPEC, seed=13), plan, ids, weights, offsets)
+
+
+def test_bag_fwd_rejects_bad_input():
+    ids, offsets, weights = bag_case("uniform", seed=14)
+    cores = make_cores(BAG_SPEC, seed=15)
+    plan = make_plan(jnp.asarray(ids), BAG_SPEC.row_shape[-1])
+    cases = bag_fwd_shape_errors(cores, plan, weights, offsets)
+    if jax.default_backend() == "cpu":  # the CPU handler checks data too (CUDA: no host sync)
+        bad_offsets = offsets.copy()
+        bad_offsets[3] = bad_offsets[4] + 1  # out of order
+        good = (*cores, plan.unique_ids, plan.group_offsets, plan.counts, plan.inverse, weights)
+        cases.append((good + (bad_offsets,), (len(offsets) - 1, 24), 64, "bag offsets"))
+    for operands, out_shape, chunk_rows, match in cases:
+        call = jax.ffi.ffi_call("flowtt_bag_fwd", f32(out_shape))
+        with pytest.raises(Exception, match=match):
+            jax.block_until_ready(call(*operands, chunk_rows=np.int64(chunk_rows)))
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu",

@@ -181,20 +181,48 @@ def test_check_grads_ffi():
     check_grads(f, (cores, weights), order=1, modes=["rev"], atol=2e-2, rtol=2e-2, eps=1e-2)
 
 
+ROWS_OPS = {"flowtt_tt_rows_fwd", "flowtt_bag_pool_fwd", "flowtt_bag_pool_bwd", "flowtt_tt_rows_bwd"}
+
+
 def test_default_impl_is_ffi_and_jits_without_host_callbacks():
+    """The forward alone is flowtt_plan + flowtt_bag_fwd (no [n, D] rows); a gradient goes
+    through the custom_vjp forward (rows_fwd + pool_fwd, rows kept) and backward."""
     spec = SPECS["d32r16"]
     cores = make_cores(spec, seed=1)
     ids = jnp.asarray(make_ids("zipf1.05", 300, spec.num_embeddings, seed=1))
     offsets = jnp.asarray(random_offsets(30, 300, seed=1))
     fwd = jax.jit(lambda c, i, o: ftt.tt_embedding_bag(c, i, offsets=o))
-    text = fwd.lower(cores, ids, offsets).compile().as_text()
-    assert {"flowtt_tt_rows_fwd", "flowtt_bag_pool_fwd"} <= custom_call_targets(text)
-    assert_no_host_callback(text)
-    train = jax.jit(jax.grad(lambda c, i, o: ftt.tt_embedding_bag(c, i, offsets=o).sum()))
-    text = train.lower(cores, ids, offsets).compile().as_text()
-    assert {"flowtt_tt_rows_bwd", "flowtt_bag_pool_bwd"} <= custom_call_targets(text)
-    assert_no_host_callback(text)
+    lookup = jax.jit(lambda c, i: ftt.tt_lookup(c, i.reshape(30, 10)))
+    for lowered in (fwd.lower(cores, ids, offsets), lookup.lower(cores, ids)):
+        assert custom_call_targets(lowered.as_text()) == {"flowtt_plan", "flowtt_bag_fwd"}
+        assert_no_host_callback(lowered.compile().as_text())
+    for f in (lambda c, i, o: ftt.tt_embedding_bag(c, i, offsets=o),
+              lambda c, i, o: ftt.tt_lookup(c, i)):
+        train = jax.jit(jax.value_and_grad(lambda c, i, o: jnp.sum(f(c, i, o) ** 2)))
+        lowered = train.lower(cores, ids, offsets)
+        assert custom_call_targets(lowered.as_text()) == {"flowtt_plan"} | ROWS_OPS
+        assert_no_host_callback(lowered.compile().as_text())
     assert rel_err(fwd(cores, ids, offsets), bag_f64(cores, ids, offsets=offsets)) < 1e-5
+    assert rel_err(lookup(cores, ids), dense_of(cores, spec.num_embeddings)[ids].reshape(30, 10, 32)) < 1e-5
+
+
+def test_forward_without_grad_equals_training_forward():
+    """The primal (flowtt_bag_fwd, one chunk here) and the value under value_and_grad
+    (rows_fwd + pool_fwd) are equal bit for bit."""
+    spec = SPECS["d32r16"]
+    cores = make_cores(spec, seed=3)
+    ids = make_ids("zipf1.2", 2000, spec.num_embeddings, seed=3)
+    offsets = random_offsets(150, 2000, seed=3)
+    weights = np.random.default_rng(3).standard_normal(2000).astype(np.float32)
+    bag = lambda c, w: ftt.tt_embedding_bag(c, ids, offsets=offsets, weights=w, impl="ffi")
+    out = jax.jit(bag)(cores, weights)
+
+    def loss(c, w):
+        out = bag(c, w)
+        return jnp.sum(out * out), out
+
+    (_, value), _ = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(cores, weights)
+    assert np.all(np.isfinite(out)) and np.asarray(out).tobytes() == np.asarray(value).tobytes()
 
 
 def test_gradients_bitwise_reproducible():

@@ -67,7 +67,7 @@ def _check_data_parallel() -> None:
     assert_no_host_callback(text)
     # Each device pools only its own 16 bags.
     hlo = sharded.lower(*args).compile().as_text()
-    pool_calls = [line for line in hlo.splitlines() if 'custom_call_target="flowtt_bag_pool_fwd"' in line]
+    pool_calls = [line for line in hlo.splitlines() if 'custom_call_target="flowtt_bag_fwd"' in line]
     assert pool_calls and all(line.split("=")[1].strip().startswith("f32[16,32]") for line in pool_calls), pool_calls
     print("data parallel OK")
 
