@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(kThreads)
     if (tid < kT1F) {
       if (i1b + tid < d.p1) {
         gk = map[(i1b + tid) * d.p2 + i2];
-        if (gk >= G || goffs[gk] >= end || goffs[gk + 1] <= lo) gk = -1;
+        if (gk < 0 || gk >= G || goffs[gk] >= end || goffs[gk + 1] <= lo) gk = -1;
       }
       s_g[tid] = gk;
     }
@@ -430,8 +430,7 @@ __host__ __device__ inline TileGeo tile_geo(const Dev& d, int GB) {
   g.GB = GB;
   g.ldA = (GB * d.q1 + kRPT - 1) / kRPT * kRPT;
   g.PT = d.r2 * (d.M + 4);  // [b][m], row stride M + 4
-  const int chunk_floats = (kGT / 32) * g.PT;  // chunk phase: P per warp
-  g.ps_floats = GB * g.PT > chunk_floats ? GB * g.PT : chunk_floats;
+  g.ps_floats = GB * g.PT;  // the chunk phase: P of one warp per PT (min(GB, 8) warps)
   g.smem_bytes = (int)sizeof(float) *
                  (d.r1 * d.q2 * d.r2 + d.r1 * g.ldA + g.ps_floats);
   return g;
@@ -691,8 +690,10 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
     if (tid == 0) s_next = nxt;
   }
 
-  // ---- chunk phase: tails of large groups, a warp per chunk ----
+  // ---- chunk phase: tails of large groups, a warp per chunk (the warps
+  // that have a P buffer in Ps: all 8 unless the batch is under 8 groups) ----
   const int warp = tid >> 5;
+  if ((warp + 1) * geo.PT > geo.ps_floats) return;
   float* Pw = Ps + warp * geo.PT;
   for (;;) {
     int a, bnd, slot;
@@ -1730,13 +1731,16 @@ size_t bwd_smem(const Dev& d) {
          ((size_t)align4(d.r1 * (NJ + 1)) + std::max(warps, ab));
 }
 
+// The dims the GEMM tile kernels (forward and backward) take.
+bool gemm_dims(const Dev& d) {
+  return (d.q3 == 4 || d.q3 == 8) && (d.M == 4 || d.M == 8 || d.M == 16) && d.r2 % 4 == 0;
+}
+
 // Groups per batch of the GEMM forward tile (largest power of two <= kT1F
-// whose shared memory fits ~100 KB, two CTAs per SM), or 0 when the GEMM
-// kernel does not take these dims (then the warp kernel runs).
+// whose shared memory fits FLOWTT_FWD_SMEM_KB), or 0 when the GEMM kernel
+// does not take these dims (then the warp kernel runs).
 int gemm_batch_groups(const Dev& d) {
-  if ((d.q3 != 4 && d.q3 != 8) || (d.M != 4 && d.M != 8 && d.M != 16) ||
-      d.r2 % 4 != 0)
-    return 0;
+  if (!gemm_dims(d)) return 0;
   for (int GB = kT1F; GB >= 1; GB /= 2)
     if (tile_geo(d, GB).smem_bytes <= FLOWTT_FWD_SMEM_KB * 1024) return GB;
   return 0;
@@ -1745,7 +1749,7 @@ int gemm_batch_groups(const Dev& d) {
 // Groups per batch of the GEMM backward tile (~110 KB of shared memory if
 // possible, else up to 200 KB), or 0 when it does not take these dims.
 int gemm_bwd_batch_groups(const Dev& d) {
-  if (gemm_batch_groups(d) == 0 || d.r1 % 4 != 0 || d.q1 > 4) return 0;
+  if (!gemm_dims(d) || d.r1 % 4 != 0 || d.q1 > 4) return 0;
   for (int lim : {110 * 1024, 200 * 1024})
     for (int GB = kT1B; GB >= 1; GB /= 2)
       if (bwd_geo(d, GB).smem_bytes <= lim) return GB;
