@@ -10,6 +10,7 @@
 #include <string>
 
 #include "contract.h"
+#include "handler_util.h"
 #include "handlers.h"
 #include "tt_kernels.h"
 #include "xla/ffi/api/ffi.h"
@@ -20,12 +21,6 @@ namespace {
 using F32 = ffi::Buffer<ffi::F32>;
 using S32 = ffi::Buffer<ffi::S32>;
 using F32Out = ffi::ResultBuffer<ffi::F32>;
-
-ffi::Error CudaError(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("flowtt CUDA ") + what + ": " +
-                              cudaGetErrorString(e));
-}
 
 ffi::Error PrepareCores(const F32& g1, const F32& g2, const F32& g3,
                         const S32& unique_ids, const S32& group_offsets,
@@ -44,11 +39,6 @@ ffi::Error PrepareCores(const F32& g1, const F32& g2, const F32& g3,
   return ffi::Error::Success();
 }
 
-void* Scratch(ffi::ScratchAllocator& scratch, size_t bytes) {
-  auto p = scratch.Allocate(bytes < 256 ? 256 : bytes, 16);  // XLA caps the alignment
-  return p.has_value() ? *p : nullptr;
-}
-
 ffi::Error RowsFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                        F32 g1, F32 g2, F32 g3, S32 unique_ids,
                        S32 group_offsets, S32 counts, ffi::RemainingArgs,
@@ -61,9 +51,10 @@ ffi::Error RowsFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
     return e;
   if (ffi::Error e = CheckMatrix(*rows, n, t.D(), "rows"); e.failure())
     return e;
-  void* ws = Scratch(scratch, rows_fwd_scratch_bytes(t, (int)n));
-  if (ws == nullptr)
-    return ffi::Error::Internal("flowtt CUDA: scratch allocation failed");
+  void* ws;
+  if (ffi::Error e = AllocateScratch(scratch, rows_fwd_scratch_bytes(t, (int)n), &ws);
+      e.failure())
+    return e;
   return CudaError(
       rows_fwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(),
                unique_ids.typed_data(), group_offsets.typed_data(),
@@ -88,9 +79,10 @@ ffi::Error RowsBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       dg3->element_count() != g3.element_count())
     return ffi::Error::InvalidArgument(
         "core gradients must have the cores' shapes");
-  void* ws = Scratch(scratch, rows_bwd_scratch_bytes(t, (int)n));
-  if (ws == nullptr)
-    return ffi::Error::Internal("flowtt CUDA: scratch allocation failed");
+  void* ws;
+  if (ffi::Error e = AllocateScratch(scratch, rows_bwd_scratch_bytes(t, (int)n), &ws);
+      e.failure())
+    return e;
   return CudaError(
       rows_bwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(),
                d_rows.typed_data(), unique_ids.typed_data(),
@@ -114,9 +106,10 @@ ffi::Error BagFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                                  chunk_rows, &bags);
       e.failure())
     return e;
-  void* ws = Scratch(scratch, bag_fwd_scratch_bytes(t, (int)n, chunk_rows));
-  if (ws == nullptr)
-    return ffi::Error::Internal("flowtt CUDA: scratch allocation failed");
+  void* ws;
+  if (ffi::Error e = AllocateScratch(scratch, bag_fwd_scratch_bytes(t, (int)n, chunk_rows), &ws);
+      e.failure())
+    return e;
   return CudaError(
       bag_fwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(),
               unique_ids.typed_data(), group_offsets.typed_data(),
@@ -128,14 +121,14 @@ ffi::Error BagFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
 
 ffi::Error PoolFwdImpl(cudaStream_t stream, F32 rows, S32 inverse, F32 weights,
                        S32 offsets, ffi::RemainingArgs, F32Out out) {
-  const int64_t n = Length(inverse), bags = Length(offsets) - 1;
-  if (n < 1 || Length(weights) != n || bags < 0)
-    return ffi::Error::InvalidArgument(
-        "need inverse [n], weights [n], offsets [B+1]");
+  const int64_t n = Length(inverse);
   const int64_t d =
       rows.dimensions().size() == 2 ? rows.dimensions()[1] : -1;
+  int64_t bags;
+  if (ffi::Error e = CheckPooling(inverse, weights, offsets, *out, n, d, &bags);
+      e.failure())
+    return e;
   if (ffi::Error e = CheckMatrix(rows, n, d, "rows"); e.failure()) return e;
-  if (ffi::Error e = CheckMatrix(*out, bags, d, "out"); e.failure()) return e;
   return CudaError(
       bag_pool_fwd(rows.typed_data(), inverse.typed_data(),
                    weights.typed_data(), offsets.typed_data(), (int)n,
@@ -164,9 +157,10 @@ ffi::Error PoolBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
   if (ffi::Error e = CheckMatrix(dout, bags, d, "dout"); e.failure()) return e;
   if (ffi::Error e = CheckMatrix(*d_rows, n, d, "d_rows"); e.failure())
     return e;
-  void* ws = Scratch(scratch, bag_pool_bwd_scratch_bytes((int)n, (int)d));
-  if (ws == nullptr)
-    return ffi::Error::Internal("flowtt CUDA: scratch allocation failed");
+  void* ws;
+  if (ffi::Error e = AllocateScratch(scratch, bag_pool_bwd_scratch_bytes((int)n, (int)d), &ws);
+      e.failure())
+    return e;
   return CudaError(
       bag_pool_bwd(dout.typed_data(), rows.typed_data(), weights.typed_data(),
                    inverse.typed_data(), bag_ids.typed_data(),

@@ -10,15 +10,11 @@
 #include <string>
 
 #include "contract.h"
+#include "handler_util.h"
 #include "plan_kernels.h"
 
 namespace flowtt {
 namespace {
-
-ffi::Error CudaError(cudaError_t err) {
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("flowtt_plan CUDA: ") + cudaGetErrorString(err));
-}
 
 ffi::Error PlanImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, S32Buffer ids,
                     ffi::RemainingArgs, S32Out perm, S32Out inverse, S32Out unique_ids,
@@ -32,18 +28,17 @@ ffi::Error PlanImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, S32Buffe
   size_t bytes = 0;
   if (cudaError_t err = plan_scratch_bytes(n, static_cast<int>(num_rows), &bytes);
       err != cudaSuccess)
-    return CudaError(err);
-  void* ws = nullptr;
+    return CudaError(err, "plan");
+  void* ws = nullptr;  // build_plan realigns to 256 bytes
   if (bytes > 0) {
-    auto p = scratch.Allocate(bytes, 16);  // XLA caps the alignment; build_plan realigns
-    if (!p.has_value()) return ffi::Error::Internal("flowtt_plan: scratch allocation failed");
-    ws = *p;
+    if (ffi::Error e = AllocateScratch(scratch, bytes, &ws); e.failure()) return e;
   }
   const PlanOutputs out{perm->typed_data(),        inverse->typed_data(),
                         unique_ids->typed_data(),   run_offsets->typed_data(),
                         group_offsets->typed_data(), counts->typed_data()};
   return CudaError(build_plan(ids.typed_data(), n, static_cast<int>(last_extent),
-                              static_cast<int>(num_rows), out, ws, stream));
+                              static_cast<int>(num_rows), out, ws, stream),
+                   "plan");
 }
 
 }  // namespace

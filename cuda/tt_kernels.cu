@@ -1807,7 +1807,8 @@ BwdScratch bwd_layout(const Dev& d, int n, void* base) {
   s.ctrl = bp.take<int>(1);
   s.tile_flag = bp.take<int>(s.nTiles);
   s.Pbuf = bp.take<float>((size_t)s.slots * d.PSZ);
-  s.dPbuf = bp.take<float>((size_t)s.slots * d.PSZ);
+  // dP goes through global memory only in the warp tile kernel (not the GEMM one)
+  s.dPbuf = bp.take<float>(gemm_bwd_batch_groups(d) > 0 ? 0 : (size_t)s.slots * d.PSZ);
   s.dG1p = bp.take<float>((size_t)s.slots * d.Q1R1);
   s.dG2p = bp.take<float>((size_t)s.nTiles * d.R1Q2R2);
   s.ug = bp.take<int>(n);
