@@ -159,13 +159,12 @@ def scratch_bytes(spec, n, D):
     """Run-time FFI scratch of each CUDA op for n ids (bag_fwd at the ops' chunk size)."""
     try:
         from flowtt_jax import _flowtt_cuda
-        from flowtt_jax.ops import ROWS_CHUNK_BYTES
+        from flowtt_jax.ops import bag_chunk_rows
 
         p1, p2, p3 = spec.row_shape
         q1, q2, q3 = spec.col_shape
         r1, r2 = spec.ranks[1], spec.ranks[2]
-        chunk_rows = max(64, ROWS_CHUNK_BYTES // (4 * D))
-        return _flowtt_cuda.scratch_bytes(p1, p2, p3, q1, q2, q3, r1, r2, n, chunk_rows)
+        return _flowtt_cuda.scratch_bytes(p1, p2, p3, q1, q2, q3, r1, r2, n, bag_chunk_rows(D))
     except Exception as e:  # noqa: BLE001
         return f"n/a ({e})"
 
@@ -234,6 +233,7 @@ def run_config(name, K, R):
 
     # where our time goes: plan / rows kernel / pooling (each jitted alone)
     from flowtt_jax import ffi as fffi
+    from flowtt_jax.ops import bag_chunk_rows
 
     try:
         rows = jax.jit(fffi.rows_fwd)(cores, plan)
@@ -241,7 +241,7 @@ def run_config(name, K, R):
             "plan": queued_time(jax.jit(fffi.plan, static_argnums=(1, 2)), (ids, row_shape[-1], N), K, R),
             "rows_fwd_kernel": queued_time(jax.jit(fffi.rows_fwd), (cores, plan), K, R),
             "bag_fwd_kernel": queued_time(jax.jit(fffi.bag_fwd, static_argnums=4),
-                                          (cores, plan, w, offsets, max(64, (40 << 20) // (4 * D))), K, R),
+                                          (cores, plan, w, offsets, bag_chunk_rows(D)), K, R),
             "pool_fwd_kernel": queued_time(jax.jit(fffi.pool_fwd), (rows, plan.inverse, w, offsets), K, R),
             "pool_bwd_kernel": queued_time(jax.jit(fffi.pool_bwd), (cot, rows, w, bag_ids, plan), K, R),
             "rows_bwd_kernel": queued_time(jax.jit(fffi.rows_bwd), (cores, rows, plan), K, R),

@@ -371,7 +371,7 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
     float t_pool = time_it([&] {
       flowtt::bag_pool_fwd(d_rows, d_inv, d_w, d_bags, n, B, D, d_out, st);
     });
-    const long long chunk = (40LL << 20) / (4 * D);  // flowtt_jax.ops.ROWS_CHUNK_BYTES
+    const long long chunk = (40LL << 20) / (4 * D);  // flowtt_jax.ops.bag_chunk_rows(D)
     const size_t bfs = flowtt::bag_fwd_scratch_bytes(t, n, chunk);
     void* d_bfs;
     CK(cudaMalloc(&d_bfs, bfs));

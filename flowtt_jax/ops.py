@@ -33,8 +33,14 @@ IMPLS = ("auto", "ffi", "reference")
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 #: The no-gradient forward's scratch budget for unique rows, in bytes: it computes and
-#: pools ``max(64, ROWS_CHUNK_BYTES // (4 * D))`` float32 rows at a time.
+#: pools ``bag_chunk_rows(D)`` float32 rows at a time.
 ROWS_CHUNK_BYTES = 40 << 20
+
+
+def bag_chunk_rows(dim: int) -> int:
+    """``chunk_rows`` of ``flowtt_bag_fwd`` for rows of ``dim`` float32: the rows budget
+    ``ROWS_CHUNK_BYTES`` in rows, at least 64."""
+    return max(64, ROWS_CHUNK_BYTES // (4 * dim))
 
 
 def _plan(cores, ids):
@@ -48,8 +54,7 @@ def _fused_bag(weighted, cores, weights, ids, offsets, bag_ids):
     ``weighted`` (static): the caller passed weights, so their gradient is computed.
     """
     dim = math.prod(c.shape[2] for c in cores)
-    chunk_rows = max(64, ROWS_CHUNK_BYTES // (4 * dim))
-    return ffi.bag_fwd(cores, _plan(cores, ids), weights, offsets, chunk_rows)
+    return ffi.bag_fwd(cores, _plan(cores, ids), weights, offsets, bag_chunk_rows(dim))
 
 
 def _fused_bag_fwd(weighted, cores, weights, ids, offsets, bag_ids):
