@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import glob
@@ -41,15 +42,18 @@ from flowtt_jax.plan import make_plan
 FP32_PEAK = 67e12  # H100/H200 SXM datasheet non-tensor fp32 FLOP/s
 
 CONFIGS = {
-    # name: (N, row_shape, D, col_shape, rank, bags, dist)
-    "S1": (10_000_000, (200, 200, 250), 32, (2, 4, 4), 32, 32768, "zipf1.05"),
-    "D128_r64_B4096": (10_000_000, (200, 200, 250), 128, (4, 4, 8), 64, 4096, "zipf1.05"),
-    "D128_r64_B65536": (10_000_000, (200, 200, 250), 128, (4, 4, 8), 64, 65536, "zipf1.05"),
-    "D32_r32_B4096": (10_000_000, (200, 200, 250), 32, (2, 4, 4), 32, 4096, "zipf1.05"),
-    "D32_r32_B65536": (10_000_000, (200, 200, 250), 32, (2, 4, 4), 32, 65536, "zipf1.05"),
-    "S1_uniform": (10_000_000, (200, 200, 250), 32, (2, 4, 4), 32, 32768, "uniform"),
-    "S1_zipf1.2": (10_000_000, (200, 200, 250), 32, (2, 4, 4), 32, 32768, "zipf1.2"),
-    "tiny": (100_000, (40, 50, 50), 32, (2, 4, 4), 16, 256, "zipf1.05"),  # smoke test
+    # name: (N, row_shape, D, col_shape, rank, bags, dist, weighted)
+    # S1 as issue #3 defines it: plain sum bags, gradients for the cores.
+    # "weighted": per-id weights in the bags, gradients for the cores and the weights.
+    "S1": (10_000_000, (200, 200, 250), 32, (2, 4, 4), 32, 32768, "zipf1.05", False),
+    "S1_weighted": (10_000_000, (200, 200, 250), 32, (2, 4, 4), 32, 32768, "zipf1.05", True),
+    "D128_r64_B4096": (10_000_000, (200, 200, 250), 128, (4, 4, 8), 64, 4096, "zipf1.05", False),
+    "D128_r64_B65536": (10_000_000, (200, 200, 250), 128, (4, 4, 8), 64, 65536, "zipf1.05", False),
+    "D32_r32_B4096": (10_000_000, (200, 200, 250), 32, (2, 4, 4), 32, 4096, "zipf1.05", False),
+    "D32_r32_B65536": (10_000_000, (200, 200, 250), 32, (2, 4, 4), 32, 65536, "zipf1.05", False),
+    "S1_uniform": (10_000_000, (200, 200, 250), 32, (2, 4, 4), 32, 32768, "uniform", False),
+    "S1_zipf1.2": (10_000_000, (200, 200, 250), 32, (2, 4, 4), 32, 32768, "zipf1.2", False),
+    "tiny": (100_000, (40, 50, 50), 32, (2, 4, 4), 16, 256, "zipf1.05", True),  # smoke test
 }
 
 
@@ -67,6 +71,11 @@ def make_workload(N, bags, dist, seed=0):
     bag_ids = (np.repeat(np.arange(bags), lengths)).astype(np.int32)
     weights = rng.uniform(0.5, 1.5, n).astype(np.float32)
     return ids, offsets, bag_ids, weights
+
+
+def scaled(rows, weights):
+    """rows [n, D] times per-id weights [n], or rows when there are none."""
+    return rows if weights is None else rows * weights[:, None]
 
 
 def queued_time(f, args, K=20, R=15, warm=3):
@@ -170,15 +179,16 @@ def scratch_bytes(spec, n, D):
 
 
 def run_config(name, K, R):
-    N, row_shape, D, col_shape, rank, bags, dist = CONFIGS[name]
+    N, row_shape, D, col_shape, rank, bags, dist, weighted = CONFIGS[name]
     spec = ftt.TTSpec.create(N, D, rank, row_shape=row_shape, col_shape=col_shape)
     cores = tuple(ftt.init_cores(jax.random.key(1), spec))
     ids_np, offsets_np, bag_ids_np, w_np = make_workload(N, bags, dist)
     n = ids_np.shape[0]
-    ids, offsets, bag_ids, w = map(jnp.asarray, (ids_np, offsets_np, bag_ids_np, w_np))
+    ids, offsets, bag_ids, w_all = map(jnp.asarray, (ids_np, offsets_np, bag_ids_np, w_np))
+    w = w_all if weighted else None  # what the public calls get (None: plain sum bags)
     cot = jax.random.normal(jax.random.key(2), (bags, D), jnp.float32)
     res = {"config": name, "N": N, "row_shape": row_shape, "D": D, "col_shape": col_shape,
-           "rank": rank, "bags": bags, "nnz": n, "ids": dist}
+           "rank": rank, "bags": bags, "nnz": n, "ids": dist, "weighted": weighted}
 
     plan = jax.jit(make_plan, static_argnums=1)(ids, row_shape[-1])
     nu, ng = (int(x) for x in plan.counts)
@@ -189,7 +199,7 @@ def run_config(name, K, R):
     res["fwd_floor_ms_fp32"] = flops_fwd / FP32_PEAK * 1e3
 
     # dispatch floor: trivial jitted fn with the same arguments
-    triv = jax.jit(lambda c, i, o, ww: ww[:1] + 1.0)
+    triv = jax.jit(lambda c, i, o, ww: i[:1] + 1)
     res["dispatch_floor_ms"] = queued_time(triv, (cores, ids, offsets, w), K, R)
 
     def tt_impl(impl):
@@ -205,7 +215,7 @@ def run_config(name, K, R):
         def fwd(c, i, o, ww):
             uniq, inv = jnp.unique(i, size=i.shape[0], fill_value=0, return_inverse=True)
             rows = reference.tt_rows(c, uniq)[inv.reshape(-1)]
-            return jax.ops.segment_sum(rows * ww[:, None], bag_ids, num_segments=bags)
+            return jax.ops.segment_sum(scaled(rows, ww), bag_ids, num_segments=bags)
 
         def fb(c, i, o, ww):
             out, vjp = jax.vjp(lambda cc, www: fwd(cc, i, o, www), c, ww)
@@ -241,9 +251,10 @@ def run_config(name, K, R):
             "plan": queued_time(jax.jit(fffi.plan, static_argnums=(1, 2)), (ids, row_shape[-1], N), K, R),
             "rows_fwd_kernel": queued_time(jax.jit(fffi.rows_fwd), (cores, plan), K, R),
             "bag_fwd_kernel": queued_time(jax.jit(fffi.bag_fwd, static_argnums=4),
-                                          (cores, plan, w, offsets, bag_chunk_rows(D)), K, R),
-            "pool_fwd_kernel": queued_time(jax.jit(fffi.pool_fwd), (rows, plan.inverse, w, offsets), K, R),
-            "pool_bwd_kernel": queued_time(jax.jit(fffi.pool_bwd), (cot, rows, w, bag_ids, plan), K, R),
+                                          (cores, plan, w_all, offsets, bag_chunk_rows(D)), K, R),
+            "pool_fwd_kernel": queued_time(jax.jit(fffi.pool_fwd), (rows, plan.inverse, w_all, offsets), K, R),
+            "pool_bwd_kernel": queued_time(jax.jit(functools.partial(fffi.pool_bwd, with_d_weights=weighted)),
+                                           (cot, rows, w_all, bag_ids, plan), K, R),
             "rows_bwd_kernel": queued_time(jax.jit(fffi.rows_bwd), (cores, rows, plan), K, R),
         }
         sb = scratch_bytes(spec, n, D)
@@ -259,7 +270,7 @@ def run_config(name, K, R):
         table = jax.random.normal(jax.random.key(3), (N, D), jnp.float32) * 0.01
 
         def dense_fwd(t, i, ww):
-            return jax.ops.segment_sum(jnp.take(t, i, axis=0) * ww[:, None], bag_ids, num_segments=bags)
+            return jax.ops.segment_sum(scaled(jnp.take(t, i, axis=0), ww), bag_ids, num_segments=bags)
 
         def dense_fb(t, i, ww):
             out, vjp = jax.vjp(lambda tt: dense_fwd(tt, i, ww), t)
@@ -281,7 +292,7 @@ def run_config(name, K, R):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/single_table.json")
-    ap.add_argument("--configs", default="S1,D128_r64_B4096,D128_r64_B65536")
+    ap.add_argument("--configs", default="S1,S1_weighted,D128_r64_B4096,D128_r64_B65536")
     ap.add_argument("--K", type=int, default=20)
     ap.add_argument("--R", type=int, default=15)
     a = ap.parse_args()

@@ -27,6 +27,11 @@ def busy(x: dict, key: str):
     return d.get("busy_ms") if isinstance(d, dict) else None
 
 
+def weighted(r: dict) -> str:
+    """Whether the config's bags carry per-id weights (then their gradient is taken too)."""
+    return {True: "yes", False: "no"}.get(r.get("weighted"), "-")
+
+
 def mb(x):
     if x is None:
         return "-"
@@ -40,19 +45,19 @@ def main(paths):
         print(f"## {p}\n")
         print(f"device `{data.get('device')}`, date {data.get('date')}, commit `{data.get('git_commit')}`, "
               f"jax {data.get('jax')}; timing: {data.get('timing')} (K={data.get('K')}, R={data.get('R')})\n")
-        print("| config | nnz | unique | groups | impl | fwd ms (device) | fwd+bwd ms (device) | "
+        print("| config | weighted | nnz | unique | groups | impl | fwd ms (device) | fwd+bwd ms (device) | "
               "fwd ms (queued) | fwd+bwd ms (queued) | fwd temp MB (XLA) | fwd temp MB (XLA + FFI scratch) | "
               "fwd % of fp32 peak |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in data["results"]:
             for impl in ("dense_bag", "tt_reference", "tt_reference_dedup", "ours"):
                 x = r.get(impl, {})
                 if "error" in x:
-                    print(f"| {r['config']} | {r['nnz']} | {r.get('num_unique')} | {r.get('num_groups')} | "
+                    print(f"| {r['config']} | {weighted(r)} | {r['nnz']} | {r.get('num_unique')} | {r.get('num_groups')} | "
                           f"{impl} | error: {x['error'][:80]} | | | | | | |")
                     continue
                 frac = x.get("fwd_fraction_of_fp32_peak")
-                print(f"| {r['config']} | {r['nnz']} | {r.get('num_unique')} | {r.get('num_groups')} | {impl} | "
+                print(f"| {r['config']} | {weighted(r)} | {r['nnz']} | {r.get('num_unique')} | {r.get('num_groups')} | {impl} | "
                       f"{fmt(busy(x, 'fwd_device'))} | {fmt(busy(x, 'fwd_bwd_device'))} | "
                       f"{fmt(x.get('fwd_ms'))} | {fmt(x.get('fwd_bwd_ms'))} | {mb(x.get('fwd_temp_bytes'))} | "
                       f"{mb(x.get('fwd_temp_total_bytes', x.get('fwd_temp_bytes') if impl != 'ours' else None))} | "
