@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Nsight Compute profile of the S1 kernels (standalone harness, one launch of each kernel),
+# on the device machine: scripts/profile_kernels.sh [kernel-regex] [launch-count]
+# Writes $OUT/ncu_s1.ncu-rep, $OUT/ncu_details.txt (all sections) and $OUT/ncu_source.csv
+# (per-line SASS/CUDA counters of the first kernel matching FLOWTT_NCU_SOURCE).
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+REGEX=${1:-rows_fwd_gemm|rows_bwd_gemm|pool_|dg[123]_}
+COUNT=${2:-12}
+nvcc -arch=sm_90 -O3 -std=c++17 -lineinfo cuda/test_harness.cu cuda/tt_kernels.cu -o /tmp/flowtt_harness_li \
+  || { echo "harness build failed"; exit 1; }
+ncu --clock-control none --set full --import-source yes --kernel-name "regex:$REGEX" \
+  --launch-count "$COUNT" -f -o "$OUT/ncu_s1" /tmp/flowtt_harness_li --s1 > "$OUT/ncu_run.log" 2>&1
+tail -3 "$OUT/ncu_run.log"
+ncu -i "$OUT/ncu_s1.ncu-rep" --page details --print-details all > "$OUT/ncu_details.txt" 2>&1
+ncu -i "$OUT/ncu_s1.ncu-rep" --page details --csv > "$OUT/ncu_details.csv" 2>&1
+SRC=${FLOWTT_NCU_SOURCE:-rows_bwd_gemm}
+ncu -i "$OUT/ncu_s1.ncu-rep" --page source --csv --print-source cuda,sass \
+  --kernel-name "regex:$SRC" --launch-count 1 > "$OUT/ncu_source.csv" 2>&1
+grep -E "^  [a-z_]|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Compute \(SM\) Throughput|Memory Throughput|L2 Hit|Local" \
+  "$OUT/ncu_details.txt" | head -200
