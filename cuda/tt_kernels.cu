@@ -404,6 +404,9 @@ constexpr int kGT = 256;  // threads of the GEMM tile kernel
 #ifndef FLOWTT_FWD_SMEM_KB
 #define FLOWTT_FWD_SMEM_KB 100
 #endif
+#ifndef FLOWTT_DP_PAIRS  // backward dP loop: two unique ids per step
+#define FLOWTT_DP_PAIRS 0
+#endif
 constexpr int kRPT = 8;   // GEMM rows per thread
 
 // Team of one unique id in apply_team: lane t = qh + QH*(tb + TB*ms) takes
@@ -730,8 +733,7 @@ __global__ void __launch_bounds__(kThreads)
                          const int* __restrict__ map, int* ctrl,
                          int* __restrict__ tile_flag, float* __restrict__ Pbuf,
                          float* __restrict__ dPbuf, float* __restrict__ dG1p,
-                         float* __restrict__ dG2p, int* __restrict__ ug,
-                         int slots) {
+                         float* __restrict__ dG2p, int slots) {
   extern __shared__ float4 smem4[];
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
@@ -810,7 +812,6 @@ __global__ void __launch_bounds__(kThreads)
           pb[w] = Pw[m * d.R2p + b];
         }
       }
-      for (int u = gs + lane; u < ge; u += 32) ug[u] = g;
       // dP[m, b] = sum_u sum_q dRow_u[m*q3+q] G3[i3_u, b, q]; lanes own b
       constexpr int NBB = BBC ? BBC : kBB;
       constexpr int NM = MC ? MC : kMMax;
@@ -961,7 +962,7 @@ __global__ void __launch_bounds__(kThreads)
 // ---- backward, GEMM tile kernel (the fast path) ----------------------------
 // Same tiles as the forward GEMM kernel (i2 column x kT1B i1 values) and the
 // same outputs as rows_bwd_tile_kernel: Pbuf[g] (P, [m][b]), dG1p[g],
-// dG2p[t] + tile_flag[t], ug[u]. Per batch of up to GB groups:
+// dG2p[t] + tile_flag[t]. Per batch of up to GB groups:
 //   P by the GEMM of the forward (-> Pbuf for the dG3 pass);
 //   dP_k = sum_u dRow_u G3[i3_u]^T, items (group, MB2 rows m, 4 columns b),
 //     the group's unique ids in order;
@@ -998,7 +999,7 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
                          const int* __restrict__ map, int* ctrl,
                          int* __restrict__ tile_flag, float* __restrict__ Pbuf,
                          float* __restrict__ dG1p, float* __restrict__ dG2p,
-                         int* __restrict__ ug, int slots) {
+                         int slots) {
   constexpr int MB2 = (32 / Q3) < M ? (32 / Q3) : M;  // rows m per dP item
   constexpr int NMB2 = M / MB2;
   extern __shared__ float4 smem4[];
@@ -1070,8 +1071,6 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
         As[a * geo.ldA + row] =
             __ldg(g1 + (size_t)(i1b + s_k[k0 + k]) * d.Q1R1 + q1 * d.r1 + a);
       }
-      for (int k = 0; k < nB; ++k)
-        for (int u = s_gs[k0 + k] + tid; u < s_ge[k0 + k]; u += kGT) ug[u] = s_g[k0 + k];
       __syncthreads();
       tile_gemm_P(d, As, geo.ldA, G2s, geo.ldG2, nR, PD, geo.PT);
       __syncthreads();
@@ -1097,15 +1096,12 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
           const int gs = s_gs[k0 + k], ge = s_ge[k0 + k];
-          int id_next = gs < ge ? __ldg(uids + gs) : 0;  // one id ahead
-          for (int u = gs; u < ge; ++u) {
-            const int id = id_next;
-            if (u + 1 < ge) id_next = __ldg(uids + u + 1);
+          // dRow_u rows m0.. and G3[i3_u] columns b0..b0+3 of unique index u
+          auto load = [&](int u, int id, float* dr, float* gv) {
             const float4* dr4 = reinterpret_cast<const float4*>(
                 d_rows + (size_t)u * d.D + m0 * Q3);
             const float4* g34 = reinterpret_cast<const float4*>(
                 g3 + ((size_t)id3(d, id) * d.r2 + b0) * Q3);
-            float dr[MB2 * Q3], gv[4 * Q3];
 #pragma unroll
             for (int i = 0; i < MB2 * Q3 / 4; ++i) {
               const float4 v = __ldg(dr4 + i);
@@ -1116,6 +1112,8 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
               const float4 v = __ldg(g34 + i);
               gv[4 * i] = v.x; gv[4 * i + 1] = v.y; gv[4 * i + 2] = v.z; gv[4 * i + 3] = v.w;
             }
+          };
+          auto accumulate = [&](const float* dr, const float* gv) {
 #pragma unroll
             for (int i = 0; i < MB2; ++i)
 #pragma unroll
@@ -1125,6 +1123,25 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
                 for (int q = 0; q < Q3; ++q) a = fmaf(dr[i * Q3 + q], gv[bb * Q3 + q], a);
                 acc[i][bb] = a;
               }
+          };
+          int u = gs;
+#if FLOWTT_DP_PAIRS
+          // two ids per step (both loads in flight at once), summed in id order
+          for (; u + 1 < ge; u += 2) {
+            float dra[MB2 * Q3], gva[4 * Q3], drb[MB2 * Q3], gvb[4 * Q3];
+            load(u, __ldg(uids + u), dra, gva);
+            load(u + 1, __ldg(uids + u + 1), drb, gvb);
+            accumulate(dra, gva);
+            accumulate(drb, gvb);
+          }
+#endif
+          int id_next = u < ge ? __ldg(uids + u) : 0;  // one id ahead
+          for (; u < ge; ++u) {
+            const int id = id_next;
+            if (u + 1 < ge) id_next = __ldg(uids + u + 1);
+            float dr[MB2 * Q3], gv[4 * Q3];
+            load(u, id, dr, gv);
+            accumulate(dr, gv);
           }
 #pragma unroll
           for (int i = 0; i < MB2; ++i)
@@ -1278,10 +1295,13 @@ __global__ void dg1_reduce_kernel(Dev d, const int* __restrict__ map,
   }
 }
 
+// Sort keys (i3, or p3 past num_unique) and values (u) for the dG3 pass, and
+// ug[u] = the prefix group of unique id u (from the prefix map).
 __global__ void dg3_keys_kernel(Dev d, const int* __restrict__ uids,
                                 const int* __restrict__ counts, int n,
+                                const int* __restrict__ map,
                                 int* __restrict__ keys,
-                                int* __restrict__ vals) {
+                                int* __restrict__ vals, int* __restrict__ ug) {
   const int U = clampi(counts[0], 0, n);
   for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < n;
        u += gridDim.x * blockDim.x) {
@@ -1290,28 +1310,26 @@ __global__ void dg3_keys_kernel(Dev d, const int* __restrict__ uids,
       int i1, i2, i3;
       split_id(d, uids[u], i1, i2, i3);
       k = i3;
+      ug[u] = map[i1 * d.p2 + i2];
     }
     keys[u] = k;
     vals[u] = u;
   }
 }
 
-__device__ __forceinline__ int lower_bound_dev(const int* a, int n, int key) {
-  int lo = 0, hi = n;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (a[mid] < key) lo = mid + 1; else hi = mid;
-  }
-  return lo;
-}
-
 // dG3 partials: block (i3, part) sums P_g(u)^T dRow_u over a fixed
 // contiguous part of the i3 bucket (unique ids in ascending order); sub-groups
 // of threads take a fixed strided subset and are combined in order.
+// bounds[k] = first j with keys[j] >= k (k = 0..p3) of the sorted keys (all
+// <= p3): position j writes the keys in (keys[j-1], keys[j]], position n the
+// keys in (keys[n-1], p3]; every k is written once.
 __global__ void dg3_bounds_kernel(Dev d, const int* __restrict__ keys, int n,
                                   int* __restrict__ bounds) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i <= d.p3) bounds[i] = lower_bound_dev(keys, n, i);
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j > n) return;
+  const int k0 = j == 0 ? -1 : clampi(keys[j - 1], 0, d.p3);
+  const int k1 = j == n ? d.p3 : clampi(keys[j], 0, d.p3);
+  for (int k = k0 + 1; k <= k1; ++k) bounds[k] = j;
 }
 
 __global__ void dg3_kernel(Dev d, const int* __restrict__ bounds,
@@ -1527,10 +1545,14 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows,
 //   chunk are written to d_rows; a run that started before the chunk leaves
 //   its chunk partial in slot (chunk, 0), a run that starts inside and
 //   continues past the chunk leaves it in slot (chunk, 1).
-// Pass 2: warp per unique id; runs spanning chunks sum their partials in
-//   chunk order (sub-teams over contiguous parts, fixed shuffle tree).
+// Pass 2: warp per 32 unique ids; a run spanning chunks sums its partials:
+//   up to FLOWTT_P2_SMALL of them in chunk order (lanes over vectors), more
+//   by lanes over strided partials and a fixed shuffle tree.
 // d_rows past num_unique is not written (the contract leaves it unspecified).
 constexpr int kPL = 32;
+#ifndef FLOWTT_P2_SMALL  // runs over at most this many chunk partials: no shuffle tree
+#define FLOWTT_P2_SMALL 8
+#endif
 
 template <int VEC>
 __global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
@@ -1649,6 +1671,15 @@ __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
       const int k0 = __shfl_sync(0xffffffffu, s, src_lane) / kPL;
       const int k1 = (__shfl_sync(0xffffffffu, e, src_lane) - 1) / kPL;
       const int L = k1 - k0 + 1;  // partials: (k0,1), (k0+1,0), ..., (k1,0)
+      if (L <= FLOWTT_P2_SMALL) {  // few partials: lanes over vectors, partials in order
+        for (int dv = lane; dv < DV; dv += 32) {
+          T acc = vzero<T>();
+          for (int i = 0; i < L; ++i)
+            vfma(acc, 1.f, pv[((size_t)(k0 + i) * 2 + (i == 0 ? 1 : 0)) * DV + dv]);
+          o[(size_t)uc * DV + dv] = acc;
+        }
+        continue;
+      }
       for (int dv0 = 0; dv0 < DV; dv0 += kV) {
         T acc[kV];
 #pragma unroll
@@ -2031,7 +2062,7 @@ cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2,
       launch_persistent(rows_bwd_gemm_kernel<MM, QQ3>, geo.smem_bytes, stream, \
                         sms, d, geo, g1, g2, g3, d_rows, unique_ids,           \
                         group_offsets, counts, n, s.map, s.ctrl, s.tile_flag,  \
-                        s.Pbuf, s.dG1p, s.dG2p, s.ug, s.slots);
+                        s.Pbuf, s.dG1p, s.dG2p, s.slots);
     if (false) {
     }
     FLOWTT_BWD_GEMM(4, 4) FLOWTT_BWD_GEMM(8, 4) FLOWTT_BWD_GEMM(16, 4)
@@ -2043,7 +2074,7 @@ cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2,
     err = launch_persistent(rows_bwd_tile_kernel<Q1, M, Q3, BB>, smem, stream,   \
                             sms, d, g1, g2, g3, d_rows, unique_ids,              \
                             group_offsets, counts, n, s.map, s.ctrl,             \
-                            s.tile_flag, s.Pbuf, s.dPbuf, s.dG1p, s.dG2p, s.ug,  \
+                            s.tile_flag, s.Pbuf, s.dPbuf, s.dG1p, s.dG2p,        \
                             s.slots)
     {
       const int bb = d.r2 > 32 ? 2 : 1;
@@ -2082,8 +2113,8 @@ cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2,
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (!(g_stage_mask & 8)) return cudaGetLastError();
-  dg3_keys_kernel<<<eblocks, 256, 0, stream>>>(d, unique_ids, counts, n,
-                                               s.keys_in, s.vals_in);
+  dg3_keys_kernel<<<eblocks, 256, 0, stream>>>(d, unique_ids, counts, n, s.map,
+                                               s.keys_in, s.vals_in, s.ug);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   if (!(g_stage_mask & 16)) return cudaGetLastError();
   size_t cub_bytes = s.cub_bytes;
@@ -2092,8 +2123,7 @@ cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2,
            n, 0, end_bit_for(d.p3), stream)) != cudaSuccess)
     return err;
   if (!(g_stage_mask & 32)) return cudaGetLastError();
-  dg3_bounds_kernel<<<(d.p3 + 256) / 256, 256, 0, stream>>>(d, s.keys_out, n,
-                                                           s.keys_in);
+  dg3_bounds_kernel<<<n / 256 + 1, 256, 0, stream>>>(d, s.keys_out, n, s.keys_in);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   // keys_in is free after the sort: it holds the p3+1 bucket bounds
   if (GBB > 0) {  // the GEMM path's dims: blocked dG3

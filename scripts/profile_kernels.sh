@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Nsight Compute profile of the S1 kernels (standalone harness, one launch of each kernel),
 # on the device machine: scripts/profile_kernels.sh [kernel-regex] [launch-count]
-# Writes $OUT/ncu_s1.ncu-rep, $OUT/ncu_details.txt (all sections) and $OUT/ncu_source.csv
-# (per-line SASS/CUDA counters of the first kernel matching FLOWTT_NCU_SOURCE).
+# Writes $OUT/ncu_s1.ncu-rep, $OUT/ncu_details.txt / .csv (all sections) and
+# $OUT/ncu_source_<K>.csv (per-line CUDA/SASS counters of the first launch of each kernel K
+# in FLOWTT_NCU_SOURCE, a space-separated list of name regexes).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
@@ -15,8 +16,9 @@ ncu --clock-control none --set full --import-source yes --kernel-name "regex:$RE
 tail -3 "$OUT/ncu_run.log"
 ncu -i "$OUT/ncu_s1.ncu-rep" --page details --print-details all > "$OUT/ncu_details.txt" 2>&1
 ncu -i "$OUT/ncu_s1.ncu-rep" --page details --csv > "$OUT/ncu_details.csv" 2>&1
-SRC=${FLOWTT_NCU_SOURCE:-rows_bwd_gemm}
-ncu -i "$OUT/ncu_s1.ncu-rep" --page source --csv --print-source cuda,sass \
-  --kernel-name "regex:$SRC" --launch-count 1 > "$OUT/ncu_source.csv" 2>&1
+for SRC in ${FLOWTT_NCU_SOURCE:-rows_bwd_gemm}; do
+  ncu -i "$OUT/ncu_s1.ncu-rep" --page source --csv --print-source cuda,sass \
+    --kernel-name "regex:$SRC" --launch-count 1 > "$OUT/ncu_source_$SRC.csv" 2>&1
+done
 grep -E "^  [a-z_]|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Compute \(SM\) Throughput|Memory Throughput|L2 Hit|Local" \
   "$OUT/ncu_details.txt" | head -200
