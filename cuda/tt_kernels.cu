@@ -51,7 +51,10 @@ constexpr int kThreads = 256;
 constexpr int kT1F = 32;   // i1 values per forward tile
 constexpr int kQ1Max = 8;  // register blocking bound for q1
 constexpr int kJ = 4;      // columns per lane in warp_compute_P
-constexpr int kS3 = 16;    // parts per i3 bucket in the dG3 pass
+#ifndef FLOWTT_DG3_PARTS
+#define FLOWTT_DG3_PARTS 16
+#endif
+constexpr int kS3 = FLOWTT_DG3_PARTS;  // parts per i3 bucket in the dG3 pass
 constexpr int kMMax = 16;  // q1*q2 bound (backward register blocking)
 constexpr int kQ3Max = 8;  // q3 bound
 constexpr int kBB = 2;     // r2 <= 64: columns b per lane
@@ -1427,9 +1430,19 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int q = 0; q < Q3; ++q) acc[i][q] = 0.f;
   if (sub < subs) {
-    for (int j = lo + sub; j < hi; j += subs) {
-      const int u = clampi(__ldg(vals + j), 0, n - 1);
-      const int g = clampi(__ldg(ug + u), 0, slots - 1);
+    // (u, group) of the next id loaded one step ahead
+    int j = lo + sub;
+    int u_next = 0, g_next = 0;
+    if (j < hi) {
+      u_next = clampi(__ldg(vals + j), 0, n - 1);
+      g_next = clampi(__ldg(ug + u_next), 0, slots - 1);
+    }
+    for (; j < hi; j += subs) {
+      const int u = u_next, g = g_next;
+      if (j + subs < hi) {
+        u_next = clampi(__ldg(vals + j + subs), 0, n - 1);
+        g_next = clampi(__ldg(ug + u_next), 0, slots - 1);
+      }
       const float* P = Pbuf + (size_t)g * d.PSZ + b0;
       const float4* dr = reinterpret_cast<const float4*>(d_rows + (size_t)u * d.D);
 #pragma unroll 4
@@ -1506,9 +1519,14 @@ template <> __device__ __forceinline__ float4 vzero<float4>() {
 // One thread team (TS lanes over D/VEC vectors) per bag, positions in
 // increasing k. Only positions whose unique index is in [lo, hi) (hi capped
 // at num_unique when counts is given) add w * rows[idx - lo]; accumulate:
-// start from out (the fused forward's later chunks), else from 0.
+// start from out (the fused forward's later chunks), else from 0. The block's
+// bags cover one range of positions; its inverse and weights are staged in
+// shared memory (coalesced, kPoolStage positions at a time) so a team issues
+// its row loads 8 at a time without a dependent index load before each.
+constexpr int kPoolStage = 1024;
+
 template <int VEC>
-__global__ void pool_fwd_kernel(const float* __restrict__ rows,
+__global__ void __launch_bounds__(256, 4) pool_fwd_kernel(const float* __restrict__ rows,
                                 const int* __restrict__ inverse,
                                 const float* __restrict__ weights,
                                 const int* __restrict__ bag_offsets, int n,
@@ -1516,46 +1534,83 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows,
                                 const int* __restrict__ counts,
                                 bool accumulate, float* __restrict__ out) {
   using T = typename VecT<VEC>::T;
+  __shared__ unsigned s_idx[kPoolStage];
+  __shared__ float s_w[kPoolStage];
   if (counts != nullptr) hi = min(hi, clampi(counts[0], 0, n));
   if (accumulate && lo >= hi) return;
-  const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const int bag = (int)(gt / TS), lane = (int)(gt % TS);
-  if (bag >= B) return;
-  const int kb = clampi(bag_offsets[bag], 0, n);
-  const int ke = clampi(bag_offsets[bag + 1], kb, n);
+  const int NT = blockDim.x / TS;  // bags per block
+  const int b0 = blockIdx.x * NT;
+  const int team = threadIdx.x / TS, lane = threadIdx.x % TS;
+  const int bag = b0 + team;
+  const bool valid = bag < B;
+  int kb = 0, ke = 0;
+  if (valid) {
+    kb = clampi(bag_offsets[bag], 0, n);
+    ke = clampi(bag_offsets[bag + 1], kb, n);
+  }
+  const int P0 = clampi(bag_offsets[min(b0, B)], 0, n);
+  const int P1 = clampi(bag_offsets[min(b0 + NT, B)], P0, n);
   const int DV = D / VEC;
   const unsigned span = (unsigned)max(hi - lo, 0);
   const T* rv = reinterpret_cast<const T*>(rows);
   T* ov = reinterpret_cast<T*>(out);
-  for (int dv = lane; dv < DV; dv += TS) {
-    T acc = accumulate ? ov[(size_t)bag * DV + dv] : vzero<T>();
-#pragma unroll 4
-    for (int k = kb; k < ke; ++k) {
-      const unsigned idx = (unsigned)(__ldg(inverse + k) - lo);
-      if (idx < span) vfma(acc, __ldg(weights + k), rv[(size_t)idx * DV + dv]);
+  for (int dv0 = 0; dv0 < DV; dv0 += TS) {
+    const int dv = dv0 + lane;
+    const bool act = valid && dv < DV;
+    T acc = (act && accumulate) ? ov[(size_t)bag * DV + dv] : vzero<T>();
+    for (int q0 = P0; q0 < P1; q0 += kPoolStage) {
+      const int q1 = min(P1, q0 + kPoolStage);
+      __syncthreads();
+      for (int i = threadIdx.x; i < q1 - q0; i += blockDim.x) {
+        s_idx[i] = (unsigned)(__ldg(inverse + q0 + i) - lo);
+        s_w[i] = __ldg(weights + q0 + i);
+      }
+      __syncthreads();
+      if (!act) continue;
+      const int ks = max(kb, q0) - q0, kt = min(ke, q1) - q0;
+      int k = ks;
+      for (; k + 8 <= kt; k += 8) {
+        T x[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const unsigned idx = s_idx[k + i];
+          x[i] = idx < span ? rv[(size_t)idx * DV + dv] : vzero<T>();
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (s_idx[k + i] < span) vfma(acc, s_w[k + i], x[i]);
+      }
+      for (; k < kt; ++k) {
+        const unsigned idx = s_idx[k];
+        if (idx < span) vfma(acc, s_w[k], rv[(size_t)idx * DV + dv]);
+      }
     }
-    ov[(size_t)bag * DV + dv] = acc;
+    if (act) ov[(size_t)bag * DV + dv] = acc;
   }
 }
 
 // d_rows by a deterministic segmented reduction over the sorted order
 // (positions j -> perm[j]), so that a Zipf-hot id with 10^4..10^5
 // occurrences does not serialise one thread team.
-// Pass 1: team per chunk of kPL sorted positions; runs complete inside the
-//   chunk are written to d_rows; a run that started before the chunk leaves
-//   its chunk partial in slot (chunk, 0), a run that starts inside and
-//   continues past the chunk leaves it in slot (chunk, 1).
-// Pass 2: warp per 32 unique ids; a run spanning chunks sums its partials:
-//   up to FLOWTT_P2_SMALL of them in chunk order (lanes over vectors), more
-//   by lanes over strided partials and a fixed shuffle tree.
+// Pass 1: team per chunk of kPL sorted positions. A short run (at most kPL
+//   positions) is summed whole, in order, by the team of the chunk it starts
+//   in, reading past the chunk's end if it must (the next team skips it). A
+//   long run leaves one partial per chunk it touches: slot (chunk, 0) where it
+//   started before the chunk, slot (chunk, 1) where it starts inside it.
+// Pass 2: warp per 32 unique ids; a long run sums its partials in chunk
+//   order: up to FLOWTT_P2_SMALL of them by lanes over vectors, more by lanes
+//   over strided partials and a fixed shuffle tree.
 // d_rows past num_unique is not written (the contract leaves it unspecified).
 constexpr int kPL = 32;
-#ifndef FLOWTT_P2_SMALL  // runs over at most this many chunk partials: no shuffle tree
+#ifndef FLOWTT_POOL_MINB  // CTAs of 256 threads per SM the pooling backward targets
+#define FLOWTT_POOL_MINB 4
+#endif
+#ifndef FLOWTT_P2_SMALL  // long runs over at most this many chunk partials: no shuffle tree
 #define FLOWTT_P2_SMALL 8
 #endif
 
 template <int VEC>
-__global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
+__global__ void __launch_bounds__(256, FLOWTT_POOL_MINB) pool_bwd_rows_p1(const float* __restrict__ dout,
                                  const float* __restrict__ weights,
                                  const int* __restrict__ bag_ids,
                                  const int* __restrict__ perm,
@@ -1571,6 +1626,19 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
   if (k >= nch) return;
   const int U = clampi(counts[0], 0, n);
   const int cs = k * kPL, ce = min(n, cs + kPL);
+  // run [s, e) of the unique index at sorted position j
+  auto run_of = [&](int j, int& u, int& s, int& e) {
+    u = __ldg(inverse + clampi(__ldg(perm + j), 0, n - 1));
+    const int uc = clampi(u, 0, U > 0 ? U - 1 : 0);
+    s = clampi(__ldg(run_offsets + uc), 0, n);
+    e = clampi(__ldg(run_offsets + uc + 1), s, n);
+  };
+  int u0, s0, e0, ul, sl, el;
+  run_of(cs, u0, s0, e0);
+  run_of(ce - 1, ul, sl, el);
+  // skip a short run begun in an earlier chunk; finish a short run begun here
+  const int jb = (s0 < cs && e0 - s0 <= kPL) ? min(e0, ce) : cs;
+  const int je = (el > ce && el - sl <= kPL) ? el : ce;
   const int DV = D / VEC;
   const T* dv_ = reinterpret_cast<const T*>(dout);
   T* o = reinterpret_cast<T*>(d_rows);
@@ -1581,14 +1649,14 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
     auto flush = [&](int u) {
       if (u < 0 || u >= U) return;
       const int s = run_offsets[u], e = run_offsets[u + 1];
-      if (s >= cs && e <= ce) {
+      if (e - s <= kPL) {
         o[(size_t)u * DV + dv] = acc;
       } else {
         const int side = (s < cs) ? 0 : 1;
         pv[((size_t)k * 2 + side) * DV + dv] = acc;
       }
     };
-    for (int j0 = cs; j0 < ce; j0 += 8) {
+    for (int j0 = jb; j0 < je; j0 += 8) {
       int uj[8];
       float wj[8];
       T xj[8];
@@ -1598,7 +1666,7 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
         uj[i] = -1;
         wj[i] = 0.f;
         xj[i] = vzero<T>();
-        if (j < ce) {
+        if (j < je) {
           const int p = clampi(__ldg(perm + j), 0, n - 1);
           uj[i] = __ldg(inverse + p);
           wj[i] = __ldg(weights + p);
@@ -1608,7 +1676,7 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
       }
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        if (j0 + i < ce) {
+        if (j0 + i < je) {
           if (uj[i] != cur) {
             flush(cur);
             cur = uj[i];
@@ -1639,7 +1707,7 @@ __device__ __forceinline__ void shfl_add(float4& v, int off) {
 // partials l, l+32, ... (fixed), then a fixed xor tree across lanes. A unique
 // id without occurrences (never, for a valid plan) gets zeros.
 template <int VEC>
-__global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
+__global__ void __launch_bounds__(256, FLOWTT_POOL_MINB) pool_bwd_rows_p2(const int* __restrict__ run_offsets,
                                  const int* __restrict__ counts, int n, int D,
                                  const float* __restrict__ part,
                                  float* __restrict__ d_rows) {
@@ -1660,7 +1728,7 @@ __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
       e = clampi(run_offsets[u + 1], s, n);
     }
     const bool empty = u < U && e <= s;
-    const bool cross = e > s && s / kPL != (e - 1) / kPL;
+    const bool cross = e - s > kPL;  // long run: partials to combine
     for (unsigned zmask = __ballot_sync(0xffffffffu, empty); zmask; zmask &= zmask - 1) {
       const int uz = base + __ffs(zmask) - 1;
       for (int dv = lane; dv < DV; dv += 32) o[(size_t)uz * DV + dv] = vzero<T>();
