@@ -52,7 +52,7 @@ constexpr int kT1F = 32;   // i1 values per forward tile
 constexpr int kQ1Max = 8;  // register blocking bound for q1
 constexpr int kJ = 4;      // columns per lane in warp_compute_P
 #ifndef FLOWTT_DG3_PARTS
-#define FLOWTT_DG3_PARTS 16
+#define FLOWTT_DG3_PARTS 8
 #endif
 constexpr int kS3 = FLOWTT_DG3_PARTS;  // parts per i3 bucket in the dG3 pass
 constexpr int kMMax = 16;  // q1*q2 bound (backward register blocking)
@@ -1519,14 +1519,9 @@ template <> __device__ __forceinline__ float4 vzero<float4>() {
 // One thread team (TS lanes over D/VEC vectors) per bag, positions in
 // increasing k. Only positions whose unique index is in [lo, hi) (hi capped
 // at num_unique when counts is given) add w * rows[idx - lo]; accumulate:
-// start from out (the fused forward's later chunks), else from 0. The block's
-// bags cover one range of positions; its inverse and weights are staged in
-// shared memory (coalesced, kPoolStage positions at a time) so a team issues
-// its row loads 8 at a time without a dependent index load before each.
-constexpr int kPoolStage = 1024;
-
+// start from out (the fused forward's later chunks), else from 0.
 template <int VEC>
-__global__ void __launch_bounds__(256, 4) pool_fwd_kernel(const float* __restrict__ rows,
+__global__ void pool_fwd_kernel(const float* __restrict__ rows,
                                 const int* __restrict__ inverse,
                                 const float* __restrict__ weights,
                                 const int* __restrict__ bag_offsets, int n,
@@ -1534,58 +1529,25 @@ __global__ void __launch_bounds__(256, 4) pool_fwd_kernel(const float* __restric
                                 const int* __restrict__ counts,
                                 bool accumulate, float* __restrict__ out) {
   using T = typename VecT<VEC>::T;
-  __shared__ unsigned s_idx[kPoolStage];
-  __shared__ float s_w[kPoolStage];
   if (counts != nullptr) hi = min(hi, clampi(counts[0], 0, n));
   if (accumulate && lo >= hi) return;
-  const int NT = blockDim.x / TS;  // bags per block
-  const int b0 = blockIdx.x * NT;
-  const int team = threadIdx.x / TS, lane = threadIdx.x % TS;
-  const int bag = b0 + team;
-  const bool valid = bag < B;
-  int kb = 0, ke = 0;
-  if (valid) {
-    kb = clampi(bag_offsets[bag], 0, n);
-    ke = clampi(bag_offsets[bag + 1], kb, n);
-  }
-  const int P0 = clampi(bag_offsets[min(b0, B)], 0, n);
-  const int P1 = clampi(bag_offsets[min(b0 + NT, B)], P0, n);
+  const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const int bag = (int)(gt / TS), lane = (int)(gt % TS);
+  if (bag >= B) return;
+  const int kb = clampi(bag_offsets[bag], 0, n);
+  const int ke = clampi(bag_offsets[bag + 1], kb, n);
   const int DV = D / VEC;
   const unsigned span = (unsigned)max(hi - lo, 0);
   const T* rv = reinterpret_cast<const T*>(rows);
   T* ov = reinterpret_cast<T*>(out);
-  for (int dv0 = 0; dv0 < DV; dv0 += TS) {
-    const int dv = dv0 + lane;
-    const bool act = valid && dv < DV;
-    T acc = (act && accumulate) ? ov[(size_t)bag * DV + dv] : vzero<T>();
-    for (int q0 = P0; q0 < P1; q0 += kPoolStage) {
-      const int q1 = min(P1, q0 + kPoolStage);
-      __syncthreads();
-      for (int i = threadIdx.x; i < q1 - q0; i += blockDim.x) {
-        s_idx[i] = (unsigned)(__ldg(inverse + q0 + i) - lo);
-        s_w[i] = __ldg(weights + q0 + i);
-      }
-      __syncthreads();
-      if (!act) continue;
-      const int ks = max(kb, q0) - q0, kt = min(ke, q1) - q0;
-      int k = ks;
-      for (; k + 8 <= kt; k += 8) {
-        T x[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const unsigned idx = s_idx[k + i];
-          x[i] = idx < span ? rv[(size_t)idx * DV + dv] : vzero<T>();
-        }
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          if (s_idx[k + i] < span) vfma(acc, s_w[k + i], x[i]);
-      }
-      for (; k < kt; ++k) {
-        const unsigned idx = s_idx[k];
-        if (idx < span) vfma(acc, s_w[k], rv[(size_t)idx * DV + dv]);
-      }
+  for (int dv = lane; dv < DV; dv += TS) {
+    T acc = accumulate ? ov[(size_t)bag * DV + dv] : vzero<T>();
+#pragma unroll 4
+    for (int k = kb; k < ke; ++k) {
+      const unsigned idx = (unsigned)(__ldg(inverse + k) - lo);
+      if (idx < span) vfma(acc, __ldg(weights + k), rv[(size_t)idx * DV + dv]);
     }
-    if (act) ov[(size_t)bag * DV + dv] = acc;
+    ov[(size_t)bag * DV + dv] = acc;
   }
 }
 
@@ -1602,15 +1564,12 @@ __global__ void __launch_bounds__(256, 4) pool_fwd_kernel(const float* __restric
 //   over strided partials and a fixed shuffle tree.
 // d_rows past num_unique is not written (the contract leaves it unspecified).
 constexpr int kPL = 32;
-#ifndef FLOWTT_POOL_MINB  // CTAs of 256 threads per SM the pooling backward targets
-#define FLOWTT_POOL_MINB 4
-#endif
 #ifndef FLOWTT_P2_SMALL  // long runs over at most this many chunk partials: no shuffle tree
 #define FLOWTT_P2_SMALL 8
 #endif
 
 template <int VEC>
-__global__ void __launch_bounds__(256, FLOWTT_POOL_MINB) pool_bwd_rows_p1(const float* __restrict__ dout,
+__global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
                                  const float* __restrict__ weights,
                                  const int* __restrict__ bag_ids,
                                  const int* __restrict__ perm,
@@ -1707,7 +1666,7 @@ __device__ __forceinline__ void shfl_add(float4& v, int off) {
 // partials l, l+32, ... (fixed), then a fixed xor tree across lanes. A unique
 // id without occurrences (never, for a valid plan) gets zeros.
 template <int VEC>
-__global__ void __launch_bounds__(256, FLOWTT_POOL_MINB) pool_bwd_rows_p2(const int* __restrict__ run_offsets,
+__global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
                                  const int* __restrict__ counts, int n, int D,
                                  const float* __restrict__ part,
                                  float* __restrict__ d_rows) {
