@@ -138,6 +138,14 @@ def test_bag_matches_reference(kind, dim, rank):
     _check("sum", cores, ids, offsets, weights, cot)
 
 
+@pytest.mark.parametrize("dim", (4, 8, 6, 9))
+def test_small_and_odd_dims(dim):
+    """Pooling teams of 1 and 2 lanes (D = 4, 8) and rows of D % 4 != 0 (scalar path), with
+    the weight gradient computed inside the first backward pooling pass."""
+    spec, cores, ids, offsets, weights, cot = _case("zipf1.05", dim, 8)
+    _check("sum", cores, ids, offsets, weights, cot)
+
+
 @pytest.mark.parametrize("mode", ["mean", "sqrtn"])
 def test_modes(mode):
     spec, cores, ids, offsets, weights, cot = _case("zipf1.05", 32, 32)
