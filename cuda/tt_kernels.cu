@@ -407,6 +407,9 @@ constexpr int kGT = 256;  // threads of the GEMM tile kernel
 #ifndef FLOWTT_FWD_SMEM_KB
 #define FLOWTT_FWD_SMEM_KB 100
 #endif
+#ifndef FLOWTT_DP_PAIRS  // backward dP loop: two unique ids per step
+#define FLOWTT_DP_PAIRS 0
+#endif
 constexpr int kRPT = 8;   // GEMM rows per thread
 
 // Team of one unique id in apply_team: lane t = qh + QH*(tb + TB*ms) takes
@@ -1124,8 +1127,19 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
                 acc[i][bb] = a;
               }
           };
-          int id_next = gs < ge ? __ldg(uids + gs) : 0;  // one id ahead
-          for (int u = gs; u < ge; ++u) {
+          int u = gs;
+#if FLOWTT_DP_PAIRS
+          // two ids per step (both loads in flight at once), summed in id order
+          for (; u + 1 < ge; u += 2) {
+            float dra[MB2 * Q3], gva[4 * Q3], drb[MB2 * Q3], gvb[4 * Q3];
+            load(u, __ldg(uids + u), dra, gva);
+            load(u + 1, __ldg(uids + u + 1), drb, gvb);
+            accumulate(dra, gva);
+            accumulate(drb, gvb);
+          }
+#endif
+          int id_next = u < ge ? __ldg(uids + u) : 0;  // one id ahead
+          for (; u < ge; ++u) {
             const int id = id_next;
             if (u + 1 < ge) id_next = __ldg(uids + u + 1);
             float dr[MB2 * Q3], gv[4 * Q3];
@@ -1554,29 +1568,21 @@ constexpr int kPL = 32;
 #define FLOWTT_P2_SMALL 8
 #endif
 
-// With DW (only when D/VEC <= TS: one vector per lane) the pass also writes
-// d_weights[p] = dout[bag_p] . rows[u_p] for the positions it sums: per
-// round of 8 positions the team reduces the 8 lane partials with a fixed
-// butterfly (each level halves the values a lane keeps).
-template <int VEC, bool DW>
+template <int VEC>
 __global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
                                  const float* __restrict__ weights,
                                  const int* __restrict__ bag_ids,
                                  const int* __restrict__ perm,
                                  const int* __restrict__ inverse,
                                  const int* __restrict__ run_offsets,
-                                 const int* __restrict__ counts,
-                                 const float* __restrict__ rows, int n, int B,
+                                 const int* __restrict__ counts, int n, int B,
                                  int D, int TS, float* __restrict__ d_rows,
-                                 float* __restrict__ part,
-                                 float* __restrict__ d_weights) {
+                                 float* __restrict__ part) {
   using T = typename VecT<VEC>::T;
   const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const int k = (int)(gt / TS), lane = (int)(gt % TS);
   const int nch = (n + kPL - 1) / kPL;
   if (k >= nch) return;
-  const unsigned tmask =
-      TS >= 32 ? 0xffffffffu : ((1u << TS) - 1u) << ((threadIdx.x & 31) & ~(TS - 1));
   const int U = clampi(counts[0], 0, n);
   const int cs = k * kPL, ce = min(n, cs + kPL);
   // run [s, e) of the unique index at sorted position j
@@ -1594,16 +1600,13 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
   const int je = (el > ce && el - sl <= kPL) ? el : ce;
   const int DV = D / VEC;
   const T* dv_ = reinterpret_cast<const T*>(dout);
-  const T* rv = reinterpret_cast<const T*>(rows);
   T* o = reinterpret_cast<T*>(d_rows);
   T* pv = reinterpret_cast<T*>(part);
-  for (int dv0 = 0; dv0 < DV; dv0 += TS) {
-    const int dv = dv0 + lane;
-    const bool act = dv < DV;
+  for (int dv = lane; dv < DV; dv += TS) {
     int cur = -1;
     T acc = vzero<T>();
     auto flush = [&](int u) {
-      if (u < 0 || u >= U || !act) return;
+      if (u < 0 || u >= U) return;
       const int s = run_offsets[u], e = run_offsets[u + 1];
       if (e - s <= kPL) {
         o[(size_t)u * DV + dv] = acc;
@@ -1627,13 +1630,11 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
           uj[i] = __ldg(inverse + p);
           wj[i] = __ldg(weights + p);
           const int b = clampi(__ldg(bag_ids + p), 0, B - 1);
-          if (act) xj[i] = dv_[(size_t)b * DV + dv];
+          xj[i] = dv_[(size_t)b * DV + dv];
         }
       }
-      float pd[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        pd[i] = 0.f;
         if (j0 + i < je) {
           if (uj[i] != cur) {
             flush(cur);
@@ -1641,35 +1642,6 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
             acc = vzero<T>();
           }
           vfma(acc, wj[i], xj[i]);
-          if (DW && act) pd[i] = vdot(xj[i], rv[(size_t)clampi(uj[i], 0, n - 1) * DV + dv]);
-        }
-      }
-      if (DW) {
-        // butterfly: after the level of offset off a lane keeps half its
-        // values (the upper half if lane & off); then plain sums past 8 lanes
-        // (a level runs iff off < TS, so all earlier ones ran: h is static)
-        int c = 8, base = 0;
-#pragma unroll
-        for (int lvl = 0; lvl < 3; ++lvl) {
-          const int off = 1 << lvl, h = 4 >> lvl;
-          if (off < TS) {
-            const bool up = lane & off;
-#pragma unroll
-            for (int i = 0; i < h; ++i) {
-              const float send = up ? pd[i] : pd[i + h];
-              const float keep = up ? pd[i + h] : pd[i];
-              pd[i] = keep + __shfl_xor_sync(tmask, send, off);
-            }
-            c = h;
-            if (up) base += h;
-          }
-        }
-        for (int off = 8; off < TS; off <<= 1) pd[0] += __shfl_xor_sync(tmask, pd[0], off);
-        if (lane < 8) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            if (i < c && j0 + base + i < je)  // perm re-read: an L1 hit
-              d_weights[clampi(__ldg(perm + j0 + base + i), 0, n - 1)] = pd[i];
         }
       }
     }
@@ -2247,27 +2219,26 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows,
   const int b1 = (int)(((long long)nch * TS + 255) / 256);
   const int b2 = std::max(1, std::min((int)(((long long)n + 255) / 256),
                                       num_sms() * 16));
-  // d_weights inside pass 1 when a lane holds one vector of a row
-  const bool dw_fused = d_weights != nullptr && DV <= TS;
   const int bw = (int)(((long long)n * TS + 255) / 256);
-#define FLOWTT_POOL_BWD(VEC)                                                           \
-  if (dw_fused)                                                                        \
-    pool_bwd_rows_p1<VEC, true><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm,  \
-        inverse, run_offsets, counts, rows, n, B, D, TS, d_rows, part, d_weights);     \
-  else                                                                                 \
-    pool_bwd_rows_p1<VEC, false><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm, \
-        inverse, run_offsets, counts, rows, n, B, D, TS, d_rows, part, nullptr);       \
-  pool_bwd_rows_p2<VEC><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D, part,       \
-                                                d_rows);                               \
-  if (d_weights != nullptr && !dw_fused)                                               \
-    pool_bwd_weights_kernel<VEC><<<bw, 256, 0, stream>>>(dout, rows, inverse, bag_ids, \
-                                                         perm, n, B, D, TS, d_weights);
   if (v4) {
-    FLOWTT_POOL_BWD(4)
+    pool_bwd_rows_p1<4><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm,
+                                                inverse, run_offsets, counts,
+                                                n, B, D, TS, d_rows, part);
+    pool_bwd_rows_p2<4><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D,
+                                                part, d_rows);
+    if (d_weights != nullptr)
+      pool_bwd_weights_kernel<4><<<bw, 256, 0, stream>>>(
+          dout, rows, inverse, bag_ids, perm, n, B, D, TS, d_weights);
   } else {
-    FLOWTT_POOL_BWD(1)
+    pool_bwd_rows_p1<1><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm,
+                                                inverse, run_offsets, counts,
+                                                n, B, D, TS, d_rows, part);
+    pool_bwd_rows_p2<1><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D,
+                                                part, d_rows);
+    if (d_weights != nullptr)
+      pool_bwd_weights_kernel<1><<<bw, 256, 0, stream>>>(
+          dout, rows, inverse, bag_ids, perm, n, B, D, TS, d_weights);
   }
-#undef FLOWTT_POOL_BWD
   return cudaGetLastError();
 }
 

@@ -140,8 +140,7 @@ def test_bag_matches_reference(kind, dim, rank):
 
 @pytest.mark.parametrize("dim", (4, 8, 6, 9))
 def test_small_and_odd_dims(dim):
-    """Pooling teams of 1 and 2 lanes (D = 4, 8) and rows of D % 4 != 0 (scalar path), with
-    the weight gradient computed inside the first backward pooling pass."""
+    """Pooling teams of 1 and 2 lanes (D = 4, 8) and rows of D % 4 != 0 (the scalar path)."""
     spec, cores, ids, offsets, weights, cot = _case("zipf1.05", dim, 8)
     _check("sum", cores, ids, offsets, weights, cot)
 
