@@ -407,9 +407,6 @@ constexpr int kGT = 256;  // threads of the GEMM tile kernel
 #ifndef FLOWTT_FWD_SMEM_KB
 #define FLOWTT_FWD_SMEM_KB 100
 #endif
-#ifndef FLOWTT_DP_PAIRS  // backward dP loop: two unique ids per step
-#define FLOWTT_DP_PAIRS 0
-#endif
 constexpr int kRPT = 8;   // GEMM rows per thread
 
 // Team of one unique id in apply_team: lane t = qh + QH*(tb + TB*ms) takes
@@ -1127,19 +1124,8 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
                 acc[i][bb] = a;
               }
           };
-          int u = gs;
-#if FLOWTT_DP_PAIRS
-          // two ids per step (both loads in flight at once), summed in id order
-          for (; u + 1 < ge; u += 2) {
-            float dra[MB2 * Q3], gva[4 * Q3], drb[MB2 * Q3], gvb[4 * Q3];
-            load(u, __ldg(uids + u), dra, gva);
-            load(u + 1, __ldg(uids + u + 1), drb, gvb);
-            accumulate(dra, gva);
-            accumulate(drb, gvb);
-          }
-#endif
-          int id_next = u < ge ? __ldg(uids + u) : 0;  // one id ahead
-          for (; u < ge; ++u) {
+          int id_next = gs < ge ? __ldg(uids + gs) : 0;  // one id ahead
+          for (int u = gs; u < ge; ++u) {
             const int id = id_next;
             if (u + 1 < ge) id_next = __ldg(uids + u + 1);
             float dr[MB2 * Q3], gv[4 * Q3];
