@@ -1718,14 +1718,8 @@ __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
   }
 }
 
-// d_weights[p] = dout[bag_p] . rows[u_p], one team per kWPos consecutive
-// sorted positions (p = perm[j]; rows read in runs, not gathered), their
-// loads issued together; lanes sum over vectors, then a fixed xor tree.
-#ifndef FLOWTT_WPOS
-#define FLOWTT_WPOS 4
-#endif
-constexpr int kWPos = FLOWTT_WPOS;
-
+// d_weights[p] = dout[bag_p] . rows[u_p], one team per position, taken in
+// sorted order (p = perm[j]) so the rows are read in runs, not gathered.
 template <int VEC>
 __global__ void pool_bwd_weights_kernel(const float* __restrict__ dout,
                                         const float* __restrict__ rows,
@@ -1736,30 +1730,22 @@ __global__ void pool_bwd_weights_kernel(const float* __restrict__ dout,
                                         float* __restrict__ d_weights) {
   using T = typename VecT<VEC>::T;
   const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const long long j0 = gt / TS * kWPos;
-  const int lane = (int)(gt % TS);
+  const int j = (int)(gt / TS), lane = (int)(gt % TS);
+  const bool valid = j < n;
   const int DV = D / VEC;
-  int k[kWPos], b[kWPos], idx[kWPos];
-  float s[kWPos];
-#pragma unroll
-  for (int i = 0; i < kWPos; ++i) {
-    const bool valid = j0 + i < n;
-    k[i] = valid ? clampi(__ldg(perm + j0 + i), 0, n - 1) : 0;
-    b[i] = valid ? clampi(__ldg(bag_ids + k[i]), 0, B - 1) : 0;
-    idx[i] = valid ? clampi(__ldg(inverse + k[i]), 0, n - 1) : 0;
-    s[i] = 0.f;
+  float s = 0.f;
+  int k = 0;
+  if (valid) {
+    k = clampi(__ldg(perm + j), 0, n - 1);
+    const int b = clampi(__ldg(bag_ids + k), 0, B - 1);
+    const int idx = clampi(__ldg(inverse + k), 0, n - 1);
+    const T* a = reinterpret_cast<const T*>(dout) + (size_t)b * DV;
+    const T* r = reinterpret_cast<const T*>(rows) + (size_t)idx * DV;
+    for (int dv = lane; dv < DV; dv += TS) s += vdot(a[dv], r[dv]);
   }
-  const T* dv_ = reinterpret_cast<const T*>(dout);
-  const T* rv = reinterpret_cast<const T*>(rows);
-  for (int dv = lane; dv < DV; dv += TS)
-#pragma unroll
-    for (int i = 0; i < kWPos; ++i)
-      if (j0 + i < n) s[i] += vdot(dv_[(size_t)b[i] * DV + dv], rv[(size_t)idx[i] * DV + dv]);
-#pragma unroll
-  for (int i = 0; i < kWPos; ++i) {
-    for (int off = TS >> 1; off > 0; off >>= 1) s[i] += __shfl_xor_sync(0xffffffffu, s[i], off);
-    if (j0 + i < n && lane == 0) d_weights[k[i]] = s[i];
-  }
+  for (int off = TS >> 1; off > 0; off >>= 1)
+    s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (valid && lane == 0) d_weights[k] = s;
 }
 
 int team_size(int DV) {
@@ -2219,7 +2205,7 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows,
   const int b1 = (int)(((long long)nch * TS + 255) / 256);
   const int b2 = std::max(1, std::min((int)(((long long)n + 255) / 256),
                                       num_sms() * 16));
-  const int bw = (int)(((long long)(n + kWPos - 1) / kWPos * TS + 255) / 256);
+  const int bw = (int)(((long long)n * TS + 255) / 256);
   if (v4) {
     pool_bwd_rows_p1<4><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm,
                                                 inverse, run_offsets, counts,
