@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/report.py [results/single_table_*.json] > benchmarks/results/REPORT.md
        python benchmarks/report.py --readme README.md [results/single_table_*.json]
-         (rewrites the block between the README's bench markers)
+         (rewrites the block between the README's bench markers; default: the newest file)
 """
 
 from __future__ import annotations
@@ -95,6 +95,8 @@ def replace_block(readme: str, name: str, body: str) -> None:
 
 
 def update_readme(readme: str, paths) -> None:
+    """The README shows the newest results file unless paths are given."""
+    paths = paths or sorted(glob.glob("benchmarks/results/single_table_*.json"))[-1:]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         main(paths)

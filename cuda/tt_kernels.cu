@@ -1540,19 +1540,14 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows,
 // d_rows by a deterministic segmented reduction over the sorted order
 // (positions j -> perm[j]), so that a Zipf-hot id with 10^4..10^5
 // occurrences does not serialise one thread team.
-// Pass 1: team per chunk of kPL sorted positions. A short run (at most kPL
-//   positions) is summed whole, in order, by the team of the chunk it starts
-//   in, reading past the chunk's end if it must (the next team skips it). A
-//   long run leaves one partial per chunk it touches: slot (chunk, 0) where it
-//   started before the chunk, slot (chunk, 1) where it starts inside it.
-// Pass 2: warp per 32 unique ids; a long run sums its partials in chunk
-//   order: up to FLOWTT_P2_SMALL of them by lanes over vectors, more by lanes
-//   over strided partials and a fixed shuffle tree.
+// Pass 1: team per chunk of kPL sorted positions; runs complete inside the
+//   chunk are written to d_rows; a run that started before the chunk leaves
+//   its chunk partial in slot (chunk, 0), a run that starts inside and
+//   continues past the chunk leaves it in slot (chunk, 1).
+// Pass 2: warp per unique id; runs spanning chunks sum their partials in
+//   chunk order (sub-teams over contiguous parts, fixed shuffle tree).
 // d_rows past num_unique is not written (the contract leaves it unspecified).
 constexpr int kPL = 32;
-#ifndef FLOWTT_P2_SMALL  // long runs over at most this many chunk partials: no shuffle tree
-#define FLOWTT_P2_SMALL 8
-#endif
 
 template <int VEC>
 __global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
@@ -1571,19 +1566,6 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
   if (k >= nch) return;
   const int U = clampi(counts[0], 0, n);
   const int cs = k * kPL, ce = min(n, cs + kPL);
-  // run [s, e) of the unique index at sorted position j
-  auto run_of = [&](int j, int& u, int& s, int& e) {
-    u = __ldg(inverse + clampi(__ldg(perm + j), 0, n - 1));
-    const int uc = clampi(u, 0, U > 0 ? U - 1 : 0);
-    s = clampi(__ldg(run_offsets + uc), 0, n);
-    e = clampi(__ldg(run_offsets + uc + 1), s, n);
-  };
-  int u0, s0, e0, ul, sl, el;
-  run_of(cs, u0, s0, e0);
-  run_of(ce - 1, ul, sl, el);
-  // skip a short run begun in an earlier chunk; finish a short run begun here
-  const int jb = (s0 < cs && e0 - s0 <= kPL) ? min(e0, ce) : cs;
-  const int je = (el > ce && el - sl <= kPL) ? el : ce;
   const int DV = D / VEC;
   const T* dv_ = reinterpret_cast<const T*>(dout);
   T* o = reinterpret_cast<T*>(d_rows);
@@ -1594,14 +1576,14 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
     auto flush = [&](int u) {
       if (u < 0 || u >= U) return;
       const int s = run_offsets[u], e = run_offsets[u + 1];
-      if (e - s <= kPL) {
+      if (s >= cs && e <= ce) {
         o[(size_t)u * DV + dv] = acc;
       } else {
         const int side = (s < cs) ? 0 : 1;
         pv[((size_t)k * 2 + side) * DV + dv] = acc;
       }
     };
-    for (int j0 = jb; j0 < je; j0 += 8) {
+    for (int j0 = cs; j0 < ce; j0 += 8) {
       int uj[8];
       float wj[8];
       T xj[8];
@@ -1611,7 +1593,7 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
         uj[i] = -1;
         wj[i] = 0.f;
         xj[i] = vzero<T>();
-        if (j < je) {
+        if (j < ce) {
           const int p = clampi(__ldg(perm + j), 0, n - 1);
           uj[i] = __ldg(inverse + p);
           wj[i] = __ldg(weights + p);
@@ -1621,7 +1603,7 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
       }
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        if (j0 + i < je) {
+        if (j0 + i < ce) {
           if (uj[i] != cur) {
             flush(cur);
             cur = uj[i];
@@ -1673,7 +1655,7 @@ __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
       e = clampi(run_offsets[u + 1], s, n);
     }
     const bool empty = u < U && e <= s;
-    const bool cross = e - s > kPL;  // long run: partials to combine
+    const bool cross = e > s && s / kPL != (e - 1) / kPL;
     for (unsigned zmask = __ballot_sync(0xffffffffu, empty); zmask; zmask &= zmask - 1) {
       const int uz = base + __ffs(zmask) - 1;
       for (int dv = lane; dv < DV; dv += 32) o[(size_t)uz * DV + dv] = vzero<T>();
@@ -1684,15 +1666,6 @@ __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
       const int k0 = __shfl_sync(0xffffffffu, s, src_lane) / kPL;
       const int k1 = (__shfl_sync(0xffffffffu, e, src_lane) - 1) / kPL;
       const int L = k1 - k0 + 1;  // partials: (k0,1), (k0+1,0), ..., (k1,0)
-      if (L <= FLOWTT_P2_SMALL) {  // few partials: lanes over vectors, partials in order
-        for (int dv = lane; dv < DV; dv += 32) {
-          T acc = vzero<T>();
-          for (int i = 0; i < L; ++i)
-            vfma(acc, 1.f, pv[((size_t)(k0 + i) * 2 + (i == 0 ? 1 : 0)) * DV + dv]);
-          o[(size_t)uc * DV + dv] = acc;
-        }
-        continue;
-      }
       for (int dv0 = 0; dv0 < DV; dv0 += kV) {
         T acc[kV];
 #pragma unroll
