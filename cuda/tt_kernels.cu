@@ -1306,9 +1306,6 @@ __global__ void dg3_keys_kernel(Dev d, const int* __restrict__ uids,
   }
 }
 
-// dG3 partials: block (i3, part) sums P_g(u)^T dRow_u over a fixed
-// contiguous part of the i3 bucket (unique ids in ascending order); sub-groups
-// of threads take a fixed strided subset and are combined in order.
 // bounds[k] = first j with keys[j] >= k (k = 0..p3) of the sorted keys (all
 // <= p3): position j writes the keys in (keys[j-1], keys[j]], position n the
 // keys in (keys[n-1], p3]; every k is written once.
@@ -1321,6 +1318,9 @@ __global__ void dg3_bounds_kernel(Dev d, const int* __restrict__ keys, int n,
   for (int k = k0 + 1; k <= k1; ++k) bounds[k] = j;
 }
 
+// dG3 partials: block (i3, part) sums P_g(u)^T dRow_u over a fixed
+// contiguous part of the i3 bucket (unique ids in ascending order); sub-groups
+// of threads take a fixed strided subset and are combined in order.
 __global__ void dg3_kernel(Dev d, const int* __restrict__ bounds,
                            const int* __restrict__ vals, int n,
                            const int* __restrict__ ug,
