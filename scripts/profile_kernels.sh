@@ -3,7 +3,8 @@
 # on the device machine: scripts/profile_kernels.sh [kernel-regex] [launch-count]
 # Writes $OUT/ncu_s1.ncu-rep, $OUT/ncu_details.txt / .csv (all sections) and
 # $OUT/ncu_source_<K>.csv (per-line CUDA/SASS counters of the first launch of each kernel K
-# in FLOWTT_NCU_SOURCE, a space-separated list of name regexes).
+# in FLOWTT_NCU_SOURCE, a space-separated list of name regexes), summarised by
+# scripts/ncu_source_summary.py.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
@@ -19,6 +20,8 @@ ncu -i "$OUT/ncu_s1.ncu-rep" --page details --csv > "$OUT/ncu_details.csv" 2>&1
 for SRC in ${FLOWTT_NCU_SOURCE:-rows_bwd_gemm}; do
   ncu -i "$OUT/ncu_s1.ncu-rep" --page source --csv --print-source cuda,sass \
     --kernel-name "regex:$SRC" --launch-count 1 > "$OUT/ncu_source_$SRC.csv" 2>&1
+  echo "== $SRC: source lines by stall samples"
+  python3 scripts/ncu_source_summary.py "$OUT/ncu_source_$SRC.csv" 12
 done
 grep -E "^  [a-z_]|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Compute \(SM\) Throughput|Memory Throughput|L2 Hit|Local" \
   "$OUT/ncu_details.txt" | head -200
