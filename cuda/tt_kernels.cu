@@ -1096,12 +1096,15 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
           const int gs = s_gs[k0 + k], ge = s_ge[k0 + k];
-          // dRow_u rows m0.. and G3[i3_u] columns b0..b0+3 of unique index u
-          auto load = [&](int u, int id, float* dr, float* gv) {
+          int id_next = gs < ge ? __ldg(uids + gs) : 0;  // one id ahead
+          for (int u = gs; u < ge; ++u) {
+            const int id = id_next;
+            if (u + 1 < ge) id_next = __ldg(uids + u + 1);
             const float4* dr4 = reinterpret_cast<const float4*>(
                 d_rows + (size_t)u * d.D + m0 * Q3);
             const float4* g34 = reinterpret_cast<const float4*>(
                 g3 + ((size_t)id3(d, id) * d.r2 + b0) * Q3);
+            float dr[MB2 * Q3], gv[4 * Q3];
 #pragma unroll
             for (int i = 0; i < MB2 * Q3 / 4; ++i) {
               const float4 v = __ldg(dr4 + i);
@@ -1112,8 +1115,6 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
               const float4 v = __ldg(g34 + i);
               gv[4 * i] = v.x; gv[4 * i + 1] = v.y; gv[4 * i + 2] = v.z; gv[4 * i + 3] = v.w;
             }
-          };
-          auto accumulate = [&](const float* dr, const float* gv) {
 #pragma unroll
             for (int i = 0; i < MB2; ++i)
 #pragma unroll
@@ -1123,14 +1124,6 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
                 for (int q = 0; q < Q3; ++q) a = fmaf(dr[i * Q3 + q], gv[bb * Q3 + q], a);
                 acc[i][bb] = a;
               }
-          };
-          int id_next = gs < ge ? __ldg(uids + gs) : 0;  // one id ahead
-          for (int u = gs; u < ge; ++u) {
-            const int id = id_next;
-            if (u + 1 < ge) id_next = __ldg(uids + u + 1);
-            float dr[MB2 * Q3], gv[4 * Q3];
-            load(u, id, dr, gv);
-            accumulate(dr, gv);
           }
 #pragma unroll
           for (int i = 0; i < MB2; ++i)
