@@ -64,6 +64,18 @@ def cuda_unsupported_reason(cores) -> str | None:
     return ext.unsupported_reason(p1, p2, p3, q1, q2, q3, r1, r2)
 
 
+def has_target(name: str, platform: str) -> bool:
+    """True when the extension for ``platform`` ("cpu" or "gpu") registered target ``name``."""
+    module = {"cpu": "_flowtt_cpu", "gpu": "_flowtt_cuda"}[platform]
+    ext = _import(module) if _register() else None
+    return ext is not None and name in ext.registrations()
+
+
+def call(target: str, outs, *args, **attrs):
+    """``jax.ffi.ffi_call`` of one of this package's targets (sequential under vmap)."""
+    return _call(target, outs, *args, **attrs)
+
+
 def _call(target: str, outs, *args, **attrs):
     if not available():
         raise ImportError(

@@ -1,0 +1,233 @@
+"""Table-batched TT bags: every feature of a shape group in one plan and one launch per stage.
+
+``tt_embedding_bag_group`` is FBGEMM's table-batched embedding bag with TT tables: one
+flat ids array, feature-major offsets ``[F*B + 1]`` (bag b of feature f is
+``ids[offsets[f*B + b] : offsets[f*B + b + 1]]``), optional per-id weights and a static
+feature -> table map (features may share a table), over the packed cores of a
+``GroupLayout``. The pipeline: per-feature pooling weights and out-of-range policy ->
+one sort of all (table, id) keys (``make_group_plan``) -> unique rows of every table
+(``flowtt_tb_rows_fwd``) -> fixed-order pooling of all ``F*B`` bags (the single-table
+``flowtt_bag_pool_fwd``), under one ``jax.custom_vjp`` whose backward gives the packed
+core gradients (``flowtt_tb_rows_bwd``, bitwise reproducible) and the weights'.
+
+``impl``: ``"auto"`` (the kernels when built and the group's shapes are supported, else
+the reference), ``"ffi"`` (require them), ``"reference"`` (per-position gathers in
+``jax.numpy``: the "TT from XLA ops" baseline).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from . import ffi
+from .bag import MODES, canonical_bags
+from .batched_plan import GroupLayout, GroupPlan, make_group_plan, plan_rows
+from .oob import OOB_POLICIES
+from .plan import Plan
+
+__all__ = ["tt_embedding_bag_group", "kernels_unsupported_reason"]
+
+IMPLS = ("auto", "ffi", "reference")
+_TARGETS = ("flowtt_tb_rows_fwd", "flowtt_tb_rows_bwd")
+
+
+def kernels_unsupported_reason(layout: GroupLayout) -> str | None:
+    """Why the batched kernels cannot run this group on the default backend, or None."""
+    if not ffi.available():
+        return "the compiled extension (_flowtt_cpu) is not built"
+    platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    if not all(ffi.has_target(t, platform) for t in _TARGETS):
+        return f"this build has no table-batched kernels (flowtt_tb_rows_*) for {platform}"
+    if platform == "gpu":
+        return ffi.cuda_unsupported_reason(layout.packed_shapes())
+    return None
+
+
+def _f32(shape) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _plan_args(plan: GroupPlan):
+    return plan.u_i3, plan.g_i1, plan.g_i2, plan.group_offsets, plan.counts
+
+
+def _rows_fwd(packed, plan: GroupPlan, dim: int) -> jax.Array:
+    return ffi.call("flowtt_tb_rows_fwd", _f32((plan.u_i3.shape[0], dim)), *packed, *_plan_args(plan))
+
+
+def _rows_bwd(packed, d_rows, plan: GroupPlan):
+    outs = tuple(_f32(c.shape) for c in packed)
+    return tuple(ffi.call("flowtt_tb_rows_bwd", outs, *packed, d_rows, *_plan_args(plan)))
+
+
+def _sort_plan(keys: jax.Array, num_keys: int):
+    return ffi.plan(keys, 1, num_keys)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _group_bags(layout, weighted, packed, weights, ids, tables, offsets, bag_ids):
+    return _group_bags_fwd(layout, weighted, packed, weights, ids, tables, offsets, bag_ids)[0]
+
+
+def _group_bags_fwd(layout, weighted, packed, weights, ids, tables, offsets, bag_ids):
+    plan = make_group_plan(layout, ids, tables, _sort_plan)
+    rows = _rows_fwd(packed, plan, layout.dim)
+    out = ffi.pool_fwd(rows, plan.inverse, weights, offsets)
+    return out, (packed, weights, bag_ids, plan, rows)
+
+
+def _group_bags_bwd(layout, weighted, res, dout):
+    packed, weights, bag_ids, plan, rows = res
+    single = Plan(plan.perm, plan.inverse, plan.u_i3, plan.run_offsets, plan.group_offsets,
+                      plan.counts)
+    d_rows, d_weights = ffi.pool_bwd(dout, rows, weights, bag_ids, single, with_d_weights=weighted)
+    d_packed = _rows_bwd(packed, d_rows, plan)
+    if d_weights is None:
+        d_weights = jnp.zeros_like(weights)
+    return d_packed, d_weights, None, None, None, None
+
+
+_group_bags.defvjp(_group_bags_fwd, _group_bags_bwd)
+
+
+def _reference_bags(layout: GroupLayout, packed, weights, ids, tables, bag_ids, num_bags):
+    """Bags [num_bags, D] by per-position gathers of the packed cores (no plan)."""
+    meta = layout.table_arrays()
+    p2, p3 = meta["p2"][tables], meta["p3"][tables]
+    prefix = ids // p3
+    i1 = meta["o1"][tables] + prefix // p2
+    i2 = meta["o2"][tables] + prefix % p2
+    i3 = meta["o3"][tables] + ids % p3
+    g1, g2, g3 = packed
+    rows = jnp.einsum("nxa,naqb,nbz->nxqz", g1[i1, 0], g2[i2], g3[i3, :, :, 0])
+    rows = rows.reshape(ids.shape[0], -1)
+    return jax.ops.segment_sum(rows * weights[:, None], bag_ids, num_segments=num_bags)
+
+
+def _modes(mode: str | Sequence[str], num_features: int) -> tuple[str, ...]:
+    modes = (mode,) * num_features if isinstance(mode, str) else tuple(mode)
+    if len(modes) != num_features:
+        raise ValueError(f"mode: one per feature ({num_features}), got {len(modes)}")
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {m!r}")
+    return modes
+
+
+def _apply_table_oob(ids, tables, num_rows, policy: str):
+    """``(int32 ids in [0, N_t), valid)``: ``oob`` per position against its table's N."""
+    if policy not in OOB_POLICIES:
+        raise ValueError(f"oob must be one of {OOB_POLICIES}, got {policy!r}")
+    limit = num_rows[tables]
+    ids32 = ids.astype(jnp.int32)
+    valid = (ids >= 0) & (ids32 < limit) & (ids32 >= 0)
+    if policy == "error":
+        if isinstance(ids, jax.core.Tracer) or isinstance(valid, jax.core.Tracer):
+            checkify.check(jnp.all(valid), "ids out of range of their tables: found {bad} at {pos}",
+                           bad=ids[jnp.argmin(valid)] if ids.size else 0,
+                           pos=jnp.argmin(valid) if ids.size else 0)
+        else:
+            bad = np.flatnonzero(~np.asarray(valid))
+            if bad.size:
+                raise ValueError(f"{bad.size} id(s) out of range of their tables, e.g. position "
+                                 f"{bad[0]}: id {np.asarray(ids)[bad[0]]}, table rows "
+                                 f"{np.asarray(limit)[bad[0]]}")
+    clipped = jnp.clip(ids32, 0, limit - 1)
+    if policy == "zero":
+        return jnp.where(valid, clipped, 0), valid
+    return clipped, None
+
+
+def _choose_impl(impl: str, layout: GroupLayout, dtypes) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "reference":
+        return impl
+    reason = kernels_unsupported_reason(layout)
+    if reason is None and not all(d in (jnp.float32, jnp.bfloat16, jnp.float16) for d in dtypes):
+        reason = f"the kernels take float32/bfloat16/float16 cores, got {[str(d) for d in dtypes]}"
+    if impl == "ffi" and reason:
+        raise ValueError(f"impl='ffi': {reason} (use impl='reference')")
+    return "reference" if reason else "ffi"
+
+
+def tt_embedding_bag_group(
+    packed: Sequence[jax.Array],
+    layout: GroupLayout,
+    ids: jax.Array,
+    offsets: jax.Array,
+    feature_tables: Sequence[int],
+    *,
+    weights: jax.Array | None = None,
+    mode: str | Sequence[str] = "sum",
+    oob: str = "zero",
+    impl: str = "auto",
+    dtype: jnp.dtype | None = None,
+) -> jax.Array:
+    """Pooled bags of every feature of a shape group: ``[F, B, D]`` in ``dtype``.
+
+    Args:
+      packed: the group's packed cores (``GroupLayout.packed_shapes()``).
+      layout: static ``GroupLayout`` of the group's T tables.
+      ids: int ids [n], each local to its feature's table.
+      offsets: int [F*B + 1], feature-major CSR (non-decreasing; concrete offsets are
+        checked, traced ones clamped into a valid CSR like ``tt_embedding_bag``'s).
+      feature_tables: static table index in ``[0, T)`` per feature (F entries).
+      weights: optional float per-id weights [n] (differentiable).
+      mode: ``"sum" | "mean" | "sqrtn"``, or one per feature; an empty bag gives zeros.
+      oob: ``"error" | "clip" | "zero"`` against each id's own table.
+      impl: ``"auto" | "ffi" | "reference"``.
+      dtype: output dtype (default: the cores'); accumulation is float32 at least.
+    """
+    packed = tuple(packed)
+    shapes = tuple(tuple(c.shape) for c in packed)
+    if shapes != layout.packed_shapes():
+        raise ValueError(f"packed core shapes {shapes} != the layout's {layout.packed_shapes()}")
+    feature_tables = tuple(int(t) for t in feature_tables)
+    num_features = len(feature_tables)
+    if num_features == 0 or not all(0 <= t < layout.num_tables for t in feature_tables):
+        raise ValueError(f"feature_tables must be table indices in [0, {layout.num_tables}), "
+                         f"got {feature_tables}")
+    offsets = jnp.asarray(offsets)
+    if offsets.ndim != 1 or (offsets.shape[0] - 1) % num_features:
+        raise ValueError(f"offsets must be [F*B + 1] with F = {num_features} features, "
+                         f"got shape {offsets.shape}")
+    batch = (offsets.shape[0] - 1) // num_features
+    modes = _modes(mode, num_features)
+    impl = _choose_impl(impl, layout, [c.dtype for c in packed])
+    out_dtype = packed[0].dtype if dtype is None else dtype
+    dim = layout.dim
+    ids = jnp.asarray(ids)
+    if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"ids must be a flat int array [n], got {ids.dtype}{list(ids.shape)}")
+    num_bags = num_features * batch
+    if ids.shape[0] == 0 or batch == 0:
+        return jnp.zeros((num_features, batch, dim), out_dtype)
+
+    bags = canonical_bags(ids, offsets=offsets, segment_ids=None, num_bags=None, mask=None,
+                          weights=weights, mode="sum")
+    feature = bags.bag_ids // batch
+    tables = jnp.asarray(feature_tables, jnp.int32)[feature]
+    flat, valid = _apply_table_oob(bags.ids, tables, layout.table_arrays()["num_rows"], oob)
+    w = bags.weights if valid is None else jnp.where(valid, bags.weights, 0.0)
+    if any(m != "sum" for m in modes):
+        lengths = jnp.maximum(jnp.diff(bags.offsets), 1).astype(w.dtype)
+        per_bag = np.repeat(np.asarray([MODES.index(m) for m in modes]), batch)
+        scale = jnp.where(per_bag == 1, 1.0 / lengths,
+                          jnp.where(per_bag == 2, jax.lax.rsqrt(lengths), 1.0))
+        w = w * scale[bags.bag_ids]
+
+    c32 = tuple(c.astype(jnp.promote_types(c.dtype, jnp.float32)) for c in packed)
+    if impl == "reference":
+        out = _reference_bags(layout, c32, w.astype(c32[0].dtype), flat, tables, bags.bag_ids,
+                              num_bags)
+    else:
+        out = _group_bags(layout, weights is not None, c32, w.astype(jnp.float32), flat, tables,
+                          bags.offsets, bags.bag_ids)
+    return out.reshape(num_features, batch, dim).astype(out_dtype)

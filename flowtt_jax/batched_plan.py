@@ -1,0 +1,212 @@
+"""Many TT tables of one shape group: packed cores and one on-device plan for all of them.
+
+A *shape group* is a set of 3-core TT tables with the same column shape and ranks
+(``docs/batched_contract.md``). Their cores are stored packed per core index, table
+``t``'s core k being rows ``[core_offsets[k][t], core_offsets[k][t+1])`` of the packed
+core, so a step never concatenates cores. ``make_group_plan`` sorts every (table, id)
+of a batch once and hands the kernels explicit packed core-row indices: one launch
+per stage serves the whole group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .plan import _starts_to_offsets, make_plan
+from .spec import TTSpec
+
+__all__ = ["GroupLayout", "GroupPlan", "make_group_plan"]
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupLayout:
+    """Static layout of a shape group: per-table specs and where each table's cores sit
+    in the packed cores. Hashable (a static argument under ``jit``)."""
+
+    specs: tuple[TTSpec, ...]
+
+    def __post_init__(self) -> None:
+        specs = tuple(self.specs)
+        object.__setattr__(self, "specs", specs)
+        if not specs:
+            raise ValueError("a shape group needs at least one table")
+        first = specs[0]
+        for t, s in enumerate(specs):
+            if len(s.row_shape) != 3:
+                raise ValueError(f"table {t}: the batched op takes 3-core tables, got {len(s.row_shape)}")
+            if s.col_shape != first.col_shape or s.ranks != first.ranks:
+                raise ValueError(
+                    f"table {t}: col_shape {s.col_shape} / ranks {s.ranks} differ from table 0's "
+                    f"{first.col_shape} / {first.ranks}: tables of one group share both"
+                )
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.specs)
+
+    @property
+    def dim(self) -> int:
+        return self.specs[0].embedding_dim
+
+    @property
+    def core_offsets(self) -> tuple[tuple[int, ...], ...]:
+        """Per core index k: ``T + 1`` row offsets of the tables in the packed core k."""
+        return tuple(
+            tuple(int(x) for x in np.concatenate([[0], np.cumsum([s.row_shape[k] for s in self.specs])]))
+            for k in range(3)
+        )
+
+    @property
+    def row_base(self) -> tuple[int, ...]:
+        """``T + 1`` offsets of the tables in one key space of padded rows (prod(row_shape))."""
+        sizes = [math.prod(s.row_shape) for s in self.specs]
+        return tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]))
+
+    def packed_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of the packed cores: ``[sum_t p_k, r_{k-1}, q_k, r_k]``."""
+        s0 = self.specs[0]
+        return tuple(
+            (self.core_offsets[k][-1], s0.ranks[k], s0.col_shape[k], s0.ranks[k + 1]) for k in range(3)
+        )
+
+    def table_cores(self, packed: Sequence[jax.Array], t: int) -> tuple[jax.Array, ...]:
+        """Table ``t``'s cores ``[p_k, r_{k-1}, q_k, r_k]``: static slices of the packed cores."""
+        offs = self.core_offsets
+        return tuple(c[offs[k][t] : offs[k][t + 1]] for k, c in enumerate(packed))
+
+    def pack(self, tables: Sequence[Sequence[jax.Array]]) -> tuple[jax.Array, ...]:
+        """Packed cores from per-table cores (for init, import and tests, not per step)."""
+        if len(tables) != self.num_tables:
+            raise ValueError(f"expected {self.num_tables} tables' cores, got {len(tables)}")
+        for t, (cores, spec) in enumerate(zip(tables, self.specs)):
+            shapes = tuple(tuple(c.shape) for c in cores)
+            if shapes != spec.core_shapes:
+                raise ValueError(f"table {t}: core shapes {shapes} != spec's {spec.core_shapes}")
+        return tuple(jnp.concatenate([cores[k] for cores in tables], axis=0) for k in range(3))
+
+    def table_arrays(self) -> dict[str, jax.Array]:
+        """Per-table int32 metadata [T]: rows, p2, p3 and the packed core offsets."""
+        offs = self.core_offsets
+        return {
+            "num_rows": jnp.asarray([s.num_embeddings for s in self.specs], jnp.int32),
+            "p2": jnp.asarray([s.row_shape[1] for s in self.specs], jnp.int32),
+            "p3": jnp.asarray([s.row_shape[2] for s in self.specs], jnp.int32),
+            "o1": jnp.asarray(offs[0][:-1], jnp.int32),
+            "o2": jnp.asarray(offs[1][:-1], jnp.int32),
+            "o3": jnp.asarray(offs[2][:-1], jnp.int32),
+        }
+
+
+class GroupPlan(NamedTuple):
+    """The plan of ``docs/batched_contract.md``; every field int32.
+
+    perm [n], inverse [n], run_offsets [n+1], group_offsets [n+1] as the single-table
+    plan (keys are (table, id)); u_i3 [n]: packed g3 row per unique; g_i1, g_i2 [n]:
+    packed g1 / g2 rows per prefix group; counts [2]: (num_unique, num_groups).
+    """
+
+    perm: jax.Array
+    inverse: jax.Array
+    run_offsets: jax.Array
+    group_offsets: jax.Array
+    u_i3: jax.Array
+    g_i1: jax.Array
+    g_i2: jax.Array
+    counts: jax.Array
+
+
+def _sorted_unique(layout: GroupLayout, ids: jax.Array, tables: jax.Array, sort_plan):
+    """``(perm, inverse, run_offsets, num_unique, unique table [n], unique id [n])``."""
+    n = ids.shape[0]
+    base = layout.row_base
+    if base[-1] <= _INT32_MAX:
+        # One int32 key per position: table base + id (only the needed bits are sorted).
+        keys = jnp.asarray(base[:-1], jnp.int32)[tables] + ids
+        p = sort_plan(keys, base[-1])
+        num_unique = p.counts[0]
+        ut = jnp.searchsorted(jnp.asarray(base[1:-1], jnp.int32), p.unique_ids, side="right",
+                              method="scan_unrolled").astype(jnp.int32)
+        uid = p.unique_ids - jnp.asarray(base[:-1], jnp.int32)[ut]
+        return p.perm, p.inverse, p.run_offsets, num_unique, ut, uid
+    # Keys past int32: two stable sorts (by id, then by table) give the (table, id) order.
+    iota = jnp.arange(n, dtype=jnp.int32)
+    _, by_id = jax.lax.sort((ids, iota), num_keys=1, is_stable=True)
+    st, perm = jax.lax.sort((tables[by_id], by_id), num_keys=1, is_stable=True)
+    sid = ids[perm]
+    new = jnp.concatenate([jnp.ones((1,), bool), (st[1:] != st[:-1]) | (sid[1:] != sid[:-1])])
+    uidx = (jnp.cumsum(new, dtype=jnp.int32) - 1).astype(jnp.int32)
+    num_unique = uidx[-1] + 1
+    inverse = jnp.zeros((n,), jnp.int32).at[perm].set(uidx, unique_indices=True)
+    run_offsets = _starts_to_offsets(new, uidx, jnp.int32(n))
+    first = jnp.minimum(run_offsets[:n], n - 1)
+    return perm, inverse, run_offsets, num_unique, st[first], sid[first]
+
+
+def _reference_sort_plan(keys: jax.Array, num_keys: int):
+    return make_plan(keys, 1)
+
+
+def make_group_plan(layout: GroupLayout, ids: jax.Array, tables: jax.Array, sort_plan=None) -> GroupPlan:
+    """Plan for ids [n] int32 (each in ``[0, N_t)`` of its table) and tables [n] int32
+    (in ``[0, T)``); n >= 1.
+
+    ``sort_plan(keys, num_keys)`` sorts int32 keys in ``[0, num_keys)`` into a single-table
+    ``Plan`` with ``last_extent = 1`` (``flowtt_jax.ffi.plan``: cub radix sort on the GPU);
+    default: the pure-JAX ``make_plan``.
+    """
+    n = ids.shape[0]
+    meta = layout.table_arrays()
+    perm, inverse, run_offsets, num_unique, ut, uid = _sorted_unique(
+        layout, ids.astype(jnp.int32), tables.astype(jnp.int32), sort_plan or _reference_sort_plan
+    )
+    iota = jnp.arange(n, dtype=jnp.int32)
+    live = iota < num_unique
+    ut = jnp.where(live, ut, 0)
+    uid = jnp.where(live, uid, 0)
+    p2, p3 = meta["p2"][ut], meta["p3"][ut]
+    prefix = uid // p3
+    new_group = live & jnp.concatenate(
+        [jnp.ones((1,), bool), (ut[1:] != ut[:-1]) | (prefix[1:] != prefix[:-1])]
+    )
+    gidx = (jnp.cumsum(new_group, dtype=jnp.int32) - 1).astype(jnp.int32)
+    num_groups = gidx[-1] + 1
+    group_offsets = _starts_to_offsets(new_group, gidx, num_unique)
+    head = jnp.minimum(group_offsets[:n], n - 1)  # first unique index of each group
+    g_live = iota < num_groups
+    g_i1 = jnp.where(g_live, meta["o1"][ut[head]] + prefix[head] // p2[head], 0)
+    g_i2 = jnp.where(g_live, meta["o2"][ut[head]] + prefix[head] % p2[head], 0)
+    u_i3 = jnp.where(live, meta["o3"][ut] + uid % p3, 0)
+    counts = jnp.stack([num_unique, num_groups]).astype(jnp.int32)
+    return GroupPlan(perm, inverse, run_offsets, group_offsets, u_i3.astype(jnp.int32),
+                     g_i1.astype(jnp.int32), g_i2.astype(jnp.int32), counts)
+
+
+def unique_groups(plan: GroupPlan) -> jax.Array:
+    """Prefix group of every unique index [n] int32 (past num_unique: the last group)."""
+    n = plan.u_i3.shape[0]
+    g = jnp.searchsorted(plan.group_offsets[1:], jnp.arange(n, dtype=jnp.int32), side="right",
+                         method="scan_unrolled")
+    return jnp.minimum(g, jnp.maximum(plan.counts[1] - 1, 0)).astype(jnp.int32)
+
+
+def plan_rows(packed: Sequence[jax.Array], plan: GroupPlan) -> jax.Array:
+    """The contract's op 1 in ``jax.numpy``: unique rows [n, D] (0 past num_unique).
+
+    The oracle of ``flowtt_tb_rows_fwd``; its ``jax.vjp`` is that of ``flowtt_tb_rows_bwd``.
+    """
+    g1, g2, g3 = packed
+    ug = unique_groups(plan)
+    a = g1[plan.g_i1[ug], 0]  # [n, q1, r1]
+    b = g2[plan.g_i2[ug]]  # [n, r1, q2, r2]
+    c = g3[plan.u_i3, :, :, 0]  # [n, r2, q3]
+    rows = jnp.einsum("nxa,naqb,nbz->nxqz", a, b, c).reshape(a.shape[0], -1)
+    live = jnp.arange(rows.shape[0]) < plan.counts[0]
+    return jnp.where(live[:, None], rows, 0)

@@ -1,0 +1,243 @@
+"""The table-batched op against a per-table loop of the single-table reference.
+
+Every check draws fresh random cores and ids (fixed seeds) for a group of tables of
+different sizes and row shapes; two features share a table, one feature is empty,
+bags are empty at random, ids hit each table's last row.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flowtt_jax as ftt
+from flowtt_jax.batched import kernels_unsupported_reason, tt_embedding_bag_group
+from flowtt_jax.batched_plan import GroupLayout, make_group_plan, plan_rows
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+SPECS = (
+    ftt.TTSpec.create(1000, 16, 4, row_shape=(10, 10, 10), col_shape=(2, 2, 4)),
+    ftt.TTSpec.create(37, 16, 4, row_shape=(2, 4, 5), col_shape=(2, 2, 4)),
+    ftt.TTSpec.create(5000, 16, 4, row_shape=(5, 4, 250), col_shape=(2, 2, 4)),
+    ftt.TTSpec.create(3, 16, 4, row_shape=(2, 1, 2), col_shape=(2, 2, 4)),
+)
+LAYOUT = GroupLayout(SPECS)
+# features -> tables: table 0 read by features 0 and 3, feature 4 (table 1) is empty
+FEATURE_TABLES = (0, 2, 1, 0, 1, 3)
+IMPLS = ["reference"] + ([] if kernels_unsupported_reason(LAYOUT) else ["ffi"])
+
+
+def make_packed(seed: int, layout: GroupLayout = LAYOUT):
+    keys = jax.random.split(jax.random.key(seed), layout.num_tables)
+    return layout.pack([ftt.init_cores(k, s, std=1.0) for k, s in zip(keys, layout.specs)])
+
+
+def make_batch(seed: int, batch: int = 7, feature_tables=FEATURE_TABLES, specs=SPECS, empty=(4,)):
+    """ids [n], offsets [F*B+1], weights [n] (numpy), and per-feature (ids, offsets)."""
+    rng = np.random.default_rng(seed)
+    ids, lengths = [], []
+    for f, t in enumerate(feature_tables):
+        n_rows = specs[t].num_embeddings
+        for _ in range(batch):
+            length = 0 if f in empty else int(rng.choice([0, 1, 2, 5, 13]))
+            draw = rng.integers(0, n_rows, length)
+            draw[rng.random(length) < 0.3] = n_rows - 1  # last row, duplicates
+            ids.append(draw)
+            lengths.append(length)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    ids = np.concatenate(ids).astype(np.int32)
+    weights = rng.standard_normal(ids.shape[0]).astype(np.float32)
+    return ids, offsets, weights
+
+
+def per_table_loop(packed, ids, offsets, weights, modes, feature_tables=FEATURE_TABLES,
+                   layout=LAYOUT, oob="zero"):
+    """[F, B, D]: one reference ``tt_embedding_bag`` per feature."""
+    num_features = len(feature_tables)
+    batch = (len(offsets) - 1) // num_features
+    outs = []
+    for f, t in enumerate(feature_tables):
+        lo, hi = offsets[f * batch], offsets[(f + 1) * batch]
+        feature_offsets = offsets[f * batch : (f + 1) * batch + 1] - lo
+        outs.append(ftt.tt_embedding_bag(
+            layout.table_cores(packed, t), ids[lo:hi], offsets=feature_offsets,
+            weights=None if weights is None else weights[lo:hi], mode=modes[f],
+            num_embeddings=layout.specs[t].num_embeddings, oob=oob, impl="reference"))
+    return jnp.stack(outs)
+
+
+def test_layout_packs_and_slices_back():
+    tables = [ftt.init_cores(jax.random.key(t), s) for t, s in enumerate(SPECS)]
+    packed = LAYOUT.pack(tables)
+    assert tuple(c.shape for c in packed) == LAYOUT.packed_shapes()
+    for t, cores in enumerate(tables):
+        for a, b in zip(LAYOUT.table_cores(packed, t), cores):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="share both"):
+        GroupLayout((SPECS[0], ftt.TTSpec.create(100, 16, 8, col_shape=(2, 2, 4))))
+    with pytest.raises(ValueError, match="3-core"):
+        GroupLayout((ftt.TTSpec.create(100, 16, 4, num_cores=2),))
+
+
+def _brute_force_plan(layout, ids, tables):
+    keys = sorted(set(zip(tables.tolist(), ids.tolist())))
+    offs = layout.core_offsets
+    u_i3, groups = [], []
+    for t, i in keys:
+        p2, p3 = layout.specs[t].row_shape[1:]
+        u_i3.append(offs[2][t] + i % p3)
+        g = (t, i // p3)
+        if not groups or groups[-1][0] != g:
+            groups.append((g, offs[0][t] + i // (p2 * p3), offs[1][t] + (i // p3) % p2))
+    return keys, u_i3, groups
+
+
+@pytest.mark.parametrize("huge", [False, True], ids=["int32_keys", "two_sorts"])
+def test_plan_matches_brute_force(huge):
+    specs = SPECS if not huge else (
+        ftt.TTSpec.create(1_500_000_000, 16, 4, col_shape=(2, 2, 4)),
+        SPECS[1],
+        ftt.TTSpec.create(1_600_000_000, 16, 4, col_shape=(2, 2, 4)),
+    )
+    layout = GroupLayout(specs)
+    assert (layout.row_base[-1] > 2**31 - 1) == huge
+    rng = np.random.default_rng(0)
+    n = 400
+    tables = rng.integers(0, len(specs), n).astype(np.int32)
+    n_rows = np.asarray([s.num_embeddings for s in specs])[tables]
+    ids = (rng.integers(0, 40, n) * (n_rows // 40) + rng.integers(0, 3, n)).astype(np.int32)
+    ids = np.minimum(ids, n_rows - 1).astype(np.int32)
+    plan = jax.jit(make_group_plan, static_argnums=0)(layout, jnp.asarray(ids), jnp.asarray(tables))
+    keys, u_i3, groups = _brute_force_plan(layout, ids, tables)
+    nu, ng = (int(x) for x in plan.counts)
+    assert (nu, ng) == (len(keys), len(groups))
+    np.testing.assert_array_equal(plan.u_i3[:nu], u_i3)
+    np.testing.assert_array_equal(plan.g_i1[:ng], [g[1] for g in groups])
+    np.testing.assert_array_equal(plan.g_i2[:ng], [g[2] for g in groups])
+    inv = np.asarray(plan.inverse)
+    for k in range(n):
+        assert keys[inv[k]] == (tables[k], ids[k])
+    perm, runs = np.asarray(plan.perm), np.asarray(plan.run_offsets)
+    for u in range(nu):
+        assert np.all(inv[perm[runs[u] : runs[u + 1]]] == u)
+        assert np.all(np.diff(perm[runs[u] : runs[u + 1]]) > 0)  # stable
+    np.testing.assert_array_equal(runs[nu:], n)
+    go = np.asarray(plan.group_offsets)
+    assert go[0] == 0 and np.all(go[ng:] == nu)
+    assert np.all(np.diff(np.asarray(plan.g_i1[:ng])) >= 0)
+
+
+def test_plan_rows_are_the_tables_rows():
+    packed = make_packed(1)
+    ids, offsets, _ = make_batch(2)
+    tables = np.repeat(np.asarray(FEATURE_TABLES), 7)[
+        np.searchsorted(offsets, np.arange(len(ids)), side="right") - 1]
+    plan = make_group_plan(LAYOUT, jnp.asarray(ids), jnp.asarray(tables, jnp.int32))
+    rows = np.asarray(plan_rows(packed, plan))
+    dense = [np.asarray(ftt.to_dense(LAYOUT.table_cores(packed, t), s.num_embeddings))
+             for t, s in enumerate(SPECS)]
+    inv = np.asarray(plan.inverse)
+    for k in range(len(ids)):
+        np.testing.assert_allclose(rows[inv[k]], dense[tables[k]][ids[k]], rtol=1e-5, atol=1e-6)
+    assert np.all(rows[int(plan.counts[0]):] == 0)
+
+
+MODES = ("sum", "mean", "sqrtn", "sum", "mean", "sqrtn")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_forward_matches_per_table_loop(impl, weighted):
+    packed = make_packed(3)
+    ids, offsets, weights = make_batch(4)
+    w = weights if weighted else None
+    out = jax.jit(lambda c, i, o, w: tt_embedding_bag_group(
+        c, LAYOUT, i, o, FEATURE_TABLES, weights=w, mode=MODES, impl=impl))(packed, ids, offsets, w)
+    expected = per_table_loop(packed, ids, offsets, w, MODES)
+    assert out.shape == (len(FEATURE_TABLES), 7, 16)
+    np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6)
+    assert np.all(np.asarray(out[4]) == 0)  # the empty feature
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradients_match_per_table_loop(impl):
+    packed = make_packed(5)
+    ids, offsets, weights = make_batch(6)
+    dout = jax.random.normal(jax.random.key(7), (len(FEATURE_TABLES), 7, 16))
+
+    def loss(fn):
+        return lambda c, w: jnp.sum(fn(c, w) * dout)
+
+    ours = jax.jit(jax.grad(loss(lambda c, w: tt_embedding_bag_group(
+        c, LAYOUT, ids, offsets, FEATURE_TABLES, weights=w, mode=MODES, impl=impl)), (0, 1)))
+    ref = jax.grad(loss(lambda c, w: per_table_loop(c, ids, offsets, w, MODES)), (0, 1))
+    (dc, dw), (dc_ref, dw_ref) = ours(packed, weights), ref(packed, weights)
+    for a, b in zip(dc, dc_ref):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(dw, dw_ref, rtol=2e-5, atol=2e-5)
+    again = ours(packed, weights)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves((dc, dw))):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()  # bitwise reproducible
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("oob", ["zero", "clip"])
+def test_out_of_range_ids_follow_the_policy_per_table(impl, oob):
+    packed = make_packed(8)
+    ids, offsets, weights = make_batch(9)
+    rng = np.random.default_rng(10)
+    bad = rng.random(len(ids)) < 0.2
+    ids = np.where(bad, rng.choice([-3, 7000, 2**30], len(ids)), ids).astype(np.int32)
+    out = tt_embedding_bag_group(packed, LAYOUT, ids, offsets, FEATURE_TABLES, weights=weights,
+                                 mode=MODES, oob=oob, impl=impl)
+    expected = per_table_loop(packed, ids, offsets, weights, MODES, oob=oob)
+    np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6)
+
+
+def test_oob_error_names_the_position():
+    packed = make_packed(11)
+    ids, offsets, _ = make_batch(12)
+    ids[3] = 10**6
+    with pytest.raises(ValueError, match="position 3"):
+        tt_embedding_bag_group(packed, LAYOUT, ids, offsets, FEATURE_TABLES, oob="error")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_vmap_over_weights(impl):
+    packed = make_packed(13)
+    ids, offsets, weights = make_batch(14)
+    ws = np.stack([weights, 2 * weights, -weights])
+    out = jax.vmap(lambda w: tt_embedding_bag_group(packed, LAYOUT, ids, offsets, FEATURE_TABLES,
+                                                    weights=w, impl=impl))(ws)
+    for k in range(3):
+        expected = per_table_loop(packed, ids, offsets, ws[k], ("sum",) * 6)
+        np.testing.assert_allclose(out[k], expected, rtol=2e-5, atol=2e-6)
+
+
+def test_one_id_and_no_ids():
+    packed = make_packed(15)
+    out = tt_embedding_bag_group(packed, LAYOUT, np.array([36], np.int32), np.array([0, 1], np.int32),
+                                 (1,))
+    expected = ftt.to_dense(LAYOUT.table_cores(packed, 1), 37)[36]
+    np.testing.assert_allclose(out[0, 0], expected, rtol=1e-5, atol=1e-6)
+    empty = tt_embedding_bag_group(packed, LAYOUT, np.zeros((0,), np.int32),
+                                   np.zeros((2 * 3 + 1,), np.int32), (0, 2))
+    assert empty.shape == (2, 3, 16) and np.all(np.asarray(empty) == 0)
+
+
+def test_bad_arguments_are_named():
+    packed = make_packed(16)
+    ids, offsets, _ = make_batch(17)
+    with pytest.raises(ValueError, match="F\\*B \\+ 1"):
+        tt_embedding_bag_group(packed, LAYOUT, ids, offsets[:-1], FEATURE_TABLES)
+    with pytest.raises(ValueError, match="feature_tables"):
+        tt_embedding_bag_group(packed, LAYOUT, ids, offsets, (0, 9, 1, 0, 1, 3))
+    with pytest.raises(ValueError, match="packed core shapes"):
+        tt_embedding_bag_group(packed[::-1], LAYOUT, ids, offsets, FEATURE_TABLES)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        tt_embedding_bag_group(packed, LAYOUT, ids, offsets[::-1], FEATURE_TABLES)
+    with pytest.raises(ValueError, match="mode"):
+        tt_embedding_bag_group(packed, LAYOUT, ids, offsets, FEATURE_TABLES, mode=("sum",))
