@@ -134,7 +134,7 @@ def split_ptx(text: str) -> dict[str, list[str]]:
     lines = text.splitlines()
     i = 0
     while i < len(lines):
-        m = re.match(r"\.(?:visible|weak)?\s*\.entry\s+(\S+)\(", lines[i].strip())
+        m = re.match(r"(?:\.(?:visible|weak)\s+)?\.entry\s+(\S+)\(", lines[i].strip())
         if m:
             body = [lines[i]]
             i += 1
