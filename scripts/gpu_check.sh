@@ -14,6 +14,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export FLOWTT_COMMIT=${FLOWTT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 PY=${PY:-python3}
+BUILD_ROOT=${BUILD_ROOT:-/tmp/flowtt_build}  # the harness's cmake build
+HARNESS=$BUILD_ROOT/harness/flowtt_harness
 status=0
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/build.log"
@@ -32,7 +34,7 @@ run_tests() {
     JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -p no:cacheprovider tests \
       --ignore=tests/test_cuda.py --ignore=tests/test_plan_ffi.py 2>&1 | tee -a "$OUT/pytest.log" | tail -8
   fi
-  nvcc -arch=sm_90 -O3 -std=c++17 cuda/test_harness.cu cuda/tt_kernels.cu -o /tmp/flowtt_harness || status=1
+  HARNESS=$(scripts/build_harness.sh "$BUILD_ROOT/harness") || status=1
   echo "== compute-sanitizer (memcheck, racecheck) on a small forward+backward" | tee "$OUT/sanitizer.log"
   for tool in memcheck racecheck; do
     echo "-- $tool (JAX, flowtt kernels)" | tee -a "$OUT/sanitizer.log"
@@ -40,14 +42,14 @@ run_tests() {
       $PY scripts/sanitize_small.py >>"$OUT/sanitizer.log" 2>&1
     tail -2 "$OUT/sanitizer.log"
     echo "-- $tool (standalone harness --quick)" | tee -a "$OUT/sanitizer.log"
-    compute-sanitizer --tool $tool /tmp/flowtt_harness --quick >>"$OUT/sanitizer.log" 2>&1
+    compute-sanitizer --tool $tool "$HARNESS" --quick >>"$OUT/sanitizer.log" 2>&1
     tail -1 "$OUT/sanitizer.log"
   done
 }
 
 run_harness() {
   echo "== CUDA harness (kernels alone, CUDA events)"
-  /tmp/flowtt_harness 2>&1 | tee "$OUT/harness.log" | grep -E "FAIL|PASS \(|TIMING|STAGES" || status=1
+  "$HARNESS" 2>&1 | tee "$OUT/harness.log" | grep -E "FAIL|PASS \(|TIMING|STAGES" || status=1
 }
 
 run_bench() {

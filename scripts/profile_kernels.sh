@@ -10,10 +10,10 @@ OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 REGEX=${1:-rows_fwd_gemm|rows_bwd_gemm|pool_|dg[123]_}
 COUNT=${2:-12}
-nvcc -arch=sm_90 -O3 -std=c++17 -lineinfo cuda/test_harness.cu cuda/tt_kernels.cu -o /tmp/flowtt_harness_li \
+HARNESS=$(scripts/build_harness.sh "${BUILD_ROOT:-/tmp/flowtt_build}/lineinfo" "" -lineinfo) \
   || { echo "harness build failed"; exit 1; }
 ncu --clock-control none --set full --import-source yes --kernel-name "regex:$REGEX" \
-  --launch-count "$COUNT" -f -o "$OUT/ncu_s1" /tmp/flowtt_harness_li --s1 > "$OUT/ncu_run.log" 2>&1
+  --launch-count "$COUNT" -f -o "$OUT/ncu_s1" "$HARNESS" --s1 > "$OUT/ncu_run.log" 2>&1
 tail -3 "$OUT/ncu_run.log"
 ncu -i "$OUT/ncu_s1.ncu-rep" --page details --print-details all > "$OUT/ncu_details.txt" 2>&1
 ncu -i "$OUT/ncu_s1.ncu-rep" --page details --csv > "$OUT/ncu_details.csv" 2>&1

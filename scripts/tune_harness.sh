@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
 # Times build variants of the kernels on the S1 harness case (device machine):
 #   scripts/tune_harness.sh "-DKNOB=0" "-DKNOB=1 -DOTHER=2" ...
-# Each argument is one set of nvcc -D flags; the variants build in parallel, then run one
-# after another with --s1-timing (correctness check against the float64 host reference
-# included). Prints the TIMING / STAGES / PASS lines of each; logs in $OUT/tune_<i>.log.
+# Each argument is one set of -D defines for the kernels (cmake's FLOWTT_KERNEL_DEFINES, see
+# scripts/build_harness.sh); the variants build in parallel (build dirs $BUILD_ROOT/tune_<i>),
+# then run one after another with --s1-timing (correctness check against the float64 host
+# reference included). Prints the TIMING / STAGES / PASS lines of each; logs in $OUT/tune_<i>.log.
+# Backward stage times: "-DFLOWTT_STAGE_MASK=1" "-DFLOWTT_STAGE_MASK=3" ... (docs/kernels.md).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_check_out}
+BUILD_ROOT=${BUILD_ROOT:-/tmp/flowtt_build}
 mkdir -p "$OUT"
 i=0
 for flags in "$@"; do
-  nvcc -arch=sm_90 -O3 -std=c++17 $flags cuda/test_harness.cu cuda/tt_kernels.cu \
-    -o /tmp/flowtt_tune_$i > "$OUT/tune_build_$i.log" 2>&1 &
+  scripts/build_harness.sh "$BUILD_ROOT/tune_$i" "$flags" > "$OUT/tune_build_$i.log" 2>&1 &
   i=$((i + 1))
 done
 wait
 i=0
 for flags in "$@"; do
   echo "== variant $i: $flags"
-  if [[ -x /tmp/flowtt_tune_$i ]]; then
-    /tmp/flowtt_tune_$i --s1-timing > "$OUT/tune_$i.log" 2>&1
+  if [[ -x $BUILD_ROOT/tune_$i/flowtt_harness ]]; then
+    "$BUILD_ROOT/tune_$i/flowtt_harness" --s1-timing > "$OUT/tune_$i.log" 2>&1
     grep -E "PASS|FAIL|TIMING|STAGES" "$OUT/tune_$i.log"
   else
     echo "build failed"; tail -5 "$OUT/tune_build_$i.log"

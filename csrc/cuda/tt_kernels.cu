@@ -42,7 +42,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "tt_kernels.h"
+#include "cuda/ops.h"
 
 namespace flowtt {
 namespace {

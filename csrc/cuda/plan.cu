@@ -12,7 +12,7 @@
 //   4. finalize_kernel over i in [0, n]: every output element written once
 //      (scatters at run / group starts, padding tails, counts).
 // No device synchronisation, no allocation: scratch comes from the caller.
-#include "plan_kernels.h"
+#include "cuda/plan.h"
 
 #include <cub/cub.cuh>
 #include <thrust/iterator/counting_iterator.h>

@@ -9,10 +9,10 @@
 #include <cstdint>
 #include <string>
 
-#include "contract.h"
-#include "handler_util.h"
-#include "handlers.h"
-#include "tt_kernels.h"
+#include "common/op_contract.h"
+#include "cuda/handler_util.h"
+#include "cuda/handlers.h"
+#include "cuda/ops.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace flowtt {

@@ -6,12 +6,12 @@
 // unsupported_reason() says why the kernels cannot take a core shape (None if they can).
 #include <string>
 
-#include "handlers.h"
+#include "cuda/handlers.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
-#include "plan_handler.h"
-#include "plan_kernels.h"
-#include "tt_kernels.h"
+#include "cuda/plan_handler.h"
+#include "cuda/plan.h"
+#include "cuda/ops.h"
 
 NB_MODULE(_flowtt_cuda, m) {
   namespace nb = nanobind;

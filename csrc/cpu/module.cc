@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <string>
 
-#include "contract.h"
-#include "cpu_kernels.h"
-#include "cpu_plan.h"
+#include "common/op_contract.h"
+#include "cpu/ops.h"
+#include "cpu/handlers.h"
 #include "nanobind/nanobind.h"
 #include "xla/ffi/api/ffi.h"
 

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "tt_kernels.h"
+#include "cuda/ops.h"
 
 #define CK(x)                                                              \
   do {                                                                     \

@@ -2,16 +2,16 @@
 // (ffi/contract.h), takes scratch from XLA's allocator and queues the plan
 // (cuda/plan_kernels.cu) on the stream XLA hands us. Trailing operands are
 // ignored (RemainingArgs): tests alias the outputs to poisoned buffers there.
-#include "plan_handler.h"
+#include "cuda/plan_handler.h"
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <string>
 
-#include "contract.h"
-#include "handler_util.h"
-#include "plan_kernels.h"
+#include "common/op_contract.h"
+#include "cuda/handler_util.h"
+#include "cuda/plan.h"
 
 namespace flowtt {
 namespace {

@@ -7,7 +7,7 @@
 #include <string>
 #include <utility>
 
-#include "core_shape.h"
+#include "common/core_shape.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace flowtt {

@@ -3,13 +3,13 @@
 // sort of the 64-bit keys (id << 32 | position), which are distinct, so the
 // order is the stable order of the ids. One pass over the sorted keys then
 // writes every output element once.
-#include "cpu_plan.h"
+#include "cpu/handlers.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-#include "contract.h"
+#include "common/op_contract.h"
 
 namespace flowtt {
 namespace {

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "core_shape.h"
+#include "common/core_shape.h"
 
 namespace flowtt::cpu {
 
