@@ -1,0 +1,117 @@
+// Shape and argument checks of the table-batched rows ops (docs/batched_contract.md),
+// shared by the CPU and CUDA handlers. Plain C++: every check takes the operands'
+// dimension lists (anything with size() and operator[], e.g. an XLA FFI buffer's
+// dimensions() or a std::vector<int64_t>) and returns "" or why not.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace flowtt::tb {
+
+// Packed cores g1 [P1,1,q1,r1], g2 [P2,r1,q2,r2], g3 [P3,r2,q3,1].
+struct TbShape {
+  int64_t P1, P2, P3, q1, q2, q3, r1, r2;
+  int64_t dim() const { return q1 * q2 * q3; }
+};
+
+constexpr int64_t kTbInt32Limit = int64_t{1} << 31;
+
+template <typename Dims>
+std::string TbDimsString(const Dims& d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+// The three packed cores: 4-D, ranks chaining as (1, r1, r2, 1), every extent >= 1 and
+// P1, P2, P3 < 2^31 (the plan's int32 row indices). Fills *s.
+template <typename Dims>
+std::string TbReadCores(const Dims& g1, const Dims& g2, const Dims& g3, TbShape* s) {
+  if (g1.size() != 4 || g2.size() != 4 || g3.size() != 4) {
+    return "flowtt_tb: packed cores must be 4-D [P, r_in, q, r_out], got " + TbDimsString(g1) +
+           ", " + TbDimsString(g2) + ", " + TbDimsString(g3);
+  }
+  if (g1[1] != 1 || g3[3] != 1 || g1[3] != g2[1] || g2[3] != g3[1]) {
+    return "flowtt_tb: core ranks do not chain as (1, r1, r2, 1): " + TbDimsString(g1) + ", " +
+           TbDimsString(g2) + ", " + TbDimsString(g3);
+  }
+  *s = {g1[0], g2[0], g3[0], g1[2], g2[2], g3[2], g1[3], g2[3]};
+  for (int64_t v : {s->P1, s->P2, s->P3, s->q1, s->q2, s->q3, s->r1, s->r2}) {
+    if (v < 1) return "flowtt_tb: every core extent must be >= 1";
+  }
+  if (s->P1 >= kTbInt32Limit || s->P2 >= kTbInt32Limit || s->P3 >= kTbInt32Limit) {
+    return "flowtt_tb: packed core rows must be < 2^31";
+  }
+  return "";
+}
+
+// n of a 1-D operand, else -1.
+template <typename Dims>
+int64_t TbLength(const Dims& d) {
+  return d.size() == 1 ? d[0] : -1;
+}
+
+// The plan operands u_i3, g_i1, g_i2 [n], group_offsets [n+1], counts [2], with
+// 1 <= n and n + 1 < 2^31. Sets *n.
+template <typename Dims>
+std::string TbCheckPlan(const Dims& u_i3, const Dims& g_i1, const Dims& g_i2,
+                        const Dims& group_offsets, const Dims& counts, int64_t* n) {
+  *n = TbLength(u_i3);
+  if (*n < 1 || *n + 1 >= kTbInt32Limit || TbLength(g_i1) != *n || TbLength(g_i2) != *n ||
+      TbLength(group_offsets) != *n + 1 || TbLength(counts) != 2) {
+    return "flowtt_tb: plan operands must be u_i3, g_i1, g_i2 [n], group_offsets [n+1], "
+           "counts [2] with 1 <= n < 2^31 - 1";
+  }
+  return "";
+}
+
+template <typename Dims>
+std::string TbCheckMatrix(const Dims& x, int64_t rows, int64_t cols, const char* name) {
+  if (x.size() != 2 || x[0] != rows || x[1] != cols) {
+    return std::string("flowtt_tb: ") + name + " must be [" + std::to_string(rows) + ", " +
+           std::to_string(cols) + "], got " + TbDimsString(x);
+  }
+  return "";
+}
+
+template <typename Dims>
+bool TbSameDims(const Dims& a, const Dims& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != b[i]) return false;
+  }
+  return true;
+}
+
+// flowtt_tb_rows_fwd(g1, g2, g3, u_i3, g_i1, g_i2, group_offsets, counts) -> rows [n, D].
+template <typename Dims>
+std::string TbCheckFwd(const Dims& g1, const Dims& g2, const Dims& g3, const Dims& u_i3,
+                       const Dims& g_i1, const Dims& g_i2, const Dims& group_offsets,
+                       const Dims& counts, const Dims& rows, TbShape* s, int64_t* n) {
+  if (std::string e = TbReadCores(g1, g2, g3, s); !e.empty()) return e;
+  if (std::string e = TbCheckPlan(u_i3, g_i1, g_i2, group_offsets, counts, n); !e.empty()) {
+    return e;
+  }
+  return TbCheckMatrix(rows, *n, s->dim(), "rows");
+}
+
+// flowtt_tb_rows_bwd(g1, g2, g3, d_rows [n, D], u_i3, g_i1, g_i2, group_offsets, counts)
+//   -> (dg1, dg2, dg3), each with its core's shape.
+template <typename Dims>
+std::string TbCheckBwd(const Dims& g1, const Dims& g2, const Dims& g3, const Dims& d_rows,
+                       const Dims& u_i3, const Dims& g_i1, const Dims& g_i2,
+                       const Dims& group_offsets, const Dims& counts, const Dims& dg1,
+                       const Dims& dg2, const Dims& dg3, TbShape* s, int64_t* n) {
+  if (std::string e = TbReadCores(g1, g2, g3, s); !e.empty()) return e;
+  if (std::string e = TbCheckPlan(u_i3, g_i1, g_i2, group_offsets, counts, n); !e.empty()) {
+    return e;
+  }
+  if (std::string e = TbCheckMatrix(d_rows, *n, s->dim(), "d_rows"); !e.empty()) return e;
+  if (!TbSameDims(dg1, g1) || !TbSameDims(dg2, g2) || !TbSameDims(dg3, g3)) {
+    return "flowtt_tb: core gradients must have the packed cores' shapes";
+  }
+  return "";
+}
+
+}  // namespace flowtt::tb

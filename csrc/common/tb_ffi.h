@@ -1,0 +1,49 @@
+// XLA FFI operand/result lists of the table-batched rows ops (docs/batched_contract.md),
+// shared by the CPU (cpu/tb_handlers.cc) and CUDA (cuda/tb_handlers.cu) handlers; the
+// checks themselves are plain C++ (common/tb_contract.h).
+// Trailing operands past the contract's are accepted and ignored (RemainingArgs): tests
+// alias each output to one of them, filled with NaN, to prove every element is written.
+#pragma once
+
+#include <string>
+#include <utility>
+
+#include "common/tb_contract.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace flowtt::tb {
+
+namespace ffi = xla::ffi;
+
+using TbF32 = ffi::Buffer<ffi::F32>;
+using TbS32 = ffi::Buffer<ffi::S32>;
+using TbF32Out = ffi::ResultBuffer<ffi::F32>;
+
+inline ffi::Error TbError(const std::string& message) {
+  return message.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(message);
+}
+
+template <typename Binding>
+auto TbBindRowsFwd(Binding b) {
+  // g1 g2 g3 u_i3 g_i1 g_i2 group_offsets counts -> rows
+  return std::move(b)
+      .template Arg<TbF32>().template Arg<TbF32>().template Arg<TbF32>()
+      .template Arg<TbS32>().template Arg<TbS32>().template Arg<TbS32>()
+      .template Arg<TbS32>().template Arg<TbS32>()
+      .RemainingArgs()
+      .template Ret<TbF32>();
+}
+
+template <typename Binding>
+auto TbBindRowsBwd(Binding b) {
+  // g1 g2 g3 d_rows u_i3 g_i1 g_i2 group_offsets counts -> dg1 dg2 dg3
+  return std::move(b)
+      .template Arg<TbF32>().template Arg<TbF32>().template Arg<TbF32>()
+      .template Arg<TbF32>()
+      .template Arg<TbS32>().template Arg<TbS32>().template Arg<TbS32>()
+      .template Arg<TbS32>().template Arg<TbS32>()
+      .RemainingArgs()
+      .template Ret<TbF32>().template Ret<TbF32>().template Ret<TbF32>();
+}
+
+}  // namespace flowtt::tb

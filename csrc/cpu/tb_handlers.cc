@@ -1,0 +1,65 @@
+// XLA FFI handlers (platform cpu) of the table-batched rows ops: shape checks
+// (common/tb_contract.h), then the plain C++ implementation (cpu/tb_rows.h), which
+// checks the plan's values. Trailing operands are ignored (common/tb_ffi.h).
+#include "cpu/tb_handlers.h"
+
+#include <cstdint>
+#include <string>
+
+#include "common/tb_contract.h"
+#include "common/tb_ffi.h"
+#include "cpu/tb_rows.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace flowtt::tb {
+namespace {
+
+cpu::TbPlan MakePlan(const TbS32& u_i3, const TbS32& g_i1, const TbS32& g_i2,
+                     const TbS32& group_offsets, const TbS32& counts, int64_t n) {
+  return {u_i3.typed_data(), g_i1.typed_data(), g_i2.typed_data(), group_offsets.typed_data(),
+          n, counts.typed_data()[0], counts.typed_data()[1]};
+}
+
+ffi::Error TbRowsFwdCpuImpl(TbF32 g1, TbF32 g2, TbF32 g3, TbS32 u_i3, TbS32 g_i1, TbS32 g_i2,
+                            TbS32 group_offsets, TbS32 counts, ffi::RemainingArgs,
+                            TbF32Out rows) {
+  TbShape s;
+  int64_t n;
+  if (std::string e = TbCheckFwd(g1.dimensions(), g2.dimensions(), g3.dimensions(),
+                                 u_i3.dimensions(), g_i1.dimensions(), g_i2.dimensions(),
+                                 group_offsets.dimensions(), counts.dimensions(),
+                                 rows->dimensions(), &s, &n);
+      !e.empty()) {
+    return TbError(e);
+  }
+  return TbError(cpu::TbRowsFwd(s, g1.typed_data(), g2.typed_data(), g3.typed_data(),
+                                MakePlan(u_i3, g_i1, g_i2, group_offsets, counts, n),
+                                rows->typed_data()));
+}
+
+ffi::Error TbRowsBwdCpuImpl(TbF32 g1, TbF32 g2, TbF32 g3, TbF32 d_rows, TbS32 u_i3,
+                            TbS32 g_i1, TbS32 g_i2, TbS32 group_offsets, TbS32 counts,
+                            ffi::RemainingArgs, TbF32Out dg1, TbF32Out dg2, TbF32Out dg3) {
+  TbShape s;
+  int64_t n;
+  if (std::string e = TbCheckBwd(g1.dimensions(), g2.dimensions(), g3.dimensions(),
+                                 d_rows.dimensions(), u_i3.dimensions(), g_i1.dimensions(),
+                                 g_i2.dimensions(), group_offsets.dimensions(),
+                                 counts.dimensions(), dg1->dimensions(), dg2->dimensions(),
+                                 dg3->dimensions(), &s, &n);
+      !e.empty()) {
+    return TbError(e);
+  }
+  return TbError(cpu::TbRowsBwd(s, g1.typed_data(), g2.typed_data(), g3.typed_data(),
+                                d_rows.typed_data(),
+                                MakePlan(u_i3, g_i1, g_i2, group_offsets, counts, n),
+                                dg1->typed_data(), dg2->typed_data(), dg3->typed_data()));
+}
+
+}  // namespace
+}  // namespace flowtt::tb
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttTbRowsFwdCpu, flowtt::tb::TbRowsFwdCpuImpl,
+                              flowtt::tb::TbBindRowsFwd(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttTbRowsBwdCpu, flowtt::tb::TbRowsBwdCpuImpl,
+                              flowtt::tb::TbBindRowsBwd(xla::ffi::Ffi::Bind()));
