@@ -1,6 +1,8 @@
-// Shape checks of the op contract (docs/op_contract.md) on XLA FFI buffers
-// (any ffi::Buffer type),
-// shared by the CPU and CUDA handlers.
+// The op contract (docs/op_contract.md) on XLA FFI buffers, shared by the CPU
+// (cpu/handlers.cc) and CUDA (cuda/handlers.cc) handlers: every argument check of
+// every op (Check<Op>, on any ffi::Buffer type) and the operand/result lists of the
+// targets (Bind<Op>). The platforms add only their own limits (the CUDA kernels'
+// supported shapes) and the CPU's checks of the plan's contents.
 #pragma once
 
 #include <cstdint>
@@ -72,17 +74,100 @@ ffi::Error CheckPooling(const IBuf& inverse, const FBuf& weights, const IBuf& of
   return CheckMatrix(out, *num_bags, dim, "out");
 }
 
-// flowtt_bag_fwd past the group plan and the cores (they give n and dim = D): the pooling
-// operands and chunk_rows >= 1; sets num_bags = B.
+// The core shape and the group plan of the rows ops; sets n.
+template <typename FBuf, typename IBuf>
+ffi::Error CheckCoresAndPlan(const FBuf& g1, const FBuf& g2, const FBuf& g3,
+                             const IBuf& unique_ids, const IBuf& group_offsets,
+                             const IBuf& counts, CoreShape* s,
+                             int64_t* n) {
+  if (ffi::Error e = ReadCoreShape(g1, g2, g3, s); e.failure()) return e;
+  return CheckGroupPlan(unique_ids, group_offsets, counts, n);
+}
+
+// flowtt_tt_rows_fwd: cores, group plan, rows [n, D]; sets the core shape and n.
 template <typename FBuf, typename IBuf, typename OBuf>
-ffi::Error CheckBagFwd(const IBuf& inverse, const FBuf& weights, const IBuf& offsets,
-                       const OBuf& out, int64_t n, int64_t dim, int64_t chunk_rows,
-                       int64_t* num_bags) {
+ffi::Error CheckRowsFwd(const FBuf& g1, const FBuf& g2, const FBuf& g3, const IBuf& unique_ids,
+                        const IBuf& group_offsets, const IBuf& counts, const OBuf& rows,
+                        CoreShape* s, int64_t* n) {
+  if (ffi::Error e = CheckCoresAndPlan(g1, g2, g3, unique_ids, group_offsets, counts, s, n);
+      e.failure()) {
+    return e;
+  }
+  return CheckMatrix(rows, *n, s->dim(), "rows");
+}
+
+// flowtt_tt_rows_bwd: cores, d_rows [n, D], group plan, core gradients of the cores'
+// shapes; sets the core shape and n.
+template <typename FBuf, typename IBuf, typename OBuf>
+ffi::Error CheckRowsBwd(const FBuf& g1, const FBuf& g2, const FBuf& g3, const FBuf& d_rows,
+                        const IBuf& unique_ids, const IBuf& group_offsets, const IBuf& counts,
+                        const OBuf& dg1, const OBuf& dg2, const OBuf& dg3, CoreShape* s,
+                        int64_t* n) {
+  if (ffi::Error e = CheckCoresAndPlan(g1, g2, g3, unique_ids, group_offsets, counts, s, n);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckMatrix(d_rows, *n, s->dim(), "d_rows"); e.failure()) return e;
+  if (dg1.element_count() != g1.element_count() || dg2.element_count() != g2.element_count() ||
+      dg3.element_count() != g3.element_count()) {
+    return ffi::Error::InvalidArgument("core gradients must have the cores' shapes");
+  }
+  return ffi::Error::Success();
+}
+
+// flowtt_bag_pool_fwd: rows [n, dim] and the pooling operands; sets n, dim and num_bags.
+template <typename FBuf, typename IBuf, typename OBuf>
+ffi::Error CheckPoolFwd(const FBuf& rows, const IBuf& inverse, const FBuf& weights,
+                        const IBuf& offsets, const OBuf& out, int64_t* n, int64_t* dim,
+                        int64_t* num_bags) {
+  *n = Length(inverse);
+  *dim = rows.dimensions().size() == 2 ? rows.dimensions()[1] : -1;
+  if (ffi::Error e = CheckPooling(inverse, weights, offsets, out, *n, *dim, num_bags);
+      e.failure()) {
+    return e;
+  }
+  return CheckMatrix(rows, *n, *dim, "rows");
+}
+
+// flowtt_bag_pool_bwd: dout [B, dim], rows [n, dim], weights, inverse, bag_ids, perm [n],
+// run_offsets [n+1], counts [2], d_rows [n, dim], d_weights [n] or [0] (no weight
+// gradient); sets n, dim and num_bags = B.
+template <typename FBuf, typename IBuf, typename OBuf>
+ffi::Error CheckPoolBwd(const FBuf& dout, const FBuf& rows, const FBuf& weights,
+                        const IBuf& inverse, const IBuf& bag_ids, const IBuf& perm,
+                        const IBuf& run_offsets, const IBuf& counts, const OBuf& d_rows,
+                        const OBuf& d_weights, int64_t* n, int64_t* dim, int64_t* num_bags) {
+  *n = Length(inverse);
+  *dim = rows.dimensions().size() == 2 ? rows.dimensions()[1] : -1;
+  *num_bags = dout.dimensions().size() == 2 ? dout.dimensions()[0] : -1;
+  if (*n < 1 || Length(weights) != *n || Length(bag_ids) != *n || Length(perm) != *n ||
+      Length(run_offsets) != *n + 1 || Length(counts) != 2 ||
+      (Length(d_weights) != *n && Length(d_weights) != 0)) {
+    return ffi::Error::InvalidArgument(
+        "need weights, inverse, bag_ids, perm [n], d_weights [n] or [0], run_offsets [n+1], "
+        "counts [2]");
+  }
+  if (ffi::Error e = CheckMatrix(rows, *n, *dim, "rows"); e.failure()) return e;
+  if (ffi::Error e = CheckMatrix(dout, *num_bags, *dim, "dout"); e.failure()) return e;
+  return CheckMatrix(d_rows, *n, *dim, "d_rows");
+}
+
+// flowtt_bag_fwd: cores, group plan, pooling operands, out [B, D], chunk_rows >= 1;
+// sets the core shape, n and num_bags.
+template <typename FBuf, typename IBuf, typename OBuf>
+ffi::Error CheckBagFwd(const FBuf& g1, const FBuf& g2, const FBuf& g3, const IBuf& unique_ids,
+                       const IBuf& group_offsets, const IBuf& counts, const IBuf& inverse,
+                       const FBuf& weights, const IBuf& offsets, const OBuf& out,
+                       int64_t chunk_rows, CoreShape* s, int64_t* n, int64_t* num_bags) {
+  if (ffi::Error e = CheckCoresAndPlan(g1, g2, g3, unique_ids, group_offsets, counts, s, n);
+      e.failure()) {
+    return e;
+  }
   if (chunk_rows < 1) {
     return ffi::Error::InvalidArgument("flowtt_bag_fwd: chunk_rows must be >= 1, got " +
                                        std::to_string(chunk_rows));
   }
-  return CheckPooling(inverse, weights, offsets, out, n, dim, num_bags);
+  return CheckPooling(inverse, weights, offsets, out, *n, s->dim(), num_bags);
 }
 
 // flowtt_plan: ids [n] (n >= 0, n + 1 < 2^31); outputs perm, inverse, unique_ids [n],

@@ -1,7 +1,12 @@
-// flowtt_plan for platform cpu (docs/op_contract.md, "The plan op"): the
-// handler symbol, defined in ffi/cpu_plan.cc, registered by ffi/cpu_module.cc.
+// XLA FFI handler symbols (platform cpu) of the ops of docs/op_contract.md, defined in
+// cpu/handlers.cc, registered by the nanobind module in cpu/module.cc.
 #pragma once
 
 #include "xla/ffi/api/ffi.h"
 
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttRowsFwdCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttRowsBwdCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttPoolFwdCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttPoolBwdCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttBagFwdCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttPlanCpu);

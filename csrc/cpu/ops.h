@@ -1,5 +1,5 @@
 // CPU implementation of the flowtt op contract (docs/op_contract.md), 3 cores.
-// Plain C++, no XLA types: the handlers in cpu_module.cc validate shapes and
+// Plain C++, no XLA types: the handlers in cpu/handlers.cc validate shapes and
 // call these. Every loop runs in a fixed order, so results are bitwise
 // reproducible. Each function returns an empty string on success, else why not.
 #pragma once

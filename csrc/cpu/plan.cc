@@ -3,18 +3,14 @@
 // sort of the 64-bit keys (id << 32 | position), which are distinct, so the
 // order is the stable order of the ids. One pass over the sorted keys then
 // writes every output element once.
-#include "cpu/handlers.h"
+#include "cpu/plan.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-#include "common/op_contract.h"
+namespace flowtt::cpu {
 
-namespace flowtt {
-namespace {
-
-// ids [n] -> perm, inverse, unique_ids [n], run_offsets, group_offsets [n+1], counts [2].
 void MakePlan(const int32_t* ids, int64_t n, int64_t last_extent, int64_t num_rows,
               int32_t* perm, int32_t* inverse, int32_t* unique_ids, int32_t* run_offsets,
               int32_t* group_offsets, int32_t* counts) {
@@ -46,22 +42,4 @@ void MakePlan(const int32_t* ids, int64_t n, int64_t last_extent, int64_t num_ro
   counts[1] = num_groups;
 }
 
-ffi::Error PlanImpl(S32Buffer ids, ffi::RemainingArgs, S32Out perm, S32Out inverse,
-                    S32Out unique_ids, S32Out run_offsets, S32Out group_offsets, S32Out counts,
-                    int64_t last_extent, int64_t num_rows) {
-  if (ffi::Error e = CheckPlan(ids, *perm, *inverse, *unique_ids, *run_offsets, *group_offsets,
-                               *counts, last_extent, num_rows);
-      e.failure()) {
-    return e;
-  }
-  MakePlan(ids.typed_data(), Length(ids), last_extent, num_rows, perm->typed_data(),
-           inverse->typed_data(), unique_ids->typed_data(), run_offsets->typed_data(),
-           group_offsets->typed_data(), counts->typed_data());
-  return ffi::Error::Success();
-}
-
-}  // namespace
-}  // namespace flowtt
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPlanCpu, flowtt::PlanImpl,
-                              flowtt::BindPlan(xla::ffi::Ffi::Bind()));
+}  // namespace flowtt::cpu

@@ -1,18 +1,22 @@
-// XLA FFI handlers (platform CUDA) for the op contract (docs/op_contract.md).
+// XLA FFI handlers (platform CUDA) for the op contract (docs/op_contract.md): the
+// contract's checks (common/op_contract.h), the CUDA kernels' own limits
+// (check_dims), then the launchers (cuda/ops.h, cuda/plan.h).
 // Every launch goes on the stream XLA hands us; scratch comes from XLA's
 // scratch allocator; no device synchronisation, no cudaMalloc.
 // Trailing operands past the contract's are ignored (RemainingArgs): tests
 // alias each output to one of them, filled with NaN, to prove every output
 // element is written.
+#include "cuda/handlers.h"
+
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
 #include "common/op_contract.h"
-#include "cuda/handler_util.h"
-#include "cuda/handlers.h"
 #include "cuda/ops.h"
+#include "cuda/plan.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace flowtt {
@@ -22,140 +26,117 @@ using F32 = ffi::Buffer<ffi::F32>;
 using S32 = ffi::Buffer<ffi::S32>;
 using F32Out = ffi::ResultBuffer<ffi::F32>;
 
-ffi::Error PrepareCores(const F32& g1, const F32& g2, const F32& g3,
-                        const S32& unique_ids, const S32& group_offsets,
-                        const S32& counts, TTDims* t, int64_t* n) {
-  CoreShape s;
-  if (ffi::Error e = ReadCoreShape(g1, g2, g3, &s); e.failure()) return e;
-  if (ffi::Error e = CheckGroupPlan(unique_ids, group_offsets, counts, n);
-      e.failure())
-    return e;
-  if (*n >= (int64_t{1} << 31) / 2)
-    return ffi::Error::InvalidArgument("flowtt CUDA: n too large");
-  *t = TTDims{(int)s.p1, (int)s.p2, (int)s.p3, (int)s.q1,
-              (int)s.q2, (int)s.q3, (int)s.r1, (int)s.r2};
-  if (const char* msg = check_dims(*t))
-    return ffi::Error::InvalidArgument(msg);
+// ffi::Error of a CUDA status ("flowtt CUDA <what>: <message>"), Success for cudaSuccess.
+ffi::Error CudaError(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("flowtt CUDA ") + what + ": " + cudaGetErrorString(e));
+}
+
+// Scratch of `bytes` (at least 256) from XLA's allocator into *out. The alignment asked is
+// 16: XLA rejects larger ones (callers that need 256 realign inside the block).
+ffi::Error AllocateScratch(ffi::ScratchAllocator& scratch, size_t bytes, void** out) {
+  auto p = scratch.Allocate(bytes < 256 ? 256 : bytes, 16);
+  if (!p.has_value()) return ffi::Error::Internal("flowtt CUDA: scratch allocation failed");
+  *out = *p;
   return ffi::Error::Success();
 }
 
-ffi::Error RowsFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                       F32 g1, F32 g2, F32 g3, S32 unique_ids,
-                       S32 group_offsets, S32 counts, ffi::RemainingArgs,
-                       F32Out rows) {
+// The CUDA kernels' limits past the contract: n < 2^30 and the core shapes they take.
+ffi::Error CheckKernelLimits(const CoreShape& s, int64_t n, TTDims* t) {
+  if (n >= (int64_t{1} << 31) / 2) return ffi::Error::InvalidArgument("flowtt CUDA: n too large");
+  *t = TTDims{(int)s.p1, (int)s.p2, (int)s.p3, (int)s.q1,
+              (int)s.q2, (int)s.q3, (int)s.r1, (int)s.r2};
+  if (const char* msg = check_dims(*t)) return ffi::Error::InvalidArgument(msg);
+  return ffi::Error::Success();
+}
+
+ffi::Error RowsFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 g1, F32 g2,
+                       F32 g3, S32 unique_ids, S32 group_offsets, S32 counts,
+                       ffi::RemainingArgs, F32Out rows) {
+  CoreShape s;
   TTDims t;
   int64_t n;
-  if (ffi::Error e = PrepareCores(g1, g2, g3, unique_ids, group_offsets,
-                                  counts, &t, &n);
+  if (ffi::Error e = CheckRowsFwd(g1, g2, g3, unique_ids, group_offsets, counts, *rows, &s, &n);
       e.failure())
     return e;
-  if (ffi::Error e = CheckMatrix(*rows, n, t.D(), "rows"); e.failure())
-    return e;
+  if (ffi::Error e = CheckKernelLimits(s, n, &t); e.failure()) return e;
   void* ws;
   if (ffi::Error e = AllocateScratch(scratch, rows_fwd_scratch_bytes(t, (int)n), &ws);
       e.failure())
     return e;
   return CudaError(
-      rows_fwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(),
-               unique_ids.typed_data(), group_offsets.typed_data(),
-               counts.typed_data(), (int)n, rows->typed_data(), ws, stream),
+      rows_fwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(), unique_ids.typed_data(),
+               group_offsets.typed_data(), counts.typed_data(), (int)n, rows->typed_data(), ws,
+               stream),
       "rows_fwd");
 }
 
-ffi::Error RowsBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                       F32 g1, F32 g2, F32 g3, F32 d_rows, S32 unique_ids,
-                       S32 group_offsets, S32 counts, ffi::RemainingArgs,
-                       F32Out dg1, F32Out dg2, F32Out dg3) {
+ffi::Error RowsBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 g1, F32 g2,
+                       F32 g3, F32 d_rows, S32 unique_ids, S32 group_offsets, S32 counts,
+                       ffi::RemainingArgs, F32Out dg1, F32Out dg2, F32Out dg3) {
+  CoreShape s;
   TTDims t;
   int64_t n;
-  if (ffi::Error e = PrepareCores(g1, g2, g3, unique_ids, group_offsets,
-                                  counts, &t, &n);
+  if (ffi::Error e = CheckRowsBwd(g1, g2, g3, d_rows, unique_ids, group_offsets, counts, *dg1,
+                                  *dg2, *dg3, &s, &n);
       e.failure())
     return e;
-  if (ffi::Error e = CheckMatrix(d_rows, n, t.D(), "d_rows"); e.failure())
-    return e;
-  if (dg1->element_count() != g1.element_count() ||
-      dg2->element_count() != g2.element_count() ||
-      dg3->element_count() != g3.element_count())
-    return ffi::Error::InvalidArgument(
-        "core gradients must have the cores' shapes");
+  if (ffi::Error e = CheckKernelLimits(s, n, &t); e.failure()) return e;
   void* ws;
   if (ffi::Error e = AllocateScratch(scratch, rows_bwd_scratch_bytes(t, (int)n), &ws);
       e.failure())
     return e;
   return CudaError(
-      rows_bwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(),
-               d_rows.typed_data(), unique_ids.typed_data(),
-               group_offsets.typed_data(), counts.typed_data(), (int)n,
-               dg1->typed_data(), dg2->typed_data(), dg3->typed_data(), ws,
-               stream),
+      rows_bwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(), d_rows.typed_data(),
+               unique_ids.typed_data(), group_offsets.typed_data(), counts.typed_data(), (int)n,
+               dg1->typed_data(), dg2->typed_data(), dg3->typed_data(), ws, stream),
       "rows_bwd");
 }
 
-ffi::Error BagFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                      F32 g1, F32 g2, F32 g3, S32 unique_ids, S32 group_offsets,
-                      S32 counts, S32 inverse, F32 weights, S32 offsets,
-                      ffi::RemainingArgs, F32Out out, int64_t chunk_rows) {
+ffi::Error BagFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 g1, F32 g2,
+                      F32 g3, S32 unique_ids, S32 group_offsets, S32 counts, S32 inverse,
+                      F32 weights, S32 offsets, ffi::RemainingArgs, F32Out out,
+                      int64_t chunk_rows) {
+  CoreShape s;
   TTDims t;
   int64_t n, bags;
-  if (ffi::Error e = PrepareCores(g1, g2, g3, unique_ids, group_offsets,
-                                  counts, &t, &n);
+  if (ffi::Error e = CheckBagFwd(g1, g2, g3, unique_ids, group_offsets, counts, inverse, weights,
+                                 offsets, *out, chunk_rows, &s, &n, &bags);
       e.failure())
     return e;
-  if (ffi::Error e = CheckBagFwd(inverse, weights, offsets, *out, n, t.D(),
-                                 chunk_rows, &bags);
-      e.failure())
-    return e;
+  if (ffi::Error e = CheckKernelLimits(s, n, &t); e.failure()) return e;
   void* ws;
-  if (ffi::Error e = AllocateScratch(scratch, bag_fwd_scratch_bytes(t, (int)n, chunk_rows), &ws);
+  if (ffi::Error e =
+          AllocateScratch(scratch, bag_fwd_scratch_bytes(t, (int)n, chunk_rows), &ws);
       e.failure())
     return e;
   return CudaError(
-      bag_fwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(),
-              unique_ids.typed_data(), group_offsets.typed_data(),
-              counts.typed_data(), inverse.typed_data(), weights.typed_data(),
-              offsets.typed_data(), (int)n, (int)bags, chunk_rows,
+      bag_fwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(), unique_ids.typed_data(),
+              group_offsets.typed_data(), counts.typed_data(), inverse.typed_data(),
+              weights.typed_data(), offsets.typed_data(), (int)n, (int)bags, chunk_rows,
               out->typed_data(), ws, stream),
       "bag_fwd");
 }
 
-ffi::Error PoolFwdImpl(cudaStream_t stream, F32 rows, S32 inverse, F32 weights,
-                       S32 offsets, ffi::RemainingArgs, F32Out out) {
-  const int64_t n = Length(inverse);
-  const int64_t d =
-      rows.dimensions().size() == 2 ? rows.dimensions()[1] : -1;
-  int64_t bags;
-  if (ffi::Error e = CheckPooling(inverse, weights, offsets, *out, n, d, &bags);
+ffi::Error PoolFwdImpl(cudaStream_t stream, F32 rows, S32 inverse, F32 weights, S32 offsets,
+                       ffi::RemainingArgs, F32Out out) {
+  int64_t n, d, bags;
+  if (ffi::Error e = CheckPoolFwd(rows, inverse, weights, offsets, *out, &n, &d, &bags);
       e.failure())
     return e;
-  if (ffi::Error e = CheckMatrix(rows, n, d, "rows"); e.failure()) return e;
-  return CudaError(
-      bag_pool_fwd(rows.typed_data(), inverse.typed_data(),
-                   weights.typed_data(), offsets.typed_data(), (int)n,
-                   (int)bags, (int)d, out->typed_data(), stream),
-      "bag_pool_fwd");
+  return CudaError(bag_pool_fwd(rows.typed_data(), inverse.typed_data(), weights.typed_data(),
+                                offsets.typed_data(), (int)n, (int)bags, (int)d,
+                                out->typed_data(), stream),
+                   "bag_pool_fwd");
 }
 
-ffi::Error PoolBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                       F32 dout, F32 rows, F32 weights,
-                       S32 inverse, S32 bag_ids, S32 perm, S32 run_offsets,
-                       S32 counts, ffi::RemainingArgs, F32Out d_rows,
-                       F32Out d_weights) {
-  const int64_t n = Length(inverse);
-  const int64_t d =
-      rows.dimensions().size() == 2 ? rows.dimensions()[1] : -1;
-  const int64_t bags =
-      dout.dimensions().size() == 2 ? dout.dimensions()[0] : -1;
-  if (n < 1 || Length(weights) != n || Length(bag_ids) != n ||
-      Length(perm) != n || Length(run_offsets) != n + 1 ||
-      Length(counts) != 2 ||
-      (Length(*d_weights) != n && Length(*d_weights) != 0))
-    return ffi::Error::InvalidArgument(
-        "need weights, inverse, bag_ids, perm [n], d_weights [n] or [0], "
-        "run_offsets [n+1], counts [2]");
-  if (ffi::Error e = CheckMatrix(rows, n, d, "rows"); e.failure()) return e;
-  if (ffi::Error e = CheckMatrix(dout, bags, d, "dout"); e.failure()) return e;
-  if (ffi::Error e = CheckMatrix(*d_rows, n, d, "d_rows"); e.failure())
+ffi::Error PoolBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 dout, F32 rows,
+                       F32 weights, S32 inverse, S32 bag_ids, S32 perm, S32 run_offsets,
+                       S32 counts, ffi::RemainingArgs, F32Out d_rows, F32Out d_weights) {
+  int64_t n, d, bags;
+  if (ffi::Error e = CheckPoolBwd(dout, rows, weights, inverse, bag_ids, perm, run_offsets,
+                                  counts, *d_rows, *d_weights, &n, &d, &bags);
+      e.failure())
     return e;
   void* ws;
   if (ffi::Error e = AllocateScratch(scratch, bag_pool_bwd_scratch_bytes((int)n, (int)d), &ws);
@@ -163,38 +144,55 @@ ffi::Error PoolBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
     return e;
   return CudaError(
       bag_pool_bwd(dout.typed_data(), rows.typed_data(), weights.typed_data(),
-                   inverse.typed_data(), bag_ids.typed_data(),
-                   perm.typed_data(), run_offsets.typed_data(),
-                   counts.typed_data(), (int)n, (int)bags, (int)d,
+                   inverse.typed_data(), bag_ids.typed_data(), perm.typed_data(),
+                   run_offsets.typed_data(), counts.typed_data(), (int)n, (int)bags, (int)d,
                    d_rows->typed_data(),
-                   Length(*d_weights) == 0 ? nullptr : d_weights->typed_data(),
-                   ws, stream),
+                   Length(*d_weights) == 0 ? nullptr : d_weights->typed_data(), ws, stream),
       "bag_pool_bwd");
 }
+
+ffi::Error PlanImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, S32 ids,
+                    ffi::RemainingArgs, S32Out perm, S32Out inverse, S32Out unique_ids,
+                    S32Out run_offsets, S32Out group_offsets, S32Out counts,
+                    int64_t last_extent, int64_t num_rows) {
+  if (ffi::Error e = CheckPlan(ids, *perm, *inverse, *unique_ids, *run_offsets, *group_offsets,
+                               *counts, last_extent, num_rows);
+      e.failure())
+    return e;
+  const int n = static_cast<int>(Length(ids));
+  size_t bytes = 0;
+  if (cudaError_t err = plan_scratch_bytes(n, static_cast<int>(num_rows), &bytes);
+      err != cudaSuccess)
+    return CudaError(err, "plan");
+  void* ws = nullptr;  // build_plan realigns to 256 bytes
+  if (bytes > 0) {
+    if (ffi::Error e = AllocateScratch(scratch, bytes, &ws); e.failure()) return e;
+  }
+  const PlanOutputs out{perm->typed_data(),        inverse->typed_data(),
+                        unique_ids->typed_data(),   run_offsets->typed_data(),
+                        group_offsets->typed_data(), counts->typed_data()};
+  return CudaError(build_plan(ids.typed_data(), n, static_cast<int>(last_extent),
+                              static_cast<int>(num_rows), out, ws, stream),
+                   "plan");
+}
+
+// Context first (the stream XLA hands us, its scratch allocator), then the
+// contract's operands and results (common/op_contract.h).
+auto WithStream() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
+auto WithStreamAndScratch() { return WithStream().Ctx<ffi::ScratchAllocator>(); }
 
 }  // namespace
 }  // namespace flowtt
 
-namespace ffi = xla::ffi;
-
-// Context first (the stream XLA hands us, its scratch allocator), then the
-// contract's operands and results (ffi/contract.h).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlowttRowsFwdCuda, flowtt::RowsFwdImpl,
-    flowtt::BindRowsFwd(
-        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlowttRowsBwdCuda, flowtt::RowsBwdImpl,
-    flowtt::BindRowsBwd(
-        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlowttBagFwdCuda, flowtt::BagFwdImpl,
-    flowtt::BindBagFwd(
-        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttRowsFwdCuda, flowtt::RowsFwdImpl,
+                              flowtt::BindRowsFwd(flowtt::WithStreamAndScratch()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttRowsBwdCuda, flowtt::RowsBwdImpl,
+                              flowtt::BindRowsBwd(flowtt::WithStreamAndScratch()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttBagFwdCuda, flowtt::BagFwdImpl,
+                              flowtt::BindBagFwd(flowtt::WithStreamAndScratch()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolFwdCuda, flowtt::PoolFwdImpl,
-                              flowtt::BindPoolFwd(
-                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlowttPoolBwdCuda, flowtt::PoolBwdImpl,
-    flowtt::BindPoolBwd(
-        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>()));
+                              flowtt::BindPoolFwd(flowtt::WithStream()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolBwdCuda, flowtt::PoolBwdImpl,
+                              flowtt::BindPoolBwd(flowtt::WithStreamAndScratch()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPlanCuda, flowtt::PlanImpl,
+                              flowtt::BindPlan(flowtt::WithStreamAndScratch()));

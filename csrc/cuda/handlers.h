@@ -1,6 +1,5 @@
-// XLA FFI handler symbols (platform CUDA) for the ops of
-// docs/op_contract.md; defined in cuda/handlers.cu, exported to jax by the
-// nanobind module in ffi/cuda_module.cc.
+// XLA FFI handler symbols (platform CUDA) of the ops of docs/op_contract.md, defined in
+// cuda/handlers.cc, registered by the nanobind module in cuda/module.cc.
 #pragma once
 
 #include "xla/ffi/api/ffi.h"
@@ -10,3 +9,4 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttRowsBwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttPoolFwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttPoolBwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttBagFwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttPlanCuda);

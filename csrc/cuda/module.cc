@@ -1,28 +1,28 @@
-// nanobind module `_flowtt_cuda`: registrations() hands the CUDA handlers'
-// capsules (cuda/handlers.cu, cuda/plan_handler.cu) to
-// jax.ffi.register_ffi_target(platform="CUDA");
+// nanobind module `_flowtt_cuda`: registrations() hands the CUDA handlers
+// (cuda/handlers.cc) to jax.ffi.register_ffi_target(platform="CUDA");
 // scratch_bytes() reports the handlers' run-time scratch (for benchmarks; chunk_rows
 // is flowtt_bag_fwd's attribute);
 // unsupported_reason() says why the kernels cannot take a core shape (None if they can).
 #include <string>
 
+#include "common/ffi_capsule.h"
 #include "cuda/handlers.h"
+#include "cuda/ops.h"
+#include "cuda/plan.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
-#include "cuda/plan_handler.h"
-#include "cuda/plan.h"
-#include "cuda/ops.h"
 
 NB_MODULE(_flowtt_cuda, m) {
   namespace nb = nanobind;
   m.def("registrations", []() {
+    using flowtt::EncapsulateFfiHandler;
     nb::dict d;
-    d["flowtt_tt_rows_fwd"] = nb::capsule(reinterpret_cast<void*>(FlowttRowsFwdCuda));
-    d["flowtt_tt_rows_bwd"] = nb::capsule(reinterpret_cast<void*>(FlowttRowsBwdCuda));
-    d["flowtt_bag_pool_fwd"] = nb::capsule(reinterpret_cast<void*>(FlowttPoolFwdCuda));
-    d["flowtt_bag_pool_bwd"] = nb::capsule(reinterpret_cast<void*>(FlowttPoolBwdCuda));
-    d["flowtt_bag_fwd"] = nb::capsule(reinterpret_cast<void*>(FlowttBagFwdCuda));
-    d["flowtt_plan"] = nb::capsule(reinterpret_cast<void*>(FlowttPlanCuda));
+    d["flowtt_tt_rows_fwd"] = EncapsulateFfiHandler(FlowttRowsFwdCuda);
+    d["flowtt_tt_rows_bwd"] = EncapsulateFfiHandler(FlowttRowsBwdCuda);
+    d["flowtt_bag_pool_fwd"] = EncapsulateFfiHandler(FlowttPoolFwdCuda);
+    d["flowtt_bag_pool_bwd"] = EncapsulateFfiHandler(FlowttPoolBwdCuda);
+    d["flowtt_bag_fwd"] = EncapsulateFfiHandler(FlowttBagFwdCuda);
+    d["flowtt_plan"] = EncapsulateFfiHandler(FlowttPlanCuda);
     return d;
   });
   m.def("unsupported_reason",

@@ -1,5 +1,5 @@
 // On-device FlowTT plan (target flowtt_plan, docs/op_contract.md): launcher,
-// no XLA dependency. The FFI handler is cuda/plan_handler.cu.
+// no XLA dependency. The FFI handler is in cuda/handlers.cc.
 #pragma once
 
 #include <cuda_runtime.h>
