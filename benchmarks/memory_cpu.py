@@ -1,7 +1,7 @@
 """Forward temporary memory of tt_embedding_bag from XLA's memory analysis (no run).
 
-Usage: python benchmarks/memory_cpu.py [--num-embeddings N] [--dim D] [--rank R]
-                                      [--out results.json] [--readme README.md]
+Usage: python -m benchmarks.memory_cpu [--num-embeddings N] [--dim D] [--rank R]
+                                       [--out results.json] [--readme README.md]
 Prints temp bytes for the FFI path and the XLA reference at several nnz, so one
 can see which grows with nnz x r^2 (per-id gathered cores) and which does not;
 ``--readme`` rewrites the README's memory table from this run.
@@ -59,7 +59,7 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     if args.readme:
-        from report import replace_block  # noqa: PLC0415  (benchmarks/ is the script's folder)
+        from benchmarks.report import replace_block
 
         rows = "".join(
             f"| {r['num_bags']} | {r['nnz']:,} | {r['ffi_temp_bytes'] / 2**20:.2f} MiB | "

@@ -1,0 +1,200 @@
+"""The implementations the benchmarks compare: one registry, one calling convention.
+
+An implementation turns a ``Workload`` into a forward ``fwd(params, ids, offsets)`` over the
+packed bags (``ids [nnz]``, feature-major ``offsets [F*B + 1]``) returning ``[B, F*D]`` (the
+features' sum-pooled bags side by side); the runner times ``fwd`` and its vjp with respect to
+``params`` (the core gradients; the dense table's gradient for the dense bag).
+
+- ``dense_bag``: the uncompressed tables, concatenated; one gather and one segment sum.
+- ``tt_reference``: ``tt_embedding_bag(impl="reference")`` (TT from XLA ops) per table.
+- ``tt_reference_dedup``: EcoRec's algorithm in XLA ops per table: ``jnp.unique`` of the ids
+  (static size nnz), TT rows of the unique ids, gathered back and pooled.
+- ``ours`` (single table) / ``ours_per_table_loop`` (collections): ``tt_embedding_bag``
+  (impl="ffi", the fused kernels) per table, in one jitted loop over the tables.
+
+Adding one (e.g. the table-batched op) is one decorated builder::
+
+    @register("ours_batched", suites=("collection",), description="...")
+    def _ours_batched(w: Workload) -> Fwd:
+        ...  # return fwd(params, ids, offsets); ``init`` may pack the per-table cores
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flowtt_jax as ftt
+from flowtt_jax import reference
+
+from .workloads import Workload
+
+__all__ = ["Impl", "REGISTRY", "register", "tt_cores", "ffi_scratch_bytes"]
+
+Fwd = Callable[[Any, jax.Array, jax.Array], jax.Array]
+TTCores = tuple[tuple[jax.Array, ...], ...]
+
+
+def tt_cores(w: Workload, seed: int = 1) -> TTCores:
+    """Per-table cores drawn on the host (rows of std 1/sqrt(D), as ``ftt.init_cores``)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for spec in w.specs:
+        std = (1.0 / spec.embedding_dim / math.prod(spec.ranks)) ** (1.0 / (2 * spec.num_cores))
+        out.append(tuple(jax.device_put(rng.standard_normal(s, dtype=np.float32) * np.float32(std))
+                         for s in spec.core_shapes))
+    return tuple(out)
+
+
+def _tt_param_bytes(w: Workload) -> int:
+    return sum(s.num_params for s in w.specs) * 4
+
+
+def _dense_param_bytes(w: Workload) -> int:
+    return sum(s.dense_params for s in w.specs) * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    """A registered implementation.
+
+    Attributes:
+      build: workload -> ``fwd(params, ids, offsets)``.
+      init: (workload, per-table TT cores) -> params (default: the cores themselves).
+      param_bytes: workload -> bytes of params, known before they exist (memory checks).
+      per_table_loop: its program grows with the number of tables (compile-time cap).
+      ffi: runs the flowtt kernels (their run-time scratch is added to the memory figures).
+    """
+
+    name: str
+    suites: tuple[str, ...]
+    description: str
+    build: Callable[[Workload], Fwd]
+    init: Callable[[Workload, TTCores], Any]
+    param_bytes: Callable[[Workload], int]
+    per_table_loop: bool = False
+    ffi: bool = False
+    dense: bool = False
+
+
+REGISTRY: dict[str, Impl] = {}
+
+
+def register(name: str, *, suites: tuple[str, ...], description: str,
+             init: Callable[[Workload, TTCores], Any] = lambda w, cores: cores,
+             param_bytes: Callable[[Workload], int] = _tt_param_bytes, per_table_loop: bool = False,
+             ffi: bool = False, dense: bool = False) -> Callable[[Callable[[Workload], Fwd]], Callable]:
+    """Decorator: registers a builder ``workload -> fwd`` under ``name`` (in registry order)."""
+    def deco(build: Callable[[Workload], Fwd]) -> Callable[[Workload], Fwd]:
+        REGISTRY[name] = Impl(name, suites, description, build, init, param_bytes,
+                              per_table_loop, ffi, dense)
+        return build
+    return deco
+
+
+def _bag_ids(offsets: jax.Array, n: int) -> jax.Array:
+    """Bag of each position from CSR offsets: how many bag starts after 0 are <= it."""
+    starts = jnp.zeros((n,), jnp.int32).at[offsets[1:-1]].add(1, mode="drop")
+    return jnp.cumsum(starts)
+
+
+def _per_table(bag: Callable[[tuple, jax.Array, jax.Array, ftt.TTSpec], jax.Array]
+               ) -> Callable[[Workload], Fwd]:
+    """Builder of a loop over the features: ``bag(cores, ids, offsets, spec)`` -> [B, D] each."""
+    def build(w: Workload) -> Fwd:
+        bounds, b = w.feature_bounds, w.batch
+
+        def fwd(params, ids, offsets):
+            outs = []
+            for f, t in enumerate(w.feature_table):
+                s, e = bounds[f], bounds[f + 1]
+                outs.append(bag(params[t], ids[s:e], offsets[f * b:(f + 1) * b + 1] - s, w.specs[t]))
+            return jnp.concatenate(outs, axis=1)
+        return fwd
+    return build
+
+
+def _dense_init(w: Workload, cores: TTCores) -> jax.Array:
+    dims = {s.embedding_dim for s in w.specs}
+    if len(dims) != 1:
+        raise ValueError(f"dense_bag needs one embedding dim, got {sorted(dims)}")
+    rows = sum(s.num_embeddings for s in w.specs)
+    shape = (rows, dims.pop())
+    return jax.jit(lambda k: 0.01 * jax.random.normal(k, shape, jnp.float32))(jax.random.key(3))
+
+
+@register("dense_bag", suites=("single", "collection"), init=_dense_init,
+          param_bytes=_dense_param_bytes, dense=True,
+          description="uncompressed tables, concatenated: one gather + one segment sum")
+def _dense_bag(w: Workload) -> Fwd:
+    f_count, b = w.num_features, w.batch
+    dim = w.specs[0].embedding_dim
+    row_start = np.concatenate([[0], np.cumsum([s.num_embeddings for s in w.specs])])
+    if row_start[-1] >= 2**31:
+        raise ValueError(f"{row_start[-1]} rows do not fit int32 ids")
+    feature_row = row_start[list(w.feature_table)].astype(np.int32)
+
+    def fwd(table, ids, offsets):
+        bag = _bag_ids(offsets, ids.shape[0])
+        if f_count > 1:
+            ids = ids + jnp.asarray(feature_row)[bag // b]
+        out = jax.ops.segment_sum(jnp.take(table, ids, axis=0), bag, num_segments=f_count * b)
+        return out.reshape(f_count, b, dim).transpose(1, 0, 2).reshape(b, f_count * dim)
+    return fwd
+
+
+def _tt_bag(impl: str):
+    def bag(cores, ids, offsets, spec):
+        return ftt.tt_embedding_bag(cores, ids, offsets=offsets, num_embeddings=spec.num_embeddings,
+                                    impl=impl)
+    return bag
+
+
+def _dedup_bag(cores, ids, offsets, spec):
+    n, b = ids.shape[0], offsets.shape[0] - 1
+    if n == 0:
+        return jnp.zeros((b, spec.embedding_dim), jnp.float32)
+    uniq, inv = jnp.unique(ids, size=n, fill_value=0, return_inverse=True)
+    rows = reference.tt_rows(cores, uniq)[inv.reshape(-1)]
+    return jax.ops.segment_sum(rows, _bag_ids(offsets, n), num_segments=b)
+
+
+register("tt_reference", suites=("single", "collection"), per_table_loop=True,
+         description="TT from XLA ops (tt_embedding_bag impl='reference'), per table")(
+    _per_table(_tt_bag("reference")))
+register("tt_reference_dedup", suites=("single", "collection"), per_table_loop=True,
+         description="EcoRec's algorithm in XLA ops: unique ids (static size nnz), TT rows, "
+                     "gather back, pool; per table")(_per_table(_dedup_bag))
+register("ours", suites=("single",), per_table_loop=True, ffi=True,
+         description="tt_embedding_bag impl='ffi' (the fused kernels)")(_per_table(_tt_bag("ffi")))
+register("ours_per_table_loop", suites=("collection",), per_table_loop=True, ffi=True,
+         description="tt_embedding_bag impl='ffi' called per table in one jitted loop "
+                     "(the table-batched op does not exist yet)")(_per_table(_tt_bag("ffi")))
+
+
+def ffi_scratch_bytes(w: Workload, mode: str) -> int | None:
+    """Largest run-time scratch of one flowtt CUDA call over the features (None off GPU).
+
+    ``fwd`` (no gradient): the plan and the fused bag forward run one after the other;
+    ``fwd_bwd``: plan, rows forward, pooling backward and rows backward.
+    """
+    if jax.default_backend() != "gpu":
+        return None
+    from flowtt_jax import _flowtt_cuda
+    from flowtt_jax.ops import bag_chunk_rows
+
+    keys = ("plan", "bag_fwd") if mode == "fwd" else ("plan", "rows_fwd", "pool_bwd", "rows_bwd")
+    bounds, worst = w.feature_bounds, 0
+    for f, t in enumerate(w.feature_table):
+        spec, n = w.specs[t], bounds[f + 1] - bounds[f]
+        if n == 0:
+            continue
+        s = _flowtt_cuda.scratch_bytes(*spec.row_shape, *spec.col_shape, spec.ranks[1], spec.ranks[2],
+                                       n, bag_chunk_rows(spec.embedding_dim))
+        worst = max(worst, *(int(s.get(k, 0)) for k in keys))
+    return worst

@@ -1,0 +1,163 @@
+"""PNG plots of benchmark JSON (matplotlib, Agg): latency vs batch, vs tables, memory.
+
+``draw_all`` returns ``{plot: path}`` for the plots drawn and ``{plot: "skipped: why"}``
+for the others (matplotlib missing, no data), so a machine without matplotlib still runs
+the suite; ``python -m benchmarks.report`` draws them again from the JSON elsewhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+__all__ = ["draw_all", "measured", "impl_order", "PLOTS"]
+
+PLOTS = ("latency_vs_batch", "latency_vs_tables", "memory_single", "memory_collection")
+#: Implementations in the order tables and plots show them (others after, by name).
+ORDER = ("dense_bag", "tt_reference", "tt_reference_dedup", "ours", "ours_per_table_loop",
+         "ours_batched")
+_STYLE = {"fwd": "-", "fwd_bwd": "--"}
+_MARKERS = (("o", "\u25cf"), ("s", "\u25a0"), ("^", "\u25b2"), ("v", "\u25bc"))
+
+
+def measured(rec: dict, mode: str) -> dict | None:
+    """The (impl, mode) result when it was timed, else None."""
+    r = rec.get(mode) or {}
+    return r if isinstance(r.get("ms"), (int, float)) else None
+
+
+def _cases(docs: Iterable[dict], suite: str) -> list[dict]:
+    return [c for d in docs for c in d.get("cases", []) if c.get("suite") == suite]
+
+
+def impl_order(names: Iterable[str]) -> list[str]:
+    """``names`` in ``ORDER`` (unknown ones last, by name), without repeats."""
+    rank = {n: k for k, n in enumerate(ORDER)}
+    return sorted(set(names), key=lambda n: (rank.get(n, len(ORDER)), n))
+
+
+def _impl_names(cases: list[dict]) -> list[str]:
+    return impl_order(n for c in cases for n in c["impls"])
+
+
+def _legend(ax, names: list[str]) -> None:
+    """One entry per implementation (colour) and one per mode (line style)."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=f"C{k}", marker="o", label=n) for k, n in enumerate(names)]
+    handles += [Line2D([], [], color="gray", ls=ls, label=m.replace("_", "+")) for m, ls in _STYLE.items()]
+    ax.legend(handles=handles, fontsize=7)
+
+
+def _ticks(ax, xs: list[int]) -> None:
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.minorticks_off()
+
+
+def _latency_vs_batch(plt, cases: list[dict], path: Path) -> str:
+    combos = sorted({(c["workload"]["dim"], c["workload"]["rank"]) for c in cases})
+    dists = {c["workload"]["dist"] for c in cases}
+    dist = "zipf1.05" if "zipf1.05" in dists else sorted(dists)[0]
+    names = _impl_names(cases)
+    fig, axes = plt.subplots(1, len(combos), figsize=(4.2 * len(combos), 3.8), squeeze=False)
+    for ax, (dim, rank) in zip(axes[0], combos):
+        sel = sorted((c for c in cases if (c["workload"]["dim"], c["workload"]["rank"]) == (dim, rank)
+                      and c["workload"]["dist"] == dist), key=lambda c: c["workload"]["batch"])
+        for k, name in enumerate(names):
+            for mode, ls in _STYLE.items():
+                pts = [(c["workload"]["batch"], r["ms"]) for c in sel
+                       if (r := measured(c["impls"].get(name, {}), mode))]
+                if pts:
+                    ax.plot(*zip(*pts), ls, marker="o", color=f"C{k}")
+        ax.set(xscale="log", yscale="log", xlabel="bags (batch)", ylabel="ms per call",
+               title=f"D {dim}, rank {rank}, ids {dist}")
+        _ticks(ax, sorted({c["workload"]["batch"] for c in sel}))
+        ax.grid(True, which="both", alpha=0.3)
+    _legend(axes[0][0], names)
+    rows = cases[0]["workload"]["num_embeddings"]
+    fig.suptitle(f"Single table of {rows:.0e} rows: time per call vs batch", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return str(path)
+
+
+def _latency_vs_tables(plt, cases: list[dict], path: Path) -> str:
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    batches = sorted({c["workload"]["batch"] for c in cases})
+    names = _impl_names(cases)
+    for k, name in enumerate(names):
+        for j, batch in enumerate(batches):
+            sel = sorted((c for c in cases if c["workload"]["batch"] == batch),
+                         key=lambda c: c["workload"]["num_tables"])
+            for mode, ls in _STYLE.items():
+                pts = [(c["workload"]["num_tables"], r["ms"]) for c in sel
+                       if (r := measured(c["impls"].get(name, {}), mode))]
+                if pts:
+                    ax.plot(*zip(*pts), ls, marker=_MARKERS[j % 4][0], color=f"C{k}")
+    ax.set(xscale="log", yscale="log", xlabel="tables", ylabel="ms per call",
+           title="Meta-like collections: time per call vs tables\n(markers: batch "
+                 + ", ".join(f"{_MARKERS[j % 4][1]} {b}" for j, b in enumerate(batches)) + ")")
+    _ticks(ax, sorted({c["workload"]["num_tables"] for c in cases}))
+    ax.grid(True, which="both", alpha=0.3)
+    _legend(ax, names)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return str(path)
+
+
+def _memory_cases(cases: list[dict]) -> list[dict]:
+    """The S1 case where there is one, else up to two cases with a timed forward."""
+    s1 = [c for c in cases if c.get("alias") == "S1"]
+    return s1 or [c for c in cases if any(measured(r, "fwd") for r in c["impls"].values())][:2]
+
+
+def _memory(plt, picks: list[dict], path: Path) -> str:
+    fig, axes = plt.subplots(1, len(picks), figsize=(6.5 * len(picks), 4.2), squeeze=False)
+    for ax, case in zip(axes[0], picks):
+        names = impl_order(case["impls"])
+        series = (("params", lambda r: r.get("param_bytes")),
+                  ("peak fwd", lambda r: (measured(r, "fwd") or {}).get("peak_bytes")),
+                  ("peak fwd+bwd", lambda r: (measured(r, "fwd_bwd") or {}).get("peak_bytes")))
+        width = 0.8 / len(series)
+        for j, (label, get) in enumerate(series):
+            xs = [i + (j - 1) * width for i, n in enumerate(names) if get(case["impls"][n])]
+            ys = [get(case["impls"][n]) / 2**20 for n in names if get(case["impls"][n])]
+            ax.bar(xs, ys, width, label=label, color=f"C{j}")
+        ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
+        ax.set(yscale="log", ylabel="MiB", title=f"{case.get('alias') or case['case']}")
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Device memory per implementation (XLA memory analysis + FFI scratch; "
+                 "missing bar: not run)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return str(path)
+
+
+def draw_all(docs: list[dict], out_dir: Path | str, prefix: str = "") -> dict[str, str]:
+    """Draws ``PLOTS`` from the cases of ``docs`` into ``out_dir/<prefix><plot>.png``."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        msg = f"skipped: matplotlib not available ({e})"
+        print(f"plots {msg}")
+        return {p: msg for p in PLOTS}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    single, coll = _cases(docs, "single"), _cases(docs, "collection")
+    todo = {"latency_vs_batch": (_latency_vs_batch, single, "no single-table cases"),
+            "latency_vs_tables": (_latency_vs_tables, coll, "no collection cases"),
+            "memory_single": (_memory, _memory_cases(single), "no timed single-table case"),
+            "memory_collection": (_memory, _memory_cases(coll), "no timed collection case")}
+    out = {}
+    for name, (fn, data, why) in todo.items():
+        if not data:
+            out[name] = f"skipped: {why}"
+            continue
+        try:
+            out[name] = fn(plt, data, out_dir / f"{prefix}{name}.png")
+        finally:
+            plt.close("all")
+    return out

@@ -1,0 +1,195 @@
+"""The benchmark suite: ``python -m benchmarks --quick`` end to end on CPU (JSON structure,
+positive finite numbers, plots, the README generator), and the workload generators'
+statistics and reproducibility."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flowtt_jax import ffi
+
+from benchmarks import workloads as wl
+from benchmarks.impls import REGISTRY
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODES = ("fwd", "fwd_bwd")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    if not ffi.available():
+        pytest.skip("compiled extension not built (ours needs it)")
+    out = tmp_path_factory.mktemp("bench")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "FLOWTT_COMMIT": "test-commit"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out-dir", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = out.glob("bench_quick_all_cpu_*.json")
+    return out, json.loads(path.read_text())
+
+
+def _numbers(x, path=""):
+    """Every (path, number) in a JSON tree."""
+    if isinstance(x, bool):
+        return
+    if isinstance(x, (int, float)):
+        yield path, x
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from _numbers(v, f"{path}.{k}")
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from _numbers(v, f"{path}[{i}]")
+
+
+def test_quick_run_json(quick_run):
+    _, doc = quick_run
+    for key in ("device", "date", "commit", "jax", "timing_method", "status", "cases", "plots"):
+        assert key in doc, key
+    assert doc["commit"] == "test-commit" and doc["quick"] is True
+    assert doc["status"] == "complete" and doc["timing_method"] == "queued"
+    suites = {c["suite"] for c in doc["cases"]}
+    assert suites == {"single", "collection"}
+    for case in doc["cases"]:
+        expected = {name for name, impl in REGISTRY.items() if case["suite"] in impl.suites}
+        assert set(case["impls"]) == expected, case["case"]
+        assert case["stats"]["nnz"] > 0 and case["stats"]["compression_ratio"] > 1
+        for name, rec in case["impls"].items():
+            assert rec["param_bytes"] > 0 and rec["compression_ratio"] >= 1, (case["case"], name)
+            for mode in MODES:
+                r = rec[mode]
+                assert "error" not in r and "skipped" not in r, (case["case"], name, mode, r)
+                assert r["ms"] > 0 and r["compile_s"] > 0 and r["lower_s"] > 0
+                assert r["peak_bytes"] > 0 and r["temp_bytes"] >= 0
+                assert r["memory"]["argument_size"] > 0 and r["memory"]["output_size"] > 0
+                assert r["floor"]["kind"] in ("flops", "bytes") and r["floor"]["amount"] > 0
+    for path, x in _numbers(doc):
+        assert math.isfinite(x) and x >= 0, (path, x)
+
+
+def test_quick_run_plots_and_readme(quick_run, tmp_path):
+    out, doc = quick_run
+    pytest.importorskip("matplotlib")
+    for name, where in doc["plots"].items():
+        assert Path(where).is_file() and Path(where).stat().st_size > 1000, name
+    # The README generator takes the newest non-quick run of each stage.
+    full = {**doc, "quick": False}
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps(full))
+    readme = tmp_path / "README.md"
+    readme.write_text("a\n<!-- bench:start -->\nold\n<!-- bench:end -->\nb\n"
+                      "<!-- bench-collection:start -->\n<!-- bench-collection:end -->\nc\n")
+    subprocess.run([sys.executable, "-m", "benchmarks.report", "--readme", str(readme),
+                    "--plots-dir", str(tmp_path / "plots"), str(src)], cwd=ROOT, check=True,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    text = readme.read_text()
+    assert "old" not in text and text.startswith("a\n") and text.endswith("c\n")
+    assert "| D | rank | bags |" in text and "| tables | bags |" in text
+    assert "](plots/latency_vs_batch.png)" in text and "](plots/latency_vs_tables.png)" in text
+    assert (tmp_path / "plots" / "memory_collection.png").is_file()
+
+
+def _legacy_draw(num_embeddings, bags, dist, seed=0):
+    """The draw of the original bench_single_table.make_workload (S1 must not change)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 28, bags)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    n = int(offsets[-1])
+    if dist == "uniform":
+        ids = rng.integers(0, num_embeddings, n)
+    else:
+        ranks = rng.zipf(float(dist[4:]), n) - 1
+        ids = (ranks.astype(np.uint64) * np.uint64(2654435761)) % np.uint64(num_embeddings)
+    return ids.astype(np.int32), offsets
+
+
+@pytest.mark.parametrize("dist", ["uniform", "zipf1.05", "zipf1.2"])
+def test_single_table_is_the_original_draw(dist):
+    w = wl.single_table(batch=4096, dist=dist)
+    ids, offsets = _legacy_draw(10**7, 4096, dist)
+    np.testing.assert_array_equal(w.ids, ids)
+    np.testing.assert_array_equal(w.offsets, offsets)
+    assert w.specs[0].row_shape == (200, 200, 250)
+
+
+def test_s1():
+    w = wl.single_table()
+    s = w.stats()
+    assert (s["nnz"], s["num_unique"], s["num_groups"]) == (457971, 262350, 39946)  # as measured
+    lengths = np.diff(w.offsets)
+    assert lengths.min() == 1 and lengths.max() == 27 and abs(lengths.mean() - 14) < 0.1
+    assert w.ids.min() >= 0 and w.ids.max() < 10**7
+
+
+@pytest.fixture(scope="module")
+def meta240():
+    return wl.MetaLikeCollection.create(240, seed=0)
+
+
+def test_meta_like_tables(meta240):
+    c = meta240
+    assert c.rows.min() >= 10**4 and c.rows.max() <= 4 * 10**7
+    logs = np.log(c.rows)
+    assert abs(logs.mean() - (np.log(1e4) + np.log(4e7)) / 2) < 0.5  # log-uniform
+    assert 0.05 <= c.one_hot.mean() <= 0.15
+    assert abs(c.pooling_mean.mean() - 13.6) < 1e-9  # expected pooling over all features
+    assert np.all(c.pooling_mean[c.one_hot] == 1.0)
+    assert c.alpha.min() >= 1.01 and c.alpha.max() <= 1.2
+    assert all(s.embedding_dim == 32 and s.ranks == (1, 32, 32, 1) for s in c.specs)
+    assert all(s.num_embeddings == n for s, n in zip(c.specs, c.rows))
+    # The first tables of a larger collection are the smaller collection's tables.
+    big = wl.MetaLikeCollection.create(480, seed=0)
+    np.testing.assert_array_equal(big.rows[:240], c.rows)
+    np.testing.assert_array_equal(big.alpha[:240], c.alpha)
+
+
+def test_meta_like_draw(meta240):
+    batch = 256
+    w = meta240.draw(batch)
+    f, b = w.num_features, w.batch
+    assert (f, b, w.feature_table) == (240, batch, tuple(range(240)))
+    o = w.offsets
+    assert o.shape == (f * b + 1,) and o.dtype == np.int32 and w.ids.dtype == np.int32
+    assert o[0] == 0 and o[-1] == w.nnz and np.all(np.diff(o) >= 0)
+    lengths = np.diff(o).reshape(f, b)
+    assert np.all(lengths[meta240.one_hot] == 1)
+    assert abs(w.nnz / (f * b) - 13.6) < 0.5
+    bounds = w.feature_bounds
+    for t in range(f):
+        seg = w.ids[bounds[t]:bounds[t + 1]]
+        assert seg.size == 0 or (seg.min() >= 0 and seg.max() < meta240.rows[t])
+    s = w.stats()
+    assert abs(s["one_hot_fraction"] - meta240.one_hot.mean()) < 1e-9
+    assert 0 < s["unique_fraction"] < 1 and s["num_groups"] <= s["num_unique"]
+    # Seeded: the same seed draws the same bags, another seed others.
+    again = wl.MetaLikeCollection.create(240, seed=0).draw(batch)
+    np.testing.assert_array_equal(again.ids, w.ids)
+    np.testing.assert_array_equal(again.offsets, w.offsets)
+    other = wl.MetaLikeCollection.create(240, seed=1).draw(batch)
+    assert other.nnz != w.nnz or not np.array_equal(other.ids, w.ids)
+
+
+@pytest.mark.parametrize("alpha,n", [(1.01, 50), (1.2, 7), (1.1, 1000)])
+def test_bounded_zipf_matches_its_pmf(alpha, n):
+    draws = wl.bounded_zipf(np.random.default_rng(0), alpha, n, 200_000)
+    assert draws.min() >= 0 and draws.max() < n
+    pmf = np.arange(1, n + 1.0) ** -alpha
+    pmf /= pmf.sum()
+    freq = np.bincount(draws, minlength=n) / draws.size
+    sigma = np.sqrt(pmf * (1 - pmf) / draws.size)
+    assert np.all(np.abs(freq - pmf) < 5 * sigma + 1e-4)
+
+
+def test_hot_rows_scattered():
+    """Zipf ranks map to rows by a bijection mod N (no two ranks share a row)."""
+    for n in (10**4, 12345, 4 * 10**7):
+        ranks = np.arange(min(n, 10**6), dtype=np.uint64)
+        rows = (ranks * np.uint64(wl.HASH)) % np.uint64(n)
+        assert np.unique(rows).size == ranks.size
