@@ -11,6 +11,10 @@ Forms accepted by ``tt_embedding_bag``:
 Canonical form: ids [n] in bag order, offsets [B+1] valid CSR, bag_ids [n], and an
 effective per-id weight [n] that folds in the user weights, dropped ids and the
 mode's 1/len or 1/sqrt(len) scale, so kernels compute plain weighted sums.
+
+``prepare_bags`` is what every bag op (``tt_embedding_bag``, the dense bag of
+``flowtt_jax.collection`` and so the layers over them) runs first: the canonical form,
+then the out-of-range policy (``flowtt_jax.oob``) on its ids and weights.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["MODES", "CanonicalBags", "canonical_bags"]
+from .oob import apply_oob
+
+__all__ = ["MODES", "CanonicalBags", "canonical_bags", "prepare_bags"]
 
 MODES = ("sum", "mean", "sqrtn")
 
@@ -54,6 +60,7 @@ def canonical_bags(
     weights: jax.Array | None,
     mode: str,
 ) -> CanonicalBags:
+    """Any of the three bag forms -> ``CanonicalBags`` (ids keep their dtype and values)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if offsets is not None and segment_ids is not None:
@@ -130,3 +137,30 @@ def canonical_bags(
         scale = 1.0 / lengths if mode == "mean" else jax.lax.rsqrt(lengths)
         eff = eff * scale[bag_ids]
     return CanonicalBags(ids, eff, offsets, bag_ids)
+
+
+def prepare_bags(
+    ids: jax.Array,
+    *,
+    num_embeddings: int,
+    oob: str,
+    offsets: jax.Array | None,
+    segment_ids: jax.Array | None,
+    num_bags: int | None,
+    mask: jax.Array | None,
+    weights: jax.Array | None,
+    mode: str,
+) -> CanonicalBags:
+    """``canonical_bags``, then the ``oob`` policy for a table of ``num_embeddings`` rows.
+
+    Returns ``CanonicalBags`` whose ids are int32 in ``[0, num_embeddings)`` and whose
+    weights are 0 for the ids ``oob="zero"`` drops (they still count towards a bag's
+    length for ``mean`` / ``sqrtn``).
+    """
+    bags = canonical_bags(
+        ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags, mask=mask,
+        weights=weights, mode=mode,
+    )
+    flat, valid = apply_oob(bags.ids, num_embeddings, oob)
+    w = bags.weights if valid is None else jnp.where(valid, bags.weights, 0.0)
+    return bags._replace(ids=flat, weights=w)

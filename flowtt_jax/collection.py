@@ -17,19 +17,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from .bag import MODES, canonical_bags
+from .bag import MODES, prepare_bags
 from .oob import apply_oob
 from .spec import TTSpec
 
 __all__ = [
     "TableConfig",
     "make_table_configs",
+    "check_tables",
     "bag_kwargs",
+    "feature_inputs",
     "dense_embedding_bag",
     "dense_lookup",
 ]
@@ -128,6 +130,19 @@ def make_table_configs(
     ]
 
 
+def check_tables(tables: Sequence[TableConfig]) -> tuple[TableConfig, ...]:
+    """The tables of a collection as a tuple; ``ValueError`` on a repeated table name or
+    a feature read by more than one table."""
+    tables = tuple(tables)
+    names = [t.name for t in tables]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate table names in {names}")
+    feats = [f for t in tables for f in t.feature_keys]
+    if len(set(feats)) != len(feats):
+        raise ValueError(f"a feature reads more than one table: {feats}")
+    return tables
+
+
 def bag_kwargs(value: Any) -> tuple[jax.Array, dict]:
     """``(ids, kwargs)`` for ``tt_embedding_bag`` from a collection feature input.
 
@@ -151,6 +166,20 @@ def bag_kwargs(value: Any) -> tuple[jax.Array, dict]:
     return ids, {}
 
 
+def feature_inputs(
+    tables: Sequence[TableConfig], features: Mapping[str, Any]
+) -> Iterator[tuple[TableConfig, str, jax.Array, dict]]:
+    """``(table, feature name, ids, kwargs)`` per feature the tables read, in table order:
+    the arguments of the table's bag call (see ``bag_kwargs``). ``KeyError`` for a
+    feature missing from ``features``."""
+    for cfg in tables:
+        for fname in cfg.feature_keys:
+            if fname not in features:
+                raise KeyError(f"missing input for feature {fname!r} (table {cfg.name!r})")
+            ids, kw = bag_kwargs(features[fname])
+            yield cfg, fname, ids, kw
+
+
 def dense_embedding_bag(
     table: jax.Array,
     ids: jax.Array,
@@ -168,16 +197,14 @@ def dense_embedding_bag(
 
     Output in ``dtype`` (default: the table's dtype).
     """
-    bags = canonical_bags(
-        ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags, mask=mask,
-        weights=weights, mode=mode,
+    bags = prepare_bags(
+        ids, num_embeddings=table.shape[0], oob=oob, offsets=offsets, segment_ids=segment_ids,
+        num_bags=num_bags, mask=mask, weights=weights, mode=mode,
     )
-    flat, valid = apply_oob(bags.ids, table.shape[0], oob)
-    w = bags.weights if valid is None else jnp.where(valid, bags.weights, 0.0)
     num = bags.offsets.shape[0] - 1
-    rows = jnp.take(table, flat, axis=0)
+    rows = jnp.take(table, bags.ids, axis=0)
     rows = rows.astype(jnp.promote_types(rows.dtype, jnp.float32))
-    out = jax.ops.segment_sum(rows * w[:, None], bags.bag_ids, num_segments=num)
+    out = jax.ops.segment_sum(rows * bags.weights[:, None], bags.bag_ids, num_segments=num)
     return out.astype(table.dtype if dtype is None else dtype)
 
 

@@ -1,12 +1,15 @@
 """TT cores: initialisation, materialisation and TT-SVD from a dense table.
 
 Cores are a tuple of arrays, core k of shape ``[p_k, r_{k-1}, q_k, r_k]``.
+``resolve_init`` and ``check_cores`` turn a layer's ``embedding_init`` into checked
+cores for the Flax layers (``flowtt_jax.nnx`` and ``flowtt_jax.linen``); they need no Flax.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +17,17 @@ import numpy as np
 
 from .spec import TTSpec
 
-__all__ = ["Cores", "init_cores", "to_dense", "from_dense"]
+__all__ = ["Cores", "CoreInit", "init_cores", "to_dense", "from_dense", "resolve_init", "check_cores"]
 
 Cores = tuple[jax.Array, ...]
+
+# ``embedding_init``: None (rows with std 1/sqrt(features), like nnx.Embed), a float
+# (that row std), a Flax initializer ``(key, shape, dtype)`` (its scale is matched), or
+# a callable ``(key, spec, dtype) -> tuple of cores``.
+CoreInit = Callable[[jax.Array, TTSpec, Any], Sequence[jax.Array]]
+
+# Rows drawn from a Flax initializer to measure the scale it would give a dense table.
+_SCALE_SAMPLE_ROWS = 4096
 
 
 def init_cores(
@@ -92,3 +103,48 @@ def from_dense(table: jax.Array | np.ndarray, spec: TTSpec, dtype: jnp.dtype = j
     p, q = spec.row_shape[-1], spec.col_shape[-1]
     cores.append(rest.reshape(r_prev, p, q, 1).transpose(1, 0, 2, 3))
     return tuple(jnp.asarray(c, dtype=dtype) for c in cores)
+
+
+def _is_flax_initializer(fn: Callable) -> bool:
+    """True for ``(key, shape, dtype)`` initializers (jax.nn / flax initializers)."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 2 and params[1] == "shape"
+
+
+def resolve_init(embedding_init: CoreInit | Callable | float | None) -> CoreInit:
+    """Normalise ``embedding_init`` to a callable ``(key, spec, dtype) -> cores``.
+
+    A Flax initializer cannot fill TT cores directly; its scale carries over: the
+    cores are drawn so the materialised rows have the RMS of ``_SCALE_SAMPLE_ROWS``
+    rows it draws for a dense table of the same width.
+    """
+    if embedding_init is None or isinstance(embedding_init, (int, float)):
+        std = None if embedding_init is None else float(embedding_init)
+        return lambda key, spec, dtype: init_cores(key, spec, std=std, dtype=dtype)
+    if not callable(embedding_init):
+        raise TypeError(
+            "embedding_init must be None, a float row std, a Flax initializer (key, shape, dtype) "
+            f"or a callable (key, spec, dtype) -> cores; got {embedding_init!r}"
+        )
+    if _is_flax_initializer(embedding_init):
+
+        def matched_scale(key, spec, dtype):
+            sample_key, core_key = jax.random.split(key)
+            sample = embedding_init(sample_key, (_SCALE_SAMPLE_ROWS, spec.embedding_dim), jnp.float32)
+            std = jnp.sqrt(jnp.mean(jnp.square(sample)))
+            return init_cores(core_key, spec, std=float(std), dtype=dtype)
+
+        return matched_scale
+    return embedding_init
+
+
+def check_cores(cores: Sequence[jax.Array], spec: TTSpec, dtype: Any) -> Cores:
+    """``cores`` cast to ``dtype``; ``ValueError`` unless their shapes are ``spec.core_shapes``."""
+    cores = tuple(jnp.asarray(c, dtype) for c in cores)
+    shapes = tuple(tuple(c.shape) for c in cores)
+    if shapes != spec.core_shapes:
+        raise ValueError(f"initializer returned cores of shapes {shapes}, spec needs {spec.core_shapes}")
+    return cores

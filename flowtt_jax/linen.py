@@ -19,10 +19,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .collection import TableConfig, bag_kwargs, dense_embedding_bag, dense_lookup
+from .collection import TableConfig, check_tables, dense_embedding_bag, dense_lookup, feature_inputs
+from .cores import CoreInit, check_cores, resolve_init, to_dense
 from .cores import from_dense as _tt_svd
-from .cores import to_dense
-from .nnx import CoreInit, _check_tables, check_cores, resolve_init
 from .ops import tt_embedding_bag, tt_lookup
 from .spec import TTSpec
 
@@ -185,7 +184,7 @@ class TTEmbeddingCollection(nn.Module):
 
     @nn.compact
     def __call__(self, features: Mapping[str, Any]) -> dict[str, jax.Array]:
-        tables = _check_tables(self.tables)
+        tables = check_tables(self.tables)
         layers = {}
         for cfg in tables:
             if cfg.kind == "tt":
@@ -200,11 +199,7 @@ class TTEmbeddingCollection(nn.Module):
                     cfg.num_embeddings, cfg.features, mode=cfg.mode, dtype=self.dtype,
                     param_dtype=self.param_dtype, embedding_init=cfg.std, oob=self.oob, name=cfg.name,
                 )
-        out = {}
-        for cfg in tables:
-            for fname in cfg.feature_keys:
-                if fname not in features:
-                    raise KeyError(f"missing input for feature {fname!r} (table {cfg.name!r})")
-                ids, kw = bag_kwargs(features[fname])
-                out[fname] = layers[cfg.name](ids, **kw)
-        return out
+        return {
+            fname: layers[cfg.name](ids, **kw)
+            for cfg, fname, ids, kw in feature_inputs(tables, features)
+        }

@@ -23,7 +23,6 @@ uses the compiled kernels when the extension is built, else the pure-jnp referen
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any, Callable, Mapping, Sequence
 
@@ -31,66 +30,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .collection import TableConfig, bag_kwargs, dense_embedding_bag, dense_lookup
+from .collection import TableConfig, check_tables, dense_embedding_bag, dense_lookup, feature_inputs
+from .cores import CoreInit, check_cores, resolve_init, to_dense
 from .cores import from_dense as _tt_svd
-from .cores import init_cores, to_dense
 from .ops import tt_embedding_bag, tt_lookup
 from .spec import TTSpec
 
 __all__ = ["TTEmbed", "TTEmbedBag", "EmbedBag", "TTEmbeddingCollection", "TableConfig", "resolve_init"]
-
-# ``embedding_init``: None (rows with std 1/sqrt(features), like nnx.Embed), a float
-# (that row std), a Flax initializer ``(key, shape, dtype)`` (its scale is matched), or
-# a callable ``(key, spec, dtype) -> tuple of cores``.
-CoreInit = Callable[[jax.Array, TTSpec, Any], Sequence[jax.Array]]
-
-# Rows drawn from a Flax initializer to measure the scale it would give a dense table.
-_SCALE_SAMPLE_ROWS = 4096
-
-
-def _is_flax_initializer(fn: Callable) -> bool:
-    """True for ``(key, shape, dtype)`` initializers (jax.nn / flax initializers)."""
-    try:
-        params = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return False
-    return len(params) >= 2 and params[1] == "shape"
-
-
-def resolve_init(embedding_init: CoreInit | Callable | float | None) -> CoreInit:
-    """Normalise ``embedding_init`` to a callable ``(key, spec, dtype) -> cores``.
-
-    A Flax initializer cannot fill TT cores directly; its scale carries over: the
-    cores are drawn so the materialised rows have the RMS of ``_SCALE_SAMPLE_ROWS``
-    rows it draws for a dense table of the same width.
-    """
-    if embedding_init is None or isinstance(embedding_init, (int, float)):
-        std = None if embedding_init is None else float(embedding_init)
-        return lambda key, spec, dtype: init_cores(key, spec, std=std, dtype=dtype)
-    if not callable(embedding_init):
-        raise TypeError(
-            "embedding_init must be None, a float row std, a Flax initializer (key, shape, dtype) "
-            f"or a callable (key, spec, dtype) -> cores; got {embedding_init!r}"
-        )
-    if _is_flax_initializer(embedding_init):
-
-        def matched_scale(key, spec, dtype):
-            sample_key, core_key = jax.random.split(key)
-            sample = embedding_init(sample_key, (_SCALE_SAMPLE_ROWS, spec.embedding_dim), jnp.float32)
-            std = jnp.sqrt(jnp.mean(jnp.square(sample)))
-            return init_cores(core_key, spec, std=float(std), dtype=dtype)
-
-        return matched_scale
-    return embedding_init
-
-
-def check_cores(cores: Sequence[jax.Array], spec: TTSpec, dtype: Any) -> tuple[jax.Array, ...]:
-    cores = tuple(jnp.asarray(c, dtype) for c in cores)
-    shapes = tuple(tuple(c.shape) for c in cores)
-    if shapes != spec.core_shapes:
-        raise ValueError(f"initializer returned cores of shapes {shapes}, spec needs {spec.core_shapes}")
-    return cores
-
 
 class _TTTable(nnx.Module):
     """Shared parameter handling of ``TTEmbed`` and ``TTEmbedBag``."""
@@ -289,17 +235,6 @@ class EmbedBag(nnx.Module):
         )
 
 
-def _check_tables(tables: Sequence[TableConfig]) -> tuple[TableConfig, ...]:
-    tables = tuple(tables)
-    names = [t.name for t in tables]
-    if len(set(names)) != len(names):
-        raise ValueError(f"duplicate table names in {names}")
-    feats = [f for t in tables for f in t.feature_keys]
-    if len(set(feats)) != len(feats):
-        raise ValueError(f"a feature reads more than one table: {feats}")
-    return tables
-
-
 class TTEmbeddingCollection(nnx.Module):
     """Named embedding tables, TT-compressed or dense, pooled in one call.
 
@@ -322,7 +257,7 @@ class TTEmbeddingCollection(nnx.Module):
         impl: str = "auto",
         rngs: nnx.Rngs,
     ):
-        self.tables = _check_tables(tables)
+        self.tables = check_tables(tables)
         self.dtype = dtype
         self.param_dtype = param_dtype
         layers = {}
@@ -341,15 +276,10 @@ class TTEmbeddingCollection(nnx.Module):
         self.embeddings = nnx.Dict(layers)
 
     def __call__(self, features: Mapping[str, Any]) -> dict[str, jax.Array]:
-        out = {}
-        for cfg in self.tables:
-            layer = self.embeddings[cfg.name]
-            for fname in cfg.feature_keys:
-                if fname not in features:
-                    raise KeyError(f"missing input for feature {fname!r} (table {cfg.name!r})")
-                ids, kw = bag_kwargs(features[fname])
-                out[fname] = layer(ids, **kw)
-        return out
+        return {
+            fname: self.embeddings[cfg.name](ids, **kw)
+            for cfg, fname, ids, kw in feature_inputs(self.tables, features)
+        }
 
     def embedding_bytes(self) -> dict[str, int]:
         """Bytes of parameters stored per table."""

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from . import ffi, reference
-from .bag import canonical_bags
+from .bag import prepare_bags
 from .oob import apply_oob
 from .spec import TTSpec
 
@@ -139,13 +139,11 @@ def tt_embedding_bag(
     """
     impl = _choose_impl(impl, cores)
     n_rows = TTSpec.from_cores(cores, num_embeddings).num_embeddings
-    bags = canonical_bags(
-        ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags, mask=mask,
-        weights=weights, mode=mode,
+    bags = prepare_bags(
+        ids, num_embeddings=n_rows, oob=oob, offsets=offsets, segment_ids=segment_ids,
+        num_bags=num_bags, mask=mask, weights=weights, mode=mode,
     )
-    flat, valid = apply_oob(bags.ids, n_rows, oob)
-    w = bags.weights if valid is None else jnp.where(valid, bags.weights, 0.0)
-    return _bag(cores, flat, bags.offsets, bags.bag_ids, w, weights is not None,
+    return _bag(cores, bags.ids, bags.offsets, bags.bag_ids, bags.weights, weights is not None,
                 bags.offsets.shape[0] - 1, impl, dtype)
 
 
