@@ -27,8 +27,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import math
-import os
-import sys
 import time
 from typing import Any, Sequence
 
@@ -38,14 +36,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from flowtt_jax import ffi
+from flowtt_jax.collection import TableConfig, make_table_configs
+from flowtt_jax.nnx import TTEmbeddingCollection
 
-from criteo_synth import CRITEO_KAGGLE_CARDINALITIES, NUM_DENSE, SynthConfig, SynthCriteo  # noqa: E402
-
-from flowtt_jax import ffi  # noqa: E402
-from flowtt_jax.collection import TableConfig, make_table_configs  # noqa: E402
-from flowtt_jax.nnx import TTEmbeddingCollection  # noqa: E402
+if __package__:  # imported as examples.dlrm
+    from .criteo_synth import CRITEO_KAGGLE_CARDINALITIES, NUM_DENSE, SynthConfig, SynthCriteo
+else:  # run as a script: python examples/dlrm.py (its folder is sys.path[0])
+    from criteo_synth import CRITEO_KAGGLE_CARDINALITIES, NUM_DENSE, SynthConfig, SynthCriteo
 
 try:
     from tqdm.auto import tqdm

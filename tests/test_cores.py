@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
-from conftest import rel_err
+from tests.helpers import rel_err
 
 
 def test_to_dense_matches_row_definition():

@@ -1,16 +1,17 @@
 """The CUDA path (impl="ffi" on a GPU) against the reference, forward and backward.
 
-Skipped unless a GPU backend and the compiled ``_flowtt_cuda`` extension exist.
-The reference runs in float64 on the CPU (no TF32 anywhere); the CUDA results
-are fp32 on the GPU. Every case draws fresh random cores, ids, offsets and
-weights. Outputs of the raw targets are poisoned (aliased to NaN buffers); rows and
-d_rows past num_unique are unspecified (the kernels leave them unwritten), so only
+Marked ``gpu``; skipped unless a GPU backend and the compiled ``_flowtt_cuda``
+extension exist. The reference runs in float64 on the CPU (no TF32 anywhere); the
+CUDA results are fp32 on the GPU. Every case draws fresh random cores, ids, offsets
+and weights from the ``seeds`` fixture (its start is printed; ``FLOWTT_TEST_SEED``
+repeats a run). Outputs of the raw targets are poisoned (aliased to NaN buffers); rows
+and d_rows past num_unique are unspecified (the kernels leave them unwritten), so only
 their [:num_unique] part is checked.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import os
 
 import jax
@@ -19,61 +20,54 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
-from conftest import (
+from flowtt_jax import ffi
+from flowtt_jax.plan import make_plan
+from tests.helpers import (
     assert_same,
     bag_fwd_shape_errors,
+    bag_ids_of,
     check_bag_fwd,
     check_rows_past_num_unique_unread,
+    cuda_device,
     custom_call_targets,
+    f32,
     hot_prefix_ids,
     make_ids,
+    poisoned_call,
     random_offsets,
     rel_err,
 )
-from flowtt_jax.plan import make_plan
 
-
-def _gpu():
-    try:
-        devs = jax.devices("gpu")
-        return devs[0] if devs else None
-    except RuntimeError:
-        return None
-
-
-GPU = _gpu()
+GPU = cuda_device()
 CPU = jax.devices("cpu")[0]
-HAS_EXT = importlib.util.find_spec("flowtt_jax._flowtt_cuda") is not None
 if os.environ.get("FLOWTT_TEST_CUDA_ON_CPU") == "1":  # dev aid: run this file's logic on the CPU kernels
-    GPU, HAS_EXT = CPU, True
-pytestmark = pytest.mark.skipif(GPU is None or not HAS_EXT,
-                                reason="needs a GPU backend and the _flowtt_cuda extension")
+    GPU = CPU
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(GPU is None, reason="needs a GPU backend and the _flowtt_cuda extension"),
+]
 
 TOL = 1e-5
 KINDS = ("uniform", "zipf1.05", "zipf1.2", "all_equal", "last_row", "single")
 # (D, r) pairs covering D in {16,32,64,128} and r in {8,16,32,64}
 SHAPES = ((16, 8), (32, 16), (64, 32), (128, 64), (32, 64), (128, 8), (16, 32), (64, 16))
 
-_seed = np.random.SeedSequence().entropy % (2**31)  # fresh inputs every run
+_poisoned = functools.partial(poisoned_call, device=GPU)
 
 
-def _next_seed():
-    global _seed
-    _seed += 1
-    return _seed
-
-
-def _case(kind, dim, rank, n=3000, num_bags=300, num_embeddings=20000, row_shape=None):
+def _case(seeds, kind, dim, rank, n=3000, num_bags=300, num_embeddings=20000, row_shape=None):
+    """Fresh random cores, ids, CSR offsets, weights and a cotangent, each from the next
+    seed of ``seeds`` (the ``seeds`` fixture)."""
     spec = ftt.TTSpec.create(num_embeddings, dim, rank, **({"row_shape": row_shape} if row_shape else {}))
-    cores = ftt.init_cores(jax.random.key(_next_seed()), spec, std=1.0)
+    cores = ftt.init_cores(jax.random.key(next(seeds)), spec, std=1.0)
     if kind == "single":
         n, num_bags = 1, 1
-        ids = np.array([np.random.default_rng(_next_seed()).integers(0, num_embeddings)], np.int32)
+        ids = np.array([np.random.default_rng(next(seeds)).integers(0, num_embeddings)], np.int32)
         offsets = np.array([0, 1], np.int32)
     else:
-        ids = make_ids(kind, n, num_embeddings, seed=_next_seed())
-        offsets = random_offsets(num_bags, n, seed=_next_seed())
-    rng = np.random.default_rng(_next_seed())
+        ids = make_ids(kind, n, num_embeddings, seed=next(seeds))
+        offsets = random_offsets(num_bags, n, seed=next(seeds))
+    rng = np.random.default_rng(next(seeds))
     weights = rng.uniform(0.5, 1.5, n).astype(np.float32)
     cot = rng.standard_normal((num_bags, dim)).astype(np.float32)
     return spec, [np.asarray(c) for c in cores], ids, offsets, weights, cot
@@ -133,35 +127,35 @@ def _check(mode, cores, ids, offsets, weights, cot, bitwise=True):
 
 @pytest.mark.parametrize("dim,rank", SHAPES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_bag_matches_reference(kind, dim, rank):
-    spec, cores, ids, offsets, weights, cot = _case(kind, dim, rank)
+def test_bag_matches_reference(kind, dim, rank, seeds):
+    spec, cores, ids, offsets, weights, cot = _case(seeds, kind, dim, rank)
     _check("sum", cores, ids, offsets, weights, cot)
 
 
 @pytest.mark.parametrize("dim", (4, 8, 6, 9))
-def test_small_and_odd_dims(dim):
+def test_small_and_odd_dims(dim, seeds):
     """Pooling teams of 1 and 2 lanes (D = 4, 8) and rows of D % 4 != 0 (the scalar path)."""
-    spec, cores, ids, offsets, weights, cot = _case("zipf1.05", dim, 8)
+    spec, cores, ids, offsets, weights, cot = _case(seeds, "zipf1.05", dim, 8)
     _check("sum", cores, ids, offsets, weights, cot)
 
 
 @pytest.mark.parametrize("mode", ["mean", "sqrtn"])
-def test_modes(mode):
-    spec, cores, ids, offsets, weights, cot = _case("zipf1.05", 32, 32)
+def test_modes(mode, seeds):
+    spec, cores, ids, offsets, weights, cot = _case(seeds, "zipf1.05", 32, 32)
     _check(mode, cores, ids, offsets, weights, cot, bitwise=False)
 
 
 @pytest.mark.parametrize("dim,rank", [(32, 32), (128, 64)])
-def test_hot_prefix_groups(dim, rank):
+def test_hot_prefix_groups(dim, rank, seeds):
     """Groups with hundreds of unique ids (split into chunks, P shared via checkpoint)."""
     spec, cores, ids, offsets, weights, cot = _case(
-        "uniform", dim, rank, n=6000, num_bags=400, num_embeddings=100000, row_shape=(10, 10, 1000))
-    ids = np.random.default_rng(_next_seed()).integers(0, 3000, ids.shape[0]).astype(np.int32)
+        seeds, "uniform", dim, rank, n=6000, num_bags=400, num_embeddings=100000, row_shape=(10, 10, 1000))
+    ids = np.random.default_rng(next(seeds)).integers(0, 3000, ids.shape[0]).astype(np.int32)
     _check("sum", cores, ids, offsets, weights, cot)
 
 
-def test_tt_lookup_matches_reference():
-    spec, cores, ids, offsets, weights, cot = _case("zipf1.2", 64, 16)
+def test_tt_lookup_matches_reference(seeds):
+    spec, cores, ids, offsets, weights, cot = _case(seeds, "zipf1.2", 64, 16)
     ids2 = ids.reshape(-1, 3)
     put = lambda x: jax.device_put(x, GPU)
     got = jax.jit(lambda c, i: ftt.tt_lookup(tuple(c), i, impl="ffi"))([put(c) for c in cores], put(ids2))
@@ -172,26 +166,15 @@ def test_tt_lookup_matches_reference():
     assert rel_err(got, ref) <= TOL
 
 
-def _poisoned(target, out_shapes, *args, **attrs):
-    poison = [jnp.full(s.shape, jnp.nan, s.dtype, device=GPU) for s in out_shapes]
-    aliases = {len(args) + k: k for k in range(len(out_shapes))}
-    call = jax.ffi.ffi_call(target, tuple(out_shapes), input_output_aliases=aliases)
-    outs = jax.jit(lambda *xs: call(*xs, **attrs))(*[jax.device_put(a, GPU) for a in args], *poison)
-    return [np.asarray(x) for x in outs]
-
-
 @pytest.mark.parametrize("kind", ["uniform", "zipf1.05", "all_equal"])
 @pytest.mark.parametrize("dim,rank", [(32, 32), (128, 64)])
-def test_raw_targets_write_every_element(kind, dim, rank):
-    from flowtt_jax import ffi
-
+def test_raw_targets_write_every_element(kind, dim, rank, seeds):
     assert "CUDA" in ffi._register() or GPU is CPU
-    spec, cores, ids, offsets, weights, cot = _case(kind, dim, rank)
+    spec, cores, ids, offsets, weights, cot = _case(seeds, kind, dim, rank)
     n, num_bags = ids.shape[0], offsets.shape[0] - 1
-    f32 = lambda s: jax.ShapeDtypeStruct(s, jnp.float32)
     plan = make_plan(jax.device_put(jnp.asarray(ids), GPU), spec.row_shape[-1])
     nu = int(plan.counts[0])
-    bag_ids = (np.searchsorted(offsets, np.arange(n), side="right") - 1).astype(np.int32)
+    bag_ids = bag_ids_of(offsets, n)
     (rows,) = _poisoned("flowtt_tt_rows_fwd", [f32((n, dim))], *cores, plan.unique_ids,
                         plan.group_offsets, plan.counts)
     assert np.all(np.isfinite(rows[:nu]))
@@ -214,24 +197,24 @@ def test_raw_targets_write_every_element(kind, dim, rank):
 
 @pytest.mark.parametrize("kind", ["zipf1.05", "zipf1.2", "all_equal", "last_row"])
 @pytest.mark.parametrize("dim,rank", [(32, 32), (128, 64)])
-def test_consumers_never_read_rows_past_num_unique(kind, dim, rank):
-    spec, cores, ids, offsets, weights, cot = _case(kind, dim, rank)
+def test_consumers_never_read_rows_past_num_unique(kind, dim, rank, seeds):
+    spec, cores, ids, offsets, weights, cot = _case(seeds, kind, dim, rank)
     plan = make_plan(jax.device_put(jnp.asarray(ids), GPU), spec.row_shape[-1])
     check_rows_past_num_unique_unread(_poisoned, cores, plan, weights, offsets, cot)
 
 
 @pytest.mark.parametrize("kind", KINDS + ("hot_prefix",))
 @pytest.mark.parametrize("dim,rank", [(32, 32), (128, 64), (16, 8)])
-def test_bag_fwd_equals_rows_then_pool(kind, dim, rank):
+def test_bag_fwd_equals_rows_then_pool(kind, dim, rank, seeds):
     """flowtt_bag_fwd: bitwise pool_fwd(rows_fwd) in one chunk; in chunks of 64 / 128 rows
     (cutting prefix groups, hot_prefix: groups of hundreds of unique ids) within TOL of
     it and of the float64 reference."""
     row_shape = (10, 10, 1000) if kind == "hot_prefix" else None
     spec, cores, ids, offsets, weights, cot = _case(
-        "uniform" if kind == "hot_prefix" else kind, dim, rank,
+        seeds, "uniform" if kind == "hot_prefix" else kind, dim, rank,
         num_embeddings=100000 if row_shape else 20000, row_shape=row_shape)
     if kind == "hot_prefix":
-        ids = hot_prefix_ids(row_shape, ids.shape[0], _next_seed())
+        ids = hot_prefix_ids(row_shape, ids.shape[0], next(seeds))
     plan = make_plan(jax.device_put(jnp.asarray(ids), GPU), spec.row_shape[-1])
     if kind == "hot_prefix":
         num_groups = int(plan.counts[1])
@@ -239,15 +222,15 @@ def test_bag_fwd_equals_rows_then_pool(kind, dim, rank):
     check_bag_fwd(_poisoned, cores, plan, ids, weights, offsets, tol=TOL)
 
 
-def test_bag_fwd_positions_outside_every_bag():
-    spec, cores, ids, offsets, weights, cot = _case("zipf1.05", 64, 32)
+def test_bag_fwd_positions_outside_every_bag(seeds):
+    spec, cores, ids, offsets, weights, cot = _case(seeds, "zipf1.05", 64, 32)
     offsets = np.clip(offsets, 100, ids.shape[0] - 150)
     plan = make_plan(jax.device_put(jnp.asarray(ids), GPU), spec.row_shape[-1])
     check_bag_fwd(_poisoned, cores, plan, ids, weights, offsets, tol=TOL)
 
 
-def test_bag_fwd_bad_shapes_are_errors():
-    spec, cores, ids, offsets, weights, cot = _case("uniform", 32, 16, n=300, num_bags=30)
+def test_bag_fwd_bad_shapes_are_errors(seeds):
+    spec, cores, ids, offsets, weights, cot = _case(seeds, "uniform", 32, 16, n=300, num_bags=30)
     plan = make_plan(jax.device_put(jnp.asarray(ids), GPU), spec.row_shape[-1])
     put = lambda x: jax.device_put(x, GPU)
     for operands, out_shape, chunk_rows, match in bag_fwd_shape_errors(
@@ -258,10 +241,10 @@ def test_bag_fwd_bad_shapes_are_errors():
 
 
 @pytest.mark.parametrize("kind", ["zipf1.05", "single"])
-def test_forward_without_grad_is_one_fused_op(kind):
+def test_forward_without_grad_is_one_fused_op(kind, seeds):
     """tt_embedding_bag without a gradient runs flowtt_bag_fwd (no [n, D] rows): equal to the
     training forward's value bit for bit (one chunk here) and to the reference."""
-    spec, cores, ids, offsets, weights, cot = _case(kind, 64, 32)
+    spec, cores, ids, offsets, weights, cot = _case(seeds, kind, 64, 32)
     put = lambda x: jax.device_put(x, GPU)
     fwd = jax.jit(lambda c, w, i, o: ftt.tt_embedding_bag(tuple(c), i, offsets=o, weights=w,
                                                           mode="sum", impl="ffi"))
@@ -274,8 +257,8 @@ def test_forward_without_grad_is_one_fused_op(kind):
     assert rel_err(out, rout) <= TOL
 
 
-def test_bad_shape_is_an_error():
-    spec, cores, ids, offsets, weights, cot = _case("uniform", 32, 16)
+def test_bad_shape_is_an_error(seeds):
+    spec, cores, ids, offsets, weights, cot = _case(seeds, "uniform", 32, 16)
     plan = make_plan(jax.device_put(jnp.asarray(ids), GPU), spec.row_shape[-1])
     call = jax.ffi.ffi_call("flowtt_tt_rows_fwd", jax.ShapeDtypeStruct((ids.shape[0], 31), jnp.float32))
     with pytest.raises(Exception, match="rows must be"):
@@ -283,9 +266,9 @@ def test_bad_shape_is_an_error():
                                    plan.group_offsets, plan.counts))
 
 
-def test_out_of_range_ids_never_read_outside():
+def test_out_of_range_ids_never_read_outside(seeds):
     """Kernels clamp ids (no error on GPU: checking would need a host sync)."""
-    spec, cores, ids, offsets, weights, cot = _case("uniform", 32, 16, n=64, num_bags=8)
+    spec, cores, ids, offsets, weights, cot = _case(seeds, "uniform", 32, 16, n=64, num_bags=8)
     plan = make_plan(jax.device_put(jnp.asarray(ids), GPU), spec.row_shape[-1])
     nu = int(plan.counts[0])
     bad = plan.unique_ids.at[nu - 1].set(2**31 - 1).at[0].set(-5)
@@ -295,11 +278,11 @@ def test_out_of_range_ids_never_read_outside():
                                plan.counts))
 
 
-def test_auto_falls_back_for_shapes_the_kernels_do_not_take():
+def test_auto_falls_back_for_shapes_the_kernels_do_not_take(seeds):
     """D = 256 (q1*q2 = 32 > 16): impl='auto' uses the reference, impl='ffi' says why."""
     spec = ftt.TTSpec.create(5000, 256, 8)
-    cores = jax.device_put(ftt.init_cores(jax.random.key(_next_seed()), spec), GPU)
-    ids = jax.device_put(jnp.asarray(make_ids("zipf1.2", 200, 5000, _next_seed())), GPU)
+    cores = jax.device_put(ftt.init_cores(jax.random.key(next(seeds)), spec), GPU)
+    ids = jax.device_put(jnp.asarray(make_ids("zipf1.2", 200, 5000, next(seeds))), GPU)
     out = ftt.tt_lookup(cores, ids)
     ref = ftt.tt_lookup(jax.device_put(cores, CPU), jax.device_put(ids, CPU), impl="reference")
     assert rel_err(out, ref) < TOL

@@ -1,16 +1,12 @@
 """The DLRM example runs end to end (tiny settings) and its pieces are right."""
 
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
-import dlrm  # noqa: E402
-from criteo_synth import CRITEO_KAGGLE_CARDINALITIES, SynthConfig, SynthCriteo  # noqa: E402
+from examples import dlrm
+from examples.criteo_synth import CRITEO_KAGGLE_CARDINALITIES, SynthConfig, SynthCriteo
 
 TINY = [
     "--steps", "4", "--batch-size", "64", "--eval-batches", "4", "--max-rows", "5000",

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
-from conftest import (
+from flowtt_jax import ffi
+from flowtt_jax.plan import make_plan
+from tests.helpers import (
     ID_KINDS,
     bag_fwd_shape_errors,
     check_bag_fwd,
@@ -26,8 +28,6 @@ from conftest import (
     random_offsets,
     rel_err,
 )
-from flowtt_jax import ffi
-from flowtt_jax.plan import make_plan
 
 pytestmark = pytest.mark.skipif(not ffi.available(), reason="compiled extension not built")
 
@@ -171,6 +171,7 @@ def test_kernels_reject_bad_shapes():
                                    plan.group_offsets, plan.counts))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("flowtt_jax._flowtt_cuda") is None,
                     reason="built without CUDA")
 def test_cuda_shape_limits_are_reported():

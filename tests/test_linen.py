@@ -1,5 +1,9 @@
 """flowtt_jax.linen layers: equal to the ops, agree with the nnx twins, train, checkpoint."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,12 +15,9 @@ import flowtt_jax as ftt
 from flowtt_jax import linen as fl
 from flowtt_jax import nnx as fn
 from flowtt_jax.collection import TableConfig
+from tests.helpers import close
 
 N, D, R = 1000, 16, 6
-
-
-def close(a, b, tol=1e-5):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
 
 
 def ids_of(key, shape, n=N):
@@ -161,3 +162,10 @@ def test_bf16():
     pp = mp.init(jax.random.key(1), ids[None])
     assert all(v.dtype == jnp.bfloat16 for v in jax.tree.leaves(pp))
     assert mp.apply(pp, ids[None]).dtype == jnp.bfloat16
+
+
+def test_linen_does_not_import_nnx():
+    code = "import sys, flowtt_jax.linen; assert 'flowtt_jax.nnx' not in sys.modules, sorted(sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,18 +1,13 @@
 """Forward temporary memory: the fused path holds no per-id gathered cores, and without
 a gradient no [n, D] rows either."""
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import pytest
 
 import flowtt_jax as ftt
+from benchmarks.memory_cpu import temp_bytes
 from flowtt_jax import ffi
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from memory_cpu import temp_bytes  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ffi.available(), reason="compiled extension not built")
 

@@ -10,6 +10,7 @@ from flax import nnx
 import flowtt_jax as ftt
 from flowtt_jax.collection import TableConfig, dense_embedding_bag
 from flowtt_jax.nnx import EmbedBag, TTEmbed, TTEmbedBag, TTEmbeddingCollection
+from tests.helpers import close
 
 N, D, R = 1000, 16, 6
 IMPLS = ["reference", "auto"]
@@ -20,10 +21,6 @@ def rand_ids(key, shape, n=N, oob=False):
     if oob:
         ids = ids.at[..., 0].set(n + 3).at[..., -1].set(-2)
     return ids
-
-
-def close(a, b, tol=1e-5):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -3,8 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ID_KINDS, assert_no_host_callback, make_ids
 from flowtt_jax.plan import make_plan
+from tests.helpers import ID_KINDS, assert_no_host_callback, make_ids
 
 
 @pytest.mark.parametrize("kind", ID_KINDS)

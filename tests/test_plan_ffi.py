@@ -1,37 +1,30 @@
 """The plan op flowtt_plan (ffi.plan) equals the jnp plan (make_plan) bit for bit.
 
-Runs on the CPU, and also on the GPU when one is present with the _flowtt_cuda
-extension. The raw target's outputs are aliased to buffers filled with -7 (trailing
+Runs on the CPU, and on the GPU (marked ``gpu``; skipped without a GPU backend and
+the _flowtt_cuda extension). The raw target's outputs are aliased to buffers filled with -7 (trailing
 operands, ignored by the handler), so an element the op does not write fails.
 """
-
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ID_KINDS, custom_call_targets, make_ids, poisoned_call
 from flowtt_jax import ffi
 from flowtt_jax.plan import Plan, make_plan
+from tests.helpers import ID_KINDS, cuda_device, custom_call_targets, make_ids, poisoned_call
 
 pytestmark = pytest.mark.skipif(not ffi.available(), reason="compiled extension not built")
 
 CPU = jax.devices("cpu")[0]
-
-
-def _devices():
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    has_cuda_ext = importlib.util.find_spec("flowtt_jax._flowtt_cuda") is not None
-    return [CPU] + (gpus[:1] if has_cuda_ext else [])
-
-
-DEVICES = _devices()
-device_param = pytest.mark.parametrize("device", DEVICES, ids=lambda d: d.platform)
+GPU = cuda_device()
+device_param = pytest.mark.parametrize("device", [
+    pytest.param(CPU, id="cpu"),
+    pytest.param(GPU, id="gpu", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(GPU is None, reason="needs a GPU backend and the _flowtt_cuda extension"),
+    ]),
+])
 NUM_ROWS = 13 * 11 * 7
 
 

@@ -1,6 +1,7 @@
 """Data parallelism over 4 virtual CPU devices, and across 2 processes through
 ``jax.distributed`` on localhost (each in subprocesses: the device count is fixed when
-jax starts)."""
+jax starts). The subprocesses run on the CPU platform whatever the machine has
+(``JAX_PLATFORMS=cpu``), so a GPU machine gives them the same virtual devices."""
 
 import importlib.util
 import os
@@ -24,8 +25,8 @@ def _check_data_parallel() -> None:
     from jax.sharding import PartitionSpec as P
 
     import flowtt_jax as ftt
-    from conftest import assert_no_host_callback, custom_call_targets, make_cores, make_ids, rel_err
     from flowtt_jax.sharding import data_parallel
+    from tests.helpers import assert_no_host_callback, custom_call_targets, make_cores, make_ids, rel_err
 
     assert len(jax.devices()) == 4, jax.devices()
     mesh = jax.make_mesh((4,), ("data",))
@@ -86,8 +87,8 @@ def _multiprocess_worker(process_id: int, port: int) -> None:
     from jax.sharding import PartitionSpec as P
 
     import flowtt_jax as ftt
-    from conftest import make_cores, make_ids, rel_err
     from flowtt_jax.sharding import data_parallel
+    from tests.helpers import make_cores, make_ids, rel_err
 
     assert jax.process_count() == 2 and jax.device_count() == 4
     mesh = jax.make_mesh((4,), ("data",))
@@ -109,17 +110,23 @@ def _multiprocess_worker(process_id: int, port: int) -> None:
     print(f"process {process_id} OK")
 
 
-def _env(**extra: str) -> dict:
-    tests_dir = Path(__file__).resolve().parent
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests_dir), os.environ.get("PYTHONPATH", "")]),
-                **extra)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cpu_env(cpu_devices: int | None = None) -> dict:
+    """Environment of a worker: the CPU platform only, ``tests`` importable from the
+    repository root, and ``cpu_devices`` virtual CPU devices when given."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    if cpu_devices is not None:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={cpu_devices}"
+    return env
 
 
 def test_data_parallel_over_four_devices():
     proc = subprocess.run(
-        [sys.executable, "-c", "import test_sharding; test_sharding._check_data_parallel()"],
-        env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"),
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", "from tests import test_sharding; test_sharding._check_data_parallel()"],
+        cwd=REPO, env=_cpu_env(cpu_devices=4), capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "data parallel OK" in proc.stdout
@@ -131,8 +138,8 @@ def test_data_parallel_across_two_processes():
         port = s.getsockname()[1]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", f"import test_sharding; test_sharding._multiprocess_worker({i}, {port})"],
-            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, "-c", f"from tests import test_sharding; test_sharding._multiprocess_worker({i}, {port})"],
+            cwd=REPO, env=_cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for i in range(2)
     ]

@@ -1,0 +1,1 @@
+"""flowtt_jax tests: run with ``python -m pytest tests`` from the repository root."""

@@ -1,0 +1,231 @@
+"""Shared test helpers: id distributions, fresh random cores, error measures, and the
+checkers of the raw FFI targets (parametrised by the call that runs a target on a device).
+
+Import as ``from tests.helpers import ...`` (the repository root is on ``pythonpath``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flowtt_jax as ftt
+
+ID_KINDS = ("uniform", "zipf1.05", "zipf1.2", "all_equal", "last_row")
+
+
+def make_ids(kind: str, n: int, num_embeddings: int, seed: int) -> np.ndarray:
+    """int32 ids [n] drawn from a named distribution; hot ids scattered over the table."""
+    rng = np.random.default_rng(seed)
+    if kind == "uniform":
+        ids = rng.integers(0, num_embeddings, n)
+    elif kind.startswith("zipf"):
+        ranks = rng.zipf(float(kind[4:]), n) - 1
+        ids = (ranks * 2654435761) % num_embeddings
+    elif kind == "all_equal":
+        ids = np.full(n, rng.integers(0, num_embeddings))
+    elif kind == "last_row":
+        ids = np.where(rng.random(n) < 0.5, num_embeddings - 1, rng.integers(0, num_embeddings, n))
+    else:
+        raise ValueError(kind)
+    return ids.astype(np.int32)
+
+
+def random_offsets(num_bags: int, n: int, seed: int, empty_fraction: float = 0.2) -> np.ndarray:
+    """CSR offsets [num_bags + 1] over n ids with some empty bags."""
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.integers(0, n + 1, num_bags - 1))
+    offsets = np.concatenate([[0], cuts, [n]]).astype(np.int32)
+    # Force some empty bags by repeating offsets.
+    k = int(empty_fraction * num_bags)
+    if k:
+        idx = rng.choice(np.arange(1, num_bags), size=min(k, num_bags - 1), replace=False)
+        offsets[idx] = offsets[idx - 1]
+        offsets = np.maximum.accumulate(offsets)
+    return offsets
+
+
+def make_cores(spec: ftt.TTSpec, seed: int, dtype=jnp.float32):
+    return ftt.init_cores(jax.random.key(seed), spec, std=1.0, dtype=dtype)
+
+
+def rel_err(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), "non-finite values"
+    denom = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / (denom if denom > 0 else 1.0))
+
+
+def close(a, b, tol: float = 1e-5) -> None:
+    """``a`` and ``b`` equal within ``tol`` (relative and absolute), compared in float32."""
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
+
+
+def custom_call_targets(text: str) -> set[str]:
+    """Custom-call targets named in compiled HLO text or in lowered StableHLO text
+    (``jit(f).lower(...).as_text()``); host callbacks show up here."""
+    return set(re.findall(r'custom_call_target="([^"]+)"', text)) | set(
+        re.findall(r"stablehlo\.custom_call @([\w.]+)", text))
+
+
+def assert_no_host_callback(compiled_text: str) -> None:
+    targets = custom_call_targets(compiled_text)
+    assert not any("callback" in t for t in targets), targets
+
+
+def poisoned_call(target: str, out_shapes, *args, device: jax.Device | None = None, **attrs):
+    """``jax.ffi.ffi_call`` under jit with each output aliased to a poisoned buffer
+    appended after ``args`` (NaN for floats, -7 for ints), so an unwritten element shows.
+
+    ``device``: where the operands and the poisoned buffers go (default: as they are).
+    """
+    put = (lambda x: x) if device is None else (lambda x: jax.device_put(x, device))
+    poison = [put(jnp.full(s.shape, jnp.nan if jnp.issubdtype(s.dtype, jnp.floating) else -7, s.dtype))
+              for s in out_shapes]
+    aliases = {len(args) + k: k for k in range(len(out_shapes))}
+    call = jax.ffi.ffi_call(target, tuple(out_shapes), input_output_aliases=aliases)
+    return jax.jit(lambda *xs: call(*xs, **attrs))(*(put(a) for a in args), *poison)
+
+
+def cuda_device() -> jax.Device | None:
+    """The first GPU when jax has a GPU backend and the ``_flowtt_cuda`` extension is
+    built, else None."""
+    if importlib.util.find_spec("flowtt_jax._flowtt_cuda") is None:
+        return None
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    return gpus[0] if gpus else None
+
+
+# ---- the raw FFI targets, shared by test_ffi_kernels.py (CPU) and test_cuda.py (GPU). ----
+# `call(target, out_shapes, *args, **attrs)` runs a target with poisoned outputs on one
+# device: poisoned_call above, with or without its `device`.
+
+
+def f32(shape) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def bag_ids_of(offsets: np.ndarray, n: int) -> np.ndarray:
+    """Bag of each position [n] for CSR offsets [B+1]: -1 before bag 0, B after the last."""
+    return (np.searchsorted(offsets, np.arange(n), side="right") - 1).astype(np.int32)
+
+
+def hot_prefix_ids(row_shape, n: int, seed: int) -> np.ndarray:
+    """int32 ids [n], 3/4 of them in one prefix group (i1, i2): hundreds of unique ids
+    in a group when row_shape[-1] is large; the rest uniform."""
+    rng = np.random.default_rng(seed)
+    p3, num_rows = row_shape[-1], int(np.prod(row_shape))
+    hot = rng.integers(0, num_rows // p3) * p3 + rng.integers(0, p3, n)
+    return np.where(rng.random(n) < 0.75, hot, rng.integers(0, num_rows, n)).astype(np.int32)
+
+
+def pooled_reference(cores, ids, weights, offsets) -> np.ndarray:
+    """float64 bags [B, D] on the CPU (flowtt_jax.reference): sum of weights[k] * row(ids[k])
+    over each bag's positions; positions outside every bag are dropped."""
+    num_bags = len(offsets) - 1
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+        rows = ftt.reference.tt_rows([jnp.asarray(np.asarray(c), jnp.float64) for c in cores],
+                                     jnp.asarray(ids))
+        out = ftt.reference.pool(rows, jnp.asarray(weights, jnp.float64),
+                                 jnp.asarray(bag_ids_of(offsets, len(ids))), num_bags)
+        return np.asarray(out)
+
+
+def assert_same(a, b) -> None:
+    """Finite and equal bit for bit."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.all(np.isfinite(a)) and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def check_bag_fwd(call, cores, plan, ids, weights, offsets, chunks=(1, 64, 100, 128),
+                  tol: float = 1e-5) -> None:
+    """flowtt_bag_fwd against pool_fwd(rows_fwd) and the float64 reference.
+
+    One chunk (chunk_rows >= num_unique, up to 2^40): equal to the two ops bit for bit.
+    ``chunks`` (chunk_rows below num_unique: several chunks): within ``tol`` of both.
+    """
+    n, num_bags = len(ids), len(offsets) - 1
+    dim = cores[0].shape[2] * cores[1].shape[2] * cores[2].shape[2]
+    plan_args = (plan.unique_ids, plan.group_offsets, plan.counts)
+    (rows,) = call("flowtt_tt_rows_fwd", [f32((n, dim))], *cores, *plan_args)
+    (two_ops,) = call("flowtt_bag_pool_fwd", [f32((num_bags, dim))], rows, plan.inverse, weights,
+                      offsets)
+    ref = pooled_reference(cores, ids, weights, offsets)
+    assert rel_err(two_ops, ref) <= tol
+
+    def bag(chunk_rows):
+        return call("flowtt_bag_fwd", [f32((num_bags, dim))], *cores, *plan_args, plan.inverse,
+                    weights, offsets, chunk_rows=np.int64(chunk_rows))[0]
+
+    nu = int(plan.counts[0])
+    for chunk_rows in (nu, n, 2**40):
+        assert_same(bag(chunk_rows), two_ops)
+    for chunk_rows in chunks:
+        out = bag(chunk_rows)
+        assert rel_err(out, ref) <= tol, (chunk_rows, rel_err(out, ref))
+        assert rel_err(out, two_ops) <= tol, (chunk_rows, rel_err(out, two_ops))
+
+
+def check_rows_past_num_unique_unread(call, cores, plan, weights, offsets, dout) -> None:
+    """pool_fwd, pool_bwd (with and without d_weights) and rows_bwd give the same outputs,
+    bit for bit, when rows / d_rows past num_unique hold NaN as when they hold 0; of
+    rows_fwd's and pool_bwd's [n, D] outputs only [:num_unique] is specified."""
+    n, num_bags = plan.inverse.shape[0], len(offsets) - 1
+    dim = cores[0].shape[2] * cores[1].shape[2] * cores[2].shape[2]
+    nu = int(plan.counts[0])
+    assert nu < n, "needs duplicate ids, else there is nothing past num_unique"
+    plan_args = (plan.unique_ids, plan.group_offsets, plan.counts)
+    bag_ids = np.clip(bag_ids_of(offsets, n), 0, num_bags - 1)
+
+    def tails(x):
+        zero, nan = np.array(x), np.array(x)
+        zero[nu:], nan[nu:] = 0.0, np.nan
+        return zero, nan
+
+    (rows,) = call("flowtt_tt_rows_fwd", [f32((n, dim))], *cores, *plan_args)
+    rows_zero, rows_nan = tails(rows)
+    pool = [call("flowtt_bag_pool_fwd", [f32((num_bags, dim))], r, plan.inverse, weights, offsets)[0]
+            for r in (rows_zero, rows_nan)]
+    assert_same(*pool)
+    for d_w_shape in ((n,), (0,)):
+        d_zero, d_nan = (call("flowtt_bag_pool_bwd", [f32((n, dim)), f32(d_w_shape)], dout, r,
+                              weights, plan.inverse, bag_ids, plan.perm, plan.run_offsets,
+                              plan.counts) for r in (rows_zero, rows_nan))
+        assert_same(d_zero[0][:nu], d_nan[0][:nu])
+        assert_same(d_zero[1], d_nan[1])
+    d_rows_zero, d_rows_nan = tails(d_zero[0])  # pool_bwd's d_rows, tail set to 0 / NaN
+    grads = [call("flowtt_tt_rows_bwd", [f32(c.shape) for c in cores], *cores, d, *plan_args)
+             for d in (d_rows_zero, d_rows_nan)]
+    for g_zero, g_nan in zip(*grads):
+        assert_same(g_zero, g_nan)
+
+
+def bag_fwd_shape_errors(cores, plan, weights, offsets):
+    """(operands, out shape, chunk_rows, error match) of flowtt_bag_fwd calls that the
+    handlers' shape checks (CheckBagFwd and the rows_fwd checks) reject."""
+    num_bags = len(offsets) - 1
+    dim = cores[0].shape[2] * cores[1].shape[2] * cores[2].shape[2]
+    good = (*cores, plan.unique_ids, plan.group_offsets, plan.counts, plan.inverse, weights, offsets)
+
+    def swap(i, x):
+        return good[:i] + (x,) + good[i + 1:]
+
+    return [
+        (good, (num_bags, dim), 0, "chunk_rows must be >= 1"),
+        (good, (num_bags, dim), -64, "chunk_rows must be >= 1"),
+        (good, (num_bags + 1, dim), 64, "out must be"),
+        (good, (num_bags, dim - 1), 64, "out must be"),
+        (swap(6, plan.inverse[:-1]), (num_bags, dim), 64, "need inverse"),
+        (swap(7, weights[:-1]), (num_bags, dim), 64, "need inverse"),
+        (swap(8, np.asarray(offsets).reshape(1, -1)), (num_bags, dim), 64, "need inverse"),
+        (swap(1, cores[0]), (num_bags, dim), 64, "ranks"),
+        (swap(4, plan.group_offsets[:-1]), (num_bags, dim), 64, "plan arrays"),
+    ]
