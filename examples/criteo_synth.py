@@ -43,8 +43,32 @@ __all__ = ["CRITEO_KAGGLE_CARDINALITIES", "NUM_DENSE", "SynthConfig", "SynthCrit
 # Criteo Kaggle (Display Advertising Challenge) sparse-feature cardinalities C1..C26,
 # as in facebookresearch/dlrm and TorchRec.
 CRITEO_KAGGLE_CARDINALITIES = (
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
 )
 NUM_DENSE = 13
 
@@ -125,9 +149,12 @@ class SynthCriteo:
         k = self.config.hidden_dim
         f = np.arange(self.num_sparse, dtype=np.uint64)[None, :, None]
         comp = np.arange(k, dtype=np.uint64)[None, None, :]
-        key = (raw_ids.astype(np.uint64)[:, :, None] * np.uint64(0x100000001B3)
-               + f * np.uint64(0x9E3779B97F4A7C15) + comp * np.uint64(0xD1B54A32D192ED03)
-               + np.uint64(self.config.seed) * np.uint64(0xA24BAED4963EE407)) & _M64
+        key = (
+            raw_ids.astype(np.uint64)[:, :, None] * np.uint64(0x100000001B3)
+            + f * np.uint64(0x9E3779B97F4A7C15)
+            + comp * np.uint64(0xD1B54A32D192ED03)
+            + np.uint64(self.config.seed) * np.uint64(0xA24BAED4963EE407)
+        ) & _M64
         h = _splitmix64(key)
         u = (h >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
         return (u - 0.5) * math.sqrt(12.0)

@@ -26,9 +26,8 @@ import argparse
 import collections
 import concurrent.futures
 import dataclasses
-import math
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +40,9 @@ from flowtt_jax.collection import TableConfig, make_table_configs
 from flowtt_jax.nnx import TTEmbeddingCollection
 
 if __package__:  # imported as examples.dlrm
-    from .criteo_synth import CRITEO_KAGGLE_CARDINALITIES, NUM_DENSE, SynthConfig, SynthCriteo
+    from .criteo_synth import NUM_DENSE, SynthConfig, SynthCriteo
 else:  # run as a script: python examples/dlrm.py (its folder is sys.path[0])
-    from criteo_synth import CRITEO_KAGGLE_CARDINALITIES, NUM_DENSE, SynthConfig, SynthCriteo
+    from criteo_synth import NUM_DENSE, SynthConfig, SynthCriteo
 
 try:
     from tqdm.auto import tqdm
@@ -74,9 +73,7 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
 # ----------------------------------------------------------------------------- model
 class MLP(nnx.Module):
     def __init__(self, sizes: Sequence[int], *, final_activation: bool, rngs: nnx.Rngs):
-        self.layers = nnx.List(
-            [nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])]
-        )
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])])
         self.final_activation = final_activation
 
     def __call__(self, x):
@@ -167,17 +164,22 @@ def bce(logits, labels):
 
 
 def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> RunResult:
-    data = SynthCriteo(
-        SynthConfig(max_rows=args.max_rows or None, zipf_a=args.zipf_a, seed=args.data_seed)
-    )
+    data = SynthCriteo(SynthConfig(max_rows=args.max_rows or None, zipf_a=args.zipf_a, seed=args.data_seed))
     cards = {f"C{i + 1}": n for i, n in enumerate(data.cardinalities)}
     tables = make_table_configs(
-        cards, args.dim, rank=args.rank, dense_threshold=args.dense_threshold,
+        cards,
+        args.dim,
+        rank=args.rank,
+        dense_threshold=args.dense_threshold,
         all_dense=dense_tables,
     )
     name = "dense" if dense_tables else "tt"
     model = DLRM(
-        tables, dim=args.dim, bottom=args.bottom, top=args.top, impl=args.impl,
+        tables,
+        dim=args.dim,
+        bottom=args.bottom,
+        top=args.top,
+        impl=args.impl,
         rngs=nnx.Rngs(args.seed),
     )
     optimizer = nnx.Optimizer(model, build_optimizer(args.optimizer, args.lr), wrt=nnx.Param)
@@ -229,7 +231,7 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
             float(loss)
             t_first = time.perf_counter()
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            loss_val = float(jnp.mean(jnp.stack(losses[-args.log_every:])))
+            loss_val = float(jnp.mean(jnp.stack(losses[-args.log_every :])))
             elapsed = time.perf_counter() - t_first
             eps = step * args.batch_size / elapsed if step > 0 else float("nan")
             if bar is not None:
@@ -245,7 +247,9 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
     train_seconds = t_end - t0
     tail = max(1, args.steps // 10)
     loss_val = float(jnp.mean(jnp.stack(losses[-tail:])))
-    steady = (args.steps - 1) * args.batch_size / max(t_end - t_first, 1e-9) if args.steps > 1 else float("nan")
+    steady = (
+        (args.steps - 1) * args.batch_size / max(t_end - t_first, 1e-9) if args.steps > 1 else float("nan")
+    )
 
     scores, labels, logits = [], [], []
     for i in range(args.eval_batches):
@@ -267,15 +271,26 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
         f"(Bayes AUC of the planted teacher: {bayes:.4f})"
     )
     return RunResult(
-        name, auc, bayes, loss_val, eval_loss, train_seconds, steady, emb_bytes, dense_eq,
-        full_dense, args.steps, args.batch_size,
+        name,
+        auc,
+        bayes,
+        loss_val,
+        eval_loss,
+        train_seconds,
+        steady,
+        emb_bytes,
+        dense_eq,
+        full_dense,
+        args.steps,
+        args.batch_size,
     )
 
 
 # ----------------------------------------------------------------------------- cli
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--dense", action="store_true", help="train with dense tables only")
     mode.add_argument("--compare", action="store_true", help="train TT, then dense, on the same data")
@@ -284,10 +299,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches for AUC")
     p.add_argument("--dim", type=int, default=16, help="embedding dim (DLRM Kaggle config: 16)")
     p.add_argument("--rank", type=int, default=16, help="TT rank")
-    p.add_argument("--dense-threshold", type=int, default=2000,
-                   help="tables with fewer rows are dense in the TT model")
-    p.add_argument("--max-rows", type=int, default=1_000_000,
-                   help="cap table rows by hashing ids mod cap (both runs); 0 = full cardinalities")
+    p.add_argument(
+        "--dense-threshold", type=int, default=2000, help="tables with fewer rows are dense in the TT model"
+    )
+    p.add_argument(
+        "--max-rows",
+        type=int,
+        default=1_000_000,
+        help="cap table rows by hashing ids mod cap (both runs); 0 = full cardinalities",
+    )
     p.add_argument("--optimizer", choices=("adam", "adagrad"), default="adam")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--bottom", type=int, nargs="*", default=[64], help="bottom MLP hidden sizes")
@@ -298,9 +318,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of tqdm")
-    p.add_argument("--check", action="store_true",
-                   help="with --compare: exit 1 unless |dense AUC - TT AUC| <= --max-auc-gap and "
-                        "the embedding memory ratio >= --min-memory-ratio")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="with --compare: exit 1 unless |dense AUC - TT AUC| <= --max-auc-gap and "
+        "the embedding memory ratio >= --min-memory-ratio",
+    )
     p.add_argument("--max-auc-gap", type=float, default=0.01)
     p.add_argument("--min-memory-ratio", type=float, default=100.0)
     args = p.parse_args(argv)
@@ -327,15 +350,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, RunResult]:
         results["dense"] = train_and_eval(args, dense_tables=True)
         tt, de = results["tt"], results["dense"]
         print("\n=== TT vs dense (same data, same steps) ===")
-        print(f"TT    AUC {tt.auc:.4f}  embedding bytes {tt.embedding_bytes:>14,}  train {tt.train_seconds:7.1f} s")
-        print(f"dense AUC {de.auc:.4f}  embedding bytes {de.embedding_bytes:>14,}  train {de.train_seconds:7.1f} s")
+        print(
+            f"TT    AUC {tt.auc:.4f}  embedding bytes {tt.embedding_bytes:>14,}  "
+            f"train {tt.train_seconds:7.1f} s"
+        )
+        print(
+            f"dense AUC {de.auc:.4f}  embedding bytes {de.embedding_bytes:>14,}  "
+            f"train {de.train_seconds:7.1f} s"
+        )
         print(f"AUC difference (dense - TT): {de.auc - tt.auc:+.4f}")
         print(f"embedding memory ratio (dense / TT): {de.embedding_bytes / tt.embedding_bytes:,.1f}x")
         print(f"vs full-cardinality dense tables: {tt.full_dense_bytes / tt.embedding_bytes:,.1f}x")
         gap, ratio = abs(de.auc - tt.auc), de.embedding_bytes / tt.embedding_bytes
         ok = gap <= args.max_auc_gap and ratio >= args.min_memory_ratio
-        print(f"target (|AUC gap| <= {args.max_auc_gap}, memory ratio >= {args.min_memory_ratio:g}x): "
-              f"{'met' if ok else 'MISSED'}")
+        print(
+            f"target (|AUC gap| <= {args.max_auc_gap}, memory ratio >= {args.min_memory_ratio:g}x): "
+            f"{'met' if ok else 'MISSED'}"
+        )
         if args.check and not ok:
             raise SystemExit(1)
     else:

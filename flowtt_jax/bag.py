@@ -158,8 +158,13 @@ def prepare_bags(
     length for ``mean`` / ``sqrtn``).
     """
     bags = canonical_bags(
-        ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags, mask=mask,
-        weights=weights, mode=mode,
+        ids,
+        offsets=offsets,
+        segment_ids=segment_ids,
+        num_bags=num_bags,
+        mask=mask,
+        weights=weights,
+        mode=mode,
     )
     flat, valid = apply_oob(bags.ids, num_embeddings, oob)
     w = bags.weights if valid is None else jnp.where(valid, bags.weights, 0.0)

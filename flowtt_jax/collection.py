@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -89,8 +90,12 @@ class TableConfig:
     def spec(self) -> TTSpec:
         """The TT spec of a TT table."""
         return TTSpec.create(
-            self.num_embeddings, self.features, self.rank, num_cores=self.num_cores,
-            row_shape=self.row_shape, col_shape=self.col_shape,
+            self.num_embeddings,
+            self.features,
+            self.rank,
+            num_cores=self.num_cores,
+            row_shape=self.row_shape,
+            col_shape=self.col_shape,
         )
 
     @property
@@ -122,9 +127,12 @@ def make_table_configs(
         cardinalities = {f"{prefix}{i}": int(n) for i, n in enumerate(cardinalities)}
     return [
         TableConfig(
-            name, int(n), features,
+            name,
+            int(n),
+            features,
             kind="dense" if all_dense or n < dense_threshold else "tt",
-            rank=rank, mode=mode,
+            rank=rank,
+            mode=mode,
         )
         for name, n in cardinalities.items()
     ]
@@ -198,8 +206,15 @@ def dense_embedding_bag(
     Output in ``dtype`` (default: the table's dtype).
     """
     bags = prepare_bags(
-        ids, num_embeddings=table.shape[0], oob=oob, offsets=offsets, segment_ids=segment_ids,
-        num_bags=num_bags, mask=mask, weights=weights, mode=mode,
+        ids,
+        num_embeddings=table.shape[0],
+        oob=oob,
+        offsets=offsets,
+        segment_ids=segment_ids,
+        num_bags=num_bags,
+        mask=mask,
+        weights=weights,
+        mode=mode,
     )
     num = bags.offsets.shape[0] - 1
     rows = jnp.take(table, bags.ids, axis=0)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -16,8 +16,16 @@ import numpy as np
 
 from .plan import Plan
 
-__all__ = ["available", "cuda_unsupported_reason", "plan", "rows_fwd", "rows_bwd", "pool_fwd",
-           "pool_bwd", "bag_fwd"]
+__all__ = [
+    "available",
+    "cuda_unsupported_reason",
+    "plan",
+    "rows_fwd",
+    "rows_bwd",
+    "pool_fwd",
+    "pool_bwd",
+    "bag_fwd",
+]
 
 
 def _import(name: str):
@@ -100,8 +108,15 @@ def plan(ids: jax.Array, last_extent: int, num_rows: int) -> Plan:
         raise ValueError(f"ids must be flat [n], got shape {ids.shape}")
     n = ids.shape[0]
     outs = tuple(jax.ShapeDtypeStruct((m,), jnp.int32) for m in (n, n, n, n + 1, n + 1, 2))
-    return Plan(*_call("flowtt_plan", outs, ids.astype(jnp.int32),
-                       last_extent=np.int64(last_extent), num_rows=np.int64(num_rows)))
+    return Plan(
+        *_call(
+            "flowtt_plan",
+            outs,
+            ids.astype(jnp.int32),
+            last_extent=np.int64(last_extent),
+            num_rows=np.int64(num_rows),
+        )
+    )
 
 
 def _dim(cores) -> int:
@@ -111,15 +126,17 @@ def _dim(cores) -> int:
 def rows_fwd(cores, plan: Plan) -> jax.Array:
     """Unique rows [n, D]; rows past num_unique are unspecified."""
     n = plan.unique_ids.shape[0]
-    return _call("flowtt_tt_rows_fwd", _f32((n, _dim(cores))), *cores, plan.unique_ids,
-                 plan.group_offsets, plan.counts)
+    return _call(
+        "flowtt_tt_rows_fwd", _f32((n, _dim(cores))), *cores, plan.unique_ids, plan.group_offsets, plan.counts
+    )
 
 
 def rows_bwd(cores, d_rows: jax.Array, plan: Plan) -> tuple[jax.Array, ...]:
     """Core gradients of sum(d_rows * rows)."""
     outs = tuple(_f32(c.shape) for c in cores)
-    return tuple(_call("flowtt_tt_rows_bwd", outs, *cores, d_rows, plan.unique_ids,
-                       plan.group_offsets, plan.counts))
+    return tuple(
+        _call("flowtt_tt_rows_bwd", outs, *cores, d_rows, plan.unique_ids, plan.group_offsets, plan.counts)
+    )
 
 
 def pool_fwd(rows: jax.Array, inverse: jax.Array, weights: jax.Array, offsets: jax.Array) -> jax.Array:
@@ -138,8 +155,18 @@ def bag_fwd(cores, plan: Plan, weights: jax.Array, offsets: jax.Array, chunk_row
     bit for bit.
     """
     out = _f32((offsets.shape[0] - 1, _dim(cores)))
-    return _call("flowtt_bag_fwd", out, *cores, plan.unique_ids, plan.group_offsets, plan.counts,
-                 plan.inverse, weights, offsets, chunk_rows=np.int64(chunk_rows))
+    return _call(
+        "flowtt_bag_fwd",
+        out,
+        *cores,
+        plan.unique_ids,
+        plan.group_offsets,
+        plan.counts,
+        plan.inverse,
+        weights,
+        offsets,
+        chunk_rows=np.int64(chunk_rows),
+    )
 
 
 def pool_bwd(dout, rows, weights, bag_ids, plan: Plan, with_d_weights: bool = True):
@@ -149,6 +176,16 @@ def pool_bwd(dout, rows, weights, bag_ids, plan: Plan, with_d_weights: bool = Tr
     ``with_d_weights=False`` skips the weight gradient (the kernel gets a [0] result).
     """
     outs = (_f32(rows.shape), _f32(weights.shape if with_d_weights else (0,)))
-    d_rows, d_weights = _call("flowtt_bag_pool_bwd", outs, dout, rows, weights, plan.inverse,
-                              bag_ids, plan.perm, plan.run_offsets, plan.counts)
+    d_rows, d_weights = _call(
+        "flowtt_bag_pool_bwd",
+        outs,
+        dout,
+        rows,
+        weights,
+        plan.inverse,
+        bag_ids,
+        plan.perm,
+        plan.run_offsets,
+        plan.counts,
+    )
     return d_rows, (d_weights if with_d_weights else None)

@@ -13,7 +13,8 @@ for ``module.apply({"params": ...}, ids)``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -44,8 +45,12 @@ class _TTTable(nn.Module):
     @property
     def spec(self) -> TTSpec:
         return TTSpec.create(
-            self.num_embeddings, self.features, self.rank, num_cores=self.num_cores,
-            row_shape=self.row_shape, col_shape=self.col_shape,
+            self.num_embeddings,
+            self.features,
+            self.rank,
+            num_cores=self.num_cores,
+            row_shape=self.row_shape,
+            col_shape=self.col_shape,
         )
 
     @property
@@ -62,9 +67,7 @@ class _TTTable(nn.Module):
                 cache["cores"] = check_cores(init(key, spec, self.param_dtype), spec, self.param_dtype)
             return cache["cores"][k]
 
-        return tuple(
-            self.param(f"core_{k}", core_init, k) for k in range(spec.num_cores)
-        )
+        return tuple(self.param(f"core_{k}", core_init, k) for k in range(spec.num_cores))
 
     def setup(self) -> None:
         self.cores = self._cores()
@@ -81,8 +84,14 @@ class _TTTable(nn.Module):
 
     @classmethod
     def params_from_dense(
-        cls, table: jax.Array, rank: int | tuple[int, ...] = 32, *, param_dtype: Any = jnp.float32,
-        row_shape=None, col_shape=None, num_cores: int = 3,
+        cls,
+        table: jax.Array,
+        rank: int | tuple[int, ...] = 32,
+        *,
+        param_dtype: Any = jnp.float32,
+        row_shape=None,
+        col_shape=None,
+        num_cores: int = 3,
     ) -> dict[str, jax.Array]:
         """``{"core_k": ...}`` from the TT-SVD of a dense ``[N, D]`` table."""
         n, d = jnp.shape(table)
@@ -98,8 +107,14 @@ class TTEmbed(_TTTable):
     """
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return tt_lookup(self.cores, ids, num_embeddings=self.num_embeddings, oob=self.oob,
-                         impl=self.impl, dtype=self.out_dtype)
+        return tt_lookup(
+            self.cores,
+            ids,
+            num_embeddings=self.num_embeddings,
+            oob=self.oob,
+            impl=self.impl,
+            dtype=self.out_dtype,
+        )
 
 
 class TTEmbedBag(_TTTable):
@@ -119,9 +134,18 @@ class TTEmbedBag(_TTTable):
         mode: str | None = None,
     ) -> jax.Array:
         return tt_embedding_bag(
-            self.cores, ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags,
-            mask=mask, weights=weights, mode=mode or self.mode,
-            num_embeddings=self.num_embeddings, oob=self.oob, impl=self.impl, dtype=self.out_dtype,
+            self.cores,
+            ids,
+            offsets=offsets,
+            segment_ids=segment_ids,
+            num_bags=num_bags,
+            mask=mask,
+            weights=weights,
+            mode=mode or self.mode,
+            num_embeddings=self.num_embeddings,
+            oob=self.oob,
+            impl=self.impl,
+            dtype=self.out_dtype,
         )
 
 
@@ -139,12 +163,8 @@ class EmbedBag(nn.Module):
     def setup(self) -> None:
         init = self.embedding_init
         if init is None or isinstance(init, (int, float)):
-            init = nn.initializers.normal(
-                stddev=self.features ** -0.5 if init is None else float(init)
-            )
-        self.embedding = self.param(
-            "embedding", init, (self.num_embeddings, self.features), self.param_dtype
-        )
+            init = nn.initializers.normal(stddev=self.features**-0.5 if init is None else float(init))
+        self.embedding = self.param("embedding", init, (self.num_embeddings, self.features), self.param_dtype)
 
     @property
     def out_dtype(self) -> Any:
@@ -162,8 +182,16 @@ class EmbedBag(nn.Module):
         mode: str | None = None,
     ) -> jax.Array:
         return dense_embedding_bag(
-            self.embedding, ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags,
-            mask=mask, weights=weights, mode=mode or self.mode, oob=self.oob, dtype=self.out_dtype,
+            self.embedding,
+            ids,
+            offsets=offsets,
+            segment_ids=segment_ids,
+            num_bags=num_bags,
+            mask=mask,
+            weights=weights,
+            mode=mode or self.mode,
+            oob=self.oob,
+            dtype=self.out_dtype,
         )
 
     def lookup(self, ids: jax.Array) -> jax.Array:
@@ -189,17 +217,31 @@ class TTEmbeddingCollection(nn.Module):
         for cfg in tables:
             if cfg.kind == "tt":
                 layers[cfg.name] = TTEmbedBag(
-                    cfg.num_embeddings, cfg.features, rank=cfg.rank, dtype=self.dtype,
-                    param_dtype=self.param_dtype, embedding_init=cfg.std, row_shape=cfg.row_shape,
-                    col_shape=cfg.col_shape, num_cores=cfg.num_cores, oob=self.oob, impl=self.impl,
-                    mode=cfg.mode, name=cfg.name,
+                    cfg.num_embeddings,
+                    cfg.features,
+                    rank=cfg.rank,
+                    dtype=self.dtype,
+                    param_dtype=self.param_dtype,
+                    embedding_init=cfg.std,
+                    row_shape=cfg.row_shape,
+                    col_shape=cfg.col_shape,
+                    num_cores=cfg.num_cores,
+                    oob=self.oob,
+                    impl=self.impl,
+                    mode=cfg.mode,
+                    name=cfg.name,
                 )
             else:
                 layers[cfg.name] = EmbedBag(
-                    cfg.num_embeddings, cfg.features, mode=cfg.mode, dtype=self.dtype,
-                    param_dtype=self.param_dtype, embedding_init=cfg.std, oob=self.oob, name=cfg.name,
+                    cfg.num_embeddings,
+                    cfg.features,
+                    mode=cfg.mode,
+                    dtype=self.dtype,
+                    param_dtype=self.param_dtype,
+                    embedding_init=cfg.std,
+                    oob=self.oob,
+                    name=cfg.name,
                 )
         return {
-            fname: layers[cfg.name](ids, **kw)
-            for cfg, fname, ids, kw in feature_inputs(tables, features)
+            fname: layers[cfg.name](ids, **kw) for cfg, fname, ids, kw in feature_inputs(tables, features)
         }

@@ -24,7 +24,8 @@ uses the compiled kernels when the extension is built, else the pure-jnp referen
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,7 @@ from .ops import tt_embedding_bag, tt_lookup
 from .spec import TTSpec
 
 __all__ = ["TTEmbed", "TTEmbedBag", "EmbedBag", "TTEmbeddingCollection", "TableConfig", "resolve_init"]
+
 
 class _TTTable(nnx.Module):
     """Shared parameter handling of ``TTEmbed`` and ``TTEmbedBag``."""
@@ -64,8 +66,12 @@ class _TTTable(nnx.Module):
         self.oob = oob
         self.impl = impl
         self.spec = TTSpec.create(
-            self.num_embeddings, self.features, rank, num_cores=num_cores,
-            row_shape=row_shape, col_shape=col_shape,
+            self.num_embeddings,
+            self.features,
+            rank,
+            num_cores=num_cores,
+            row_shape=row_shape,
+            col_shape=col_shape,
         )
         init = resolve_init(embedding_init)
         cores = check_cores(init(rngs.params(), self.spec, param_dtype), self.spec, param_dtype)
@@ -139,8 +145,14 @@ class TTEmbed(_TTTable):
     """
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return tt_lookup(self.cores, ids, num_embeddings=self.num_embeddings, oob=self.oob,
-                         impl=self.impl, dtype=self.out_dtype)
+        return tt_lookup(
+            self.cores,
+            ids,
+            num_embeddings=self.num_embeddings,
+            oob=self.oob,
+            impl=self.impl,
+            dtype=self.out_dtype,
+        )
 
 
 class TTEmbedBag(_TTTable):
@@ -168,9 +180,18 @@ class TTEmbedBag(_TTTable):
         mode: str | None = None,
     ) -> jax.Array:
         return tt_embedding_bag(
-            self.cores, ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags,
-            mask=mask, weights=weights, mode=mode or self.mode,
-            num_embeddings=self.num_embeddings, oob=self.oob, impl=self.impl, dtype=self.out_dtype,
+            self.cores,
+            ids,
+            offsets=offsets,
+            segment_ids=segment_ids,
+            num_bags=num_bags,
+            mask=mask,
+            weights=weights,
+            mode=mode or self.mode,
+            num_embeddings=self.num_embeddings,
+            oob=self.oob,
+            impl=self.impl,
+            dtype=self.out_dtype,
         )
 
 
@@ -230,8 +251,16 @@ class EmbedBag(nnx.Module):
         mode: str | None = None,
     ) -> jax.Array:
         return dense_embedding_bag(
-            self.embedding[...], ids, offsets=offsets, segment_ids=segment_ids, num_bags=num_bags,
-            mask=mask, weights=weights, mode=mode or self.mode, oob=self.oob, dtype=self.out_dtype,
+            self.embedding[...],
+            ids,
+            offsets=offsets,
+            segment_ids=segment_ids,
+            num_bags=num_bags,
+            mask=mask,
+            weights=weights,
+            mode=mode or self.mode,
+            oob=self.oob,
+            dtype=self.out_dtype,
         )
 
 
@@ -264,14 +293,30 @@ class TTEmbeddingCollection(nnx.Module):
         for cfg in self.tables:
             if cfg.kind == "tt":
                 layers[cfg.name] = TTEmbedBag(
-                    cfg.num_embeddings, cfg.features, mode=cfg.mode, rank=cfg.rank, dtype=dtype,
-                    param_dtype=param_dtype, embedding_init=cfg.std, row_shape=cfg.row_shape,
-                    col_shape=cfg.col_shape, num_cores=cfg.num_cores, oob=oob, impl=impl, rngs=rngs,
+                    cfg.num_embeddings,
+                    cfg.features,
+                    mode=cfg.mode,
+                    rank=cfg.rank,
+                    dtype=dtype,
+                    param_dtype=param_dtype,
+                    embedding_init=cfg.std,
+                    row_shape=cfg.row_shape,
+                    col_shape=cfg.col_shape,
+                    num_cores=cfg.num_cores,
+                    oob=oob,
+                    impl=impl,
+                    rngs=rngs,
                 )
             else:
                 layers[cfg.name] = EmbedBag(
-                    cfg.num_embeddings, cfg.features, mode=cfg.mode, dtype=dtype,
-                    param_dtype=param_dtype, embedding_init=cfg.std, oob=oob, rngs=rngs,
+                    cfg.num_embeddings,
+                    cfg.features,
+                    mode=cfg.mode,
+                    dtype=dtype,
+                    param_dtype=param_dtype,
+                    embedding_init=cfg.std,
+                    oob=oob,
+                    rngs=rngs,
                 )
         self.embeddings = nnx.Dict(layers)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -140,11 +140,27 @@ def tt_embedding_bag(
     impl = _choose_impl(impl, cores)
     n_rows = TTSpec.from_cores(cores, num_embeddings).num_embeddings
     bags = prepare_bags(
-        ids, num_embeddings=n_rows, oob=oob, offsets=offsets, segment_ids=segment_ids,
-        num_bags=num_bags, mask=mask, weights=weights, mode=mode,
+        ids,
+        num_embeddings=n_rows,
+        oob=oob,
+        offsets=offsets,
+        segment_ids=segment_ids,
+        num_bags=num_bags,
+        mask=mask,
+        weights=weights,
+        mode=mode,
     )
-    return _bag(cores, bags.ids, bags.offsets, bags.bag_ids, bags.weights, weights is not None,
-                bags.offsets.shape[0] - 1, impl, dtype)
+    return _bag(
+        cores,
+        bags.ids,
+        bags.offsets,
+        bags.bag_ids,
+        bags.weights,
+        weights is not None,
+        bags.offsets.shape[0] - 1,
+        impl,
+        dtype,
+    )
 
 
 def tt_lookup(

@@ -14,7 +14,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 __all__ = ["Plan", "make_plan"]
 
@@ -72,4 +71,3 @@ def make_plan(ids: jax.Array, last_extent: int) -> Plan:
     group_offsets = _starts_to_offsets(new_group, gidx, num_unique)
     counts = jnp.stack([num_unique, gidx[-1] + 1])
     return Plan(perm, inverse, unique_ids, run_offsets, group_offsets, counts)
-

@@ -6,7 +6,7 @@ nnz x r^2): correct and simple, not fast.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

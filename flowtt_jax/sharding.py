@@ -9,7 +9,8 @@ XLA all-reduces the core gradients.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, PartitionSpec
@@ -38,8 +39,9 @@ def data_parallel(fn: Callable[..., Any], mesh: Mesh, axis: str = "data") -> Cal
         # check_vma=False: FFI call results carry no varying-manual-axes type, so
         # shard_map's type check would reject them; the replicated cores' cotangent
         # is still psum-ed over `axis` by shard_map's transpose.
-        mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(axis),
-                               check_vma=False)
+        mapped = jax.shard_map(
+            fn, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(axis), check_vma=False
+        )
         return mapped(cores, *batched)
 
     return wrapped

@@ -85,9 +85,7 @@ def factor_cols(dim: int, d: int) -> tuple[int, ...]:
 def _max_ranks(row_shape: tuple[int, ...], col_shape: tuple[int, ...]) -> tuple[int, ...]:
     """Largest useful internal ranks (the full-rank TT of a dense table)."""
     sizes = [p * q for p, q in zip(row_shape, col_shape)]
-    return tuple(
-        min(math.prod(sizes[: k + 1]), math.prod(sizes[k + 1 :])) for k in range(len(sizes) - 1)
-    )
+    return tuple(min(math.prod(sizes[: k + 1]), math.prod(sizes[k + 1 :])) for k in range(len(sizes) - 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +145,7 @@ class TTSpec:
         num_cores: int = 3,
         row_shape: tuple[int, ...] | None = None,
         col_shape: tuple[int, ...] | None = None,
-    ) -> "TTSpec":
+    ) -> TTSpec:
         """Spec with automatic shapes; ``rank`` (int or internal ranks) is capped at full rank."""
         if num_embeddings < 1 or embedding_dim < 1:
             raise ValueError(
@@ -174,9 +172,7 @@ class TTSpec:
     def core_shapes(self) -> tuple[tuple[int, int, int, int], ...]:
         """``[p_k, r_{k-1}, q_k, r_k]`` for each core."""
         r = self.ranks
-        return tuple(
-            (p, r[k], q, r[k + 1]) for k, (p, q) in enumerate(zip(self.row_shape, self.col_shape))
-        )
+        return tuple((p, r[k], q, r[k + 1]) for k, (p, q) in enumerate(zip(self.row_shape, self.col_shape)))
 
     @property
     def num_params(self) -> int:
@@ -192,7 +188,7 @@ class TTSpec:
         return self.dense_params / self.num_params
 
     @classmethod
-    def from_cores(cls, cores, num_embeddings: int | None = None) -> "TTSpec":
+    def from_cores(cls, cores, num_embeddings: int | None = None) -> TTSpec:
         """Spec read off core shapes (N defaults to ``prod(row_shape)``)."""
         shapes = [tuple(c.shape) for c in cores]
         if any(len(s) != 4 for s in shapes):

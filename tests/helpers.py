@@ -70,7 +70,8 @@ def custom_call_targets(text: str) -> set[str]:
     """Custom-call targets named in compiled HLO text or in lowered StableHLO text
     (``jit(f).lower(...).as_text()``); host callbacks show up here."""
     return set(re.findall(r'custom_call_target="([^"]+)"', text)) | set(
-        re.findall(r"stablehlo\.custom_call @([\w.]+)", text))
+        re.findall(r"stablehlo\.custom_call @([\w.]+)", text)
+    )
 
 
 def assert_no_host_callback(compiled_text: str) -> None:
@@ -85,8 +86,10 @@ def poisoned_call(target: str, out_shapes, *args, device: jax.Device | None = No
     ``device``: where the operands and the poisoned buffers go (default: as they are).
     """
     put = (lambda x: x) if device is None else (lambda x: jax.device_put(x, device))
-    poison = [put(jnp.full(s.shape, jnp.nan if jnp.issubdtype(s.dtype, jnp.floating) else -7, s.dtype))
-              for s in out_shapes]
+    poison = [
+        put(jnp.full(s.shape, jnp.nan if jnp.issubdtype(s.dtype, jnp.floating) else -7, s.dtype))
+        for s in out_shapes
+    ]
     aliases = {len(args) + k: k for k in range(len(out_shapes))}
     call = jax.ffi.ffi_call(target, tuple(out_shapes), input_output_aliases=aliases)
     return jax.jit(lambda *xs: call(*xs, **attrs))(*(put(a) for a in args), *poison)
@@ -132,10 +135,12 @@ def pooled_reference(cores, ids, weights, offsets) -> np.ndarray:
     over each bag's positions; positions outside every bag are dropped."""
     num_bags = len(offsets) - 1
     with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
-        rows = ftt.reference.tt_rows([jnp.asarray(np.asarray(c), jnp.float64) for c in cores],
-                                     jnp.asarray(ids))
-        out = ftt.reference.pool(rows, jnp.asarray(weights, jnp.float64),
-                                 jnp.asarray(bag_ids_of(offsets, len(ids))), num_bags)
+        rows = ftt.reference.tt_rows(
+            [jnp.asarray(np.asarray(c), jnp.float64) for c in cores], jnp.asarray(ids)
+        )
+        out = ftt.reference.pool(
+            rows, jnp.asarray(weights, jnp.float64), jnp.asarray(bag_ids_of(offsets, len(ids))), num_bags
+        )
         return np.asarray(out)
 
 
@@ -145,8 +150,9 @@ def assert_same(a, b) -> None:
     assert np.all(np.isfinite(a)) and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def check_bag_fwd(call, cores, plan, ids, weights, offsets, chunks=(1, 64, 100, 128),
-                  tol: float = 1e-5) -> None:
+def check_bag_fwd(
+    call, cores, plan, ids, weights, offsets, chunks=(1, 64, 100, 128), tol: float = 1e-5
+) -> None:
     """flowtt_bag_fwd against pool_fwd(rows_fwd) and the float64 reference.
 
     One chunk (chunk_rows >= num_unique, up to 2^40): equal to the two ops bit for bit.
@@ -156,14 +162,21 @@ def check_bag_fwd(call, cores, plan, ids, weights, offsets, chunks=(1, 64, 100, 
     dim = cores[0].shape[2] * cores[1].shape[2] * cores[2].shape[2]
     plan_args = (plan.unique_ids, plan.group_offsets, plan.counts)
     (rows,) = call("flowtt_tt_rows_fwd", [f32((n, dim))], *cores, *plan_args)
-    (two_ops,) = call("flowtt_bag_pool_fwd", [f32((num_bags, dim))], rows, plan.inverse, weights,
-                      offsets)
+    (two_ops,) = call("flowtt_bag_pool_fwd", [f32((num_bags, dim))], rows, plan.inverse, weights, offsets)
     ref = pooled_reference(cores, ids, weights, offsets)
     assert rel_err(two_ops, ref) <= tol
 
     def bag(chunk_rows):
-        return call("flowtt_bag_fwd", [f32((num_bags, dim))], *cores, *plan_args, plan.inverse,
-                    weights, offsets, chunk_rows=np.int64(chunk_rows))[0]
+        return call(
+            "flowtt_bag_fwd",
+            [f32((num_bags, dim))],
+            *cores,
+            *plan_args,
+            plan.inverse,
+            weights,
+            offsets,
+            chunk_rows=np.int64(chunk_rows),
+        )[0]
 
     nu = int(plan.counts[0])
     for chunk_rows in (nu, n, 2**40):
@@ -192,18 +205,34 @@ def check_rows_past_num_unique_unread(call, cores, plan, weights, offsets, dout)
 
     (rows,) = call("flowtt_tt_rows_fwd", [f32((n, dim))], *cores, *plan_args)
     rows_zero, rows_nan = tails(rows)
-    pool = [call("flowtt_bag_pool_fwd", [f32((num_bags, dim))], r, plan.inverse, weights, offsets)[0]
-            for r in (rows_zero, rows_nan)]
+    pool = [
+        call("flowtt_bag_pool_fwd", [f32((num_bags, dim))], r, plan.inverse, weights, offsets)[0]
+        for r in (rows_zero, rows_nan)
+    ]
     assert_same(*pool)
     for d_w_shape in ((n,), (0,)):
-        d_zero, d_nan = (call("flowtt_bag_pool_bwd", [f32((n, dim)), f32(d_w_shape)], dout, r,
-                              weights, plan.inverse, bag_ids, plan.perm, plan.run_offsets,
-                              plan.counts) for r in (rows_zero, rows_nan))
+        d_zero, d_nan = (
+            call(
+                "flowtt_bag_pool_bwd",
+                [f32((n, dim)), f32(d_w_shape)],
+                dout,
+                r,
+                weights,
+                plan.inverse,
+                bag_ids,
+                plan.perm,
+                plan.run_offsets,
+                plan.counts,
+            )
+            for r in (rows_zero, rows_nan)
+        )
         assert_same(d_zero[0][:nu], d_nan[0][:nu])
         assert_same(d_zero[1], d_nan[1])
     d_rows_zero, d_rows_nan = tails(d_zero[0])  # pool_bwd's d_rows, tail set to 0 / NaN
-    grads = [call("flowtt_tt_rows_bwd", [f32(c.shape) for c in cores], *cores, d, *plan_args)
-             for d in (d_rows_zero, d_rows_nan)]
+    grads = [
+        call("flowtt_tt_rows_bwd", [f32(c.shape) for c in cores], *cores, d, *plan_args)
+        for d in (d_rows_zero, d_rows_nan)
+    ]
     for g_zero, g_nan in zip(*grads):
         assert_same(g_zero, g_nan)
 
@@ -216,7 +245,7 @@ def bag_fwd_shape_errors(cores, plan, weights, offsets):
     good = (*cores, plan.unique_ids, plan.group_offsets, plan.counts, plan.inverse, weights, offsets)
 
     def swap(i, x):
-        return good[:i] + (x,) + good[i + 1:]
+        return good[:i] + (x,) + good[i + 1 :]
 
     return [
         (good, (num_bags, dim), 0, "chunk_rows must be >= 1"),

@@ -75,9 +75,9 @@ def _case(seeds, kind, dim, rank, n=3000, num_bags=300, num_embeddings=20000, ro
 
 def _loss_fn(impl, mode, ids, offsets):
     def loss(cores, weights, cot):
-        out = ftt.tt_embedding_bag(tuple(cores), ids, offsets=offsets, weights=weights, mode=mode,
-                                   impl=impl)
+        out = ftt.tt_embedding_bag(tuple(cores), ids, offsets=offsets, weights=weights, mode=mode, impl=impl)
         return jnp.sum(out * cot), out
+
     return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
 
 
@@ -101,8 +101,11 @@ def _dweights_err(gw, rgw, cores, ids, offsets, cot) -> float:
     scale): relative to the values, or, where those dot products cancel (one id can give ~0),
     relative to the norm over p of |dout[b]| |row(ids[p])|, the dot products' condition."""
     with jax.enable_x64(True), jax.default_device(CPU):
-        rows = np.asarray(ftt.tt_lookup(tuple(jnp.asarray(c, jnp.float64) for c in cores),
-                                        jnp.asarray(ids), impl="reference"))
+        rows = np.asarray(
+            ftt.tt_lookup(
+                tuple(jnp.asarray(c, jnp.float64) for c in cores), jnp.asarray(ids), impl="reference"
+            )
+        )
     bag = np.clip(np.searchsorted(offsets, np.arange(len(ids)), side="right") - 1, 0, len(offsets) - 2)
     scale = np.linalg.norm(np.asarray(cot, np.float64)[bag], axis=1) * np.linalg.norm(rows, axis=1)
     diff = np.linalg.norm(np.asarray(gw, np.float64) - rgw)
@@ -149,7 +152,8 @@ def test_modes(mode, seeds):
 def test_hot_prefix_groups(dim, rank, seeds):
     """Groups with hundreds of unique ids (split into chunks, P shared via checkpoint)."""
     spec, cores, ids, offsets, weights, cot = _case(
-        seeds, "uniform", dim, rank, n=6000, num_bags=400, num_embeddings=100000, row_shape=(10, 10, 1000))
+        seeds, "uniform", dim, rank, n=6000, num_bags=400, num_embeddings=100000, row_shape=(10, 10, 1000)
+    )
     ids = np.random.default_rng(next(seeds)).integers(0, 3000, ids.shape[0]).astype(np.int32)
     _check("sum", cores, ids, offsets, weights, cot)
 
@@ -160,8 +164,9 @@ def test_tt_lookup_matches_reference(seeds):
     put = lambda x: jax.device_put(x, GPU)
     got = jax.jit(lambda c, i: ftt.tt_lookup(tuple(c), i, impl="ffi"))([put(c) for c in cores], put(ids2))
     with jax.enable_x64(True), jax.default_device(CPU):
-        ref = ftt.tt_lookup(tuple(jnp.asarray(c, jnp.float64) for c in cores), jnp.asarray(ids2),
-                            impl="reference")
+        ref = ftt.tt_lookup(
+            tuple(jnp.asarray(c, jnp.float64) for c in cores), jnp.asarray(ids2), impl="reference"
+        )
     assert got.shape == ref.shape
     assert rel_err(got, ref) <= TOL
 
@@ -175,23 +180,41 @@ def test_raw_targets_write_every_element(kind, dim, rank, seeds):
     plan = make_plan(jax.device_put(jnp.asarray(ids), GPU), spec.row_shape[-1])
     nu = int(plan.counts[0])
     bag_ids = bag_ids_of(offsets, n)
-    (rows,) = _poisoned("flowtt_tt_rows_fwd", [f32((n, dim))], *cores, plan.unique_ids,
-                        plan.group_offsets, plan.counts)
+    (rows,) = _poisoned(
+        "flowtt_tt_rows_fwd", [f32((n, dim))], *cores, plan.unique_ids, plan.group_offsets, plan.counts
+    )
     assert np.all(np.isfinite(rows[:nu]))
-    (out,) = _poisoned("flowtt_bag_pool_fwd", [f32((num_bags, dim))], rows, plan.inverse, weights,
-                       offsets)
+    (out,) = _poisoned("flowtt_bag_pool_fwd", [f32((num_bags, dim))], rows, plan.inverse, weights, offsets)
     assert np.all(np.isfinite(out))
-    d_rows, d_w = _poisoned("flowtt_bag_pool_bwd", [f32((n, dim)), f32((n,))], cot, rows, weights,
-                            plan.inverse, bag_ids, plan.perm, plan.run_offsets, plan.counts)
+    d_rows, d_w = _poisoned(
+        "flowtt_bag_pool_bwd",
+        [f32((n, dim)), f32((n,))],
+        cot,
+        rows,
+        weights,
+        plan.inverse,
+        bag_ids,
+        plan.perm,
+        plan.run_offsets,
+        plan.counts,
+    )
     assert np.all(np.isfinite(d_rows[:nu])) and np.all(np.isfinite(d_w))
-    grads = _poisoned("flowtt_tt_rows_bwd", [f32(c.shape) for c in cores], *cores, d_rows,
-                      plan.unique_ids, plan.group_offsets, plan.counts)
+    grads = _poisoned(
+        "flowtt_tt_rows_bwd",
+        [f32(c.shape) for c in cores],
+        *cores,
+        d_rows,
+        plan.unique_ids,
+        plan.group_offsets,
+        plan.counts,
+    )
     for g in grads:
         assert np.all(np.isfinite(g))
     # and the values: rows against the float64 reference
     with jax.enable_x64(True), jax.default_device(CPU):
-        ref = ftt.reference.tt_rows([jnp.asarray(c, jnp.float64) for c in cores],
-                                    jnp.asarray(np.asarray(plan.unique_ids)[:nu]))
+        ref = ftt.reference.tt_rows(
+            [jnp.asarray(c, jnp.float64) for c in cores], jnp.asarray(np.asarray(plan.unique_ids)[:nu])
+        )
     assert rel_err(rows[:nu], ref) <= TOL
 
 
@@ -211,14 +234,19 @@ def test_bag_fwd_equals_rows_then_pool(kind, dim, rank, seeds):
     it and of the float64 reference."""
     row_shape = (10, 10, 1000) if kind == "hot_prefix" else None
     spec, cores, ids, offsets, weights, cot = _case(
-        seeds, "uniform" if kind == "hot_prefix" else kind, dim, rank,
-        num_embeddings=100000 if row_shape else 20000, row_shape=row_shape)
+        seeds,
+        "uniform" if kind == "hot_prefix" else kind,
+        dim,
+        rank,
+        num_embeddings=100000 if row_shape else 20000,
+        row_shape=row_shape,
+    )
     if kind == "hot_prefix":
         ids = hot_prefix_ids(row_shape, ids.shape[0], next(seeds))
     plan = make_plan(jax.device_put(jnp.asarray(ids), GPU), spec.row_shape[-1])
     if kind == "hot_prefix":
         num_groups = int(plan.counts[1])
-        assert np.diff(np.asarray(plan.group_offsets)[:num_groups + 1]).max() > 2 * 128
+        assert np.diff(np.asarray(plan.group_offsets)[: num_groups + 1]).max() > 2 * 128
     check_bag_fwd(_poisoned, cores, plan, ids, weights, offsets, tol=TOL)
 
 
@@ -234,7 +262,8 @@ def test_bag_fwd_bad_shapes_are_errors(seeds):
     plan = make_plan(jax.device_put(jnp.asarray(ids), GPU), spec.row_shape[-1])
     put = lambda x: jax.device_put(x, GPU)
     for operands, out_shape, chunk_rows, match in bag_fwd_shape_errors(
-            [put(c) for c in cores], plan, put(weights), put(offsets)):
+        [put(c) for c in cores], plan, put(weights), put(offsets)
+    ):
         call = jax.ffi.ffi_call("flowtt_bag_fwd", jax.ShapeDtypeStruct(out_shape, jnp.float32))
         with pytest.raises(Exception, match=match):
             jax.block_until_ready(call(*[put(x) for x in operands], chunk_rows=np.int64(chunk_rows)))
@@ -246,8 +275,9 @@ def test_forward_without_grad_is_one_fused_op(kind, seeds):
     training forward's value bit for bit (one chunk here) and to the reference."""
     spec, cores, ids, offsets, weights, cot = _case(seeds, kind, 64, 32)
     put = lambda x: jax.device_put(x, GPU)
-    fwd = jax.jit(lambda c, w, i, o: ftt.tt_embedding_bag(tuple(c), i, offsets=o, weights=w,
-                                                          mode="sum", impl="ffi"))
+    fwd = jax.jit(
+        lambda c, w, i, o: ftt.tt_embedding_bag(tuple(c), i, offsets=o, weights=w, mode="sum", impl="ffi")
+    )
     args = ([put(c) for c in cores], put(weights), put(ids), put(offsets))
     targets = custom_call_targets(fwd.lower(*args).as_text())
     assert "flowtt_bag_fwd" in targets and "flowtt_tt_rows_fwd" not in targets
@@ -262,8 +292,9 @@ def test_bad_shape_is_an_error(seeds):
     plan = make_plan(jax.device_put(jnp.asarray(ids), GPU), spec.row_shape[-1])
     call = jax.ffi.ffi_call("flowtt_tt_rows_fwd", jax.ShapeDtypeStruct((ids.shape[0], 31), jnp.float32))
     with pytest.raises(Exception, match="rows must be"):
-        jax.block_until_ready(call(*[jax.device_put(c, GPU) for c in cores], plan.unique_ids,
-                                   plan.group_offsets, plan.counts))
+        jax.block_until_ready(
+            call(*[jax.device_put(c, GPU) for c in cores], plan.unique_ids, plan.group_offsets, plan.counts)
+        )
 
 
 def test_out_of_range_ids_never_read_outside(seeds):
@@ -274,8 +305,9 @@ def test_out_of_range_ids_never_read_outside(seeds):
     bad = plan.unique_ids.at[nu - 1].set(2**31 - 1).at[0].set(-5)
     call = jax.ffi.ffi_call("flowtt_tt_rows_fwd", jax.ShapeDtypeStruct((64, 32), jnp.float32))
     # must neither fault nor hang (compute-sanitizer memcheck covers the reads)
-    jax.block_until_ready(call(*[jax.device_put(c, GPU) for c in cores], bad, plan.group_offsets,
-                               plan.counts))
+    jax.block_until_ready(
+        call(*[jax.device_put(c, GPU) for c in cores], bad, plan.group_offsets, plan.counts)
+    )
 
 
 def test_auto_falls_back_for_shapes_the_kernels_do_not_take(seeds):

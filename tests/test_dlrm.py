@@ -9,8 +9,23 @@ from examples import dlrm
 from examples.criteo_synth import CRITEO_KAGGLE_CARDINALITIES, SynthConfig, SynthCriteo
 
 TINY = [
-    "--steps", "4", "--batch-size", "64", "--eval-batches", "4", "--max-rows", "5000",
-    "--rank", "4", "--bottom", "16", "--top", "16", "--no-progress", "--log-every", "2",
+    "--steps",
+    "4",
+    "--batch-size",
+    "64",
+    "--eval-batches",
+    "4",
+    "--max-rows",
+    "5000",
+    "--rank",
+    "4",
+    "--bottom",
+    "16",
+    "--top",
+    "16",
+    "--no-progress",
+    "--log-every",
+    "2",
 ]
 
 
@@ -36,7 +51,9 @@ def test_roc_auc_matches_pairwise_definition():
     y = rng.random(300) < 0.3
     s = np.round(rng.normal(size=300) + y, 1)  # many ties
     pos, neg = s[y], s[~y]
-    pairwise = ((pos[:, None] > neg[None]).sum() + 0.5 * (pos[:, None] == neg[None]).sum()) / (pos.size * neg.size)
+    pairwise = ((pos[:, None] > neg[None]).sum() + 0.5 * (pos[:, None] == neg[None]).sum()) / (
+        pos.size * neg.size
+    )
     assert abs(dlrm.roc_auc(y, s) - pairwise) < 1e-12
     assert dlrm.roc_auc(np.array([0, 1]), np.array([0.0, 1.0])) == 1.0
 

@@ -48,34 +48,60 @@ def test_all_targets_write_every_output(kind):
     nu = int(plan.counts[0])
     table = np.asarray(ftt.to_dense(cores, SPEC.num_embeddings), np.float64)
 
-    (rows,) = poisoned_call("flowtt_tt_rows_fwd", [f32((n, 24))], *cores, plan.unique_ids,
-                            plan.group_offsets, plan.counts)
+    (rows,) = poisoned_call(
+        "flowtt_tt_rows_fwd", [f32((n, 24))], *cores, plan.unique_ids, plan.group_offsets, plan.counts
+    )
     assert rel_err(rows[:nu], table[np.asarray(plan.unique_ids[:nu])]) < 1e-5
 
-    (out,) = poisoned_call("flowtt_bag_pool_fwd", [f32((num_bags, 24))], rows, plan.inverse,
-                           weights, offsets)
-    expected = jax.ops.segment_sum(np.asarray(weights, np.float64)[:, None] * table[np.asarray(ids)],
-                                   np.asarray(bag_ids), num_bags)
+    (out,) = poisoned_call("flowtt_bag_pool_fwd", [f32((num_bags, 24))], rows, plan.inverse, weights, offsets)
+    expected = jax.ops.segment_sum(
+        np.asarray(weights, np.float64)[:, None] * table[np.asarray(ids)], np.asarray(bag_ids), num_bags
+    )
     assert rel_err(out, expected) < 1e-5
 
     dout = jnp.asarray(np.random.default_rng(5).standard_normal((num_bags, 24)), jnp.float32)
-    d_rows, d_w = poisoned_call("flowtt_bag_pool_bwd", [f32((n, 24)), f32((n,))], dout, rows,
-                                weights, plan.inverse, bag_ids, plan.perm, plan.run_offsets,
-                                plan.counts)
+    d_rows, d_w = poisoned_call(
+        "flowtt_bag_pool_bwd",
+        [f32((n, 24)), f32((n,))],
+        dout,
+        rows,
+        weights,
+        plan.inverse,
+        bag_ids,
+        plan.perm,
+        plan.run_offsets,
+        plan.counts,
+    )
     per_id = np.asarray(weights)[:, None] * np.asarray(dout, np.float64)[np.asarray(bag_ids)]
     exp_rows = jax.ops.segment_sum(per_id, np.asarray(plan.inverse), n)
     assert rel_err(d_rows[:nu], exp_rows[:nu]) < 1e-5
     exp_w = np.sum(np.asarray(dout, np.float64)[np.asarray(bag_ids)] * table[np.asarray(ids)], axis=1)
     assert rel_err(d_w, exp_w) < 1e-5
     # a [0] d_weights result skips the weight gradient; d_rows is unchanged, bit for bit
-    d_rows_only, d_w0 = poisoned_call("flowtt_bag_pool_bwd", [f32((n, 24)), f32((0,))], dout, rows,
-                                      weights, plan.inverse, bag_ids, plan.perm,
-                                      plan.run_offsets, plan.counts)
+    d_rows_only, d_w0 = poisoned_call(
+        "flowtt_bag_pool_bwd",
+        [f32((n, 24)), f32((0,))],
+        dout,
+        rows,
+        weights,
+        plan.inverse,
+        bag_ids,
+        plan.perm,
+        plan.run_offsets,
+        plan.counts,
+    )
     assert d_w0.shape == (0,)
     np.testing.assert_array_equal(d_rows_only[:nu], d_rows[:nu])
 
-    grads = poisoned_call("flowtt_tt_rows_bwd", [f32(c.shape) for c in cores], *cores, d_rows,
-                          plan.unique_ids, plan.group_offsets, plan.counts)
+    grads = poisoned_call(
+        "flowtt_tt_rows_bwd",
+        [f32(c.shape) for c in cores],
+        *cores,
+        d_rows,
+        plan.unique_ids,
+        plan.group_offsets,
+        plan.counts,
+    )
     with jax.enable_x64(True):
         c64 = [jnp.asarray(c, jnp.float64) for c in cores]
         uids = plan.unique_ids[:nu]
@@ -93,16 +119,20 @@ def test_consumers_never_read_rows_past_num_unique(kind):
     rng = np.random.default_rng(8)
     weights = rng.standard_normal(n).astype(np.float32)
     dout = rng.standard_normal((num_bags, 24)).astype(np.float32)
-    check_rows_past_num_unique_unread(poisoned_call, cores, plan, weights,
-                                      random_offsets(num_bags, n, seed=9), dout)
+    check_rows_past_num_unique_unread(
+        poisoned_call, cores, plan, weights, random_offsets(num_bags, n, seed=9), dout
+    )
 
 
 def bag_case(kind: str, seed: int):
     """ids [n], CSR offsets [B+1] (some bags empty), weights [n] for BAG_SPEC."""
     rng = np.random.default_rng(seed)
     if kind == "single":
-        return (rng.integers(0, BAG_SPEC.num_embeddings, 1).astype(np.int32),
-                np.array([0, 1], np.int32), np.array([0.75], np.float32))
+        return (
+            rng.integers(0, BAG_SPEC.num_embeddings, 1).astype(np.int32),
+            np.array([0, 1], np.int32),
+            np.array([0.75], np.float32),
+        )
     n, num_bags = 900, 80
     if kind == "hot_prefix":
         ids = hot_prefix_ids(BAG_SPEC.row_shape, n, seed)
@@ -120,7 +150,7 @@ def test_bag_fwd_equals_rows_then_pool(kind):
     plan = make_plan(jnp.asarray(ids), BAG_SPEC.row_shape[-1])
     if kind == "hot_prefix":  # a group of more than two chunks of unique ids
         num_groups = int(plan.counts[1])
-        assert np.diff(np.asarray(plan.group_offsets)[:num_groups + 1]).max() > 2 * 128
+        assert np.diff(np.asarray(plan.group_offsets)[: num_groups + 1]).max() > 2 * 128
     check_bag_fwd(poisoned_call, cores, plan, ids, weights, offsets)
 
 
@@ -148,8 +178,10 @@ def test_bag_fwd_rejects_bad_input():
             jax.block_until_ready(call(*operands, chunk_rows=np.int64(chunk_rows)))
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu",
-                    reason="the CPU handler reports bad ids; CUDA kernels clamp them (no host sync)")
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="the CPU handler reports bad ids; CUDA kernels clamp them (no host sync)",
+)
 def test_kernels_reject_out_of_range_ids():
     cores = make_cores(SPEC, seed=1)
     plan = make_plan(jnp.array([5, 1999], jnp.int32), SPEC.row_shape[-1])
@@ -167,13 +199,13 @@ def test_kernels_reject_bad_shapes():
         jax.block_until_ready(call(*cores, plan.unique_ids, plan.group_offsets, plan.counts))
     call = jax.ffi.ffi_call("flowtt_tt_rows_fwd", f32((2, 24)))
     with pytest.raises(Exception, match="ranks"):
-        jax.block_until_ready(call(cores[0], cores[0], cores[2], plan.unique_ids,
-                                   plan.group_offsets, plan.counts))
+        jax.block_until_ready(
+            call(cores[0], cores[0], cores[2], plan.unique_ids, plan.group_offsets, plan.counts)
+        )
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(importlib.util.find_spec("flowtt_jax._flowtt_cuda") is None,
-                    reason="built without CUDA")
+@pytest.mark.skipif(importlib.util.find_spec("flowtt_jax._flowtt_cuda") is None, reason="built without CUDA")
 def test_cuda_shape_limits_are_reported():
     from flowtt_jax import _flowtt_cuda
 

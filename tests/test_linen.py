@@ -55,8 +55,10 @@ def test_ttembedbag_equals_op(mode):
     close(out, ftt.tt_embedding_bag(cores, ids, offsets=offsets, weights=w, mode=mode, num_embeddings=N))
     padded = ids_of(jax.random.key(5), (3, 5))
     mask = jnp.arange(5)[None] < jnp.array([[2], [5], [0]])
-    close(m.apply({"params": params}, padded, mask=mask),
-          ftt.tt_embedding_bag(cores, padded, mask=mask, mode=mode, num_embeddings=N))
+    close(
+        m.apply({"params": params}, padded, mask=mask),
+        ftt.tt_embedding_bag(cores, padded, mask=mask, mode=mode, num_embeddings=N),
+    )
 
 
 def _nnx_with_cores(cls, cores, **kw):
@@ -107,7 +109,9 @@ def test_params_from_dense():
     ids = jnp.array([0, 7, 49])
     close(m.apply({"params": params}, ids), table[ids], 1e-4)
     # and from_dense through embedding_init in a linen init
-    m2 = fl.TTEmbed(50, 8, rank=64, embedding_init=lambda key, spec, dtype: ftt.from_dense(table, spec, dtype))
+    m2 = fl.TTEmbed(
+        50, 8, rank=64, embedding_init=lambda key, spec, dtype: ftt.from_dense(table, spec, dtype)
+    )
     p2 = m2.init(jax.random.key(0), ids)
     close(m2.apply(p2, ids), table[ids], 1e-4)
 
@@ -166,6 +170,11 @@ def test_bf16():
 
 def test_linen_does_not_import_nnx():
     code = "import sys, flowtt_jax.linen; assert 'flowtt_jax.nnx' not in sys.modules, sorted(sys.modules)"
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]

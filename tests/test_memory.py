@@ -41,6 +41,9 @@ def test_forward_holds_no_rows_array():
         rows = ffi.rows_fwd(cores, plan)
         return ffi.pool_fwd(rows, plan.inverse, jnp.ones(ids.shape, jnp.float32), offsets)
 
-    args = ([jax.ShapeDtypeStruct(s, jnp.float32) for s in spec.core_shapes],
-            jax.ShapeDtypeStruct((nnz,), jnp.int32), jax.ShapeDtypeStruct((num_bags + 1,), jnp.int32))
+    args = (
+        [jax.ShapeDtypeStruct(s, jnp.float32) for s in spec.core_shapes],
+        jax.ShapeDtypeStruct((nnz,), jnp.int32),
+        jax.ShapeDtypeStruct((num_bags + 1,), jnp.int32),
+    )
     assert jax.jit(two_ops).lower(*args).compile().memory_analysis().temp_size_in_bytes >= rows_bytes

@@ -94,11 +94,15 @@ def test_ttembedbag_equals_op(impl, mode):
     w = jax.random.uniform(k[1], (20,))
     kw = dict(num_embeddings=N, mode=mode, impl=impl)
     close(m(ids, offsets=offsets), ftt.tt_embedding_bag(m.cores, ids, offsets=offsets, **kw))
-    close(m(ids, offsets=offsets, weights=w),
-          ftt.tt_embedding_bag(m.cores, ids, offsets=offsets, weights=w, **kw))
+    close(
+        m(ids, offsets=offsets, weights=w),
+        ftt.tt_embedding_bag(m.cores, ids, offsets=offsets, weights=w, **kw),
+    )
     seg = jax.random.randint(k[2], (20,), 0, 5)
-    close(m(ids, segment_ids=seg, num_bags=5),
-          ftt.tt_embedding_bag(m.cores, ids, segment_ids=seg, num_bags=5, **kw))
+    close(
+        m(ids, segment_ids=seg, num_bags=5),
+        ftt.tt_embedding_bag(m.cores, ids, segment_ids=seg, num_bags=5, **kw),
+    )
     padded = rand_ids(k[3], (4, 6))
     mask = jnp.arange(6)[None, :] < jnp.array([[1], [6], [0], [3]])
     out = m(padded, mask=mask)
@@ -277,10 +281,14 @@ def test_bf16_storage_with_fp32_output_is_not_rounded():
     assert not np.array_equal(np.asarray(out), np.asarray(out.astype(jnp.bfloat16).astype(jnp.float32)))
     bag = TTEmbedBag(N, D, rank=R, param_dtype=jnp.bfloat16, dtype=jnp.float32, rngs=nnx.Rngs(0))
     pooled = bag(ids[None])
-    np.testing.assert_allclose(np.asarray(pooled[0]), np.asarray(bag.to_dense()[ids].sum(0)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(pooled[0]), np.asarray(bag.to_dense()[ids].sum(0)), rtol=1e-5, atol=1e-5
+    )
     dense = EmbedBag(N, D, param_dtype=jnp.bfloat16, dtype=jnp.float32, rngs=nnx.Rngs(0))
     table = np.asarray(dense.embedding[...].astype(jnp.float32), np.float64)
-    np.testing.assert_allclose(np.asarray(dense(ids[None])[0]), table[np.asarray(ids)].sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(dense(ids[None])[0]), table[np.asarray(ids)].sum(0), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_flax_initializer_sets_row_scale():

@@ -103,8 +103,9 @@ def test_bags_equal_hand_computed(impl, mode, weighted, form):
         kw = dict(segment_ids=bag_of, num_bags=num_bags)
     weights = rng.standard_normal(ids.shape).astype(np.float32) if weighted else None
     out = ftt.tt_embedding_bag(cores, ids, weights=weights, mode=mode, impl=impl, **kw)
-    expected = hand_bags(table, flat, bag_of, num_bags,
-                         None if weights is None else weights.reshape(-1), mode, keep)
+    expected = hand_bags(
+        table, flat, bag_of, num_bags, None if weights is None else weights.reshape(-1), mode, keep
+    )
     assert out.shape == (num_bags, spec.embedding_dim)
     assert rel_err(out, expected) < 1e-5
 
@@ -144,11 +145,13 @@ def test_huge_skew_one_hot_group():
     spec = ftt.TTSpec.create(10**6, 32, 16, row_shape=(100, 100, 100))
     rng = np.random.default_rng(0)
     hot_prefix = 4242 * 100
-    ids = np.concatenate([
-        hot_prefix + rng.integers(0, 100, 5000),  # one group, all 100 last-core rows
-        np.full(3000, spec.num_embeddings - 1),  # last row, heavily duplicated
-        rng.integers(0, spec.num_embeddings, 2000),
-    ]).astype(np.int32)
+    ids = np.concatenate(
+        [
+            hot_prefix + rng.integers(0, 100, 5000),  # one group, all 100 last-core rows
+            np.full(3000, spec.num_embeddings - 1),  # last row, heavily duplicated
+            rng.integers(0, spec.num_embeddings, 2000),
+        ]
+    ).astype(np.int32)
     rng.shuffle(ids)
     offsets = random_offsets(700, ids.size, seed=1)
     cores = make_cores(spec, seed=2)
@@ -197,9 +200,9 @@ def test_default_impl_is_ffi_and_jits_without_host_callbacks():
     for lowered in (fwd.lower(cores, ids, offsets), lookup.lower(cores, ids)):
         assert custom_call_targets(lowered.as_text()) == {"flowtt_plan", "flowtt_bag_fwd"}
         assert_no_host_callback(lowered.compile().as_text())
-    for f in (lambda c, i, o: ftt.tt_embedding_bag(c, i, offsets=o),
-              lambda c, i, o: ftt.tt_lookup(c, i)):
-        train = jax.jit(jax.value_and_grad(lambda c, i, o: jnp.sum(f(c, i, o) ** 2)))
+    for f in (lambda c, i, o: ftt.tt_embedding_bag(c, i, offsets=o), lambda c, i, o: ftt.tt_lookup(c, i)):
+        # traced right away, within this iteration
+        train = jax.jit(jax.value_and_grad(lambda c, i, o: jnp.sum(f(c, i, o) ** 2)))  # noqa: B023
         lowered = train.lower(cores, ids, offsets)
         assert custom_call_targets(lowered.as_text()) == {"flowtt_plan"} | ROWS_OPS
         assert_no_host_callback(lowered.compile().as_text())
@@ -266,7 +269,9 @@ def test_empty_inputs(impl):
     assert ftt.tt_lookup(cores, empty, impl=impl).shape == (0, 16)
     out = ftt.tt_embedding_bag(cores, empty, offsets=np.zeros(4, np.int32), impl=impl)
     np.testing.assert_array_equal(out, np.zeros((3, 16)))
-    g = jax.grad(lambda c: ftt.tt_embedding_bag(c, empty, offsets=np.zeros(4, np.int32), impl=impl).sum())(cores)
+    g = jax.grad(lambda c: ftt.tt_embedding_bag(c, empty, offsets=np.zeros(4, np.int32), impl=impl).sum())(
+        cores
+    )
     assert all(np.all(np.asarray(x) == 0) for x in g)
     # All bags empty but ids present (positions outside every bag are ignored).
     ids = make_ids("uniform", 5, spec.num_embeddings, seed=6)
@@ -289,7 +294,9 @@ def test_oob_policies(impl):
     np.testing.assert_array_equal(zero[~valid], 0.0)
     assert rel_err(zero[valid], table[ids[valid]]) < 1e-5
     # Inside jit, "error" is a checkify check.
-    f = checkify.checkify(jax.jit(lambda i: ftt.tt_lookup(cores, i, num_embeddings=90, oob="error", impl=impl)))
+    f = checkify.checkify(
+        jax.jit(lambda i: ftt.tt_lookup(cores, i, num_embeddings=90, oob="error", impl=impl))
+    )
     err, _ = f(jnp.asarray(ids))
     assert err.get() is not None and "out of range" in err.get()
     err, rows = f(jnp.asarray(ids[valid]))
@@ -321,10 +328,22 @@ def test_four_cores_fall_back_to_reference():
 @pytest.mark.parametrize(
     "call,error,match",
     [
-        (lambda c: ftt.tt_embedding_bag(c, np.arange(5), offsets=np.array([0, 3, 2, 5])), ValueError, "non-decreasing"),
+        (
+            lambda c: ftt.tt_embedding_bag(c, np.arange(5), offsets=np.array([0, 3, 2, 5])),
+            ValueError,
+            "non-decreasing",
+        ),
         (lambda c: ftt.tt_embedding_bag(c, np.arange(5), offsets=np.array([0, 3, 4])), ValueError, "offsets"),
-        (lambda c: ftt.tt_embedding_bag(c, np.arange(5), offsets=np.array([0, 5]), weights=np.ones(4)), ValueError, "weights shape"),
-        (lambda c: ftt.tt_embedding_bag(c, np.arange(5), segment_ids=np.zeros(5, int)), ValueError, "num_bags"),
+        (
+            lambda c: ftt.tt_embedding_bag(c, np.arange(5), offsets=np.array([0, 5]), weights=np.ones(4)),
+            ValueError,
+            "weights shape",
+        ),
+        (
+            lambda c: ftt.tt_embedding_bag(c, np.arange(5), segment_ids=np.zeros(5, int)),
+            ValueError,
+            "num_bags",
+        ),
         (lambda c: ftt.tt_embedding_bag(c, np.arange(5)), ValueError, "padded"),
         (lambda c: ftt.tt_embedding_bag(c, np.ones((2, 2), np.int32), mode="max"), ValueError, "mode"),
         (lambda c: ftt.tt_lookup(c, np.ones(3, np.float32)), TypeError, "integer"),

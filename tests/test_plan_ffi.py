@@ -18,13 +18,20 @@ pytestmark = pytest.mark.skipif(not ffi.available(), reason="compiled extension 
 
 CPU = jax.devices("cpu")[0]
 GPU = cuda_device()
-device_param = pytest.mark.parametrize("device", [
-    pytest.param(CPU, id="cpu"),
-    pytest.param(GPU, id="gpu", marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(GPU is None, reason="needs a GPU backend and the _flowtt_cuda extension"),
-    ]),
-])
+device_param = pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param(CPU, id="cpu"),
+        pytest.param(
+            GPU,
+            id="gpu",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(GPU is None, reason="needs a GPU backend and the _flowtt_cuda extension"),
+            ],
+        ),
+    ],
+)
 NUM_ROWS = 13 * 11 * 7
 
 
@@ -32,8 +39,11 @@ def poisoned_plan(ids, last_extent: int, num_rows: int) -> Plan:
     """flowtt_plan called directly under jit, each output aliased to a -7 buffer."""
     n = ids.shape[0]
     outs = [jax.ShapeDtypeStruct((m,), jnp.int32) for m in (n, n, n, n + 1, n + 1, 2)]
-    return Plan(*poisoned_call("flowtt_plan", outs, ids, last_extent=np.int64(last_extent),
-                               num_rows=np.int64(num_rows)))
+    return Plan(
+        *poisoned_call(
+            "flowtt_plan", outs, ids, last_extent=np.int64(last_extent), num_rows=np.int64(num_rows)
+        )
+    )
 
 
 def oracle(ids, last_extent: int) -> Plan:
@@ -82,8 +92,9 @@ def test_jit_and_vmap(device):
     batch = np.stack([make_ids("zipf1.2", 301, NUM_ROWS, seed=s) for s in range(3)])
     with jax.default_device(device):
         fn = jax.jit(ffi.plan, static_argnums=(1, 2))
-        assert custom_call_targets(fn.lower(jnp.asarray(batch[0]), 11, NUM_ROWS).compile().as_text()) \
-            >= {"flowtt_plan"}
+        assert custom_call_targets(fn.lower(jnp.asarray(batch[0]), 11, NUM_ROWS).compile().as_text()) >= {
+            "flowtt_plan"
+        }
         assert_plans_equal(fn(jnp.asarray(batch[0]), 11, NUM_ROWS), oracle(batch[0], 11))
         batched = jax.jit(jax.vmap(lambda x: ffi.plan(x, 11, NUM_ROWS)))(jnp.asarray(batch))
     for b in range(3):

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 # Importing this module must not start jax's backends: the workers import it first.
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("flowtt_jax._flowtt_cpu") is None,
-                                reason="compiled extension not built")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("flowtt_jax._flowtt_cpu") is None, reason="compiled extension not built"
+)
 
 
 def _check_data_parallel() -> None:
@@ -47,16 +48,18 @@ def _check_data_parallel() -> None:
     assert out.sharding.spec[0] == "data"
     with jax.enable_x64(True):
         c64 = [jnp.asarray(c, jnp.float64) for c in cores]
-        ref = ftt.tt_embedding_bag(c64, ids, weights=weights.astype(np.float64), mask=mask,
-                                   mode="mean", impl="reference")
+        ref = ftt.tt_embedding_bag(
+            c64, ids, weights=weights.astype(np.float64), mask=mask, mode="mean", impl="reference"
+        )
     assert rel_err(out, ref) < 1e-5
 
     loss = lambda c, i, w, m: jnp.sum(jnp.sin(data_parallel(bag, mesh)(c, i, w, m)))
     grad = jax.jit(jax.grad(loss, argnums=(0, 2)))
     g_cores, g_w = grad(*args)
     with jax.enable_x64(True):
-        ref_loss = lambda c, w: jnp.sum(jnp.sin(ftt.tt_embedding_bag(c, ids, weights=w, mask=mask,
-                                                                     mode="mean", impl="reference")))
+        ref_loss = lambda c, w: jnp.sum(
+            jnp.sin(ftt.tt_embedding_bag(c, ids, weights=w, mask=mask, mode="mean", impl="reference"))
+        )
         r_cores, r_w = jax.grad(ref_loss, argnums=(0, 1))(c64, jnp.asarray(weights, jnp.float64))
     for a, b in zip(g_cores, r_cores):
         assert a.sharding.is_fully_replicated and rel_err(a, b) < 1e-5
@@ -69,7 +72,9 @@ def _check_data_parallel() -> None:
     # Each device pools only its own 16 bags.
     hlo = sharded.lower(*args).compile().as_text()
     pool_calls = [line for line in hlo.splitlines() if 'custom_call_target="flowtt_bag_fwd"' in line]
-    assert pool_calls and all(line.split("=")[1].strip().startswith("f32[16,32]") for line in pool_calls), pool_calls
+    assert pool_calls and all(line.split("=")[1].strip().startswith("f32[16,32]") for line in pool_calls), (
+        pool_calls
+    )
     print("data parallel OK")
 
 
@@ -79,8 +84,12 @@ def _multiprocess_worker(process_id: int, port: int) -> None:
 
     jax.config.update("jax_num_cpu_devices", 2)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                               process_id=process_id, initialization_timeout=120)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=2,
+        process_id=process_id,
+        initialization_timeout=120,
+    )
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding
@@ -102,8 +111,9 @@ def _multiprocess_worker(process_id: int, port: int) -> None:
     grads = jax.jit(jax.grad(lambda c, i: jnp.sum(jnp.sin(bag(c, i)))))(g_cores, g_ids)
     with jax.enable_x64(True):
         c64 = [jnp.asarray(c, jnp.float64) for c in cores]
-        ref = jax.grad(lambda c: jnp.sum(jnp.sin(
-            ftt.tt_embedding_bag(c, ids, mode="mean", impl="reference"))))(c64)
+        ref = jax.grad(
+            lambda c: jnp.sum(jnp.sin(ftt.tt_embedding_bag(c, ids, mode="mean", impl="reference")))
+        )(c64)
     for g, r in zip(grads, ref):
         assert rel_err(np.asarray(g.addressable_data(0)), r) < 1e-5
     jax.distributed.shutdown()
@@ -116,8 +126,11 @@ REPO = Path(__file__).resolve().parents[1]
 def _cpu_env(cpu_devices: int | None = None) -> dict:
     """Environment of a worker: the CPU platform only, ``tests`` importable from the
     repository root, and ``cpu_devices`` virtual CPU devices when given."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
     if cpu_devices is not None:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={cpu_devices}"
     return env
@@ -126,7 +139,11 @@ def _cpu_env(cpu_devices: int | None = None) -> dict:
 def test_data_parallel_over_four_devices():
     proc = subprocess.run(
         [sys.executable, "-c", "from tests import test_sharding; test_sharding._check_data_parallel()"],
-        cwd=REPO, env=_cpu_env(cpu_devices=4), capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=_cpu_env(cpu_devices=4),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "data parallel OK" in proc.stdout
@@ -138,8 +155,16 @@ def test_data_parallel_across_two_processes():
         port = s.getsockname()[1]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", f"from tests import test_sharding; test_sharding._multiprocess_worker({i}, {port})"],
-            cwd=REPO, env=_cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-c",
+                f"from tests import test_sharding; test_sharding._multiprocess_worker({i}, {port})",
+            ],
+            cwd=REPO,
+            env=_cpu_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for i in range(2)
     ]

@@ -28,7 +28,9 @@ def test_factor_rows_prefers_exact_for_known_sizes():
     assert factor_rows(10**6, 3) == (100, 100, 100)
 
 
-@pytest.mark.parametrize("dim,expected", [(16, (2, 2, 4)), (32, (2, 4, 4)), (64, (4, 4, 4)), (128, (4, 4, 8))])
+@pytest.mark.parametrize(
+    "dim,expected", [(16, (2, 2, 4)), (32, (2, 4, 4)), (64, (4, 4, 4)), (128, (4, 4, 8))]
+)
 def test_factor_cols_balanced_exact(dim, expected):
     assert factor_cols(dim, 3) == expected
 
