@@ -146,9 +146,11 @@ def draw_all(docs: list[dict], out_dir: Path | str, prefix: str = "") -> dict[st
         return {p: msg for p in PLOTS}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    single, coll = _cases(docs, "single"), _cases(docs, "collection")
-    todo = {"latency_vs_batch": (_latency_vs_batch, single, "no single-table cases"),
-            "latency_vs_tables": (_latency_vs_tables, coll, "no collection cases"),
+    single, coll = ([c for c in _cases(docs, suite) if any(measured(r, m) for r in c["impls"].values()
+                                                          for m in _STYLE)]
+                    for suite in ("single", "collection"))
+    todo = {"latency_vs_batch": (_latency_vs_batch, single, "no timed single-table case"),
+            "latency_vs_tables": (_latency_vs_tables, coll, "no timed collection case"),
             "memory_single": (_memory, _memory_cases(single), "no timed single-table case"),
             "memory_collection": (_memory, _memory_cases(coll), "no timed collection case")}
     out = {}
