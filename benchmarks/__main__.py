@@ -30,8 +30,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,14 +47,30 @@ STAGES = {
     "single-d128": {"suite": "single", "dims": (128,)},
     "collection": {"suite": "collection"},
 }
-FULL = {"dims": (32, 128), "ranks": (32, 64), "dists": ("uniform", "zipf1.05", "zipf1.2"),
-        "single_batches": (4096, 32768, 65536), "collection_batches": (4096, 32768),
-        "tables": (240, 480, 788), "num_embeddings": 10**7, "row_shape": (200, 200, 250),
-        "rows_range": (1e4, 4e7), "collection_rank": 32}
-QUICK = {"dims": (32,), "ranks": (8,), "dists": ("uniform", "zipf1.05"),
-         "single_batches": (32, 128), "collection_batches": (32,), "tables": (2, 3),
-         "num_embeddings": 10**5, "row_shape": None, "rows_range": (1e3, 1e5),
-         "collection_rank": 8}
+FULL = {
+    "dims": (32, 128),
+    "ranks": (32, 64),
+    "dists": ("uniform", "zipf1.05", "zipf1.2"),
+    "single_batches": (4096, 32768, 65536),
+    "collection_batches": (4096, 32768),
+    "tables": (240, 480, 788),
+    "num_embeddings": 10**7,
+    "row_shape": (200, 200, 250),
+    "rows_range": (1e4, 4e7),
+    "collection_rank": 32,
+}
+QUICK = {
+    "dims": (32,),
+    "ranks": (8,),
+    "dists": ("uniform", "zipf1.05"),
+    "single_batches": (32, 128),
+    "collection_batches": (32,),
+    "tables": (2, 3),
+    "num_embeddings": 10**5,
+    "row_shape": None,
+    "rows_range": (1e3, 1e5),
+    "collection_rank": 8,
+}
 ALIASES = {"D32_r32_B32768_zipf1.05": "S1"}
 MODES = ("fwd", "fwd_bwd")
 #: Compile time of a per-table loop grows at least linearly in the tables (issue 12: 240
@@ -76,13 +93,20 @@ def _csv(kind: type) -> Callable[[str], tuple]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU, well under a minute)")
-    ap.add_argument("--suite", choices=("single", "collection", "all"), default=None,
-                    help="default: all (or the stage's)")
-    ap.add_argument("--stage", choices=tuple(STAGES), help="a named part of the suite: "
-                    + "; ".join(f"{k} = {v}" for k, v in STAGES.items()))
+    ap.add_argument(
+        "--suite", choices=("single", "collection", "all"), default=None, help="default: all (or the stage's)"
+    )
+    ap.add_argument(
+        "--stage",
+        choices=tuple(STAGES),
+        help="a named part of the suite: " + "; ".join(f"{k} = {v}" for k, v in STAGES.items()),
+    )
     ap.add_argument("--out-dir", default="benchmarks/results", help="JSON and plots go here")
     ap.add_argument("--batches", type=_csv(int), help="bags per feature, e.g. 4096,32768")
     ap.add_argument("--tables", type=_csv(int), help="collection sizes, e.g. 240,480,788")
@@ -91,10 +115,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dists", type=_csv(str), help="single table: uniform,zipf1.05,zipf1.2")
     ap.add_argument("--impls", type=_csv(str), help=f"subset of {', '.join(impls_mod.REGISTRY)}")
     ap.add_argument("--time-budget", type=float, help="seconds; later measurements are skipped")
-    ap.add_argument("--compile-timeout", type=float, default=300.0,
-                    help="seconds one compile may take (default 300) before the run ends")
-    ap.add_argument("--max-loop-tables", type=int, default=240,
-                    help="largest collection a per-table loop is compiled for (default 240)")
+    ap.add_argument(
+        "--compile-timeout",
+        type=float,
+        default=300.0,
+        help="seconds one compile may take (default 300) before the run ends",
+    )
+    ap.add_argument(
+        "--max-loop-tables",
+        type=int,
+        default=240,
+        help="largest collection a per-table loop is compiled for (default 240)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     stage = STAGES.get(a.stage, {})
@@ -111,8 +143,13 @@ def _commit() -> str:
     if env:
         return env
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -170,8 +207,11 @@ class Runner:
         (self.bar.write if self.bar is not None else print)(msg)
 
     def impls_for(self, suite: str) -> list[impls_mod.Impl]:
-        return [i for i in impls_mod.REGISTRY.values()
-                if suite in i.suites and (not self.a.impls or i.name in self.a.impls)]
+        return [
+            i
+            for i in impls_mod.REGISTRY.values()
+            if suite in i.suites and (not self.a.impls or i.name in self.a.impls)
+        ]
 
     # ---- the plan ----------------------------------------------------------------------
     def plan(self) -> list[tuple[Case, impls_mod.Impl, str]]:
@@ -183,31 +223,68 @@ class Runner:
                 for rank in a.ranks or s["ranks"]:
                     for batch in a.batches or s["single_batches"]:
                         for dist in a.dists or s["dists"]:
-                            kw = dict(num_embeddings=s["num_embeddings"], dim=dim, rank=rank,
-                                      batch=batch, dist=dist, seed=a.seed, row_shape=s["row_shape"])
+                            kw = dict(
+                                num_embeddings=s["num_embeddings"],
+                                dim=dim,
+                                rank=rank,
+                                batch=batch,
+                                dist=dist,
+                                seed=a.seed,
+                                row_shape=s["row_shape"],
+                            )
                             name = f"D{dim}_r{rank}_B{batch}_{dist}"
-                            entry = {"suite": "single", "case": name,
-                                     "alias": None if a.quick else ALIASES.get(name),
-                                     "workload": kw, "impls": {}}
-                            case = Case(entry, lambda kw=kw: single_table(**kw), 1,
-                                        s["num_embeddings"] * dim * 4, (dim, rank, batch), (dim, rank))
+                            entry = {
+                                "suite": "single",
+                                "case": name,
+                                "alias": None if a.quick else ALIASES.get(name),
+                                "workload": kw,
+                                "impls": {},
+                            }
+                            case = Case(
+                                entry,
+                                lambda kw=kw: single_table(**kw),
+                                1,
+                                s["num_embeddings"] * dim * 4,
+                                (dim, rank, batch),
+                                (dim, rank),
+                            )
                             units += [(case, i, m) for i in impls for m in MODES]
         if a.suite in ("collection", "all"):
             cases = []
             for batch in a.batches or s["collection_batches"]:
                 for tables in a.tables or s["tables"]:
-                    coll = MetaLikeCollection.create(tables, a.seed, rows_range=s["rows_range"],
-                                                     rank=s["collection_rank"])
+                    coll = MetaLikeCollection.create(
+                        tables, a.seed, rows_range=s["rows_range"], rank=s["collection_rank"]
+                    )
                     tt_bytes = sum(sp.num_params for sp in coll.specs) * 4
-                    stats = {"tables": tables, "batch": batch, "rows": int(coll.rows.sum()),
-                             "dense_param_bytes": coll.dense_param_bytes, "tt_param_bytes": tt_bytes,
-                             "compression_ratio": coll.dense_param_bytes / tt_bytes,
-                             "expected_mean_pooling": float(coll.pooling_mean.mean()),
-                             "one_hot_tables": int(coll.one_hot.sum())}
-                    entry = {"suite": "collection", "case": f"meta{tables}_B{batch}", "alias": None,
-                             "workload": {**coll.params, "batch": batch}, "stats": stats, "impls": {}}
-                    cases.append(Case(entry, lambda c=coll, b=batch: c.draw(b), tables,
-                                      coll.dense_param_bytes, (tables, batch), ("meta", tables)))
+                    stats = {
+                        "tables": tables,
+                        "batch": batch,
+                        "rows": int(coll.rows.sum()),
+                        "dense_param_bytes": coll.dense_param_bytes,
+                        "tt_param_bytes": tt_bytes,
+                        "compression_ratio": coll.dense_param_bytes / tt_bytes,
+                        "expected_mean_pooling": float(coll.pooling_mean.mean()),
+                        "one_hot_tables": int(coll.one_hot.sum()),
+                    }
+                    entry = {
+                        "suite": "collection",
+                        "case": f"meta{tables}_B{batch}",
+                        "alias": None,
+                        "workload": {**coll.params, "batch": batch},
+                        "stats": stats,
+                        "impls": {},
+                    }
+                    cases.append(
+                        Case(
+                            entry,
+                            lambda c=coll, b=batch: c.draw(b),
+                            tables,
+                            coll.dense_param_bytes,
+                            (tables, batch),
+                            ("meta", tables),
+                        )
+                    )
             impls = self.impls_for("collection")
             order = [(not i.ffi, k) for k, i in enumerate(impls)]
             for _, k in sorted(order):
@@ -233,8 +310,10 @@ class Runner:
                 rec[mode] = self.unit(case, impl, mode, rec)
             else:
                 rec[mode] = {"skipped": reason}
-            self.log(f"[{k + 1}/{len(self.units)} {time.monotonic() - self.t0:.0f}s] "
-                     f"{case.entry['case']} {impl.name} {mode}: {_summary(rec[mode])}")
+            self.log(
+                f"[{k + 1}/{len(self.units)} {time.monotonic() - self.t0:.0f}s] "
+                f"{case.entry['case']} {impl.name} {mode}: {_summary(rec[mode])}"
+            )
             self.release(k, case, impl)
             self.write()
             if self.bar is not None:
@@ -245,10 +324,12 @@ class Runner:
         if self.remaining() <= 0:
             return f"time budget ({self.a.time_budget:.0f} s) used up"
         if impl.per_table_loop and case.tables > self.a.max_loop_tables:
-            return (f"per-table loop over {case.tables} tables not compiled: above --max-loop-tables "
-                    f"{self.a.max_loop_tables} (on an H200 the 240-table loop of ours compiled in ~20 s "
-                    f"fwd / ~39 s fwd+bwd and 788 tables did not compile in 5 minutes, issue 12)")
-        for m in (MODES if mode == "fwd_bwd" else ("fwd",)):
+            return (
+                f"per-table loop over {case.tables} tables not compiled: above --max-loop-tables "
+                f"{self.a.max_loop_tables} (on an H200 the 240-table loop of ours compiled in ~20 s "
+                f"fwd / ~39 s fwd+bwd and 788 tables did not compile in 5 minutes, issue 12)"
+            )
+        for m in MODES if mode == "fwd_bwd" else ("fwd",):
             failed = self.failed_compile.get((impl.name, m))
             if failed is not None and case.tables >= failed:
                 return f"the {m} of its {failed}-table loop did not compile in time"
@@ -257,16 +338,20 @@ class Runner:
             free = timing.device_free_bytes() + sum(x.nbytes for x in jax.tree.leaves(held))
             need = case.dense_bytes * (2 if mode == "fwd_bwd" else 1)
             if need > MEMORY_HEADROOM * free:
-                return (f"dense tables{' + gradient' if mode == 'fwd_bwd' else ''} "
-                        f"{need / 1e9:.1f} GB do not fit the device ({free / 1e9:.1f} GB free)")
+                return (
+                    f"dense tables{' + gradient' if mode == 'fwd_bwd' else ''} "
+                    f"{need / 1e9:.1f} GB do not fit the device ({free / 1e9:.1f} GB free)"
+                )
         key = (impl.name, mode)
         if (case.share, key) not in self.compiled and impl.per_table_loop and key in self.loop_compiles:
             t0, s0 = self.loop_compiles[key]
             est = s0 * (case.tables / t0) ** LOOP_COMPILE_EXPONENT
             if est > min(self.remaining(), self.a.compile_timeout):
-                return (f"compile estimated at {est:.0f} s ({s0:.0f} s for {t0} tables x (T/{t0})^"
-                        f"{LOOP_COMPILE_EXPONENT}) > {min(self.remaining(), self.a.compile_timeout):.0f} s "
-                        "(time budget left or --compile-timeout)")
+                return (
+                    f"compile estimated at {est:.0f} s ({s0:.0f} s for {t0} tables x (T/{t0})^"
+                    f"{LOOP_COMPILE_EXPONENT}) > {min(self.remaining(), self.a.compile_timeout):.0f} s "
+                    "(time budget left or --compile-timeout)"
+                )
         return None
 
     def release(self, k: int, case: Case, impl: impls_mod.Impl) -> None:
@@ -284,14 +369,15 @@ class Runner:
             t = time.monotonic()
             w = case.draw()
             stats = w.stats()
-            case.entry["stats"] = {**case.entry.get("stats", {}), **stats,
-                                   "draw_s": time.monotonic() - t}
+            case.entry["stats"] = {**case.entry.get("stats", {}), **stats, "draw_s": time.monotonic() - t}
             dim = sum(w.specs[f].embedding_dim for f in w.feature_table)
             cot = jax.random.normal(jax.random.key(2), (w.batch, dim), jnp.float32)
             case.data = (w, jax.device_put(w.ids), jax.device_put(w.offsets), cot)
-            self.log(f"{w.name}: {w.nnz} ids, mean pooling {stats['mean_pooling']:.2f}, "
-                     f"{100 * stats['unique_fraction']:.1f}% unique, drawn in "
-                     f"{case.entry['stats']['draw_s']:.1f} s")
+            self.log(
+                f"{w.name}: {w.nnz} ids, mean pooling {stats['mean_pooling']:.2f}, "
+                f"{100 * stats['unique_fraction']:.1f}% unique, drawn in "
+                f"{case.entry['stats']['draw_s']:.1f} s"
+            )
         if case.cores_key not in self.cores:
             self.cores[case.cores_key] = impls_mod.tt_cores(case.data[0])
         return case.data
@@ -309,9 +395,11 @@ class Runner:
             if mode == "fwd":
                 fn, args = fwd, (params, ids, offsets)
             else:
+
                 def fn(p, i, o, c):
                     out, vjp = jax.vjp(lambda pp: fwd(pp, i, o), p)
                     return out, vjp(c)[0]
+
                 args = (params, ids, offsets, cot)
             ckey = (case.share, (impl.name, mode))
             if ckey not in self.compiled:
@@ -320,18 +408,27 @@ class Runner:
                     compiled, lower_s, compile_s = timing.compile_timed(fn, args, timeout)
                 except timing.CompileTimeout as e:
                     self.failed_compile[(impl.name, mode)] = case.tables
-                    self.stop_reason = (f"not run: the {mode} compile of {impl.name} for "
-                                        f"{case.entry['case']} overran {timeout:.0f} s and goes on in "
-                                        "the background (it would disturb the timings)")
+                    self.stop_reason = (
+                        f"not run: the {mode} compile of {impl.name} for "
+                        f"{case.entry['case']} overran {timeout:.0f} s and goes on in "
+                        "the background (it would disturb the timings)"
+                    )
                     return {"skipped": f"{e} (--compile-timeout or the time budget left)"}
-                self.compiled[ckey] = {"compiled": compiled, "lower_s": lower_s, "compile_s": compile_s,
-                                       "memory": timing.memory_analysis(compiled),
-                                       "case": case.entry["case"]}
+                self.compiled[ckey] = {
+                    "compiled": compiled,
+                    "lower_s": lower_s,
+                    "compile_s": compile_s,
+                    "memory": timing.memory_analysis(compiled),
+                    "case": case.entry["case"],
+                }
                 if impl.per_table_loop and case.tables > 1:
                     self.loop_compiles[(impl.name, mode)] = (case.tables, lower_s + compile_s)
             c = self.compiled[ckey]
-            res: dict[str, Any] = {"lower_s": c["lower_s"], "compile_s": c["compile_s"],
-                                   "memory": c["memory"]}
+            res: dict[str, Any] = {
+                "lower_s": c["lower_s"],
+                "compile_s": c["compile_s"],
+                "memory": c["memory"],
+            }
             if c["case"] != case.entry["case"]:
                 res["compiled_for"] = c["case"]
             scratch = None
@@ -348,19 +445,29 @@ class Runner:
             need = mem.get("temp_size", 0) + mem.get("output_size", 0) + (scratch or 0)
             free = timing.device_free_bytes()
             if need > MEMORY_HEADROOM * free:
-                res["skipped"] = (f"needs {need / 1e9:.1f} GB (XLA temporaries + outputs"
-                                  f"{' + FFI scratch' if scratch else ''}) > {free / 1e9:.1f} GB free")
+                res["skipped"] = (
+                    f"needs {need / 1e9:.1f} GB (XLA temporaries + outputs"
+                    f"{' + FFI scratch' if scratch else ''}) > {free / 1e9:.1f} GB free"
+                )
                 return res
             before = timing.memory_stats()
             small = self.a.quick or timing.method() == "queued"
-            res.update(timing.timed(c["compiled"], args, target_s=0.1 if small else 0.4,
-                                    max_iters=6 if small else 20, repeats=3 if small else 5))
+            res.update(
+                timing.timed(
+                    c["compiled"],
+                    args,
+                    target_s=0.1 if small else 0.4,
+                    max_iters=6 if small else 20,
+                    repeats=3 if small else 5,
+                )
+            )
             after = timing.memory_stats()
             if before and after and "peak_bytes_in_use" in after:
                 res["device_memory"] = {
                     "bytes_in_use_before": before.get("bytes_in_use"),
                     "peak_bytes_in_use": after["peak_bytes_in_use"],
-                    "raised_peak": after["peak_bytes_in_use"] > before.get("peak_bytes_in_use", 0)}
+                    "raised_peak": after["peak_bytes_in_use"] > before.get("peak_bytes_in_use", 0),
+                }
             res["floor"] = self.floor(case.entry["stats"], impl, mode, res["ms"])
             return res
         except Exception as e:  # noqa: BLE001  (recorded, the run goes on)
@@ -391,8 +498,10 @@ def _summary(r: dict) -> str:
     if "skipped" in r or "error" in r:
         return ("skipped: " + r["skipped"]) if "skipped" in r else ("error: " + r["error"])
     frac = r.get("floor", {}).get("fraction")
-    return (f"{r['ms']:.3f} ms ({r['method']}), compile {r['lower_s'] + r['compile_s']:.1f} s, "
-            f"peak {r['peak_bytes'] / 1e6:.1f} MB" + (f", {100 * frac:.1f}% of floor" if frac else ""))
+    return (
+        f"{r['ms']:.3f} ms ({r['method']}), compile {r['lower_s'] + r['compile_s']:.1f} s, "
+        f"peak {r['peak_bytes'] / 1e6:.1f} MB" + (f", {100 * frac:.1f}% of floor" if frac else "")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -405,16 +514,31 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"bench_{'quick_' if a.quick else ''}{stage}_{short}_{now:%Y-%m-%dT%H%M%S}.json"
-    doc = {"schema": "flowtt-bench/1", "suite": a.suite, "stage": stage, "quick": a.quick,
-           "device": f"{dev.platform}:{dev.device_kind}", "device_count": jax.device_count(),
-           "date": now.isoformat(timespec="seconds"), "commit": _commit(), "jax": jax.__version__,
-           "argv": sys.argv[1:] if argv is None else argv, "time_budget_s": a.time_budget,
-           "compile_timeout_s": a.compile_timeout, "max_loop_tables": a.max_loop_tables,
-           "timing_method": timing.method(), "timing": timing.__doc__.split("\n\n")[1].replace("\n", " "),
-           "peaks": timing.peaks(), "status": "running", "cases": [], "plots": {}}
+    doc = {
+        "schema": "flowtt-bench/1",
+        "suite": a.suite,
+        "stage": stage,
+        "quick": a.quick,
+        "device": f"{dev.platform}:{dev.device_kind}",
+        "device_count": jax.device_count(),
+        "date": now.isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "jax": jax.__version__,
+        "argv": sys.argv[1:] if argv is None else argv,
+        "time_budget_s": a.time_budget,
+        "compile_timeout_s": a.compile_timeout,
+        "max_loop_tables": a.max_loop_tables,
+        "timing_method": timing.method(),
+        "timing": timing.__doc__.split("\n\n")[1].replace("\n", " "),
+        "peaks": timing.peaks(),
+        "status": "running",
+        "cases": [],
+        "plots": {},
+    }
     runner = Runner(a, path, doc)
     try:
         from tqdm import tqdm
+
         # disable=None: no bar without a terminal (the per-measurement lines remain)
         runner.bar = tqdm(total=len(runner.units), unit="meas", dynamic_ncols=True, disable=None)
     except ImportError:
@@ -423,8 +547,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runner.write()
         runner.run()
-        doc["status"] = runner.stop_reason or ("complete" if runner.remaining() > 0
-                                               else "time budget used up")
+        doc["status"] = runner.stop_reason or (
+            "complete" if runner.remaining() > 0 else "time budget used up"
+        )
     except (Interrupted, KeyboardInterrupt) as e:
         doc["status"] = f"interrupted ({e or 'SIGINT'})"
         code = 1
@@ -435,8 +560,11 @@ def main(argv: list[str] | None = None) -> int:
     doc["plots"] = plots.draw_all([doc], out_dir, prefix=path.stem + "_")
     runner.write()
     errors = sum("error" in r.get(m, {}) for c in doc["cases"] for r in c["impls"].values() for m in MODES)
-    print(f"wrote {path} ({doc['status']}, {len(doc['cases'])} cases, {errors} errors, "
-          f"{doc['elapsed_s']:.0f} s)", flush=True)
+    print(
+        f"wrote {path} ({doc['status']}, {len(doc['cases'])} cases, {errors} errors, "
+        f"{doc['elapsed_s']:.0f} s)",
+        flush=True,
+    )
     if runner.stop_reason:  # a compile thread is still running: do not wait for it
         os._exit(code)
     return code

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,8 +47,12 @@ def tt_cores(w: Workload, seed: int = 1) -> TTCores:
     out = []
     for spec in w.specs:
         std = (1.0 / spec.embedding_dim / math.prod(spec.ranks)) ** (1.0 / (2 * spec.num_cores))
-        out.append(tuple(jax.device_put(rng.standard_normal(s, dtype=np.float32) * np.float32(std))
-                         for s in spec.core_shapes))
+        out.append(
+            tuple(
+                jax.device_put(rng.standard_normal(s, dtype=np.float32) * np.float32(std))
+                for s in spec.core_shapes
+            )
+        )
     return tuple(out)
 
 
@@ -85,15 +90,23 @@ class Impl:
 REGISTRY: dict[str, Impl] = {}
 
 
-def register(name: str, *, suites: tuple[str, ...], description: str,
-             init: Callable[[Workload, TTCores], Any] = lambda w, cores: cores,
-             param_bytes: Callable[[Workload], int] = _tt_param_bytes, per_table_loop: bool = False,
-             ffi: bool = False, dense: bool = False) -> Callable[[Callable[[Workload], Fwd]], Callable]:
+def register(
+    name: str,
+    *,
+    suites: tuple[str, ...],
+    description: str,
+    init: Callable[[Workload, TTCores], Any] = lambda w, cores: cores,
+    param_bytes: Callable[[Workload], int] = _tt_param_bytes,
+    per_table_loop: bool = False,
+    ffi: bool = False,
+    dense: bool = False,
+) -> Callable[[Callable[[Workload], Fwd]], Callable]:
     """Decorator: registers a builder ``workload -> fwd`` under ``name`` (in registry order)."""
+
     def deco(build: Callable[[Workload], Fwd]) -> Callable[[Workload], Fwd]:
-        REGISTRY[name] = Impl(name, suites, description, build, init, param_bytes,
-                              per_table_loop, ffi, dense)
+        REGISTRY[name] = Impl(name, suites, description, build, init, param_bytes, per_table_loop, ffi, dense)
         return build
+
     return deco
 
 
@@ -103,9 +116,11 @@ def _bag_ids(offsets: jax.Array, n: int) -> jax.Array:
     return jnp.cumsum(starts)
 
 
-def _per_table(bag: Callable[[tuple, jax.Array, jax.Array, ftt.TTSpec], jax.Array]
-               ) -> Callable[[Workload], Fwd]:
+def _per_table(
+    bag: Callable[[tuple, jax.Array, jax.Array, ftt.TTSpec], jax.Array],
+) -> Callable[[Workload], Fwd]:
     """Builder of a loop over the features: ``bag(cores, ids, offsets, spec)`` -> [B, D] each."""
+
     def build(w: Workload) -> Fwd:
         bounds, b = w.feature_bounds, w.batch
 
@@ -113,9 +128,11 @@ def _per_table(bag: Callable[[tuple, jax.Array, jax.Array, ftt.TTSpec], jax.Arra
             outs = []
             for f, t in enumerate(w.feature_table):
                 s, e = bounds[f], bounds[f + 1]
-                outs.append(bag(params[t], ids[s:e], offsets[f * b:(f + 1) * b + 1] - s, w.specs[t]))
+                outs.append(bag(params[t], ids[s:e], offsets[f * b : (f + 1) * b + 1] - s, w.specs[t]))
             return jnp.concatenate(outs, axis=1)
+
         return fwd
+
     return build
 
 
@@ -128,9 +145,14 @@ def _dense_init(w: Workload, cores: TTCores) -> jax.Array:
     return jax.jit(lambda k: 0.01 * jax.random.normal(k, shape, jnp.float32))(jax.random.key(3))
 
 
-@register("dense_bag", suites=("single", "collection"), init=_dense_init,
-          param_bytes=_dense_param_bytes, dense=True,
-          description="uncompressed tables, concatenated: one gather + one segment sum")
+@register(
+    "dense_bag",
+    suites=("single", "collection"),
+    init=_dense_init,
+    param_bytes=_dense_param_bytes,
+    dense=True,
+    description="uncompressed tables, concatenated: one gather + one segment sum",
+)
 def _dense_bag(w: Workload) -> Fwd:
     f_count, b = w.num_features, w.batch
     dim = w.specs[0].embedding_dim
@@ -145,13 +167,16 @@ def _dense_bag(w: Workload) -> Fwd:
             ids = ids + jnp.asarray(feature_row)[bag // b]
         out = jax.ops.segment_sum(jnp.take(table, ids, axis=0), bag, num_segments=f_count * b)
         return out.reshape(f_count, b, dim).transpose(1, 0, 2).reshape(b, f_count * dim)
+
     return fwd
 
 
 def _tt_bag(impl: str):
     def bag(cores, ids, offsets, spec):
-        return ftt.tt_embedding_bag(cores, ids, offsets=offsets, num_embeddings=spec.num_embeddings,
-                                    impl=impl)
+        return ftt.tt_embedding_bag(
+            cores, ids, offsets=offsets, num_embeddings=spec.num_embeddings, impl=impl
+        )
+
     return bag
 
 
@@ -164,17 +189,34 @@ def _dedup_bag(cores, ids, offsets, spec):
     return jax.ops.segment_sum(rows, _bag_ids(offsets, n), num_segments=b)
 
 
-register("tt_reference", suites=("single", "collection"), per_table_loop=True,
-         description="TT from XLA ops (tt_embedding_bag impl='reference'), per table")(
-    _per_table(_tt_bag("reference")))
-register("tt_reference_dedup", suites=("single", "collection"), per_table_loop=True,
-         description="EcoRec's algorithm in XLA ops: unique ids (static size nnz), TT rows, "
-                     "gather back, pool; per table")(_per_table(_dedup_bag))
-register("ours", suites=("single",), per_table_loop=True, ffi=True,
-         description="tt_embedding_bag impl='ffi' (the fused kernels)")(_per_table(_tt_bag("ffi")))
-register("ours_per_table_loop", suites=("collection",), per_table_loop=True, ffi=True,
-         description="tt_embedding_bag impl='ffi' called per table in one jitted loop "
-                     "(the table-batched op does not exist yet)")(_per_table(_tt_bag("ffi")))
+register(
+    "tt_reference",
+    suites=("single", "collection"),
+    per_table_loop=True,
+    description="TT from XLA ops (tt_embedding_bag impl='reference'), per table",
+)(_per_table(_tt_bag("reference")))
+register(
+    "tt_reference_dedup",
+    suites=("single", "collection"),
+    per_table_loop=True,
+    description="EcoRec's algorithm in XLA ops: unique ids (static size nnz), TT rows, "
+    "gather back, pool; per table",
+)(_per_table(_dedup_bag))
+register(
+    "ours",
+    suites=("single",),
+    per_table_loop=True,
+    ffi=True,
+    description="tt_embedding_bag impl='ffi' (the fused kernels)",
+)(_per_table(_tt_bag("ffi")))
+register(
+    "ours_per_table_loop",
+    suites=("collection",),
+    per_table_loop=True,
+    ffi=True,
+    description="tt_embedding_bag impl='ffi' called per table in one jitted loop "
+    "(the table-batched op does not exist yet)",
+)(_per_table(_tt_bag("ffi")))
 
 
 def ffi_scratch_bytes(w: Workload, mode: str) -> int | None:
@@ -194,7 +236,13 @@ def ffi_scratch_bytes(w: Workload, mode: str) -> int | None:
         spec, n = w.specs[t], bounds[f + 1] - bounds[f]
         if n == 0:
             continue
-        s = _flowtt_cuda.scratch_bytes(*spec.row_shape, *spec.col_shape, spec.ranks[1], spec.ranks[2],
-                                       n, bag_chunk_rows(spec.embedding_dim))
+        s = _flowtt_cuda.scratch_bytes(
+            *spec.row_shape,
+            *spec.col_shape,
+            spec.ranks[1],
+            spec.ranks[2],
+            n,
+            bag_chunk_rows(spec.embedding_dim),
+        )
         worst = max(worst, *(int(s.get(k, 0)) for k in keys))
     return worst

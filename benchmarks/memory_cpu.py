@@ -43,19 +43,29 @@ def main() -> None:
     results = []
     for num_bags in (1024, 4096, 16384):
         nnz = num_bags * args.bag_len
-        row = {"num_bags": num_bags, "nnz": nnz,
-               "nnz_r2_bytes": nnz * args.rank * args.rank * 4}
+        row = {"num_bags": num_bags, "nnz": nnz, "nnz_r2_bytes": nnz * args.rank * args.rank * 4}
         for impl in ("ffi", "reference"):
             row[f"{impl}_temp_bytes"] = temp_bytes(spec, num_bags, args.bag_len, impl)
         results.append(row)
-        print(f"B={num_bags:6d} nnz={nnz:7d}  ffi temp {row['ffi_temp_bytes'] / 2**20:8.2f} MiB"
-              f"  reference temp {row['reference_temp_bytes'] / 2**20:9.2f} MiB"
-              f"  (nnz*r^2*4 = {row['nnz_r2_bytes'] / 2**20:8.2f} MiB)")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    record = {"spec": repr(spec), "device": jax.devices()[0].device_kind,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "commit": commit, "bag_len": args.bag_len, "results": results}
+        print(
+            f"B={num_bags:6d} nnz={nnz:7d}  ffi temp {row['ffi_temp_bytes'] / 2**20:8.2f} MiB"
+            f"  reference temp {row['reference_temp_bytes'] / 2**20:9.2f} MiB"
+            f"  (nnz*r^2*4 = {row['nnz_r2_bytes'] / 2**20:8.2f} MiB)"
+        )
+    commit = (
+        subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+        or "unknown"
+    )
+    record = {
+        "spec": repr(spec),
+        "device": jax.devices()[0].device_kind,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit,
+        "bag_len": args.bag_len,
+        "results": results,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     if args.readme:
@@ -63,11 +73,16 @@ def main() -> None:
 
         rows = "".join(
             f"| {r['num_bags']} | {r['nnz']:,} | {r['ffi_temp_bytes'] / 2**20:.2f} MiB | "
-            f"{r['reference_temp_bytes'] / 2**20:.2f} MiB |\n" for r in results)
-        replace_block(args.readme, "memory",
-                      f"{spec!r}, bags of {args.bag_len} ids, {record['device']}, {record['date']}, "
-                      f"commit `{commit}`:\n\n| bags | nnz | fused (FFI) temp | XLA reference temp |\n"
-                      f"|---|---|---|---|\n{rows}")
+            f"{r['reference_temp_bytes'] / 2**20:.2f} MiB |\n"
+            for r in results
+        )
+        replace_block(
+            args.readme,
+            "memory",
+            f"{spec!r}, bags of {args.bag_len} ids, {record['device']}, {record['date']}, "
+            f"commit `{commit}`:\n\n| bags | nnz | fused (FFI) temp | XLA reference temp |\n"
+            f"|---|---|---|---|\n{rows}",
+        )
 
 
 if __name__ == "__main__":

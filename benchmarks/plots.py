@@ -7,15 +7,14 @@ the suite; ``python -m benchmarks.report`` draws them again from the JSON elsewh
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 __all__ = ["draw_all", "measured", "impl_order", "PLOTS"]
 
 PLOTS = ("latency_vs_batch", "latency_vs_tables", "memory_single", "memory_collection")
 #: Implementations in the order tables and plots show them (others after, by name).
-ORDER = ("dense_bag", "tt_reference", "tt_reference_dedup", "ours", "ours_per_table_loop",
-         "ours_batched")
+ORDER = ("dense_bag", "tt_reference", "tt_reference_dedup", "ours", "ours_per_table_loop", "ours_batched")
 _STYLE = {"fwd": "-", "fwd_bwd": "--"}
 _MARKERS = (("o", "\u25cf"), ("s", "\u25a0"), ("^", "\u25b2"), ("v", "\u25bc"))
 
@@ -61,16 +60,31 @@ def _latency_vs_batch(plt, cases: list[dict], path: Path) -> str:
     names = _impl_names(cases)
     fig, axes = plt.subplots(1, len(combos), figsize=(4.2 * len(combos), 3.8), squeeze=False)
     for ax, (dim, rank) in zip(axes[0], combos):
-        sel = sorted((c for c in cases if (c["workload"]["dim"], c["workload"]["rank"]) == (dim, rank)
-                      and c["workload"]["dist"] == dist), key=lambda c: c["workload"]["batch"])
+        sel = sorted(
+            (
+                c
+                for c in cases
+                if (c["workload"]["dim"], c["workload"]["rank"]) == (dim, rank)
+                and c["workload"]["dist"] == dist
+            ),
+            key=lambda c: c["workload"]["batch"],
+        )
         for k, name in enumerate(names):
             for mode, ls in _STYLE.items():
-                pts = [(c["workload"]["batch"], r["ms"]) for c in sel
-                       if (r := measured(c["impls"].get(name, {}), mode))]
+                pts = [
+                    (c["workload"]["batch"], r["ms"])
+                    for c in sel
+                    if (r := measured(c["impls"].get(name, {}), mode))
+                ]
                 if pts:
                     ax.plot(*zip(*pts), ls, marker="o", color=f"C{k}")
-        ax.set(xscale="log", yscale="log", xlabel="bags (batch)", ylabel="ms per call",
-               title=f"D {dim}, rank {rank}, ids {dist}")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="bags (batch)",
+            ylabel="ms per call",
+            title=f"D {dim}, rank {rank}, ids {dist}",
+        )
         _ticks(ax, sorted({c["workload"]["batch"] for c in sel}))
         ax.grid(True, which="both", alpha=0.3)
     _legend(axes[0][0], names)
@@ -87,16 +101,27 @@ def _latency_vs_tables(plt, cases: list[dict], path: Path) -> str:
     names = _impl_names(cases)
     for k, name in enumerate(names):
         for j, batch in enumerate(batches):
-            sel = sorted((c for c in cases if c["workload"]["batch"] == batch),
-                         key=lambda c: c["workload"]["num_tables"])
+            sel = sorted(
+                (c for c in cases if c["workload"]["batch"] == batch),
+                key=lambda c: c["workload"]["num_tables"],
+            )
             for mode, ls in _STYLE.items():
-                pts = [(c["workload"]["num_tables"], r["ms"]) for c in sel
-                       if (r := measured(c["impls"].get(name, {}), mode))]
+                pts = [
+                    (c["workload"]["num_tables"], r["ms"])
+                    for c in sel
+                    if (r := measured(c["impls"].get(name, {}), mode))
+                ]
                 if pts:
                     ax.plot(*zip(*pts), ls, marker=_MARKERS[j % 4][0], color=f"C{k}")
-    ax.set(xscale="log", yscale="log", xlabel="tables", ylabel="ms per call",
-           title="Meta-like collections: time per call vs tables\n(markers: batch "
-                 + ", ".join(f"{_MARKERS[j % 4][1]} {b}" for j, b in enumerate(batches)) + ")")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="tables",
+        ylabel="ms per call",
+        title="Meta-like collections: time per call vs tables\n(markers: batch "
+        + ", ".join(f"{_MARKERS[j % 4][1]} {b}" for j, b in enumerate(batches))
+        + ")",
+    )
     _ticks(ax, sorted({c["workload"]["num_tables"] for c in cases}))
     ax.grid(True, which="both", alpha=0.3)
     _legend(ax, names)
@@ -115,9 +140,11 @@ def _memory(plt, picks: list[dict], path: Path) -> str:
     fig, axes = plt.subplots(1, len(picks), figsize=(6.5 * len(picks), 4.2), squeeze=False)
     for ax, case in zip(axes[0], picks):
         names = impl_order(case["impls"])
-        series = (("params", lambda r: r.get("param_bytes")),
-                  ("peak fwd", lambda r: (measured(r, "fwd") or {}).get("peak_bytes")),
-                  ("peak fwd+bwd", lambda r: (measured(r, "fwd_bwd") or {}).get("peak_bytes")))
+        series = (
+            ("params", lambda r: r.get("param_bytes")),
+            ("peak fwd", lambda r: (measured(r, "fwd") or {}).get("peak_bytes")),
+            ("peak fwd+bwd", lambda r: (measured(r, "fwd_bwd") or {}).get("peak_bytes")),
+        )
         width = 0.8 / len(series)
         for j, (label, get) in enumerate(series):
             xs = [i + (j - 1) * width for i, n in enumerate(names) if get(case["impls"][n])]
@@ -127,8 +154,10 @@ def _memory(plt, picks: list[dict], path: Path) -> str:
         ax.set(yscale="log", ylabel="MiB", title=f"{case.get('alias') or case['case']}")
         ax.grid(True, axis="y", which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("Device memory per implementation (XLA memory analysis + FFI scratch; "
-                 "missing bar: not run)", fontsize=9)
+    fig.suptitle(
+        "Device memory per implementation (XLA memory analysis + FFI scratch; missing bar: not run)",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return str(path)
@@ -138,6 +167,7 @@ def draw_all(docs: list[dict], out_dir: Path | str, prefix: str = "") -> dict[st
     """Draws ``PLOTS`` from the cases of ``docs`` into ``out_dir/<prefix><plot>.png``."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
@@ -146,13 +176,16 @@ def draw_all(docs: list[dict], out_dir: Path | str, prefix: str = "") -> dict[st
         return {p: msg for p in PLOTS}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    single, coll = ([c for c in _cases(docs, suite) if any(measured(r, m) for r in c["impls"].values()
-                                                          for m in _STYLE)]
-                    for suite in ("single", "collection"))
-    todo = {"latency_vs_batch": (_latency_vs_batch, single, "no timed single-table case"),
-            "latency_vs_tables": (_latency_vs_tables, coll, "no timed collection case"),
-            "memory_single": (_memory, _memory_cases(single), "no timed single-table case"),
-            "memory_collection": (_memory, _memory_cases(coll), "no timed collection case")}
+    single, coll = (
+        [c for c in _cases(docs, suite) if any(measured(r, m) for r in c["impls"].values() for m in _STYLE)]
+        for suite in ("single", "collection")
+    )
+    todo = {
+        "latency_vs_batch": (_latency_vs_batch, single, "no timed single-table case"),
+        "latency_vs_tables": (_latency_vs_tables, coll, "no timed collection case"),
+        "memory_single": (_memory, _memory_cases(single), "no timed single-table case"),
+        "memory_collection": (_memory, _memory_cases(coll), "no timed collection case"),
+    }
     out = {}
     for name, (fn, data, why) in todo.items():
         if not data:

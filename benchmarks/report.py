@@ -30,6 +30,7 @@ MODES = ("fwd", "fwd_bwd")
 
 # ---- the earlier single-table script's JSON (single_table_*.json) ------------------------
 
+
 def fmt(x, nd=3):
     if isinstance(x, (int, float)):
         return f"{x:.{nd}f}"
@@ -57,31 +58,40 @@ def legacy_markdown(p: str) -> None:
     """Prints the markdown of one ``single_table_*.json``."""
     data = json.load(open(p))
     print(f"## {p}\n")
-    print(f"device `{data.get('device')}`, date {data.get('date')}, commit `{data.get('git_commit')}`, "
-          f"jax {data.get('jax')}; timing: {data.get('timing')} (K={data.get('K')}, R={data.get('R')})\n")
-    print("| config | weighted | nnz | unique | groups | impl | fwd ms (device) | fwd+bwd ms (device) | "
-          "fwd ms (queued) | fwd+bwd ms (queued) | fwd temp MB (XLA) | fwd temp MB (XLA + FFI scratch) | "
-          "fwd % of fp32 peak |")
+    print(
+        f"device `{data.get('device')}`, date {data.get('date')}, commit `{data.get('git_commit')}`, "
+        f"jax {data.get('jax')}; timing: {data.get('timing')} (K={data.get('K')}, R={data.get('R')})\n"
+    )
+    print(
+        "| config | weighted | nnz | unique | groups | impl | fwd ms (device) | fwd+bwd ms (device) | "
+        "fwd ms (queued) | fwd+bwd ms (queued) | fwd temp MB (XLA) | fwd temp MB (XLA + FFI scratch) | "
+        "fwd % of fp32 peak |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in data["results"]:
         for impl in ("dense_bag", "tt_reference", "tt_reference_dedup", "ours"):
             x = r.get(impl, {})
+            head = f"| {r['config']} | {weighted(r)} | {r['nnz']} | {r.get('num_unique')} |"
+            head += f" {r.get('num_groups')} |"
             if "error" in x:
-                print(f"| {r['config']} | {weighted(r)} | {r['nnz']} | {r.get('num_unique')} | {r.get('num_groups')} | "
-                      f"{impl} | error: {x['error'][:80]} | | | | | | |")
+                print(f"{head} {impl} | error: {x['error'][:80]} | | | | | | |")
                 continue
             frac = x.get("fwd_fraction_of_fp32_peak")
-            print(f"| {r['config']} | {weighted(r)} | {r['nnz']} | {r.get('num_unique')} | {r.get('num_groups')} | {impl} | "
-                  f"{fmt(busy(x, 'fwd_device'))} | {fmt(busy(x, 'fwd_bwd_device'))} | "
-                  f"{fmt(x.get('fwd_ms'))} | {fmt(x.get('fwd_bwd_ms'))} | {mb(x.get('fwd_temp_bytes'))} | "
-                  f"{mb(x.get('fwd_temp_total_bytes', x.get('fwd_temp_bytes') if impl != 'ours' else None))} | "
-                  f"{fmt(100 * frac, 1) if isinstance(frac, float) else '-'} |")
+            print(
+                f"{head} {impl} | "
+                f"{fmt(busy(x, 'fwd_device'))} | {fmt(busy(x, 'fwd_bwd_device'))} | "
+                f"{fmt(x.get('fwd_ms'))} | {fmt(x.get('fwd_bwd_ms'))} | {mb(x.get('fwd_temp_bytes'))} | "
+                f"{mb(x.get('fwd_temp_total_bytes', x.get('fwd_temp_bytes') if impl != 'ours' else None))} | "
+                f"{fmt(100 * frac, 1) if isinstance(frac, float) else '-'} |"
+            )
     print()
     for r in data["results"]:
-        print(f"- {r['config']}: dispatch floor {fmt(r.get('dispatch_floor_ms'))} ms; fwd FLOP floor "
-              f"{r.get('fwd_flop_floor', 0):.3g} ({fmt(r.get('fwd_floor_ms_fp32'), 4)} ms at fp32 peak); "
-              f"ours breakdown (ms, each jitted alone): {r.get('ours_breakdown_ms')}; "
-              f"FFI scratch bytes: {r.get('ours_scratch_bytes')}")
+        print(
+            f"- {r['config']}: dispatch floor {fmt(r.get('dispatch_floor_ms'))} ms; fwd FLOP floor "
+            f"{r.get('fwd_flop_floor', 0):.3g} ({fmt(r.get('fwd_floor_ms_fp32'), 4)} ms at fp32 peak); "
+            f"ours breakdown (ms, each jitted alone): {r.get('ours_breakdown_ms')}; "
+            f"FFI scratch bytes: {r.get('ours_scratch_bytes')}"
+        )
     print()
     for r in data["results"]:
         ours = r.get("ours", {})
@@ -102,6 +112,7 @@ def breakdown(label: str, fwd: dict, fb: dict) -> None:
 
 
 # ---- the suite's JSON (python -m benchmarks) ----------------------------------------------
+
 
 def load(paths: list[str]) -> list[dict]:
     docs = []
@@ -138,18 +149,23 @@ def cases_of(docs: list[dict], suite: str) -> list[dict]:
 
 
 def provenance(docs: list[dict]) -> str:
-    lines = [f"- stage `{d['stage']}`: `{Path(d['_path']).name}`, device `{d['device']}`, {d['date']}, "
-             f"commit `{str(d['commit'])[:7]}`, jax {d['jax']}, timing `{d['timing_method']}`, "
-             f"{d['status']}" + (f", time budget {d['time_budget_s']:.0f} s" if d.get("time_budget_s") else "")
-             for d in docs]
+    lines = [
+        f"- stage `{d['stage']}`: `{Path(d['_path']).name}`, device `{d['device']}`, {d['date']}, "
+        f"commit `{str(d['commit'])[:7]}`, jax {d['jax']}, timing `{d['timing_method']}`, "
+        f"{d['status']}" + (f", time budget {d['time_budget_s']:.0f} s" if d.get("time_budget_s") else "")
+        for d in docs
+    ]
     return "\n".join(lines) + "\n"
 
 
 def ms_pair(rec: dict) -> str:
     vals = [measured(rec, m) for m in MODES]
     if not any(vals):
-        return "skipped" if any("skipped" in rec.get(m, {}) for m in MODES) else (
-            "error" if any("error" in rec.get(m, {}) for m in MODES) else "-")
+        return (
+            "skipped"
+            if any("skipped" in rec.get(m, {}) for m in MODES)
+            else ("error" if any("error" in rec.get(m, {}) for m in MODES) else "-")
+        )
     return " / ".join(f"{v['ms']:.3f}" if v else "-" for v in vals)
 
 
@@ -169,8 +185,9 @@ def device_peak(rec: dict) -> str:
     out = []
     for m in MODES:
         dm = (measured(rec, m) or {}).get("device_memory")
-        out.append("-" if not dm else ("" if dm["raised_peak"] else "<=")
-                   + f"{dm['peak_bytes_in_use'] / 1e6:.0f}")
+        out.append(
+            "-" if not dm else ("" if dm["raised_peak"] else "<=") + f"{dm['peak_bytes_in_use'] / 1e6:.0f}"
+        )
     return " / ".join(out)
 
 
@@ -183,15 +200,19 @@ def notes(cases: list[dict], names: list[str]) -> list[str]:
                 r = c["impls"].get(n, {}).get(m, {})
                 why = r.get("skipped") or r.get("error")
                 if why:
-                    out.append(f"- {c.get('alias') or c['case']} {n} {m.replace('_', '+')}: "
-                               f"{'skipped' if 'skipped' in r else 'error'}: {why}")
+                    out.append(
+                        f"- {c.get('alias') or c['case']} {n} {m.replace('_', '+')}: "
+                        f"{'skipped' if 'skipped' in r else 'error'}: {why}"
+                    )
     return out
 
 
 def detail_table(cases: list[dict], names: list[str]) -> None:
     """Per (case, impl): compile, memory, parameters, floor, as ``fwd / fwd+bwd`` pairs."""
-    print("| case | impl | ms | compile s | peak MB | temp MB | device peak MB | params MB | compression "
-          "| % of floor |")
+    print(
+        "| case | impl | ms | compile s | peak MB | temp MB | device peak MB | params MB | compression "
+        "| % of floor |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for c in cases:
         for n in names:
@@ -200,39 +221,59 @@ def detail_table(cases: list[dict], names: list[str]) -> None:
                 continue
             params = f"{r['param_bytes'] / 1e6:.1f}" if r.get("param_bytes") else "-"
             comp = f"{r['compression_ratio']:.0f}x" if r.get("compression_ratio") else "-"
-            print(f"| {c.get('alias') or c['case']} | {n} | {ms_pair(r)} | "
-                  f"{pair(r, lambda v: v['lower_s'] + v['compile_s'])} | "
-                  f"{pair(r, lambda v: v.get('peak_bytes'), 1e-6)} | "
-                  f"{pair(r, lambda v: v.get('temp_bytes'), 1e-6)} | {device_peak(r)} | {params} | {comp} | "
-                  f"{pair(r, lambda v: v.get('floor', {}).get('fraction'), 100.0, 2)} |")
+            print(
+                f"| {c.get('alias') or c['case']} | {n} | {ms_pair(r)} | "
+                f"{pair(r, lambda v: v['lower_s'] + v['compile_s'])} | "
+                f"{pair(r, lambda v: v.get('peak_bytes'), 1e-6)} | "
+                f"{pair(r, lambda v: v.get('temp_bytes'), 1e-6)} | {device_peak(r)} | {params} | {comp} | "
+                f"{pair(r, lambda v: v.get('floor', {}).get('fraction'), 100.0, 2)} |"
+            )
     print()
 
 
 def single_section(docs: list[dict], plots: dict[str, str], link_root: Path) -> None:
-    cases = sorted(cases_of(docs, "single"), key=lambda c: (
-        c["workload"]["dim"], c["workload"]["rank"], c["workload"]["batch"], c["workload"]["dist"]))
+    cases = sorted(
+        cases_of(docs, "single"),
+        key=lambda c: (
+            c["workload"]["dim"],
+            c["workload"]["rank"],
+            c["workload"]["batch"],
+            c["workload"]["dist"],
+        ),
+    )
     names = impl_order(n for c in cases for n in c["impls"])
     print("Runs:\n")
     print(provenance([d for d in docs if any(c["suite"] == "single" for c in d["cases"])]))
-    print("Time per call in ms, forward / forward + backward (gradients of the cores; of the "
-          "table for dense_bag); last column: the XLA TT reference's time over ours.\n")
+    print(
+        "Time per call in ms, forward / forward + backward (gradients of the cores; of the "
+        "table for dense_bag); last column: the XLA TT reference's time over ours.\n"
+    )
     print("| D | rank | bags | ids | nnz | unique | " + " | ".join(names) + " | reference / ours |")
     print("|---" * (7 + len(names)) + "|")
     for c in cases:
         wl, st = c["workload"], c.get("stats", {})
         ref, ours = c["impls"].get("tt_reference", {}), c["impls"].get("ours", {})
-        speed = [ratio(measured(ref, m)["ms"] / measured(ours, m)["ms"])
-                 if measured(ref, m) and measured(ours, m) else "-" for m in MODES]
+        speed = [
+            ratio(measured(ref, m)["ms"] / measured(ours, m)["ms"])
+            if measured(ref, m) and measured(ours, m)
+            else "-"
+            for m in MODES
+        ]
         label = f"{wl['dist']} ({c['alias']})" if c.get("alias") else wl["dist"]
-        print(f"| {wl['dim']} | {wl['rank']} | {wl['batch']} | {label} | {st.get('nnz', '-')} | "
-              f"{st.get('num_unique', '-')} | " + " | ".join(ms_pair(c["impls"].get(n, {})) for n in names)
-              + f" | {' / '.join(speed)} |")
+        print(
+            f"| {wl['dim']} | {wl['rank']} | {wl['batch']} | {label} | {st.get('nnz', '-')} | "
+            f"{st.get('num_unique', '-')} | "
+            + " | ".join(ms_pair(c["impls"].get(n, {})) for n in names)
+            + f" | {' / '.join(speed)} |"
+        )
     print()
     focus = [c for c in cases if c.get("alias")] or cases[:1]
-    print("Compile time, memory (XLA memory analysis; for ours plus the kernels' run-time scratch), "
-          "parameters and the fraction of the floor reached (FLOP floor for TT: one prefix product "
-          "per unique (i1, i2), one last step per unique id, pooling; byte floor for dense_bag), "
-          "forward / forward + backward:\n")
+    print(
+        "Compile time, memory (XLA memory analysis; for ours plus the kernels' run-time scratch), "
+        "parameters and the fraction of the floor reached (FLOP floor for TT: one prefix product "
+        "per unique (i1, i2), one last step per unique id, pooling; byte floor for dense_bag), "
+        "forward / forward + backward:\n"
+    )
     detail_table(focus, names)
     for c in focus:
         ours = c["impls"].get("ours", {})
@@ -248,31 +289,45 @@ def single_section(docs: list[dict], plots: dict[str, str], link_root: Path) -> 
 
 
 def collection_section(docs: list[dict], plots: dict[str, str], link_root: Path) -> None:
-    cases = sorted(cases_of(docs, "collection"),
-                   key=lambda c: (c["workload"]["batch"], c["workload"]["num_tables"]))
+    cases = sorted(
+        cases_of(docs, "collection"), key=lambda c: (c["workload"]["batch"], c["workload"]["num_tables"])
+    )
     names = impl_order(n for c in cases for n in c["impls"])
     print("Runs:\n")
     print(provenance([d for d in docs if any(c["suite"] == "collection" for c in d["cases"])]))
     wl = cases[0]["workload"]
-    print(f"Meta-like collections from `benchmarks/workloads.py`, a synthetic stand-in for Meta's "
-          f"2022 synthetic trace (not available here): dim {wl['dim']}, rank {wl['rank']}, one "
-          f"feature per table, seed {wl['seed']}.\n")
-    print("| tables | bags | rows | dense GB | TT MB | compression | one-hot tables | mean pooling | "
-          "unique ids |")
+    print(
+        f"Meta-like collections from `benchmarks/workloads.py`, a synthetic stand-in for Meta's "
+        f"2022 synthetic trace (not available here): dim {wl['dim']}, rank {wl['rank']}, one "
+        f"feature per table, seed {wl['seed']}.\n"
+    )
+    print(
+        "| tables | bags | rows | dense GB | TT MB | compression | one-hot tables | mean pooling | "
+        "unique ids |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for c in cases:
         s = c["stats"]
         uniq = f"{100 * s['unique_fraction']:.1f}%" if "unique_fraction" in s else "(not drawn)"
-        pool = f"{s['mean_pooling']:.2f}" if "mean_pooling" in s else f"{s['expected_mean_pooling']:.2f} (expected)"
-        print(f"| {s['tables']} | {s['batch']} | {s['rows']:,} | {s['dense_param_bytes'] / 1e9:.2f} | "
-              f"{s['tt_param_bytes'] / 1e6:.1f} | {s['compression_ratio']:.0f}x | {s['one_hot_tables']} | "
-              f"{pool} | {uniq} |")
+        pool = (
+            f"{s['mean_pooling']:.2f}"
+            if "mean_pooling" in s
+            else f"{s['expected_mean_pooling']:.2f} (expected)"
+        )
+        print(
+            f"| {s['tables']} | {s['batch']} | {s['rows']:,} | {s['dense_param_bytes'] / 1e9:.2f} | "
+            f"{s['tt_param_bytes'] / 1e6:.1f} | {s['compression_ratio']:.0f}x | {s['one_hot_tables']} | "
+            f"{pool} | {uniq} |"
+        )
     print("\nTime per call in ms, forward / forward + backward:\n")
     print("| tables | bags | " + " | ".join(names) + " |")
     print("|---" * (2 + len(names)) + "|")
     for c in cases:
-        print(f"| {c['workload']['num_tables']} | {c['workload']['batch']} | "
-              + " | ".join(ms_pair(c["impls"].get(n, {})) for n in names) + " |")
+        print(
+            f"| {c['workload']['num_tables']} | {c['workload']['batch']} | "
+            + " | ".join(ms_pair(c["impls"].get(n, {})) for n in names)
+            + " |"
+        )
     print()
     detail_table([c for c in cases if any(measured(r, "fwd") for r in c["impls"].values())], names)
     for line in notes(cases, names):
@@ -300,6 +355,7 @@ def full_markdown(d: dict) -> None:
 
 # ---- README -----------------------------------------------------------------------------
 
+
 def replace_block(readme: str, name: str, body: str) -> None:
     """Rewrites the text between ``<!-- {name}:start -->`` and ``<!-- {name}:end -->``."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
@@ -307,8 +363,9 @@ def replace_block(readme: str, name: str, body: str) -> None:
     if start not in text or end not in text:
         raise SystemExit(f"{readme} has no {start} ... {end} block")
     block = f"{start}\n{body}{end}"
-    open(readme, "w").write(re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block, text,
-                                   flags=re.S))
+    open(readme, "w").write(
+        re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    )
 
 
 def captured(fn, *args) -> str:
@@ -329,14 +386,17 @@ def update_readme(readme: str, paths: list[str], plots_dir: str) -> None:
         replace_block(readme, "bench", captured(single_section, docs, plots, link_root))
     else:
         legacy = [d["_path"] for d in given if "schema" not in d][-1:] or sorted(
-            glob.glob(os.path.join(RESULTS, "single_table_*.json")))[-1:]
+            glob.glob(os.path.join(RESULTS, "single_table_*.json"))
+        )[-1:]
         replace_block(readme, "bench", captured(legacy_markdown, *legacy).replace("## ", "#### "))
     if cases_of(docs, "collection"):
         if "<!-- bench-collection:start -->" in open(readme).read():
             replace_block(readme, "bench-collection", captured(collection_section, docs, plots, link_root))
         else:
-            print(f"{readme} has no <!-- bench-collection:start --> ... <!-- bench-collection:end --> "
-                  "block: the collection results are not shown there")
+            print(
+                f"{readme} has no <!-- bench-collection:start --> ... <!-- bench-collection:end --> "
+                "block: the collection results are not shown there"
+            )
     for name, where in plots.items():
         print(f"plot {name}: {where}")
 
@@ -350,8 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.readme:
         update_readme(a.readme, a.files, a.plots_dir)
         return
-    docs = load(a.files or sorted(glob.glob(os.path.join(RESULTS, "single_table_*.json")))
-                + suite_files())
+    docs = load(a.files or sorted(glob.glob(os.path.join(RESULTS, "single_table_*.json"))) + suite_files())
     for d in sorted(docs, key=lambda d: ("schema" in d, d.get("date", ""))):
         if "schema" not in d:
             legacy_markdown(d["_path"])

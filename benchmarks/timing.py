@@ -22,12 +22,23 @@ import statistics
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
-__all__ = ["CompileTimeout", "compile_timed", "memory_analysis", "device_free_bytes", "memory_stats",
-           "timed", "device_profile", "queued_ms", "peaks", "method"]
+__all__ = [
+    "CompileTimeout",
+    "compile_timed",
+    "memory_analysis",
+    "device_free_bytes",
+    "memory_stats",
+    "timed",
+    "device_profile",
+    "queued_ms",
+    "peaks",
+    "method",
+]
 
 # Nominal peaks by device kind: fp32 FLOP/s without tensor cores, HBM bytes/s (datasheets).
 _PEAKS = {"H200": (67e12, 4.8e12), "H100": (67e12, 3.35e12), "A100": (19.5e12, 2.0e12)}
@@ -96,10 +107,19 @@ def memory_analysis(compiled) -> dict:
     ma = compiled.memory_analysis()
     if ma is None:
         return {}
-    out = {name[: -len("_in_bytes")]: int(v) for name in dir(ma) if name.endswith("_in_bytes")
-           and isinstance(v := getattr(ma, name), int) and (v or not name.startswith("host_"))}
-    out["peak_bytes"] = (out.get("argument_size", 0) + out.get("output_size", 0)
-                         + out.get("temp_size", 0) - out.get("alias_size", 0))
+    out = {
+        name[: -len("_in_bytes")]: int(v)
+        for name in dir(ma)
+        if name.endswith("_in_bytes")
+        and isinstance(v := getattr(ma, name), int)
+        and (v or not name.startswith("host_"))
+    }
+    out["peak_bytes"] = (
+        out.get("argument_size", 0)
+        + out.get("output_size", 0)
+        + out.get("temp_size", 0)
+        - out.get("alias_size", 0)
+    )
     return out
 
 
@@ -190,15 +210,16 @@ def device_profile(f: Callable, args: tuple, iters: int = 20, top: int = 12) -> 
         cat = next((c for c, pat in CATEGORIES if re.search(pat, name)), "XLA fusions (glue)")
         cats[cat] = cats.get(cat, 0.0) + ns / iters * 1e-6
     ranked = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
-    return {"busy_ms": busy / iters * 1e-6,
-            "span_ms": (intervals[-1][1] - intervals[0][0]) / iters * 1e-6,
-            "events_per_call": len(intervals) / iters,
-            "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
-            "kernels_ms": {k[:90]: v / iters * 1e-6 for k, v in ranked}}
+    return {
+        "busy_ms": busy / iters * 1e-6,
+        "span_ms": (intervals[-1][1] - intervals[0][0]) / iters * 1e-6,
+        "events_per_call": len(intervals) / iters,
+        "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+        "kernels_ms": {k[:90]: v / iters * 1e-6 for k, v in ranked},
+    }
 
 
-def timed(f: Callable, args: tuple, *, target_s: float = 0.4, max_iters: int = 20,
-          repeats: int = 5) -> dict:
+def timed(f: Callable, args: tuple, *, target_s: float = 0.4, max_iters: int = 20, repeats: int = 5) -> dict:
     """Device time of one call of ``f`` in ms (``ms``) by ``method()``, after 2 warm-up calls.
 
     Returns ``ms``, ``method``, ``iters`` (calls measured), ``first_call_ms`` (wall, blocking),
@@ -208,8 +229,17 @@ def timed(f: Callable, args: tuple, *, target_s: float = 0.4, max_iters: int = 2
     iters = int(min(max_iters, max(3, target_s * 1e3 / max(first, 1e-3))))
     if method() == "profiler":
         prof = device_profile(f, args, iters=iters)
-        return {"ms": prof["busy_ms"], "method": "profiler", "iters": iters,
-                "first_call_ms": first, "profile": prof}
+        return {
+            "ms": prof["busy_ms"],
+            "method": "profiler",
+            "iters": iters,
+            "first_call_ms": first,
+            "profile": prof,
+        }
     k = max(1, iters // repeats)
-    return {"ms": queued_ms(f, args, k, repeats), "method": "queued", "iters": k * repeats,
-            "first_call_ms": first}
+    return {
+        "ms": queued_ms(f, args, k, repeats),
+        "method": "queued",
+        "iters": k * repeats,
+        "first_call_ms": first,
+    }

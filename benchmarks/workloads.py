@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -96,7 +96,7 @@ class Workload:
         unique = groups = tt_flops = 0
         for f, t in enumerate(self.feature_table):
             spec = self.specs[t]
-            u = np.unique(self.ids[bounds[f]:bounds[f + 1]])
+            u = np.unique(self.ids[bounds[f] : bounds[f + 1]])
             g = prefix_groups(u, spec.row_shape[-1])
             unique, groups = unique + u.size, groups + g
             q1, q2 = spec.col_shape[0], spec.col_shape[1]
@@ -108,13 +108,19 @@ class Workload:
         dense = sum(s.dense_params for s in self.specs) * 4
         tt = sum(s.num_params for s in self.specs) * 4
         return {
-            "tables": len(self.specs), "features": self.num_features, "batch": self.batch,
-            "nnz": self.nnz, "num_unique": int(unique), "num_groups": int(groups),
+            "tables": len(self.specs),
+            "features": self.num_features,
+            "batch": self.batch,
+            "nnz": self.nnz,
+            "num_unique": int(unique),
+            "num_groups": int(groups),
             "unique_fraction": unique / max(self.nnz, 1),
             "mean_pooling": self.nnz / (self.num_features * self.batch),
             "one_hot_fraction": float(np.mean(np.all(lengths == 1, axis=1))),
             "rows": int(sum(s.num_embeddings for s in self.specs)),
-            "dense_param_bytes": dense, "tt_param_bytes": tt, "compression_ratio": dense / tt,
+            "dense_param_bytes": dense,
+            "tt_param_bytes": tt,
+            "compression_ratio": dense / tt,
             "flop_floor": {"fwd": tt_flops + pool_flops, "fwd_bwd": 3 * tt_flops + 2 * pool_flops},
         }
 
@@ -127,9 +133,15 @@ def prefix_groups(unique_ids: np.ndarray, last_extent: int) -> int:
     return int(np.count_nonzero(np.diff(prefix)) + 1)
 
 
-def single_table(num_embeddings: int = 10**7, dim: int = 32, rank: int = 32, batch: int = 32768,
-                 dist: str = "zipf1.05", seed: int = 0,
-                 row_shape: Sequence[int] | None = S1_ROW_SHAPE) -> Workload:
+def single_table(
+    num_embeddings: int = 10**7,
+    dim: int = 32,
+    rank: int = 32,
+    batch: int = 32768,
+    dist: str = "zipf1.05",
+    seed: int = 0,
+    row_shape: Sequence[int] | None = S1_ROW_SHAPE,
+) -> Workload:
     """One table, ``batch`` bags of U[1, 27] ids; ``dist`` is ``"uniform"`` or ``"zipf<alpha>"``.
 
     The draw is the original single-table benchmark's (lengths, then ids, from one
@@ -149,11 +161,24 @@ def single_table(num_embeddings: int = 10**7, dim: int = 32, rank: int = 32, bat
         raise ValueError(f"dist must be 'uniform' or 'zipf<alpha>', got {dist!r}")
     spec = TTSpec.create(num_embeddings, dim, rank, row_shape=tuple(row_shape) if row_shape else None)
     return Workload(
-        name=f"D{dim}_r{rank}_B{batch}_{dist}", batch=batch, ids=ids.astype(np.int32),
-        offsets=offsets, feature_table=(0,), specs=(spec,),
-        params={"generator": "single_table", "num_embeddings": num_embeddings, "dim": dim,
-                "rank": rank, "batch": batch, "dist": dist, "seed": seed,
-                "row_shape": list(spec.row_shape), "col_shape": list(spec.col_shape)})
+        name=f"D{dim}_r{rank}_B{batch}_{dist}",
+        batch=batch,
+        ids=ids.astype(np.int32),
+        offsets=offsets,
+        feature_table=(0,),
+        specs=(spec,),
+        params={
+            "generator": "single_table",
+            "num_embeddings": num_embeddings,
+            "dim": dim,
+            "rank": rank,
+            "batch": batch,
+            "dist": dist,
+            "seed": seed,
+            "row_shape": list(spec.row_shape),
+            "col_shape": list(spec.col_shape),
+        },
+    )
 
 
 def bounded_zipf(rng: np.random.Generator, alpha: float, n: int, size: int) -> np.ndarray:
@@ -171,14 +196,14 @@ def bounded_zipf(rng: np.random.Generator, alpha: float, n: int, size: int) -> n
         return np.exp(np.log1p(np.maximum(y * (1.0 - s), -1.0 + 1e-16)) / (1.0 - s))
 
     lo, hi = h_int(1.5) - 1.0, h_int(n + 0.5)
-    threshold = 2.0 - h_int_inv(h_int(2.5) - 2.0 ** -s)
+    threshold = 2.0 - h_int_inv(h_int(2.5) - 2.0**-s)
     out = np.empty(size, np.int64)
     todo = np.arange(size)
     while todo.size:
         u = hi + rng.random(todo.size) * (lo - hi)
         x = h_int_inv(u)
         k = np.clip(np.floor(x + 0.5), 1, n)
-        ok = (k - x <= threshold) | (u >= h_int(k + 0.5) - k ** -s)
+        ok = (k - x <= threshold) | (u >= h_int(k + 0.5) - k**-s)
         out[todo[ok]] = k[ok].astype(np.int64) - 1
         todo = todo[~ok]
     return out
@@ -204,10 +229,19 @@ class MetaLikeCollection:
     params: dict
 
     @classmethod
-    def create(cls, num_tables: int, seed: int = 0, *, rows_range: tuple[float, float] = (1e4, 4e7),
-               one_hot_prob: float = 0.1, mean_pooling: float = 13.6, pooling_sigma: float = 1.0,
-               alpha_range: tuple[float, float] = (1.01, 1.2), dim: int = 32,
-               rank: int = 32) -> "MetaLikeCollection":
+    def create(
+        cls,
+        num_tables: int,
+        seed: int = 0,
+        *,
+        rows_range: tuple[float, float] = (1e4, 4e7),
+        one_hot_prob: float = 0.1,
+        mean_pooling: float = 13.6,
+        pooling_sigma: float = 1.0,
+        alpha_range: tuple[float, float] = (1.01, 1.2),
+        dim: int = 32,
+        rank: int = 32,
+    ) -> MetaLikeCollection:
         """Table properties of ``num_tables`` tables; table t's draws depend on (seed, t) only."""
         rows, one_hot, z, alpha = [], [], [], []
         for t in range(num_tables):
@@ -223,12 +257,21 @@ class MetaLikeCollection:
         scale = target / z_a[multi].mean() if multi.any() else 0.0
         pooling = np.where(multi, z_a * scale, 1.0)
         specs = tuple(TTSpec.create(n, dim, rank) for n in rows)
-        params = {"generator": "meta_like", "num_tables": num_tables, "seed": seed,
-                  "rows_range": list(rows_range), "one_hot_prob": one_hot_prob,
-                  "mean_pooling": mean_pooling, "pooling_sigma": pooling_sigma,
-                  "alpha_range": list(alpha_range), "dim": dim, "rank": rank}
-        return cls(num_tables, seed, np.array(rows, np.int64), one_hot_a, pooling,
-                   np.array(alpha), specs, params)
+        params = {
+            "generator": "meta_like",
+            "num_tables": num_tables,
+            "seed": seed,
+            "rows_range": list(rows_range),
+            "one_hot_prob": one_hot_prob,
+            "mean_pooling": mean_pooling,
+            "pooling_sigma": pooling_sigma,
+            "alpha_range": list(alpha_range),
+            "dim": dim,
+            "rank": rank,
+        }
+        return cls(
+            num_tables, seed, np.array(rows, np.int64), one_hot_a, pooling, np.array(alpha), specs, params
+        )
 
     @property
     def dense_param_bytes(self) -> int:
@@ -250,7 +293,11 @@ class MetaLikeCollection:
         if offsets[-1] >= 2**31:
             raise ValueError(f"{offsets[-1]} ids do not fit int32 offsets")
         return Workload(
-            name=f"meta{self.num_tables}_B{batch}", batch=batch,
-            ids=np.concatenate(ids).astype(np.int32), offsets=offsets.astype(np.int32),
-            feature_table=tuple(range(self.num_tables)), specs=self.specs,
-            params={**self.params, "batch": batch})
+            name=f"meta{self.num_tables}_B{batch}",
+            batch=batch,
+            ids=np.concatenate(ids).astype(np.int32),
+            offsets=offsets.astype(np.int32),
+            feature_table=tuple(range(self.num_tables)),
+            specs=self.specs,
+            params={**self.params, "batch": batch},
+        )

@@ -12,10 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flowtt_jax import ffi
-
 from benchmarks import workloads as wl
 from benchmarks.impls import REGISTRY
+from flowtt_jax import ffi
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,8 +27,14 @@ def quick_run(tmp_path_factory):
         pytest.skip("compiled extension not built (ours needs it)")
     out = tmp_path_factory.mktemp("bench")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "FLOWTT_COMMIT": "test-commit"}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out-dir", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--out-dir", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = out.glob("bench_quick_all_cpu_*.json")
     return out, json.loads(path.read_text())
@@ -84,11 +89,25 @@ def test_quick_run_plots_and_readme(quick_run, tmp_path):
     src = tmp_path / "run.json"
     src.write_text(json.dumps(full))
     readme = tmp_path / "README.md"
-    readme.write_text("a\n<!-- bench:start -->\nold\n<!-- bench:end -->\nb\n"
-                      "<!-- bench-collection:start -->\n<!-- bench-collection:end -->\nc\n")
-    subprocess.run([sys.executable, "-m", "benchmarks.report", "--readme", str(readme),
-                    "--plots-dir", str(tmp_path / "plots"), str(src)], cwd=ROOT, check=True,
-                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    readme.write_text(
+        "a\n<!-- bench:start -->\nold\n<!-- bench:end -->\nb\n"
+        "<!-- bench-collection:start -->\n<!-- bench-collection:end -->\nc\n"
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.report",
+            "--readme",
+            str(readme),
+            "--plots-dir",
+            str(tmp_path / "plots"),
+            str(src),
+        ],
+        cwd=ROOT,
+        check=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     text = readme.read_text()
     assert "old" not in text and text.startswith("a\n") and text.endswith("c\n")
     assert "| D | rank | bags |" in text and "| tables | bags |" in text
@@ -163,7 +182,7 @@ def test_meta_like_draw(meta240):
     assert abs(w.nnz / (f * b) - 13.6) < 0.5
     bounds = w.feature_bounds
     for t in range(f):
-        seg = w.ids[bounds[t]:bounds[t + 1]]
+        seg = w.ids[bounds[t] : bounds[t + 1]]
         assert seg.size == 0 or (seg.min() >= 0 and seg.max() < meta240.rows[t])
     s = w.stats()
     assert abs(s["one_hot_fraction"] - meta240.one_hot.mean()) < 1e-9
