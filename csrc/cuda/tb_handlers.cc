@@ -1,0 +1,112 @@
+// XLA FFI handlers (platform CUDA) of the table-batched rows ops: shape checks
+// (common/tb_contract.h), the kernels' dims check (tb_check_dims), scratch from XLA's
+// allocator, then the launchers (cuda/tb_rows.h) on XLA's stream; no synchronisation.
+// Trailing operands are ignored (common/tb_ffi.h).
+#include "cuda/tb_handlers.h"
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "common/tb_contract.h"
+#include "common/tb_ffi.h"
+#include "cuda/tb_rows.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace flowtt::tb {
+namespace {
+
+ffi::Error TbCudaError(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("flowtt_tb CUDA ") + what + ": " +
+                              cudaGetErrorString(e));
+}
+
+// `bytes` (at least 256) of XLA scratch, 16-byte aligned (the launchers realign).
+ffi::Error TbScratch(ffi::ScratchAllocator& scratch, size_t bytes, void** out) {
+  auto p = scratch.Allocate(bytes < 256 ? 256 : bytes, 16);
+  if (!p.has_value()) return ffi::Error::Internal("flowtt_tb CUDA: scratch allocation failed");
+  *out = *p;
+  return ffi::Error::Success();
+}
+
+// TbDims of checked shapes (every extent >= 1, P < 2^31) the kernels take, else an error.
+ffi::Error TbKernelDims(const TbShape& s, TbDims* t) {
+  for (int64_t v : {s.q1, s.q2, s.q3, s.r1, s.r2}) {
+    if (v > 1024) return ffi::Error::InvalidArgument("flowtt_tb CUDA: core extents too large");
+  }
+  *t = {(int)s.P1, (int)s.P2, (int)s.P3, (int)s.q1, (int)s.q2, (int)s.q3, (int)s.r1, (int)s.r2};
+  if (const char* why = tb_check_dims(*t)) return ffi::Error::InvalidArgument(why);
+  return ffi::Error::Success();
+}
+
+ffi::Error TbRowsFwdCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, TbF32 g1,
+                             TbF32 g2, TbF32 g3, TbS32 u_i3, TbS32 g_i1, TbS32 g_i2,
+                             TbS32 group_offsets, TbS32 counts, ffi::RemainingArgs,
+                             TbF32Out rows) {
+  TbShape s;
+  int64_t n;
+  if (std::string e = TbCheckFwd(g1.dimensions(), g2.dimensions(), g3.dimensions(),
+                                 u_i3.dimensions(), g_i1.dimensions(), g_i2.dimensions(),
+                                 group_offsets.dimensions(), counts.dimensions(),
+                                 rows->dimensions(), &s, &n);
+      !e.empty()) {
+    return TbError(e);
+  }
+  TbDims t;
+  if (ffi::Error e = TbKernelDims(s, &t); e.failure()) return e;
+  void* ws;
+  if (ffi::Error e = TbScratch(scratch, tb_rows_fwd_scratch_bytes(t, (int)n), &ws); e.failure()) {
+    return e;
+  }
+  return TbCudaError(tb_rows_fwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(),
+                                 u_i3.typed_data(), g_i1.typed_data(), g_i2.typed_data(),
+                                 group_offsets.typed_data(), counts.typed_data(), (int)n,
+                                 rows->typed_data(), ws, stream),
+                     "tb_rows_fwd");
+}
+
+ffi::Error TbRowsBwdCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, TbF32 g1,
+                             TbF32 g2, TbF32 g3, TbF32 d_rows, TbS32 u_i3, TbS32 g_i1,
+                             TbS32 g_i2, TbS32 group_offsets, TbS32 counts, ffi::RemainingArgs,
+                             TbF32Out dg1, TbF32Out dg2, TbF32Out dg3) {
+  TbShape s;
+  int64_t n;
+  if (std::string e = TbCheckBwd(g1.dimensions(), g2.dimensions(), g3.dimensions(),
+                                 d_rows.dimensions(), u_i3.dimensions(), g_i1.dimensions(),
+                                 g_i2.dimensions(), group_offsets.dimensions(),
+                                 counts.dimensions(), dg1->dimensions(), dg2->dimensions(),
+                                 dg3->dimensions(), &s, &n);
+      !e.empty()) {
+    return TbError(e);
+  }
+  TbDims t;
+  if (ffi::Error e = TbKernelDims(s, &t); e.failure()) return e;
+  void* ws;
+  if (ffi::Error e = TbScratch(scratch, tb_rows_bwd_scratch_bytes(t, (int)n), &ws); e.failure()) {
+    return e;
+  }
+  return TbCudaError(tb_rows_bwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(),
+                                 d_rows.typed_data(), u_i3.typed_data(), g_i1.typed_data(),
+                                 g_i2.typed_data(), group_offsets.typed_data(),
+                                 counts.typed_data(), (int)n, dg1->typed_data(),
+                                 dg2->typed_data(), dg3->typed_data(), ws, stream),
+                     "tb_rows_bwd");
+}
+
+}  // namespace
+}  // namespace flowtt::tb
+
+// Context first (XLA's stream and scratch allocator), then the contract's operands.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlowttTbRowsFwdCuda, flowtt::tb::TbRowsFwdCudaImpl,
+    flowtt::tb::TbBindRowsFwd(xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlowttTbRowsBwdCuda, flowtt::tb::TbRowsBwdCudaImpl,
+    flowtt::tb::TbBindRowsBwd(xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()));

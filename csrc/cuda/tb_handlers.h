@@ -1,0 +1,9 @@
+// XLA FFI handler symbols (platform CUDA) of the table-batched rows ops
+// (docs/batched_contract.md), defined in cuda/tb_handlers.cc. Registered by the CUDA
+// module's registrations() as "flowtt_tb_rows_fwd" / "flowtt_tb_rows_bwd".
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttTbRowsFwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttTbRowsBwdCuda);

@@ -1,0 +1,200 @@
+// Device helpers of the table-batched rows kernels (cuda/tb_rows.cu). Every plan index
+// read is clamped into its core or range: a bad plan gives wrong numbers, never an
+// out-of-bounds access.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/tb_rows.h"
+
+namespace flowtt::tb {
+
+constexpr int kTbThreads = 256;  // every kernel: 8 warps
+constexpr int kTbWarps = kTbThreads / 32;
+constexpr int kTbChunk = 64;     // unique indices per forward work item
+constexpr int kTbBatch = 8;      // groups per shared-memory batch of the dg1 / dg2 kernels
+constexpr int kTbQ1Max = 8, kTbMMax = 16, kTbQ3Max = 8, kTbRMax = 64;
+
+// Dims and derived sizes, by value into every kernel.
+struct TbDev {
+  int P1, P2, P3, q1, q2, q3, r1, r2;
+  int K;     // q2*r2: a g2 row [r1][K], a prefix product P [q1][K] (= [M][r2])
+  int M;     // q1*q2
+  int D;     // q1*q2*q3
+  int Q1R1;  // g1 row
+  int R1K;   // g2 row
+  int PSZ;   // P / dP of a group: M*r2 = q1*K
+  int S3;    // g3 row: r2*q3
+  int ldP;   // row stride of P in shared memory: r2 + 1 (no bank conflicts across m)
+};
+
+inline TbDev tb_dev(const TbDims& t) {
+  TbDev d;
+  d.P1 = t.P1; d.P2 = t.P2; d.P3 = t.P3;
+  d.q1 = t.q1; d.q2 = t.q2; d.q3 = t.q3;
+  d.r1 = t.r1; d.r2 = t.r2;
+  d.K = t.q2 * t.r2;
+  d.M = t.q1 * t.q2;
+  d.D = d.M * t.q3;
+  d.Q1R1 = t.q1 * t.r1;
+  d.R1K = t.r1 * d.K;
+  d.PSZ = d.M * t.r2;
+  d.S3 = t.r2 * t.q3;
+  d.ldP = t.r2 + 1;
+  return d;
+}
+
+__host__ __device__ inline int tb_align4(int x) { return (x + 3) & ~3; }
+
+__device__ __forceinline__ int tb_clamp(int v, int lo, int hi) {
+  return v < lo ? lo : (v > hi ? hi : v);
+}
+
+// num_unique U in [0, n] and num_groups G in [0, U].
+__device__ __forceinline__ void tb_counts(const int* counts, int n, int& U, int& G) {
+  U = tb_clamp(counts[0], 0, n);
+  G = tb_clamp(counts[1], 0, U);
+}
+
+// Unique indices [gs, ge) of group g, clamped into [0, U].
+__device__ __forceinline__ void tb_group_range(const int* __restrict__ goffs, int g, int U,
+                                               int& gs, int& ge) {
+  gs = tb_clamp(__ldg(goffs + g), 0, U);
+  ge = tb_clamp(__ldg(goffs + g + 1), gs, U);
+}
+
+// The group of unique index u: the last g in [0, G) with group_offsets[g] <= u (0 when
+// G == 0 or none is).
+__device__ __forceinline__ int tb_find_group(const int* __restrict__ goffs, int G, int u) {
+  int lo = 0, hi = G;
+  while (hi - lo > 1) {
+    const int mid = lo + (hi - lo) / 2;
+    if (__ldg(goffs + mid) <= u) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// Work stealing: the block's next item from *ctr (all threads get it; s_item is a
+// __shared__ int of the caller).
+__device__ __forceinline__ int tb_claim(int* ctr, int* s_item) {
+  __syncthreads();  // every thread has read the previous item
+  if (threadIdx.x == 0) *s_item = atomicAdd(ctr, 1);
+  __syncthreads();
+  return *s_item;
+}
+
+// One warp forms the prefix product of a group, P[x1][j] = sum_a G1s[x1][a] g2r[a][j]
+// (a ascending), into Pw[m][b] (row stride ldP; m = x1*q2 + j / r2, b = j % r2). G1s: the
+// g1 row [q1][r1] in shared memory; g2r: the g2 row [r1][K] in global memory. Lanes own
+// 4 columns j each (one float4 per a when VEC == 4: K % 4 == 0, g2 16-byte aligned) and
+// every q1 row, so each g2 element loaded feeds q1 FMAs.
+template <int Q1C, int VEC>
+__device__ __forceinline__ void tb_warp_prefix(const TbDev& d, const float* G1s,
+                                               const float* __restrict__ g2r, float* Pw,
+                                               int lane) {
+  constexpr int NQ1 = Q1C ? Q1C : kTbQ1Max;
+  for (int j0 = 0; j0 < d.K; j0 += 128) {
+    float acc[4][NQ1];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int x1 = 0; x1 < NQ1; ++x1) acc[i][x1] = 0.f;
+#pragma unroll 4
+    for (int a = 0; a < d.r1; ++a) {
+      float gv[4];
+      const float* row = g2r + (size_t)a * d.K;
+      if (VEC == 4) {
+        const int j = j0 + 4 * lane;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (j < d.K) v = __ldg(reinterpret_cast<const float4*>(row + j));
+        gv[0] = v.x; gv[1] = v.y; gv[2] = v.z; gv[3] = v.w;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int j = j0 + lane + 32 * i;
+          gv[i] = j < d.K ? __ldg(row + j) : 0.f;
+        }
+      }
+#pragma unroll
+      for (int x1 = 0; x1 < NQ1; ++x1) {
+        if (Q1C || x1 < d.q1) {
+          const float w = G1s[x1 * d.r1 + a];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[i][x1] = fmaf(w, gv[i], acc[i][x1]);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int j = VEC == 4 ? j0 + 4 * lane + i : j0 + lane + 32 * i;
+      if (j < d.K) {
+        const int x2 = j / d.r2, b = j - x2 * d.r2;
+#pragma unroll
+        for (int x1 = 0; x1 < NQ1; ++x1)
+          if (Q1C || x1 < d.q1) Pw[(x1 * d.q2 + x2) * d.ldP + b] = acc[i][x1];
+      }
+    }
+  }
+}
+
+// One warp copies the g1 row i1 into G1s.
+__device__ __forceinline__ void tb_warp_load_g1(const TbDev& d, const float* __restrict__ g1,
+                                                int i1, float* G1s, int lane) {
+  const float* src = g1 + (size_t)i1 * d.Q1R1;
+  for (int i = lane; i < d.Q1R1; i += 32) G1s[i] = __ldg(src + i);
+}
+
+// One warp writes rows[u] = P . g3[u_i3[u]] for the unique indices [ulo, uhi) of one
+// group (P in Pw as tb_warp_prefix leaves it); each output is a sum over b ascending.
+// D dividing 32: 32 / D ids at a time, a lane per output; else a lane per output, 32
+// outputs at a time.
+__device__ __forceinline__ void tb_warp_apply(const TbDev& d, const float* Pw,
+                                              const float* __restrict__ g3,
+                                              const int* __restrict__ u_i3, int ulo, int uhi,
+                                              float* __restrict__ rows, int lane) {
+  const int per = (d.D <= 32 && 32 % d.D == 0) ? 32 / d.D : 1;
+  const int js = per > 1 ? lane / d.D : 0;
+  for (int o0 = 0; o0 < d.D; o0 += 32) {
+    const int o = per > 1 ? lane % d.D : o0 + lane;
+    if (o >= d.D) break;
+    const int m = o / d.q3, z = o - m * d.q3;
+    const float* pr = Pw + m * d.ldP;
+    for (int u = ulo + js; u < uhi; u += per) {
+      const int i3 = tb_clamp(__ldg(u_i3 + u), 0, d.P3 - 1);
+      const float* c = g3 + (size_t)i3 * d.S3 + z;
+      float acc = 0.f;
+#pragma unroll 8
+      for (int b = 0; b < d.r2; ++b) acc = fmaf(pr[b], __ldg(c + b * d.q3), acc);
+      rows[(size_t)u * d.D + o] = acc;
+    }
+  }
+}
+
+// The block forms dP of the nb groups of a batch: dPs[k][m*r2 + b] = sum over u in
+// [s_gs[k], s_ge[k]) ascending of (sum_z d_rows[u][m*q3 + z] g3[u_i3[u]][b][z]).
+__device__ __forceinline__ void tb_block_dP(const TbDev& d, int nb, const int* s_gs,
+                                            const int* s_ge, const int* __restrict__ u_i3,
+                                            const float* __restrict__ g3,
+                                            const float* __restrict__ d_rows, float* dPs) {
+  for (int e = threadIdx.x; e < nb * d.PSZ; e += blockDim.x) {
+    const int k = e / d.PSZ, r = e - k * d.PSZ;
+    const int m = r / d.r2, b = r - m * d.r2;
+    const int ue = s_ge[k];
+    float acc = 0.f;
+#pragma unroll 2
+    for (int u = s_gs[k]; u < ue; ++u) {
+      const int i3 = tb_clamp(__ldg(u_i3 + u), 0, d.P3 - 1);
+      const float* dr = d_rows + (size_t)u * d.D + m * d.q3;
+      const float* c = g3 + (size_t)i3 * d.S3 + b * d.q3;
+      float t = 0.f;
+      for (int z = 0; z < d.q3; ++z) t = fmaf(__ldg(dr + z), __ldg(c + z), t);
+      acc += t;
+    }
+    dPs[e] = acc;
+  }
+}
+
+}  // namespace flowtt::tb

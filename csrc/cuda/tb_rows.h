@@ -1,0 +1,46 @@
+// Table-batched rows ops on CUDA (docs/batched_contract.md): launchers, no XLA
+// dependency (the FFI handlers in cuda/tb_handlers.cu and the standalone harness
+// cuda/tb_rows_harness.cu share them). Every launch goes on `stream`; no device
+// synchronisation, no allocation: the caller passes `scratch` of the size the
+// *_scratch_bytes function returns (any alignment, 16 bytes is enough).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+namespace flowtt::tb {
+
+// Packed cores g1 [P1,1,q1,r1], g2 [P2,r1,q2,r2], g3 [P3,r2,q3,1].
+struct TbDims {
+  int P1, P2, P3, q1, q2, q3, r1, r2;
+  int D() const { return q1 * q2 * q3; }
+};
+
+// nullptr when the kernels take these dims (q1 <= 8, q1*q2 <= 16, q3 <= 8, r1, r2 <= 64,
+// every extent >= 1, shared memory in bounds), else why not.
+const char* tb_check_dims(const TbDims& d);
+
+// flowtt_tb_rows_fwd: rows [n, D] for the unique indices u < num_unique (rows past it are
+// left unwritten). Scratch: one work counter.
+size_t tb_rows_fwd_scratch_bytes(const TbDims& d, int n);
+cudaError_t tb_rows_fwd(const TbDims& d, const float* g1, const float* g2, const float* g3,
+                        const int* u_i3, const int* g_i1, const int* g_i2,
+                        const int* group_offsets, const int* counts, int n, float* rows,
+                        void* scratch, cudaStream_t stream);
+
+// flowtt_tb_rows_bwd: dg1, dg2, dg3 (the packed cores' shapes), every element written, in
+// the contract's summation order (bitwise reproducible). Scratch: about 24 bytes per plan
+// entry (two radix sorts of n (key, value) pairs and the group of each unique index) plus
+// the bucket bounds of every packed core row.
+// `stages` (profiling aid for the harness): bits 0, 1, 2 run the dg1, dg2, dg3 kernels (a
+// gradient whose bit is clear is left unwritten); the sorts and bucket bounds always run.
+constexpr unsigned kTbAllStages = 0x7;
+size_t tb_rows_bwd_scratch_bytes(const TbDims& d, int n);
+cudaError_t tb_rows_bwd(const TbDims& d, const float* g1, const float* g2, const float* g3,
+                        const float* d_rows, const int* u_i3, const int* g_i1, const int* g_i2,
+                        const int* group_offsets, const int* counts, int n, float* dg1,
+                        float* dg2, float* dg3, void* scratch, cudaStream_t stream,
+                        unsigned stages = kTbAllStages);
+
+}  // namespace flowtt::tb
