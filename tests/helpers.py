@@ -116,6 +116,46 @@ def f32(shape) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, jnp.float32)
 
 
+def _dim(cores) -> int:
+    return cores[0].shape[2] * cores[1].shape[2] * cores[2].shape[2]
+
+
+def target_rows_fwd(call, cores, plan):
+    """flowtt_tt_rows_fwd: unique rows [n, D] float32 (past num_unique: unspecified)."""
+    n = plan.inverse.shape[0]
+    (rows,) = call(
+        "flowtt_tt_rows_fwd",
+        [f32((n, _dim(cores)))],
+        *cores,
+        plan.unique_ids,
+        plan.group_offsets,
+        plan.counts,
+    )
+    return rows
+
+
+def target_pool_fwd(call, rows, plan, weights, offsets):
+    """flowtt_bag_pool_fwd: bags [B, D] float32 from rows [n, D] and CSR offsets [B+1]."""
+    (out,) = call(
+        "flowtt_bag_pool_fwd", [f32((len(offsets) - 1, rows.shape[1]))], rows, plan.inverse, weights, offsets
+    )
+    return out
+
+
+def target_pool_bwd(call, dout, rows, weights, plan, bag_ids, with_d_weights: bool = True):
+    """flowtt_bag_pool_bwd: ``(d_rows [n, D], d_weights [n] or [0])`` float32."""
+    n, dim = rows.shape
+    outs = [f32((n, dim)), f32((n if with_d_weights else 0,))]
+    args = (plan.inverse, bag_ids, plan.perm, plan.run_offsets, plan.counts)
+    return call("flowtt_bag_pool_bwd", outs, dout, rows, weights, *args)
+
+
+def target_rows_bwd(call, cores, d_rows, plan):
+    """flowtt_tt_rows_bwd: the core gradients of sum(d_rows * rows), float32."""
+    outs = [f32(c.shape) for c in cores]
+    return call("flowtt_tt_rows_bwd", outs, *cores, d_rows, plan.unique_ids, plan.group_offsets, plan.counts)
+
+
 def bag_ids_of(offsets: np.ndarray, n: int) -> np.ndarray:
     """Bag of each position [n] for CSR offsets [B+1]: -1 before bag 0, B after the last."""
     return (np.searchsorted(offsets, np.arange(n), side="right") - 1).astype(np.int32)
@@ -158,11 +198,9 @@ def check_bag_fwd(
     One chunk (chunk_rows >= num_unique, up to 2^40): equal to the two ops bit for bit.
     ``chunks`` (chunk_rows below num_unique: several chunks): within ``tol`` of both.
     """
-    n, num_bags = len(ids), len(offsets) - 1
-    dim = cores[0].shape[2] * cores[1].shape[2] * cores[2].shape[2]
+    n, num_bags, dim = len(ids), len(offsets) - 1, _dim(cores)
     plan_args = (plan.unique_ids, plan.group_offsets, plan.counts)
-    (rows,) = call("flowtt_tt_rows_fwd", [f32((n, dim))], *cores, *plan_args)
-    (two_ops,) = call("flowtt_bag_pool_fwd", [f32((num_bags, dim))], rows, plan.inverse, weights, offsets)
+    two_ops = target_pool_fwd(call, target_rows_fwd(call, cores, plan), plan, weights, offsets)
     ref = pooled_reference(cores, ids, weights, offsets)
     assert rel_err(two_ops, ref) <= tol
 
@@ -192,10 +230,8 @@ def check_rows_past_num_unique_unread(call, cores, plan, weights, offsets, dout)
     bit for bit, when rows / d_rows past num_unique hold NaN as when they hold 0; of
     rows_fwd's and pool_bwd's [n, D] outputs only [:num_unique] is specified."""
     n, num_bags = plan.inverse.shape[0], len(offsets) - 1
-    dim = cores[0].shape[2] * cores[1].shape[2] * cores[2].shape[2]
     nu = int(plan.counts[0])
     assert nu < n, "needs duplicate ids, else there is nothing past num_unique"
-    plan_args = (plan.unique_ids, plan.group_offsets, plan.counts)
     bag_ids = np.clip(bag_ids_of(offsets, n), 0, num_bags - 1)
 
     def tails(x):
@@ -203,36 +239,17 @@ def check_rows_past_num_unique_unread(call, cores, plan, weights, offsets, dout)
         zero[nu:], nan[nu:] = 0.0, np.nan
         return zero, nan
 
-    (rows,) = call("flowtt_tt_rows_fwd", [f32((n, dim))], *cores, *plan_args)
-    rows_zero, rows_nan = tails(rows)
-    pool = [
-        call("flowtt_bag_pool_fwd", [f32((num_bags, dim))], r, plan.inverse, weights, offsets)[0]
-        for r in (rows_zero, rows_nan)
-    ]
-    assert_same(*pool)
-    for d_w_shape in ((n,), (0,)):
+    rows_zero, rows_nan = tails(target_rows_fwd(call, cores, plan))
+    assert_same(*(target_pool_fwd(call, r, plan, weights, offsets) for r in (rows_zero, rows_nan)))
+    for with_d_weights in (True, False):
         d_zero, d_nan = (
-            call(
-                "flowtt_bag_pool_bwd",
-                [f32((n, dim)), f32(d_w_shape)],
-                dout,
-                r,
-                weights,
-                plan.inverse,
-                bag_ids,
-                plan.perm,
-                plan.run_offsets,
-                plan.counts,
-            )
+            target_pool_bwd(call, dout, r, weights, plan, bag_ids, with_d_weights)
             for r in (rows_zero, rows_nan)
         )
         assert_same(d_zero[0][:nu], d_nan[0][:nu])
         assert_same(d_zero[1], d_nan[1])
     d_rows_zero, d_rows_nan = tails(d_zero[0])  # pool_bwd's d_rows, tail set to 0 / NaN
-    grads = [
-        call("flowtt_tt_rows_bwd", [f32(c.shape) for c in cores], *cores, d, *plan_args)
-        for d in (d_rows_zero, d_rows_nan)
-    ]
+    grads = [target_rows_bwd(call, cores, d, plan) for d in (d_rows_zero, d_rows_nan)]
     for g_zero, g_nan in zip(*grads):
         assert_same(g_zero, g_nan)
 
@@ -241,7 +258,7 @@ def bag_fwd_shape_errors(cores, plan, weights, offsets):
     """(operands, out shape, chunk_rows, error match) of flowtt_bag_fwd calls that the
     handlers' shape checks (CheckBagFwd and the rows_fwd checks) reject."""
     num_bags = len(offsets) - 1
-    dim = cores[0].shape[2] * cores[1].shape[2] * cores[2].shape[2]
+    dim = _dim(cores)
     good = (*cores, plan.unique_ids, plan.group_offsets, plan.counts, plan.inverse, weights, offsets)
 
     def swap(i, x):

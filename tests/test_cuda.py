@@ -30,12 +30,15 @@ from tests.helpers import (
     check_rows_past_num_unique_unread,
     cuda_device,
     custom_call_targets,
-    f32,
     hot_prefix_ids,
     make_ids,
     poisoned_call,
     random_offsets,
     rel_err,
+    target_pool_bwd,
+    target_pool_fwd,
+    target_rows_bwd,
+    target_rows_fwd,
 )
 
 GPU = cuda_device()
@@ -176,38 +179,15 @@ def test_tt_lookup_matches_reference(seeds):
 def test_raw_targets_write_every_element(kind, dim, rank, seeds):
     assert "CUDA" in ffi._register() or GPU is CPU
     spec, cores, ids, offsets, weights, cot = _case(seeds, kind, dim, rank)
-    n, num_bags = ids.shape[0], offsets.shape[0] - 1
     plan = make_plan(jax.device_put(jnp.asarray(ids), GPU), spec.row_shape[-1])
     nu = int(plan.counts[0])
-    bag_ids = bag_ids_of(offsets, n)
-    (rows,) = _poisoned(
-        "flowtt_tt_rows_fwd", [f32((n, dim))], *cores, plan.unique_ids, plan.group_offsets, plan.counts
-    )
+    rows = target_rows_fwd(_poisoned, cores, plan)
     assert np.all(np.isfinite(rows[:nu]))
-    (out,) = _poisoned("flowtt_bag_pool_fwd", [f32((num_bags, dim))], rows, plan.inverse, weights, offsets)
+    out = target_pool_fwd(_poisoned, rows, plan, weights, offsets)
     assert np.all(np.isfinite(out))
-    d_rows, d_w = _poisoned(
-        "flowtt_bag_pool_bwd",
-        [f32((n, dim)), f32((n,))],
-        cot,
-        rows,
-        weights,
-        plan.inverse,
-        bag_ids,
-        plan.perm,
-        plan.run_offsets,
-        plan.counts,
-    )
+    d_rows, d_w = target_pool_bwd(_poisoned, cot, rows, weights, plan, bag_ids_of(offsets, ids.shape[0]))
     assert np.all(np.isfinite(d_rows[:nu])) and np.all(np.isfinite(d_w))
-    grads = _poisoned(
-        "flowtt_tt_rows_bwd",
-        [f32(c.shape) for c in cores],
-        *cores,
-        d_rows,
-        plan.unique_ids,
-        plan.group_offsets,
-        plan.counts,
-    )
+    grads = target_rows_bwd(_poisoned, cores, d_rows, plan)
     for g in grads:
         assert np.all(np.isfinite(g))
     # and the values: rows against the float64 reference

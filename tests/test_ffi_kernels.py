@@ -18,6 +18,7 @@ from flowtt_jax.plan import make_plan
 from tests.helpers import (
     ID_KINDS,
     bag_fwd_shape_errors,
+    bag_ids_of,
     check_bag_fwd,
     check_rows_past_num_unique_unread,
     f32,
@@ -27,6 +28,10 @@ from tests.helpers import (
     poisoned_call,
     random_offsets,
     rel_err,
+    target_pool_bwd,
+    target_pool_fwd,
+    target_rows_bwd,
+    target_rows_fwd,
 )
 
 pytestmark = pytest.mark.skipif(not ffi.available(), reason="compiled extension not built")
@@ -42,66 +47,36 @@ def test_all_targets_write_every_output(kind):
     cores = make_cores(SPEC, seed=1)
     ids = jnp.asarray(make_ids(kind, n, SPEC.num_embeddings, seed=2))
     offsets = jnp.asarray(random_offsets(num_bags, n, seed=3))
-    bag_ids = jnp.asarray(np.searchsorted(np.asarray(offsets), np.arange(n), side="right") - 1, jnp.int32)
+    bag_ids = jnp.asarray(bag_ids_of(np.asarray(offsets), n))
     weights = jnp.asarray(np.random.default_rng(4).standard_normal(n), jnp.float32)
     plan = make_plan(ids, SPEC.row_shape[-1])
     nu = int(plan.counts[0])
     table = np.asarray(ftt.to_dense(cores, SPEC.num_embeddings), np.float64)
 
-    (rows,) = poisoned_call(
-        "flowtt_tt_rows_fwd", [f32((n, 24))], *cores, plan.unique_ids, plan.group_offsets, plan.counts
-    )
+    rows = target_rows_fwd(poisoned_call, cores, plan)
     assert rel_err(rows[:nu], table[np.asarray(plan.unique_ids[:nu])]) < 1e-5
 
-    (out,) = poisoned_call("flowtt_bag_pool_fwd", [f32((num_bags, 24))], rows, plan.inverse, weights, offsets)
+    out = target_pool_fwd(poisoned_call, rows, plan, weights, offsets)
     expected = jax.ops.segment_sum(
         np.asarray(weights, np.float64)[:, None] * table[np.asarray(ids)], np.asarray(bag_ids), num_bags
     )
     assert rel_err(out, expected) < 1e-5
 
     dout = jnp.asarray(np.random.default_rng(5).standard_normal((num_bags, 24)), jnp.float32)
-    d_rows, d_w = poisoned_call(
-        "flowtt_bag_pool_bwd",
-        [f32((n, 24)), f32((n,))],
-        dout,
-        rows,
-        weights,
-        plan.inverse,
-        bag_ids,
-        plan.perm,
-        plan.run_offsets,
-        plan.counts,
-    )
+    d_rows, d_w = target_pool_bwd(poisoned_call, dout, rows, weights, plan, bag_ids)
     per_id = np.asarray(weights)[:, None] * np.asarray(dout, np.float64)[np.asarray(bag_ids)]
     exp_rows = jax.ops.segment_sum(per_id, np.asarray(plan.inverse), n)
     assert rel_err(d_rows[:nu], exp_rows[:nu]) < 1e-5
     exp_w = np.sum(np.asarray(dout, np.float64)[np.asarray(bag_ids)] * table[np.asarray(ids)], axis=1)
     assert rel_err(d_w, exp_w) < 1e-5
     # a [0] d_weights result skips the weight gradient; d_rows is unchanged, bit for bit
-    d_rows_only, d_w0 = poisoned_call(
-        "flowtt_bag_pool_bwd",
-        [f32((n, 24)), f32((0,))],
-        dout,
-        rows,
-        weights,
-        plan.inverse,
-        bag_ids,
-        plan.perm,
-        plan.run_offsets,
-        plan.counts,
+    d_rows_only, d_w0 = target_pool_bwd(
+        poisoned_call, dout, rows, weights, plan, bag_ids, with_d_weights=False
     )
     assert d_w0.shape == (0,)
     np.testing.assert_array_equal(d_rows_only[:nu], d_rows[:nu])
 
-    grads = poisoned_call(
-        "flowtt_tt_rows_bwd",
-        [f32(c.shape) for c in cores],
-        *cores,
-        d_rows,
-        plan.unique_ids,
-        plan.group_offsets,
-        plan.counts,
-    )
+    grads = target_rows_bwd(poisoned_call, cores, d_rows, plan)
     with jax.enable_x64(True):
         c64 = [jnp.asarray(c, jnp.float64) for c in cores]
         uids = plan.unique_ids[:nu]

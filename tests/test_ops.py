@@ -85,7 +85,6 @@ def test_bags_equal_hand_computed(impl, mode, weighted, form):
         ids = rng.integers(0, spec.num_embeddings, (num_bags, length)).astype(np.int32)
         bag_of = np.repeat(np.arange(num_bags), length)
         mask = rng.random((num_bags, length)) < 0.6 if form == "padded_mask" else None
-        mask = None if mask is None else mask.at if False else mask
         if mask is not None:
             mask[2] = False  # one fully masked (empty) bag
             keep = mask.reshape(-1)
