@@ -218,7 +218,7 @@ class Runner:
         a, s = self.a, self.sizes
         units: list[tuple[Case, impls_mod.Impl, str]] = []
         if a.suite in ("single", "all"):
-            impls = sorted(self.impls_for("single"), key=lambda i: not i.ffi)
+            impls = sorted(self.impls_for("single"), key=lambda i: not i.ours)
             for dim in a.dims or s["dims"]:
                 for rank in a.ranks or s["ranks"]:
                     for batch in a.batches or s["single_batches"]:
@@ -286,12 +286,11 @@ class Runner:
                         )
                     )
             impls = self.impls_for("collection")
-            order = [(not i.ffi, k) for k, i in enumerate(impls)]
-            for _, k in sorted(order):
-                if impls[k].ffi:
-                    units += [(c, impls[k], m) for c in cases for m in MODES]
+            for i in impls:
+                if i.ours:
+                    units += [(c, i, m) for c in cases for m in MODES]
             for m in MODES:
-                units += [(c, i, m) for i in impls if not i.ffi for c in cases]
+                units += [(c, i, m) for i in impls if not i.ours for c in cases]
         self.last: dict[tuple, int] = {}
         for k, (case, impl, _) in enumerate(units):
             for key in (("params", id(case), impl.name), ("case", id(case)), ("cores", case.cores_key)):
@@ -432,13 +431,13 @@ class Runner:
             if c["case"] != case.entry["case"]:
                 res["compiled_for"] = c["case"]
             scratch = None
-            if impl.ffi:
+            if impl.scratch is not None:
                 try:
-                    scratch = impls_mod.ffi_scratch_bytes(w, mode)
+                    scratch = impl.scratch(w, mode)
                 except Exception as e:  # noqa: BLE001  (the timing is still worth having)
-                    res["ffi_scratch_error"] = f"{type(e).__name__}: {e}"
+                    res["scratch_error"] = f"{type(e).__name__}: {e}"
             if scratch is not None:
-                res["ffi_scratch_bytes"] = scratch
+                res["scratch_bytes"] = scratch
             mem = c["memory"]
             res["peak_bytes"] = mem.get("peak_bytes", 0) + (scratch or 0)
             res["temp_bytes"] = mem.get("temp_size", 0) + (scratch or 0)

@@ -14,9 +14,12 @@ features' sum-pooled bags side by side); the runner times ``fwd`` and its vjp wi
 
 Adding one (e.g. the table-batched op) is one decorated builder::
 
-    @register("ours_batched", suites=("collection",), description="...")
+    @register("ours_batched", suites=("collection",), ours=True, init=pack, description="...")
     def _ours_batched(w: Workload) -> Fwd:
-        ...  # return fwd(params, ids, offsets); ``init`` may pack the per-table cores
+        ...  # return fwd(params, ids, offsets) -> [B, F*D]
+
+where ``pack(w, per_table_cores)`` makes its params (e.g. packed cores) and ``scratch=``
+may report run-time scratch that XLA's memory analysis cannot see.
 """
 
 from __future__ import annotations
@@ -73,7 +76,9 @@ class Impl:
       init: (workload, per-table TT cores) -> params (default: the cores themselves).
       param_bytes: workload -> bytes of params, known before they exist (memory checks).
       per_table_loop: its program grows with the number of tables (compile-time cap).
-      ffi: runs the flowtt kernels (their run-time scratch is added to the memory figures).
+      ours: one of ours (runs before the baselines, so a time budget cuts those first).
+      scratch: (workload, mode) -> run-time scratch bytes the op allocates outside XLA's
+        memory analysis (added to the memory figures), or None where unknown.
     """
 
     name: str
@@ -83,8 +88,9 @@ class Impl:
     init: Callable[[Workload, TTCores], Any]
     param_bytes: Callable[[Workload], int]
     per_table_loop: bool = False
-    ffi: bool = False
     dense: bool = False
+    ours: bool = False
+    scratch: Callable[[Workload, str], int | None] | None = None
 
 
 REGISTRY: dict[str, Impl] = {}
@@ -98,13 +104,16 @@ def register(
     init: Callable[[Workload, TTCores], Any] = lambda w, cores: cores,
     param_bytes: Callable[[Workload], int] = _tt_param_bytes,
     per_table_loop: bool = False,
-    ffi: bool = False,
+    ours: bool = False,
+    scratch: Callable[[Workload, str], int | None] | None = None,
     dense: bool = False,
 ) -> Callable[[Callable[[Workload], Fwd]], Callable]:
     """Decorator: registers a builder ``workload -> fwd`` under ``name`` (in registry order)."""
 
     def deco(build: Callable[[Workload], Fwd]) -> Callable[[Workload], Fwd]:
-        REGISTRY[name] = Impl(name, suites, description, build, init, param_bytes, per_table_loop, ffi, dense)
+        REGISTRY[name] = Impl(
+            name, suites, description, build, init, param_bytes, per_table_loop, dense, ours, scratch
+        )
         return build
 
     return deco
@@ -189,36 +198,6 @@ def _dedup_bag(cores, ids, offsets, spec):
     return jax.ops.segment_sum(rows, _bag_ids(offsets, n), num_segments=b)
 
 
-register(
-    "tt_reference",
-    suites=("single", "collection"),
-    per_table_loop=True,
-    description="TT from XLA ops (tt_embedding_bag impl='reference'), per table",
-)(_per_table(_tt_bag("reference")))
-register(
-    "tt_reference_dedup",
-    suites=("single", "collection"),
-    per_table_loop=True,
-    description="EcoRec's algorithm in XLA ops: unique ids (static size nnz), TT rows, "
-    "gather back, pool; per table",
-)(_per_table(_dedup_bag))
-register(
-    "ours",
-    suites=("single",),
-    per_table_loop=True,
-    ffi=True,
-    description="tt_embedding_bag impl='ffi' (the fused kernels)",
-)(_per_table(_tt_bag("ffi")))
-register(
-    "ours_per_table_loop",
-    suites=("collection",),
-    per_table_loop=True,
-    ffi=True,
-    description="tt_embedding_bag impl='ffi' called per table in one jitted loop "
-    "(the table-batched op does not exist yet)",
-)(_per_table(_tt_bag("ffi")))
-
-
 def ffi_scratch_bytes(w: Workload, mode: str) -> int | None:
     """Largest run-time scratch of one flowtt CUDA call over the features (None off GPU).
 
@@ -246,3 +225,34 @@ def ffi_scratch_bytes(w: Workload, mode: str) -> int | None:
         )
         worst = max(worst, *(int(s.get(k, 0)) for k in keys))
     return worst
+
+
+register(
+    "tt_reference",
+    suites=("single", "collection"),
+    per_table_loop=True,
+    description="TT from XLA ops (tt_embedding_bag impl='reference'), per table",
+)(_per_table(_tt_bag("reference")))
+register(
+    "tt_reference_dedup",
+    suites=("single", "collection"),
+    per_table_loop=True,
+    description="EcoRec's algorithm in XLA ops: unique ids (static size nnz), TT rows, "
+    "gather back, pool; per table",
+)(_per_table(_dedup_bag))
+register(
+    "ours",
+    suites=("single",),
+    per_table_loop=True,
+    ours=True,
+    scratch=ffi_scratch_bytes,
+    description="tt_embedding_bag impl='ffi' (the fused kernels)",
+)(_per_table(_tt_bag("ffi")))
+register(
+    "ours_per_table_loop",
+    suites=("collection",),
+    per_table_loop=True,
+    ours=True,
+    scratch=ffi_scratch_bytes,
+    description="tt_embedding_bag impl='ffi' called per table in one jitted loop (not the table-batched op)",
+)(_per_table(_tt_bag("ffi")))
