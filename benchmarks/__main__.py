@@ -530,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         "timing_method": timing.method(),
         "timing": timing.__doc__.split("\n\n")[1].replace("\n", " "),
         "peaks": timing.peaks(),
+        "device_bytes_limit": (timing.memory_stats() or {}).get("bytes_limit"),
         "status": "running",
         "cases": [],
         "plots": {},
