@@ -9,11 +9,14 @@ encodings, branch labels, parameter and symbol names.
 
 Usage (from the repository root):
     python scripts/compare_kernel_code.py BASE [NEW] [--mode sass|ptx] [-D NAME=VALUE ...]
+        [--exclude GLOB ...] [--diff N]
 BASE and NEW are git revisions; NEW defaults to the working tree. Prints one line per
-kernel (identical / differs / only in one side) with its registers, stack and shared
+kernel (identical / DIFFERS / ONLY IN BASE / new) with its registers, stack and shared
 memory, and a unified diff of the first differing kernels with --diff. Exits 1 when a
-kernel differs or exists on one side only. SASS needs cuobjdump (on PATH, in
-$CUDA_HOME/bin, or $CUOBJDUMP); PTX needs only nvcc.
+kernel of BASE differs or is missing in NEW (kernels only in NEW are listed as new).
+--exclude skips source files whose name matches (e.g. another op family's work in
+progress). SASS needs cuobjdump (on PATH, in $CUDA_HOME/bin, or $CUOBJDUMP); PTX
+needs only nvcc.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import difflib
+import fnmatch
 import os
 import re
 import shutil
@@ -60,20 +64,23 @@ def checkout(rev: str | None, dest: Path) -> Path:
     return dest
 
 
-def kernel_sources(root: Path) -> tuple[list[Path], list[Path]]:
-    """(.cu files that define a __global__ function, directories holding headers)."""
-    files, include_dirs = [], set()
+def kernel_sources(root: Path, exclude: list[str]) -> tuple[list[Path], list[Path]]:
+    """(.cu files that define a __global__ function, include dirs: the source roots and
+    every directory holding a header)."""
+    files, include_dirs = [], {root / d for d in SOURCE_DIRS if (root / d).is_dir()}
     for d in SOURCE_DIRS:
         for p in sorted((root / d).rglob("*")):
             if p.suffix in (".h", ".cuh"):
                 include_dirs.add(p.parent)
-            if p.suffix == ".cu" and "__global__" in p.read_text():
+            if (p.suffix == ".cu" and "__global__" in p.read_text()
+                    and not any(fnmatch.fnmatch(p.name, g) for g in exclude)):
                 files.append(p)
     return files, sorted(include_dirs)
 
 
-def compile_all(root: Path, out_dir: Path, mode: str, defines: list[str], jobs: int) -> list[Path]:
-    files, include_dirs = kernel_sources(root)
+def compile_all(root: Path, out_dir: Path, mode: str, defines: list[str], exclude: list[str],
+                jobs: int) -> list[Path]:
+    files, include_dirs = kernel_sources(root, exclude)
     if not files:
         sys.exit(f"no .cu file with a __global__ function under {root}")
     nvcc = tool("nvcc", "NVCC") or sys.exit("nvcc not found")
@@ -193,6 +200,8 @@ def main() -> int:
                     help="compare SASS (default when cuobjdump is found) or PTX")
     ap.add_argument("-D", dest="defines", action="append", default=[],
                     help="NAME=VALUE compile definition for both sides (a tuning variant)")
+    ap.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                    help="skip .cu files whose name matches GLOB (both sides)")
     ap.add_argument("--diff", type=int, default=0, metavar="N",
                     help="print a unified diff of the first N differing kernels")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
@@ -208,7 +217,7 @@ def main() -> int:
         for label, rev in (("base", args.base), ("new", args.new)):
             root = checkout(rev, Path(tmp) / f"{label}_src")
             sides[label] = kernels(compile_all(root, Path(tmp) / f"{label}_out", mode,
-                                               args.defines, args.jobs), mode)
+                                               args.defines, args.exclude, args.jobs), mode)
     (base, base_res), (new, new_res) = sides["base"], sides["new"]
 
     bad = 0
@@ -217,7 +226,7 @@ def main() -> int:
         if key not in new:
             status = "ONLY IN BASE"
         elif key not in base:
-            status = "ONLY IN NEW"
+            status = "new"
         elif base[key] == new[key]:
             status = "identical"
         else:
@@ -228,14 +237,15 @@ def main() -> int:
         if base_res.get(key) and new_res.get(key) and base_res[key] != new_res[key]:
             res = f"{base_res[key]} -> {new_res[key]}"
         print(f"{status:22} {key[:110]}  {res}")
-        if status != "identical":
+        if status not in ("identical", "new"):
             bad += 1
             if status.startswith("DIFFERS") and diffs_shown < args.diff:
                 diffs_shown += 1
                 sys.stdout.writelines(l + "\n" for l in difflib.unified_diff(
                     base[key], new[key], "base", "new", n=2))
-    total = len(set(base) | set(new))
-    print(f"{total - bad} of {total} kernels identical" + (f", {bad} not" if bad else ""))
+    added = len(set(new) - set(base))
+    print(f"{len(base) - bad} of {len(base)} kernels of the base identical"
+          + (f", {bad} not" if bad else "") + (f"; {added} new" if added else ""))
     return 1 if bad else 0
 
 
