@@ -1,0 +1,129 @@
+// Shared by every stage of the CUDA kernels (cuda/*.cu): the work decomposition's
+// constants, the core dims as the kernels see them (Dev), the device helpers (index
+// math, clamps, shared-memory loads, the work-stealing claim) and the persistent-grid
+// launch. docs/kernels.md describes the kernels.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/ops.h"
+
+namespace flowtt {
+
+// ---- work decomposition ----
+constexpr int kThreads = 256;  // threads of the warp tile kernels and the dG1 / dG3 passes
+constexpr int kGT = 256;       // threads of the GEMM tile kernels
+constexpr int kT1F = 32;       // i1 values per forward tile
+constexpr int kT1B = 32;       // i1 values per backward tile
+constexpr int kCH = 64;        // unique ids per chunk (split threshold of a prefix group)
+constexpr int kRPT = 8;        // GEMM rows per thread (tile_gemm_P)
+constexpr int kPL = 32;        // sorted positions per chunk of the pooling backward
+#ifndef FLOWTT_DG3_PARTS
+#define FLOWTT_DG3_PARTS 8
+#endif
+constexpr int kS3 = FLOWTT_DG3_PARTS;  // parts per i3 bucket in the dG3 pass
+
+// ---- shape bounds of the kernels' register blocking (check_dims) ----
+constexpr int kQ1Max = 8;   // q1
+constexpr int kMMax = 16;   // q1*q2
+constexpr int kQ3Max = 8;   // q3
+constexpr int kBB = 2;      // r2 <= 32 * kBB: columns b per lane
+constexpr int kAMax = 64;   // r1
+
+// The core dims as the kernels take them (by value), with derived sizes.
+struct Dev {
+  int p1, p2, p3, q1, q2, q3, r1, r2;
+  int D, M, Q1R1, R1Q2R2, PSZ, R2p;
+  long long nrows;
+};
+
+inline Dev make_dev(const TTDims& t) {
+  Dev d;
+  d.p1 = t.p1; d.p2 = t.p2; d.p3 = t.p3;
+  d.q1 = t.q1; d.q2 = t.q2; d.q3 = t.q3;
+  d.r1 = t.r1; d.r2 = t.r2;
+  d.D = t.q1 * t.q2 * t.q3;
+  d.M = t.q1 * t.q2;
+  d.Q1R1 = t.q1 * t.r1;
+  d.R1Q2R2 = t.r1 * t.q2 * t.r2;
+  d.PSZ = d.M * t.r2;
+  d.R2p = t.r2 + 1;
+  d.nrows = (long long)t.p1 * t.p2 * t.p3;
+  return d;
+}
+
+inline size_t align_up(size_t x, size_t a = 256) { return (x + a - 1) / a * a; }
+__host__ __device__ inline int align4(int x) { return (x + 3) & ~3; }
+
+__device__ __forceinline__ int clampi(int v, int lo, int hi) {
+  return v < lo ? lo : (v > hi ? hi : v);
+}
+
+__device__ __forceinline__ void split_id(const Dev& d, int id, int& i1,
+                                         int& i2, int& i3) {
+  long long c = id;
+  if (c < 0) c = 0;
+  if (c >= d.nrows) c = d.nrows - 1;
+  const int cc = (int)c;
+  i3 = cc % d.p3;
+  const int t = cc / d.p3;
+  i2 = t % d.p2;
+  i1 = t / d.p2;
+}
+
+__device__ __forceinline__ void load_smem(float* dst,
+                                          const float* __restrict__ src,
+                                          int n) {
+  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) &
+       15) == 0) {
+    const int n4 = n >> 2;
+    const float4* s4 = reinterpret_cast<const float4*>(src);
+    float4* d4 = reinterpret_cast<float4*>(dst);
+    for (int i = threadIdx.x; i < n4; i += blockDim.x) d4[i] = __ldg(s4 + i);
+    for (int i = (n4 << 2) + threadIdx.x; i < n; i += blockDim.x)
+      dst[i] = __ldg(src + i);
+  } else {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = __ldg(src + i);
+  }
+}
+
+__device__ __forceinline__ int id3(const Dev& d, int id) {
+  long long c = id;
+  if (c < 0) c = 0;
+  if (c >= d.nrows) c = d.nrows - 1;
+  return (int)c % d.p3;
+}
+
+// Work stealing in the persistent kernels: the next work item (a tile, or a chunk of
+// unique ids) is first + the counter's old value. One thread of the block (or lane of
+// the warp) claims and shares the item; the launcher zeroes the counter.
+__device__ __forceinline__ int claim_tile(int* counter, int first = 0) {
+  return first + atomicAdd(counter, 1);
+}
+
+inline int num_sms() {
+  int dev = 0, sms = 132;
+  if (cudaGetDevice(&dev) == cudaSuccess)
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return sms > 0 ? sms : 132;
+}
+
+// Persistent grid: as many CTAs as fit on the device at once.
+template <typename Kernel, typename... Args>
+cudaError_t launch_persistent(Kernel kernel, size_t smem, cudaStream_t stream,
+                              int sms, Args... args) {
+  cudaError_t err = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (err != cudaSuccess) return err;
+  int occ = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kThreads, smem);
+  occ = std::max(1, std::min(occ, 8));
+  kernel<<<sms * occ, kThreads, smem, stream>>>(args...);
+  return cudaGetLastError();
+}
+
+}  // namespace flowtt

@@ -1,0 +1,109 @@
+// The prefix product P = G1[i1] . G2[i2] ([q1*q2, r2] per prefix group), shared by the
+// forward and backward tile kernels: warp_compute_P (a warp per group, the warp
+// kernels) and tile_gemm_P (a batch of groups as one shared-memory GEMM, the GEMM
+// tile kernels).
+#pragma once
+
+#include "cuda/common.cuh"
+
+namespace flowtt {
+
+constexpr int kJ = 4;  // columns per lane in warp_compute_P
+
+// One warp forms P for one group: lanes own columns j = (q2, b) (kJ per
+// lane) and all q1 rows, so each G2 element read from shared memory feeds
+// q1 FMAs and each (broadcast) G1 element kJ FMAs.
+template <int Q1C>
+__device__ __forceinline__ void warp_compute_P(const Dev& d, const float* G1w,
+                                               const float* G2s, int ld2,
+                                               float* Pw, int lane) {
+  const int Q2R2 = d.q2 * d.r2;
+  for (int j0 = 0; j0 < Q2R2; j0 += 32 * kJ) {
+    constexpr int NQ1 = Q1C ? Q1C : kQ1Max;
+    float acc[kJ][NQ1];
+#pragma unroll
+    for (int jj = 0; jj < kJ; ++jj)
+#pragma unroll
+      for (int q1 = 0; q1 < NQ1; ++q1) acc[jj][q1] = 0.f;
+#pragma unroll 2
+    for (int a = 0; a < d.r1; ++a) {
+      float g2v[kJ];
+#pragma unroll
+      for (int jj = 0; jj < kJ; ++jj) {
+        const int j = j0 + jj * 32 + lane;
+        g2v[jj] = (j < Q2R2) ? G2s[a * ld2 + j] : 0.f;
+      }
+#pragma unroll
+      for (int q1 = 0; q1 < NQ1; ++q1) {
+        if (Q1C || q1 < d.q1) {
+          const float g1v = G1w[q1 * d.r1 + a];
+#pragma unroll
+          for (int jj = 0; jj < kJ; ++jj)
+            acc[jj][q1] = fmaf(g1v, g2v[jj], acc[jj][q1]);
+        }
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < kJ; ++jj) {
+      const int j = j0 + jj * 32 + lane;
+      if (j < Q2R2) {
+        const int q2 = j / d.r2, b = j - q2 * d.r2;
+#pragma unroll
+        for (int q1 = 0; q1 < NQ1; ++q1)
+          if (Q1C || q1 < d.q1) Pw[(q1 * d.q2 + q2) * d.R2p + b] = acc[jj][q1];
+      }
+    }
+  }
+}
+
+// P of the nR rows (group k, q1) of a batch = A . G2, kRPT x 4 outputs per
+// thread (float4 loads of A^T and G2 from shared memory), stored as
+// Ps[k][m][b] (m = q1*q2 index, group stride PT) when ldm == 0, else
+// transposed as Ps[k][b][m] with row stride ldm (the forward's layout).
+// As: [r1][ldA], G2s: [r1][ldB].
+__device__ __forceinline__ void tile_gemm_P(const Dev& d, const float* As,
+                                            int ldA, const float* G2s, int ldB,
+                                            int nR, float* Ps, int PT,
+                                            int ldm = 0) {
+  const int NC4 = d.q2 * d.r2 / 4;
+  const int nRB = (nR + kRPT - 1) / kRPT;
+  for (int it = threadIdx.x; it < NC4 * nRB; it += kGT) {
+    const int rb = it / NC4, c4 = it - rb * NC4;
+    float acc[kRPT][4];
+#pragma unroll
+    for (int i = 0; i < kRPT; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+    const float* ap = As + rb * kRPT;
+    const float* bp = G2s + c4 * 4;
+#pragma unroll 4
+    for (int a = 0; a < d.r1; ++a) {
+      const float4 a0 = *reinterpret_cast<const float4*>(ap + a * ldA);
+      const float4 a1 = *reinterpret_cast<const float4*>(ap + a * ldA + 4);
+      const float4 bv = *reinterpret_cast<const float4*>(bp + a * ldB);
+      const float av[kRPT] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+      const float bw[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+      for (int i = 0; i < kRPT; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bw[j], acc[i][j]);
+    }
+    const int q2 = (c4 * 4) / d.r2, b0 = c4 * 4 - q2 * d.r2;  // r2 % 4 == 0
+#pragma unroll
+    for (int i = 0; i < kRPT; ++i) {
+      const int row = rb * kRPT + i;
+      if (row < nR) {
+        const int k = row / d.q1, m = (row - k * d.q1) * d.q2 + q2;
+        if (ldm == 0) {
+          *reinterpret_cast<float4*>(Ps + k * PT + m * d.r2 + b0) =
+              make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) Ps[k * PT + (b0 + j) * ldm + m] = acc[i][j];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace flowtt

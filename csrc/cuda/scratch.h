@@ -1,0 +1,54 @@
+// Scratch layouts of the CUDA ops (one block from XLA's allocator, carved into
+// 256-byte aligned arrays) and their sizes; the byte-size functions of cuda/ops.h
+// are defined with them (cuda/scratch.cu). A layout computed on a nullptr base gives
+// the size only.
+#pragma once
+
+#include <cstddef>
+
+#include "cuda/common.cuh"
+
+namespace flowtt {
+
+// Carves a block front to back into 256-byte aligned arrays.
+struct Bump {
+  char* base;
+  size_t off = 0;
+  template <typename T>
+  T* take(size_t count) {
+    T* p = reinterpret_cast<T*>(base ? base + off : nullptr);
+    off += align_up(count * sizeof(T));
+    return p;
+  }
+};
+
+// Forward scratch for `passes` passes over unique ranges of `range` rows (one
+// pass of n rows for flowtt_tt_rows_fwd, one per chunk for flowtt_bag_fwd):
+// the prefix map, per pass two work counters and the checkpoint flags (zeroed by
+// one memset), one checkpoint buffer, plus `buf_rows` rows of D floats (the fused
+// forward's rows buffer; 0 otherwise).
+struct FwdScratch {
+  int* map; int* ctrl; float* ckpt; float* rows; size_t bytes; int nslots; int passes;
+  int* pass_ctrl(int p) const { return ctrl + (size_t)p * (2 + nslots); }  // flags at +2
+  size_t ctrl_bytes() const { return sizeof(int) * (size_t)passes * (2 + nslots); }
+};
+FwdScratch fwd_layout(const Dev& d, int range, int passes, int buf_rows, void* base);
+
+// The fused forward's rows buffer: chunk_rows rounded up to kCH, at most n
+// rounded up to kCH.
+int bag_chunk(int n, long long chunk_rows);
+
+// Backward scratch: the prefix map, the tile counter and flags, per group slot
+// (min(n, p1*p2)) P (for dG3), dP (warp tile kernel only) and the dG1 partial, per
+// tile the dG2 partial, the dG3 pass's sort keys/values, group of each unique id and
+// per (i3, part) partials, and cub's sort storage.
+struct BwdScratch {
+  int* map; int* ctrl; int* tile_flag; float* Pbuf; float* dPbuf; float* dG1p;
+  float* dG2p;
+  int* ug; int* keys_in; int* keys_out; int* vals_in; int* vals_out;
+  float* dg3p;
+  void* cub_tmp; size_t cub_bytes; size_t bytes; int slots; int nT1; int nTiles;
+};
+BwdScratch bwd_layout(const Dev& d, int n, void* base);
+
+}  // namespace flowtt
