@@ -1,0 +1,346 @@
+// Pooling (flowtt_bag_pool_fwd, flowtt_bag_pool_bwd and the pooling of
+// flowtt_bag_fwd's chunks). Forward: one thread team per bag, ids in increasing k.
+// Backward: d_rows by a segmented reduction over the sorted order (chunks of kPL
+// sorted positions + a fixed-order combine of the chunk partials of hot ids),
+// d_weights one team per position. Bitwise reproducible; float4 vectors when D % 4 == 0
+// and the buffers are 16-byte aligned.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/common.cuh"
+#include "cuda/ops.h"
+#include "cuda/stages.h"
+
+namespace flowtt {
+namespace {
+
+template <int VEC>
+struct VecT;
+template <>
+struct VecT<1> { using T = float; };
+template <>
+struct VecT<4> { using T = float4; };
+
+__device__ __forceinline__ void vfma(float& acc, float w, float v) {
+  acc = fmaf(w, v, acc);
+}
+__device__ __forceinline__ void vfma(float4& acc, float w, float4 v) {
+  acc.x = fmaf(w, v.x, acc.x); acc.y = fmaf(w, v.y, acc.y);
+  acc.z = fmaf(w, v.z, acc.z); acc.w = fmaf(w, v.w, acc.w);
+}
+__device__ __forceinline__ float vdot(float a, float b) { return a * b; }
+__device__ __forceinline__ float vdot(float4 a, float4 b) {
+  return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, a.x * b.x)));
+}
+template <typename T> __device__ __forceinline__ T vzero();
+template <> __device__ __forceinline__ float vzero<float>() { return 0.f; }
+template <> __device__ __forceinline__ float4 vzero<float4>() {
+  return make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// One thread team (TS lanes over D/VEC vectors) per bag, positions in
+// increasing k. Only positions whose unique index is in [lo, hi) (hi capped
+// at num_unique when counts is given) add w * rows[idx - lo]; accumulate:
+// start from out (the fused forward's later chunks), else from 0.
+template <int VEC>
+__global__ void pool_fwd_kernel(const float* __restrict__ rows,
+                                const int* __restrict__ inverse,
+                                const float* __restrict__ weights,
+                                const int* __restrict__ bag_offsets, int n,
+                                int B, int D, int TS, int lo, int hi,
+                                const int* __restrict__ counts,
+                                bool accumulate, float* __restrict__ out) {
+  using T = typename VecT<VEC>::T;
+  if (counts != nullptr) hi = min(hi, clampi(counts[0], 0, n));
+  if (accumulate && lo >= hi) return;
+  const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const int bag = (int)(gt / TS), lane = (int)(gt % TS);
+  if (bag >= B) return;
+  const int kb = clampi(bag_offsets[bag], 0, n);
+  const int ke = clampi(bag_offsets[bag + 1], kb, n);
+  const int DV = D / VEC;
+  const unsigned span = (unsigned)max(hi - lo, 0);
+  const T* rv = reinterpret_cast<const T*>(rows);
+  T* ov = reinterpret_cast<T*>(out);
+  for (int dv = lane; dv < DV; dv += TS) {
+    T acc = accumulate ? ov[(size_t)bag * DV + dv] : vzero<T>();
+#pragma unroll 4
+    for (int k = kb; k < ke; ++k) {
+      const unsigned idx = (unsigned)(__ldg(inverse + k) - lo);
+      if (idx < span) vfma(acc, __ldg(weights + k), rv[(size_t)idx * DV + dv]);
+    }
+    ov[(size_t)bag * DV + dv] = acc;
+  }
+}
+
+// d_rows by a deterministic segmented reduction over the sorted order
+// (positions j -> perm[j]), so that a Zipf-hot id with 10^4..10^5
+// occurrences does not serialise one thread team.
+// Pass 1: team per chunk of kPL sorted positions; runs complete inside the
+//   chunk are written to d_rows; a run that started before the chunk leaves
+//   its chunk partial in slot (chunk, 0), a run that starts inside and
+//   continues past the chunk leaves it in slot (chunk, 1).
+// Pass 2: warp per unique id; runs spanning chunks sum their partials in
+//   chunk order (sub-teams over contiguous parts, fixed shuffle tree).
+// d_rows past num_unique is not written (the contract leaves it unspecified).
+
+template <int VEC>
+__global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
+                                 const float* __restrict__ weights,
+                                 const int* __restrict__ bag_ids,
+                                 const int* __restrict__ perm,
+                                 const int* __restrict__ inverse,
+                                 const int* __restrict__ run_offsets,
+                                 const int* __restrict__ counts, int n, int B,
+                                 int D, int TS, float* __restrict__ d_rows,
+                                 float* __restrict__ part) {
+  using T = typename VecT<VEC>::T;
+  const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const int k = (int)(gt / TS), lane = (int)(gt % TS);
+  const int nch = (n + kPL - 1) / kPL;
+  if (k >= nch) return;
+  const int U = clampi(counts[0], 0, n);
+  const int cs = k * kPL, ce = min(n, cs + kPL);
+  const int DV = D / VEC;
+  const T* dv_ = reinterpret_cast<const T*>(dout);
+  T* o = reinterpret_cast<T*>(d_rows);
+  T* pv = reinterpret_cast<T*>(part);
+  for (int dv = lane; dv < DV; dv += TS) {
+    int cur = -1;
+    T acc = vzero<T>();
+    auto flush = [&](int u) {
+      if (u < 0 || u >= U) return;
+      const int s = run_offsets[u], e = run_offsets[u + 1];
+      if (s >= cs && e <= ce) {
+        o[(size_t)u * DV + dv] = acc;
+      } else {
+        const int side = (s < cs) ? 0 : 1;
+        pv[((size_t)k * 2 + side) * DV + dv] = acc;
+      }
+    };
+    for (int j0 = cs; j0 < ce; j0 += 8) {
+      int uj[8];
+      float wj[8];
+      T xj[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int j = j0 + i;
+        uj[i] = -1;
+        wj[i] = 0.f;
+        xj[i] = vzero<T>();
+        if (j < ce) {
+          const int p = clampi(__ldg(perm + j), 0, n - 1);
+          uj[i] = __ldg(inverse + p);
+          wj[i] = __ldg(weights + p);
+          const int b = clampi(__ldg(bag_ids + p), 0, B - 1);
+          xj[i] = dv_[(size_t)b * DV + dv];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (j0 + i < ce) {
+          if (uj[i] != cur) {
+            flush(cur);
+            cur = uj[i];
+            acc = vzero<T>();
+          }
+          vfma(acc, wj[i], xj[i]);
+        }
+      }
+    }
+    flush(cur);
+  }
+}
+
+template <int VEC>
+__device__ __forceinline__ void shfl_add(float& v, int off) {
+  v += __shfl_xor_sync(0xffffffffu, v, off);
+}
+template <int VEC>
+__device__ __forceinline__ void shfl_add(float4& v, int off) {
+  v.x += __shfl_xor_sync(0xffffffffu, v.x, off);
+  v.y += __shfl_xor_sync(0xffffffffu, v.y, off);
+  v.z += __shfl_xor_sync(0xffffffffu, v.z, off);
+  v.w += __shfl_xor_sync(0xffffffffu, v.w, off);
+}
+
+// Persistent warps over blocks of 32 unique ids (a lane reads one id's run
+// bounds). A run spanning chunks k0..k1 sums its partials: lane l takes
+// partials l, l+32, ... (fixed), then a fixed xor tree across lanes. A unique
+// id without occurrences (never, for a valid plan) gets zeros.
+template <int VEC>
+__global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
+                                 const int* __restrict__ counts, int n, int D,
+                                 const float* __restrict__ part,
+                                 float* __restrict__ d_rows) {
+  using T = typename VecT<VEC>::T;
+  constexpr int kV = 8;  // vectors per lane per pass
+  const int lane = threadIdx.x & 31;
+  const int gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int nw = (gridDim.x * blockDim.x) >> 5;
+  const int U = clampi(counts[0], 0, n);
+  const int DV = D / VEC;
+  T* o = reinterpret_cast<T*>(d_rows);
+  const T* pv = reinterpret_cast<const T*>(part);
+  for (int base = gw * 32; base < U; base += nw * 32) {
+    const int u = base + lane;
+    int s = 0, e = 0;
+    if (u < U) {
+      s = clampi(run_offsets[u], 0, n);
+      e = clampi(run_offsets[u + 1], s, n);
+    }
+    const bool empty = u < U && e <= s;
+    const bool cross = e > s && s / kPL != (e - 1) / kPL;
+    for (unsigned zmask = __ballot_sync(0xffffffffu, empty); zmask; zmask &= zmask - 1) {
+      const int uz = base + __ffs(zmask) - 1;
+      for (int dv = lane; dv < DV; dv += 32) o[(size_t)uz * DV + dv] = vzero<T>();
+    }
+    for (unsigned cmask = __ballot_sync(0xffffffffu, cross); cmask; cmask &= cmask - 1) {
+      const int src_lane = __ffs(cmask) - 1;
+      const int uc = base + src_lane;
+      const int k0 = __shfl_sync(0xffffffffu, s, src_lane) / kPL;
+      const int k1 = (__shfl_sync(0xffffffffu, e, src_lane) - 1) / kPL;
+      const int L = k1 - k0 + 1;  // partials: (k0,1), (k0+1,0), ..., (k1,0)
+      for (int dv0 = 0; dv0 < DV; dv0 += kV) {
+        T acc[kV];
+#pragma unroll
+        for (int v = 0; v < kV; ++v) acc[v] = vzero<T>();
+#pragma unroll 4
+        for (int i = lane; i < L; i += 32) {  // unrolled: hot ids have ~10^3 partials
+          const int kk = k0 + i;
+          const int side = (i == 0) ? 1 : 0;
+          const T* src = pv + ((size_t)kk * 2 + side) * DV + dv0;
+#pragma unroll
+          for (int v = 0; v < kV; ++v)
+            if (dv0 + v < DV) vfma(acc[v], 1.f, src[v]);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+          for (int v = 0; v < kV; ++v) shfl_add<VEC>(acc[v], off);
+#pragma unroll
+        for (int v = 0; v < kV; ++v)
+          if (lane == v && dv0 + v < DV) o[(size_t)uc * DV + dv0 + v] = acc[v];
+      }
+    }
+  }
+}
+
+// d_weights[p] = dout[bag_p] . rows[u_p], one team per position, taken in
+// sorted order (p = perm[j]) so the rows are read in runs, not gathered.
+template <int VEC>
+__global__ void pool_bwd_weights_kernel(const float* __restrict__ dout,
+                                        const float* __restrict__ rows,
+                                        const int* __restrict__ inverse,
+                                        const int* __restrict__ bag_ids,
+                                        const int* __restrict__ perm,
+                                        int n, int B, int D, int TS,
+                                        float* __restrict__ d_weights) {
+  using T = typename VecT<VEC>::T;
+  const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const int j = (int)(gt / TS), lane = (int)(gt % TS);
+  const bool valid = j < n;
+  const int DV = D / VEC;
+  float s = 0.f;
+  int k = 0;
+  if (valid) {
+    k = clampi(__ldg(perm + j), 0, n - 1);
+    const int b = clampi(__ldg(bag_ids + k), 0, B - 1);
+    const int idx = clampi(__ldg(inverse + k), 0, n - 1);
+    const T* a = reinterpret_cast<const T*>(dout) + (size_t)b * DV;
+    const T* r = reinterpret_cast<const T*>(rows) + (size_t)idx * DV;
+    for (int dv = lane; dv < DV; dv += TS) s += vdot(a[dv], r[dv]);
+  }
+  for (int off = TS >> 1; off > 0; off >>= 1)
+    s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (valid && lane == 0) d_weights[k] = s;
+}
+
+int team_size(int DV) {
+  int ts = 1;
+  while (ts < DV && ts < 32) ts <<= 1;
+  return ts;
+}
+
+}  // namespace
+
+cudaError_t launch_pool_fwd(const float* rows, const int* inverse,
+                            const float* weights, const int* bag_offsets, int n,
+                            int B, int D, int lo, int hi, const int* counts,
+                            bool accumulate, float* out, cudaStream_t stream) {
+  if (B <= 0) return cudaSuccess;
+  const bool v4 = (D % 4) == 0 &&
+                  (reinterpret_cast<uintptr_t>(rows) % 16) == 0 &&
+                  (reinterpret_cast<uintptr_t>(out) % 16) == 0;
+  const int DV = v4 ? D / 4 : D;
+  const int TS = team_size(DV);
+  const int blocks = (int)(((long long)B * TS + 255) / 256);
+  if (v4)
+    pool_fwd_kernel<4><<<blocks, 256, 0, stream>>>(rows, inverse, weights, bag_offsets, n, B, D,
+                                                   TS, lo, hi, counts, accumulate, out);
+  else
+    pool_fwd_kernel<1><<<blocks, 256, 0, stream>>>(rows, inverse, weights, bag_offsets, n, B, D,
+                                                   TS, lo, hi, counts, accumulate, out);
+  return cudaGetLastError();
+}
+
+cudaError_t bag_pool_fwd(const float* rows, const int* inverse,
+                         const float* weights, const int* bag_offsets, int n,
+                         int B, int D, float* out, cudaStream_t stream) {
+  return launch_pool_fwd(rows, inverse, weights, bag_offsets, n, B, D, 0, n, nullptr, false,
+                         out, stream);
+}
+
+cudaError_t bag_pool_bwd(const float* dout, const float* rows,
+                         const float* weights, const int* inverse,
+                         const int* bag_ids, const int* perm,
+                         const int* run_offsets, const int* counts, int n,
+                         int B, int D, float* d_rows, float* d_weights,
+                         void* scratch, cudaStream_t stream) {
+  float* part = static_cast<float*>(scratch);
+  const bool v4 = (D % 4) == 0 &&
+                  ((reinterpret_cast<uintptr_t>(dout) |
+                    reinterpret_cast<uintptr_t>(rows) |
+                    reinterpret_cast<uintptr_t>(d_rows) |
+                    reinterpret_cast<uintptr_t>(part)) % 16) == 0;
+  const int DV = v4 ? D / 4 : D;
+  const int TS = team_size(DV);
+  if (B <= 0) {
+    cudaError_t e = cudaMemsetAsync(d_rows, 0, sizeof(float) * (size_t)n * D,
+                                    stream);
+    if (e != cudaSuccess) return e;
+    return d_weights == nullptr
+               ? cudaSuccess
+               : cudaMemsetAsync(d_weights, 0, sizeof(float) * (size_t)n, stream);
+  }
+  const int nch = (n + kPL - 1) / kPL;
+  const int b1 = (int)(((long long)nch * TS + 255) / 256);
+  const int b2 = std::max(1, std::min((int)(((long long)n + 255) / 256),
+                                      num_sms() * 16));
+  const int bw = (int)(((long long)n * TS + 255) / 256);
+  if (v4) {
+    pool_bwd_rows_p1<4><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm,
+                                                inverse, run_offsets, counts,
+                                                n, B, D, TS, d_rows, part);
+    pool_bwd_rows_p2<4><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D,
+                                                part, d_rows);
+    if (d_weights != nullptr)
+      pool_bwd_weights_kernel<4><<<bw, 256, 0, stream>>>(
+          dout, rows, inverse, bag_ids, perm, n, B, D, TS, d_weights);
+  } else {
+    pool_bwd_rows_p1<1><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm,
+                                                inverse, run_offsets, counts,
+                                                n, B, D, TS, d_rows, part);
+    pool_bwd_rows_p2<1><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D,
+                                                part, d_rows);
+    if (d_weights != nullptr)
+      pool_bwd_weights_kernel<1><<<bw, 256, 0, stream>>>(
+          dout, rows, inverse, bag_ids, perm, n, B, D, TS, d_weights);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace flowtt
