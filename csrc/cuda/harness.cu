@@ -1,10 +1,12 @@
 // Standalone check + timing of the FlowTT kernels (no JAX, no XLA).
-// Build: nvcc -arch=sm_90 -O3 -std=c++17 cuda/test_harness.cu cuda/tt_kernels.cu -o harness
-// Run:   ./harness [--quick | --s1 | --s1-timing]
+// Build: scripts/build_harness.sh BUILD_DIR (cmake target flowtt_harness)
+// Run:   BUILD_DIR/flowtt_harness [--quick | --s1 | --s1-timing]
 // For every case: host plan (same as flowtt_jax.plan.make_plan), outputs
 // poisoned with NaN, all four ops on the GPU, compared with a float64 host
 // reference (relative L2 error), backward run twice and compared bitwise.
 // Then device-side timing (CUDA events, median of 50) on the S1 workload.
+// A profiling build (FLOWTT_STAGE_MASK < 63, cuda/ops.h) runs only some backward
+// stages: it checks nothing and prints the backward time of those stages (STAGES).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,6 +33,9 @@
   } while (0)
 
 using flowtt::TTDims;
+
+// Whether this build runs every backward stage (else outputs are left unwritten).
+constexpr bool kAllStages = FLOWTT_STAGE_MASK == 63;
 
 struct Plan {
   std::vector<int> perm, inverse, unique_ids, run_offsets, group_offsets;
@@ -59,12 +64,10 @@ Plan make_plan(const std::vector<int>& ids, const TTDims& t) {
     p.inverse[p.perm[j]] = U - 1;
   }
   int G = 0;
-  const long long p23 = (long long)t.p2 * t.p3;
   for (int u = 0; u < U; ++u) {
     const long long pre = p.unique_ids[u] / t.p3;
     if (u == 0 || pre != p.unique_ids[u - 1] / t.p3) p.group_offsets[G++] = u;
   }
-  (void)p23;
   for (int g = G; g <= n; ++g) p.group_offsets[g] = U;
   p.U = U;
   p.G = G;
@@ -240,7 +243,10 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
                  from_dev(d_dg3, g3.size()) == dg3;
 
   int fails = 0;
-  if (c.check) {
+  if (!kAllStages) {
+    printf("[%s] profiling build (FLOWTT_STAGE_MASK %d): no checks\n", c.name.c_str(),
+           FLOWTT_STAGE_MASK);
+  } else if (c.check) {
     const int M = t.q1 * t.q2, R1 = t.r1, R2 = t.r2, Q1 = t.q1, Q2 = t.q2, Q3 = t.q3;
     std::vector<double> rref((size_t)n * D, 0.0);
     std::vector<double> dg1r(g1.size(), 0), dg2r(g2.size(), 0), dg3r(g3.size(), 0);
@@ -388,20 +394,9 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
       flowtt::rows_bwd(t, d_g1, d_g2, d_g3, d_drows, d_uids, d_goffs, d_counts, n, d_dg1,
                        d_dg2, d_dg3, d_bs, st);
     });
-    {
-      printf("STAGES [%s] rows_bwd cumulative (map, +tile, +dG2red, +dG1red, +keys, +sort, +dG3):",
-             c.name.c_str());
-      for (int mask : {0, 1, 3, 7, 15, 31, 63}) {
-        flowtt::set_stage_mask(mask);
-        float tm = time_it([&] {
-          flowtt::rows_bwd(t, d_g1, d_g2, d_g3, d_drows, d_uids, d_goffs, d_counts, n, d_dg1,
-                           d_dg2, d_dg3, d_bs, st);
-        });
-        printf(" %.4f", tm);
-      }
-      flowtt::set_stage_mask(~0);
-      printf(" ms\n");
-    }
+    if (!kAllStages)
+      printf("STAGES [%s] FLOWTT_STAGE_MASK %d: rows_bwd %.4f ms\n", c.name.c_str(),
+             FLOWTT_STAGE_MASK, t_rbwd);
     const int M = t.q1 * t.q2;
     const double flops = 2.0 * p.G * M * t.r2 * t.r1 + 2.0 * p.U * D * t.r2;
     printf("TIMING [%s] bag_fwd (fused, chunk %lld) %.4f ms, scratch %.1f MB\n", c.name.c_str(),

@@ -1,12 +1,22 @@
-// FlowTT CUDA kernels: launchers (host API). No XLA dependency, so the
-// standalone harness (cuda/test_harness.cu) and the FFI handlers
-// (cuda/handlers.cu) share them. Contract: docs/op_contract.md.
+// The CUDA ops (host API): launchers and their scratch sizes. No XLA dependency, so
+// the standalone harness (cuda/harness.cu) and the FFI handlers (cuda/handlers.cc)
+// share them; both link the kernel library flowtt_cuda_kernels. Contract:
+// docs/op_contract.md; kernels: docs/kernels.md. Defined in cuda/ops.cu (rows ops,
+// check_dims), cuda/pool.cu (pooling ops), cuda/scratch.cu (scratch sizes).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
+
+// The backward stages rows_bwd runs, bit i for stage i: 1 tile kernel, 2 dG2 reduce,
+// 4 dG1 reduce, 8 dG3 keys, 16 i3 sort, 32 dG3. A profiling build of the harness
+// (scripts/tune_harness.sh "-DFLOWTT_STAGE_MASK=3" ...) runs a prefix of them to time
+// it; the outputs of the stages left out are not written.
+#ifndef FLOWTT_STAGE_MASK
+#define FLOWTT_STAGE_MASK 63
+#endif
 
 namespace flowtt {
 
@@ -58,8 +68,5 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows,
                          int B, int D, float* d_rows,
                          float* d_weights,  // nullptr: not computed
                          void* scratch, cudaStream_t stream);
-
-// Profiling aid (harness only): bit mask of backward stages to run.
-void set_stage_mask(int mask);
 
 }  // namespace flowtt
