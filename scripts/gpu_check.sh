@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # GPU check on the device machine (one `run` call per stage):
-#   scripts/gpu_check.sh test   build + GPU tests + compute-sanitizer + CUDA harness
-#   scripts/gpu_check.sh full   test, plus the rest of tests/ on the GPU backend (~5 more minutes)
-#   scripts/gpu_check.sh bench  build + single-table benchmark (JSON + markdown)
+#   scripts/gpu_check.sh test   build + GPU tests (pytest -m gpu) + compute-sanitizer + CUDA harness
+#   scripts/gpu_check.sh full   test, then the whole tests/ on the GPU backend (~5 more minutes)
+#   scripts/gpu_check.sh bench  build + the benchmark suite (python -m benchmarks)
 #   scripts/gpu_check.sh all    GPU tests, sanitizer, benchmark, then the harness (~9 minutes)
-# BENCH_CONFIGS=S1,D128_r64_B4096,... and BENCH_ARGS="--K 10 --R 7" tune the benchmark.
-# Logs and JSON go to $OUT (default ./gpu_check_out). Set FLOWTT_COMMIT=<sha> when the
-# machine's copy of .git may lag the working tree (the device tool's can).
+# BENCH_ARGS="--stage single-d32 ..." passes options to `python -m benchmarks` (its --help).
+# Logs, JSON and plots go to $OUT only (default ./gpu_check_out; benchmarks in $OUT/bench);
+# nothing is written into the repository. The harness builds with cmake in $BUILD_ROOT.
+# Set FLOWTT_COMMIT=<sha> when the machine's copy of .git may lag the working tree (the
+# device tool's can).
 set -uo pipefail
 STAGE=${1:-all}
 OUT=${OUT:-$PWD/gpu_check_out}
@@ -26,13 +28,14 @@ $PY -c "import flowtt_jax._flowtt_cuda as m, jax; print('ext ok', sorted(m.regis
   2>&1 | tee -a "$OUT/build.log"
 
 run_tests() {
-  echo "== pytest: GPU tests (CUDA path and CUDA plan against the references)"
-  $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_plan_ffi.py 2>&1 | tee "$OUT/pytest.log" | tail -5
+  echo "== pytest -m gpu: the CUDA tests (CUDA path and CUDA plan against the references)"
+  $PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/pytest.log" | tail -5
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   if [[ $STAGE == full ]]; then
-    echo "== pytest: the rest of tests/ on the GPU backend" | tee -a "$OUT/pytest.log"
-    JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -p no:cacheprovider tests \
-      --ignore=tests/test_cuda.py --ignore=tests/test_plan_ffi.py 2>&1 | tee -a "$OUT/pytest.log" | tail -8
+    echo "== pytest: the whole tests/ on the GPU backend" | tee -a "$OUT/pytest.log"
+    JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -p no:cacheprovider tests 2>&1 \
+      | tee -a "$OUT/pytest.log" | tail -8
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   fi
   HARNESS=$(scripts/build_harness.sh "$BUILD_ROOT/harness") || status=1
   echo "== compute-sanitizer (memcheck, racecheck) on a small forward+backward" | tee "$OUT/sanitizer.log"
@@ -53,11 +56,11 @@ run_harness() {
 }
 
 run_bench() {
-  echo "== benchmark"
-  XLA_PYTHON_CLIENT_PREALLOCATE=true $PY benchmarks/bench_single_table.py --out "$OUT/bench.json" \
-    ${BENCH_CONFIGS:+--configs $BENCH_CONFIGS} ${BENCH_ARGS:---K 10 --R 7} 2>&1 | tee "$OUT/bench.log" | grep -vE "^\s*$" | tail -30
-  $PY benchmarks/report.py "$OUT/bench.json" > "$OUT/REPORT.md" 2>&1
-  cat "$OUT/REPORT.md"
+  echo "== benchmark (python -m benchmarks)"
+  # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
+  XLA_PYTHON_CLIENT_PREALLOCATE=true $PY -m benchmarks --out-dir "$OUT/bench" ${BENCH_ARGS:-} \
+    2>&1 | tee "$OUT/bench.log" | grep -vE "^\s*$" | tail -30
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 }
 
 # Order: correctness first, then timings (a call cut short keeps what it wrote).
