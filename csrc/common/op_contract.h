@@ -68,17 +68,16 @@ ffi::Error CheckPooling(const IBuf& inverse, const FBuf& weights, const IBuf& of
                         const OBuf& out, int64_t n, int64_t dim, int64_t* num_bags) {
   *num_bags = Length(offsets) - 1;
   if (n < 1 || Length(inverse) != n || Length(weights) != n || *num_bags < 0) {
-    return ffi::Error::InvalidArgument("need inverse [n], weights [n], offsets [B+1] (n = " +
-                                       std::to_string(n) + ", n >= 1)");
+    return ffi::Error::InvalidArgument(
+        "need inverse [n], weights [n], offsets [B+1] (n = " + std::to_string(n) + ", n >= 1)");
   }
   return CheckMatrix(out, *num_bags, dim, "out");
 }
 
 // The core shape and the group plan of the rows ops; sets n.
 template <typename FBuf, typename IBuf>
-ffi::Error CheckCoresAndPlan(const FBuf& g1, const FBuf& g2, const FBuf& g3,
-                             const IBuf& unique_ids, const IBuf& group_offsets,
-                             const IBuf& counts, CoreShape* s,
+ffi::Error CheckCoresAndPlan(const FBuf& g1, const FBuf& g2, const FBuf& g3, const IBuf& unique_ids,
+                             const IBuf& group_offsets, const IBuf& counts, CoreShape* s,
                              int64_t* n) {
   if (ffi::Error e = ReadCoreShape(g1, g2, g3, s); e.failure()) return e;
   return CheckGroupPlan(unique_ids, group_offsets, counts, n);
@@ -204,8 +203,12 @@ using S32Buffer = ffi::Buffer<ffi::S32>;
 template <typename Binding>
 auto BindRowsFwd(Binding b) {  // g1 g2 g3 unique_ids group_offsets counts -> rows
   return std::move(b)
-      .template Arg<F32Buffer>().template Arg<F32Buffer>().template Arg<F32Buffer>()
-      .template Arg<S32Buffer>().template Arg<S32Buffer>().template Arg<S32Buffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<S32Buffer>()
+      .template Arg<S32Buffer>()
+      .template Arg<S32Buffer>()
       .RemainingArgs()
       .template Ret<F32Buffer>();
 }
@@ -213,17 +216,25 @@ auto BindRowsFwd(Binding b) {  // g1 g2 g3 unique_ids group_offsets counts -> ro
 template <typename Binding>
 auto BindRowsBwd(Binding b) {  // g1 g2 g3 d_rows unique_ids group_offsets counts -> dg1 dg2 dg3
   return std::move(b)
-      .template Arg<F32Buffer>().template Arg<F32Buffer>().template Arg<F32Buffer>()
       .template Arg<F32Buffer>()
-      .template Arg<S32Buffer>().template Arg<S32Buffer>().template Arg<S32Buffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<S32Buffer>()
+      .template Arg<S32Buffer>()
+      .template Arg<S32Buffer>()
       .RemainingArgs()
-      .template Ret<F32Buffer>().template Ret<F32Buffer>().template Ret<F32Buffer>();
+      .template Ret<F32Buffer>()
+      .template Ret<F32Buffer>()
+      .template Ret<F32Buffer>();
 }
 
 template <typename Binding>
 auto BindPoolFwd(Binding b) {  // rows inverse weights offsets -> out
   return std::move(b)
-      .template Arg<F32Buffer>().template Arg<S32Buffer>().template Arg<F32Buffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<S32Buffer>()
+      .template Arg<F32Buffer>()
       .template Arg<S32Buffer>()
       .RemainingArgs()
       .template Ret<F32Buffer>();
@@ -233,20 +244,32 @@ template <typename Binding>
 auto BindPoolBwd(Binding b) {
   // dout rows weights inverse bag_ids perm run_offsets counts -> d_rows d_weights
   return std::move(b)
-      .template Arg<F32Buffer>().template Arg<F32Buffer>().template Arg<F32Buffer>()
-      .template Arg<S32Buffer>().template Arg<S32Buffer>().template Arg<S32Buffer>()
-      .template Arg<S32Buffer>().template Arg<S32Buffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<S32Buffer>()
+      .template Arg<S32Buffer>()
+      .template Arg<S32Buffer>()
+      .template Arg<S32Buffer>()
+      .template Arg<S32Buffer>()
       .RemainingArgs()
-      .template Ret<F32Buffer>().template Ret<F32Buffer>();
+      .template Ret<F32Buffer>()
+      .template Ret<F32Buffer>();
 }
 
 template <typename Binding>
 auto BindBagFwd(Binding b) {
   // g1 g2 g3 unique_ids group_offsets counts inverse weights offsets -> out; attr chunk_rows
   return std::move(b)
-      .template Arg<F32Buffer>().template Arg<F32Buffer>().template Arg<F32Buffer>()
-      .template Arg<S32Buffer>().template Arg<S32Buffer>().template Arg<S32Buffer>()
-      .template Arg<S32Buffer>().template Arg<F32Buffer>().template Arg<S32Buffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<S32Buffer>()
+      .template Arg<S32Buffer>()
+      .template Arg<S32Buffer>()
+      .template Arg<S32Buffer>()
+      .template Arg<F32Buffer>()
+      .template Arg<S32Buffer>()
       .RemainingArgs()
       .template Ret<F32Buffer>()
       .template Attr<int64_t>("chunk_rows");
@@ -260,8 +283,12 @@ auto BindPlan(Binding b) {
   return std::move(b)
       .template Arg<S32Buffer>()
       .RemainingArgs()
-      .template Ret<S32Buffer>().template Ret<S32Buffer>().template Ret<S32Buffer>()
-      .template Ret<S32Buffer>().template Ret<S32Buffer>().template Ret<S32Buffer>()
+      .template Ret<S32Buffer>()
+      .template Ret<S32Buffer>()
+      .template Ret<S32Buffer>()
+      .template Ret<S32Buffer>()
+      .template Ret<S32Buffer>()
+      .template Ret<S32Buffer>()
       .template Attr<int64_t>("last_extent")
       .template Attr<int64_t>("num_rows");
 }

@@ -47,8 +47,8 @@ ffi::Error RowsBwdImpl(F32 g1, F32 g2, F32 g3, F32 d_rows, S32 unique_ids, S32 g
                        S32 counts, ffi::RemainingArgs, F32Out dg1, F32Out dg2, F32Out dg3) {
   CoreShape s;
   int64_t n;
-  if (ffi::Error e = CheckRowsBwd(g1, g2, g3, d_rows, unique_ids, group_offsets, counts, *dg1,
-                                  *dg2, *dg3, &s, &n);
+  if (ffi::Error e = CheckRowsBwd(g1, g2, g3, d_rows, unique_ids, group_offsets, counts, *dg1, *dg2,
+                                  *dg3, &s, &n);
       e.failure()) {
     return e;
   }
@@ -90,17 +90,15 @@ ffi::Error PoolBwdImpl(F32 dout, F32 rows, F32 weights, S32 inverse, S32 bag_ids
                        S32 run_offsets, S32 counts, ffi::RemainingArgs, F32Out d_rows,
                        F32Out d_weights) {
   int64_t n, d, bags;
-  if (ffi::Error e = CheckPoolBwd(dout, rows, weights, inverse, bag_ids, perm, run_offsets,
-                                  counts, *d_rows, *d_weights, &n, &d, &bags);
+  if (ffi::Error e = CheckPoolBwd(dout, rows, weights, inverse, bag_ids, perm, run_offsets, counts,
+                                  *d_rows, *d_weights, &n, &d, &bags);
       e.failure()) {
     return e;
   }
-  return FromMessage(cpu::PoolBwd(dout.typed_data(), bags, rows.typed_data(), n, d,
-                                  weights.typed_data(), inverse.typed_data(),
-                                  bag_ids.typed_data(), perm.typed_data(),
-                                  run_offsets.typed_data(), counts.typed_data()[0],
-                                  d_rows->typed_data(),
-                                  Length(*d_weights) == 0 ? nullptr : d_weights->typed_data()));
+  return FromMessage(cpu::PoolBwd(
+      dout.typed_data(), bags, rows.typed_data(), n, d, weights.typed_data(), inverse.typed_data(),
+      bag_ids.typed_data(), perm.typed_data(), run_offsets.typed_data(), counts.typed_data()[0],
+      d_rows->typed_data(), Length(*d_weights) == 0 ? nullptr : d_weights->typed_data()));
 }
 
 ffi::Error PlanImpl(S32 ids, ffi::RemainingArgs, S32Out perm, S32Out inverse, S32Out unique_ids,

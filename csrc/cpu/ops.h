@@ -39,8 +39,8 @@ inline std::string CheckGroups(const Shape& s, const GroupPlan& p) {
   }
   for (int32_t u = 0; u < p.num_unique; ++u) {
     if (p.unique_ids[u] < 0 || p.unique_ids[u] >= s.rows()) {
-      return "id " + std::to_string(p.unique_ids[u]) + " outside [0, " +
-             std::to_string(s.rows()) + ")";
+      return "id " + std::to_string(p.unique_ids[u]) + " outside [0, " + std::to_string(s.rows()) +
+             ")";
     }
   }
   return "";
@@ -70,8 +70,10 @@ inline void RowsRange(const Shape& s, const float* g1, const float* g2, const fl
                       float* rows) {
   const int64_t m = s.q1 * s.q2, d = s.dim();
   // The group holding u_begin: the last one starting at or before it.
-  int32_t g = int32_t(std::upper_bound(p.group_offsets, p.group_offsets + p.num_groups + 1,
-                                       u_begin) - p.group_offsets) - 1;
+  int32_t g =
+      int32_t(std::upper_bound(p.group_offsets, p.group_offsets + p.num_groups + 1, u_begin) -
+              p.group_offsets) -
+      1;
   for (; g < p.num_groups && p.group_offsets[g] < u_end; ++g) {
     const int32_t u0 = std::max(p.group_offsets[g], u_begin);
     const int32_t u1 = std::min(p.group_offsets[g + 1], u_end);
@@ -210,8 +212,8 @@ inline std::string BagFwd(const Shape& s, const float* g1, const float* g2, cons
   if (std::string e = CheckOffsets(offsets, num_bags, p.n); !e.empty()) return e;
   const int64_t d = s.dim();
   // ceil64(chunk_rows) rows a chunk, at most num_unique (chunk_rows >= n: one chunk).
-  const int64_t c = std::min<int64_t>(p.num_unique,
-                                      chunk_rows >= p.n ? p.n : (chunk_rows + 63) / 64 * 64);
+  const int64_t c =
+      std::min<int64_t>(p.num_unique, chunk_rows >= p.n ? p.n : (chunk_rows + 63) / 64 * 64);
   std::vector<float> prefix(s.q1 * s.q2 * s.r2), rows(c * d);
   std::memset(out, 0, sizeof(float) * num_bags * d);
   for (int64_t u0 = 0; u0 < p.num_unique; u0 += c) {
@@ -224,8 +226,8 @@ inline std::string BagFwd(const Shape& s, const float* g1, const float* g2, cons
 
 inline std::string PoolBwd(const float* dout, int64_t num_bags, const float* rows, int64_t n,
                            int64_t d, const float* weights, const int32_t* inverse,
-                           const int32_t* bag_ids, const int32_t* perm,
-                           const int32_t* run_offsets, int32_t num_unique, float* d_rows,
+                           const int32_t* bag_ids, const int32_t* perm, const int32_t* run_offsets,
+                           int32_t num_unique, float* d_rows,
                            float* d_weights) {  // d_weights may be null: not computed
   if (num_unique < 0 || num_unique > n) return "plan counts out of range";
   for (int64_t k = 0; k < n; ++k) {
@@ -235,7 +237,8 @@ inline std::string PoolBwd(const float* dout, int64_t num_bags, const float* row
     }
   }
   for (int32_t u = 0; u <= num_unique; ++u) {
-    if (run_offsets[u] < 0 || run_offsets[u] > n || (u > 0 && run_offsets[u] < run_offsets[u - 1])) {
+    if (run_offsets[u] < 0 || run_offsets[u] > n ||
+        (u > 0 && run_offsets[u] < run_offsets[u - 1])) {
       return "run_offsets are not a valid partition";
     }
   }

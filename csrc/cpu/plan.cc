@@ -11,9 +11,9 @@
 
 namespace flowtt::cpu {
 
-void MakePlan(const int32_t* ids, int64_t n, int64_t last_extent, int64_t num_rows,
-              int32_t* perm, int32_t* inverse, int32_t* unique_ids, int32_t* run_offsets,
-              int32_t* group_offsets, int32_t* counts) {
+void MakePlan(const int32_t* ids, int64_t n, int64_t last_extent, int64_t num_rows, int32_t* perm,
+              int32_t* inverse, int32_t* unique_ids, int32_t* run_offsets, int32_t* group_offsets,
+              int32_t* counts) {
   std::vector<uint64_t> keys(n);
   for (int64_t i = 0; i < n; ++i) {
     const uint64_t id = static_cast<uint64_t>(std::clamp<int64_t>(ids[i], 0, num_rows - 1));

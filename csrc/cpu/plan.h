@@ -8,8 +8,8 @@ namespace flowtt::cpu {
 
 // ids [n] -> perm, inverse, unique_ids [n], run_offsets, group_offsets [n+1], counts [2]:
 // the plan of flowtt_jax.plan.make_plan bit for bit, ids clamped to [0, num_rows) first.
-void MakePlan(const int32_t* ids, int64_t n, int64_t last_extent, int64_t num_rows,
-              int32_t* perm, int32_t* inverse, int32_t* unique_ids, int32_t* run_offsets,
-              int32_t* group_offsets, int32_t* counts);
+void MakePlan(const int32_t* ids, int64_t n, int64_t last_extent, int64_t num_rows, int32_t* perm,
+              int32_t* inverse, int32_t* unique_ids, int32_t* run_offsets, int32_t* group_offsets,
+              int32_t* counts);
 
 }  // namespace flowtt::cpu

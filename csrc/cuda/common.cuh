@@ -28,11 +28,11 @@ constexpr int kPL = 32;        // sorted positions per chunk of the pooling back
 constexpr int kS3 = FLOWTT_DG3_PARTS;  // parts per i3 bucket in the dG3 pass
 
 // ---- shape bounds of the kernels' register blocking (check_dims) ----
-constexpr int kQ1Max = 8;   // q1
-constexpr int kMMax = 16;   // q1*q2
-constexpr int kQ3Max = 8;   // q3
-constexpr int kBB = 2;      // r2 <= 32 * kBB: columns b per lane
-constexpr int kAMax = 64;   // r1
+constexpr int kQ1Max = 8;  // q1
+constexpr int kMMax = 16;  // q1*q2
+constexpr int kQ3Max = 8;  // q3
+constexpr int kBB = 2;     // r2 <= 32 * kBB: columns b per lane
+constexpr int kAMax = 64;  // r1
 
 // The core dims as the kernels take them (by value), with derived sizes.
 struct Dev {
@@ -43,9 +43,14 @@ struct Dev {
 
 inline Dev make_dev(const TTDims& t) {
   Dev d;
-  d.p1 = t.p1; d.p2 = t.p2; d.p3 = t.p3;
-  d.q1 = t.q1; d.q2 = t.q2; d.q3 = t.q3;
-  d.r1 = t.r1; d.r2 = t.r2;
+  d.p1 = t.p1;
+  d.p2 = t.p2;
+  d.p3 = t.p3;
+  d.q1 = t.q1;
+  d.q2 = t.q2;
+  d.q3 = t.q3;
+  d.r1 = t.r1;
+  d.r2 = t.r2;
   d.D = t.q1 * t.q2 * t.q3;
   d.M = t.q1 * t.q2;
   d.Q1R1 = t.q1 * t.r1;
@@ -63,8 +68,7 @@ __device__ __forceinline__ int clampi(int v, int lo, int hi) {
   return v < lo ? lo : (v > hi ? hi : v);
 }
 
-__device__ __forceinline__ void split_id(const Dev& d, int id, int& i1,
-                                         int& i2, int& i3) {
+__device__ __forceinline__ void split_id(const Dev& d, int id, int& i1, int& i2, int& i3) {
   long long c = id;
   if (c < 0) c = 0;
   if (c >= d.nrows) c = d.nrows - 1;
@@ -75,17 +79,13 @@ __device__ __forceinline__ void split_id(const Dev& d, int id, int& i1,
   i1 = t / d.p2;
 }
 
-__device__ __forceinline__ void load_smem(float* dst,
-                                          const float* __restrict__ src,
-                                          int n) {
-  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) &
-       15) == 0) {
+__device__ __forceinline__ void load_smem(float* dst, const float* __restrict__ src, int n) {
+  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0) {
     const int n4 = n >> 2;
     const float4* s4 = reinterpret_cast<const float4*>(src);
     float4* d4 = reinterpret_cast<float4*>(dst);
     for (int i = threadIdx.x; i < n4; i += blockDim.x) d4[i] = __ldg(s4 + i);
-    for (int i = (n4 << 2) + threadIdx.x; i < n; i += blockDim.x)
-      dst[i] = __ldg(src + i);
+    for (int i = (n4 << 2) + threadIdx.x; i < n; i += blockDim.x) dst[i] = __ldg(src + i);
   } else {
     for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = __ldg(src + i);
   }
@@ -114,10 +114,10 @@ inline int num_sms() {
 
 // Persistent grid: as many CTAs as fit on the device at once.
 template <typename Kernel, typename... Args>
-cudaError_t launch_persistent(Kernel kernel, size_t smem, cudaStream_t stream,
-                              int sms, Args... args) {
-  cudaError_t err = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+cudaError_t launch_persistent(Kernel kernel, size_t smem, cudaStream_t stream, int sms,
+                              Args... args) {
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (err != cudaSuccess) return err;
   int occ = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kThreads, smem);

@@ -23,14 +23,11 @@ constexpr int kBatch = 256;  // ids staged in shared memory per step of dg3_kern
 
 // Sort keys (i3, or p3 past num_unique) and values (u) for the dG3 pass, and
 // ug[u] = the prefix group of unique id u (from the prefix map).
-__global__ void dg3_keys_kernel(Dev d, const int* __restrict__ uids,
-                                const int* __restrict__ counts, int n,
-                                const int* __restrict__ map,
-                                int* __restrict__ keys,
+__global__ void dg3_keys_kernel(Dev d, const int* __restrict__ uids, const int* __restrict__ counts,
+                                int n, const int* __restrict__ map, int* __restrict__ keys,
                                 int* __restrict__ vals, int* __restrict__ ug) {
   const int U = clampi(counts[0], 0, n);
-  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < n;
-       u += gridDim.x * blockDim.x) {
+  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < n; u += gridDim.x * blockDim.x) {
     int k = d.p3;
     if (u < U) {
       int i1, i2, i3;
@@ -58,12 +55,9 @@ __global__ void dg3_bounds_kernel(Dev d, const int* __restrict__ keys, int n,
 // dG3 partials: block (i3, part) sums P_g(u)^T dRow_u over a fixed
 // contiguous part of the i3 bucket (unique ids in ascending order); sub-groups
 // of threads take a fixed strided subset and are combined in order.
-__global__ void dg3_kernel(Dev d, const int* __restrict__ bounds,
-                           const int* __restrict__ vals, int n,
-                           const int* __restrict__ ug,
-                           const float* __restrict__ Pbuf,
-                           const float* __restrict__ d_rows, int slots,
-                           float* __restrict__ dg3p) {
+__global__ void dg3_kernel(Dev d, const int* __restrict__ bounds, const int* __restrict__ vals,
+                           int n, const int* __restrict__ ug, const float* __restrict__ Pbuf,
+                           const float* __restrict__ d_rows, int slots, float* __restrict__ dg3p) {
   __shared__ int s_u[kBatch];
   __shared__ int s_gg[kBatch];
   __shared__ float s_red[kThreads];
@@ -107,8 +101,7 @@ __global__ void dg3_kernel(Dev d, const int* __restrict__ bounds,
 #pragma unroll
             for (int mm = 0; mm < 8; ++mm) acc = fmaf(pv[mm], dv[mm], acc);
           }
-          for (int m = m0; m < d.M; ++m)
-            acc = fmaf(__ldg(P + m * d.r2), __ldg(dr + m * d.q3), acc);
+          for (int m = m0; m < d.M; ++m) acc = fmaf(__ldg(P + m * d.r2), __ldg(dr + m * d.q3), acc);
         }
       }
     }
@@ -130,12 +123,9 @@ __global__ void dg3_kernel(Dev d, const int* __restrict__ bounds,
 // (4*M*Q3 FMAs per 2 float4s per m). Streams are combined in order.
 template <int M, int Q3>
 __global__ void __launch_bounds__(kThreads)
-    dg3_blocked_kernel(Dev d, const int* __restrict__ bounds,
-                       const int* __restrict__ vals, int n,
-                       const int* __restrict__ ug,
-                       const float* __restrict__ Pbuf,
-                       const float* __restrict__ d_rows, int slots,
-                       float* __restrict__ dg3p) {
+    dg3_blocked_kernel(Dev d, const int* __restrict__ bounds, const int* __restrict__ vals, int n,
+                       const int* __restrict__ ug, const float* __restrict__ Pbuf,
+                       const float* __restrict__ d_rows, int slots, float* __restrict__ dg3p) {
   extern __shared__ float4 smem4[];
   float* s_red = reinterpret_cast<float*>(smem4);  // [subs][r2*Q3]
   const int i3 = blockIdx.x, part = blockIdx.y;
@@ -175,7 +165,10 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int i = 0; i < Q3 / 4; ++i) {
           const float4 v = __ldg(dr + m * (Q3 / 4) + i);
-          dv[4 * i] = v.x; dv[4 * i + 1] = v.y; dv[4 * i + 2] = v.z; dv[4 * i + 3] = v.w;
+          dv[4 * i] = v.x;
+          dv[4 * i + 1] = v.y;
+          dv[4 * i + 2] = v.z;
+          dv[4 * i + 3] = v.w;
         }
 #pragma unroll
         for (int q = 0; q < Q3; ++q) {
@@ -201,8 +194,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-__global__ void dg3_final_kernel(Dev d, const float* __restrict__ dg3p,
-                                 float* __restrict__ dg3) {
+__global__ void dg3_final_kernel(Dev d, const float* __restrict__ dg3p, float* __restrict__ dg3) {
   const int E3 = d.r2 * d.q3;
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (long long)d.p3 * E3) return;
@@ -231,8 +223,8 @@ size_t dg3_sort_bytes(int n) {
 cudaError_t launch_dg3_keys(const Dev& d, const int* unique_ids, const int* counts, int n,
                             const BwdScratch& s, cudaStream_t stream) {
   const int blocks = std::max(1, std::min((n + 255) / 256, num_sms() * 8));
-  dg3_keys_kernel<<<blocks, 256, 0, stream>>>(d, unique_ids, counts, n, s.map, s.keys_in,
-                                              s.vals_in, s.ug);
+  dg3_keys_kernel<<<blocks, 256, 0, stream>>>(d, unique_ids, counts, n, s.map, s.keys_in, s.vals_in,
+                                              s.ug);
   return cudaGetLastError();
 }
 
@@ -242,8 +234,8 @@ cudaError_t launch_dg3_sort(const Dev& d, int n, const BwdScratch& s, cudaStream
                                          s.vals_out, n, 0, end_bit_for(d.p3), stream);
 }
 
-cudaError_t launch_dg3(const Dev& d, const float* d_rows, int n, const BwdScratch& s,
-                       float* dg3, cudaStream_t stream) {
+cudaError_t launch_dg3(const Dev& d, const float* d_rows, int n, const BwdScratch& s, float* dg3,
+                       cudaStream_t stream) {
   cudaError_t err;
   dg3_bounds_kernel<<<n / 256 + 1, 256, 0, stream>>>(d, s.keys_out, n, s.keys_in);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
@@ -254,23 +246,21 @@ cudaError_t launch_dg3(const Dev& d, const float* d_rows, int n, const BwdScratc
         [&](auto shape) {
           using S = decltype(shape);
           auto kernel = dg3_blocked_kernel<S::M, S::Q3>;
-          err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)sm3);
+          err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm3);
           if (err == cudaSuccess)
-            kernel<<<dim3(d.p3, kS3), kThreads, sm3, stream>>>(
-                d, s.keys_in, s.vals_out, n, s.ug, s.Pbuf, d_rows, s.slots, s.dg3p);
+            kernel<<<dim3(d.p3, kS3), kThreads, sm3, stream>>>(d, s.keys_in, s.vals_out, n, s.ug,
+                                                               s.Pbuf, d_rows, s.slots, s.dg3p);
         },
         d.M, d.q3);
     if (err != cudaSuccess) return err;
   } else {
-    dg3_kernel<<<dim3(d.p3, kS3), kThreads, 0, stream>>>(
-        d, s.keys_in, s.vals_out, n, s.ug, s.Pbuf, d_rows, s.slots, s.dg3p);
+    dg3_kernel<<<dim3(d.p3, kS3), kThreads, 0, stream>>>(d, s.keys_in, s.vals_out, n, s.ug, s.Pbuf,
+                                                         d_rows, s.slots, s.dg3p);
   }
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   {
     const long long tot = (long long)d.p3 * d.r2 * d.q3;
-    dg3_final_kernel<<<(int)((tot + 255) / 256), 256, 0, stream>>>(d, s.dg3p,
-                                                                 dg3);
+    dg3_final_kernel<<<(int)((tot + 255) / 256), 256, 0, stream>>>(d, s.dg3p, dg3);
   }
   return cudaGetLastError();
 }

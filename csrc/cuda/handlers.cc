@@ -50,9 +50,9 @@ ffi::Error CheckKernelLimits(const CoreShape& s, int64_t n, TTDims* t) {
   return ffi::Error::Success();
 }
 
-ffi::Error RowsFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 g1, F32 g2,
-                       F32 g3, S32 unique_ids, S32 group_offsets, S32 counts,
-                       ffi::RemainingArgs, F32Out rows) {
+ffi::Error RowsFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 g1, F32 g2, F32 g3,
+                       S32 unique_ids, S32 group_offsets, S32 counts, ffi::RemainingArgs,
+                       F32Out rows) {
   CoreShape s;
   TTDims t;
   int64_t n;
@@ -61,30 +61,27 @@ ffi::Error RowsFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 g
     return e;
   if (ffi::Error e = CheckKernelLimits(s, n, &t); e.failure()) return e;
   void* ws;
-  if (ffi::Error e = AllocateScratch(scratch, rows_fwd_scratch_bytes(t, (int)n), &ws);
-      e.failure())
+  if (ffi::Error e = AllocateScratch(scratch, rows_fwd_scratch_bytes(t, (int)n), &ws); e.failure())
     return e;
-  return CudaError(
-      rows_fwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(), unique_ids.typed_data(),
-               group_offsets.typed_data(), counts.typed_data(), (int)n, rows->typed_data(), ws,
-               stream),
-      "rows_fwd");
+  return CudaError(rows_fwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(),
+                            unique_ids.typed_data(), group_offsets.typed_data(),
+                            counts.typed_data(), (int)n, rows->typed_data(), ws, stream),
+                   "rows_fwd");
 }
 
-ffi::Error RowsBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 g1, F32 g2,
-                       F32 g3, F32 d_rows, S32 unique_ids, S32 group_offsets, S32 counts,
+ffi::Error RowsBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 g1, F32 g2, F32 g3,
+                       F32 d_rows, S32 unique_ids, S32 group_offsets, S32 counts,
                        ffi::RemainingArgs, F32Out dg1, F32Out dg2, F32Out dg3) {
   CoreShape s;
   TTDims t;
   int64_t n;
-  if (ffi::Error e = CheckRowsBwd(g1, g2, g3, d_rows, unique_ids, group_offsets, counts, *dg1,
-                                  *dg2, *dg3, &s, &n);
+  if (ffi::Error e = CheckRowsBwd(g1, g2, g3, d_rows, unique_ids, group_offsets, counts, *dg1, *dg2,
+                                  *dg3, &s, &n);
       e.failure())
     return e;
   if (ffi::Error e = CheckKernelLimits(s, n, &t); e.failure()) return e;
   void* ws;
-  if (ffi::Error e = AllocateScratch(scratch, rows_bwd_scratch_bytes(t, (int)n), &ws);
-      e.failure())
+  if (ffi::Error e = AllocateScratch(scratch, rows_bwd_scratch_bytes(t, (int)n), &ws); e.failure())
     return e;
   return CudaError(
       rows_bwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(), d_rows.typed_data(),
@@ -93,10 +90,9 @@ ffi::Error RowsBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 g
       "rows_bwd");
 }
 
-ffi::Error BagFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 g1, F32 g2,
-                      F32 g3, S32 unique_ids, S32 group_offsets, S32 counts, S32 inverse,
-                      F32 weights, S32 offsets, ffi::RemainingArgs, F32Out out,
-                      int64_t chunk_rows) {
+ffi::Error BagFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 g1, F32 g2, F32 g3,
+                      S32 unique_ids, S32 group_offsets, S32 counts, S32 inverse, F32 weights,
+                      S32 offsets, ffi::RemainingArgs, F32Out out, int64_t chunk_rows) {
   CoreShape s;
   TTDims t;
   int64_t n, bags;
@@ -106,16 +102,14 @@ ffi::Error BagFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 g1
     return e;
   if (ffi::Error e = CheckKernelLimits(s, n, &t); e.failure()) return e;
   void* ws;
-  if (ffi::Error e =
-          AllocateScratch(scratch, bag_fwd_scratch_bytes(t, (int)n, chunk_rows), &ws);
+  if (ffi::Error e = AllocateScratch(scratch, bag_fwd_scratch_bytes(t, (int)n, chunk_rows), &ws);
       e.failure())
     return e;
-  return CudaError(
-      bag_fwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(), unique_ids.typed_data(),
-              group_offsets.typed_data(), counts.typed_data(), inverse.typed_data(),
-              weights.typed_data(), offsets.typed_data(), (int)n, (int)bags, chunk_rows,
-              out->typed_data(), ws, stream),
-      "bag_fwd");
+  return CudaError(bag_fwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(),
+                           unique_ids.typed_data(), group_offsets.typed_data(), counts.typed_data(),
+                           inverse.typed_data(), weights.typed_data(), offsets.typed_data(), (int)n,
+                           (int)bags, chunk_rows, out->typed_data(), ws, stream),
+                   "bag_fwd");
 }
 
 ffi::Error PoolFwdImpl(cudaStream_t stream, F32 rows, S32 inverse, F32 weights, S32 offsets,
@@ -124,18 +118,18 @@ ffi::Error PoolFwdImpl(cudaStream_t stream, F32 rows, S32 inverse, F32 weights, 
   if (ffi::Error e = CheckPoolFwd(rows, inverse, weights, offsets, *out, &n, &d, &bags);
       e.failure())
     return e;
-  return CudaError(bag_pool_fwd(rows.typed_data(), inverse.typed_data(), weights.typed_data(),
-                                offsets.typed_data(), (int)n, (int)bags, (int)d,
-                                out->typed_data(), stream),
-                   "bag_pool_fwd");
+  return CudaError(
+      bag_pool_fwd(rows.typed_data(), inverse.typed_data(), weights.typed_data(),
+                   offsets.typed_data(), (int)n, (int)bags, (int)d, out->typed_data(), stream),
+      "bag_pool_fwd");
 }
 
 ffi::Error PoolBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 dout, F32 rows,
-                       F32 weights, S32 inverse, S32 bag_ids, S32 perm, S32 run_offsets,
-                       S32 counts, ffi::RemainingArgs, F32Out d_rows, F32Out d_weights) {
+                       F32 weights, S32 inverse, S32 bag_ids, S32 perm, S32 run_offsets, S32 counts,
+                       ffi::RemainingArgs, F32Out d_rows, F32Out d_weights) {
   int64_t n, d, bags;
-  if (ffi::Error e = CheckPoolBwd(dout, rows, weights, inverse, bag_ids, perm, run_offsets,
-                                  counts, *d_rows, *d_weights, &n, &d, &bags);
+  if (ffi::Error e = CheckPoolBwd(dout, rows, weights, inverse, bag_ids, perm, run_offsets, counts,
+                                  *d_rows, *d_weights, &n, &d, &bags);
       e.failure())
     return e;
   void* ws;
@@ -143,18 +137,16 @@ ffi::Error PoolBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 d
       e.failure())
     return e;
   return CudaError(
-      bag_pool_bwd(dout.typed_data(), rows.typed_data(), weights.typed_data(),
-                   inverse.typed_data(), bag_ids.typed_data(), perm.typed_data(),
-                   run_offsets.typed_data(), counts.typed_data(), (int)n, (int)bags, (int)d,
-                   d_rows->typed_data(),
+      bag_pool_bwd(dout.typed_data(), rows.typed_data(), weights.typed_data(), inverse.typed_data(),
+                   bag_ids.typed_data(), perm.typed_data(), run_offsets.typed_data(),
+                   counts.typed_data(), (int)n, (int)bags, (int)d, d_rows->typed_data(),
                    Length(*d_weights) == 0 ? nullptr : d_weights->typed_data(), ws, stream),
       "bag_pool_bwd");
 }
 
-ffi::Error PlanImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, S32 ids,
-                    ffi::RemainingArgs, S32Out perm, S32Out inverse, S32Out unique_ids,
-                    S32Out run_offsets, S32Out group_offsets, S32Out counts,
-                    int64_t last_extent, int64_t num_rows) {
+ffi::Error PlanImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, S32 ids, ffi::RemainingArgs,
+                    S32Out perm, S32Out inverse, S32Out unique_ids, S32Out run_offsets,
+                    S32Out group_offsets, S32Out counts, int64_t last_extent, int64_t num_rows) {
   if (ffi::Error e = CheckPlan(ids, *perm, *inverse, *unique_ids, *run_offsets, *group_offsets,
                                *counts, last_extent, num_rows);
       e.failure())
@@ -168,8 +160,8 @@ ffi::Error PlanImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, S32 ids,
   if (bytes > 0) {
     if (ffi::Error e = AllocateScratch(scratch, bytes, &ws); e.failure()) return e;
   }
-  const PlanOutputs out{perm->typed_data(),        inverse->typed_data(),
-                        unique_ids->typed_data(),   run_offsets->typed_data(),
+  const PlanOutputs out{perm->typed_data(),          inverse->typed_data(),
+                        unique_ids->typed_data(),    run_offsets->typed_data(),
                         group_offsets->typed_data(), counts->typed_data()};
   return CudaError(build_plan(ids.typed_data(), n, static_cast<int>(last_extent),
                               static_cast<int>(num_rows), out, ws, stream),

@@ -22,14 +22,13 @@
 
 #include "cuda/ops.h"
 
-#define CK(x)                                                              \
-  do {                                                                     \
-    cudaError_t e_ = (x);                                                  \
-    if (e_ != cudaSuccess) {                                               \
-      fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), \
-              __FILE__, __LINE__);                                         \
-      exit(2);                                                             \
-    }                                                                      \
+#define CK(x)                                                                                  \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
+      exit(2);                                                                                 \
+    }                                                                                          \
   } while (0)
 
 using flowtt::TTDims;
@@ -47,8 +46,7 @@ Plan make_plan(const std::vector<int>& ids, const TTDims& t) {
   Plan p;
   p.perm.resize(n);
   std::iota(p.perm.begin(), p.perm.end(), 0);
-  std::stable_sort(p.perm.begin(), p.perm.end(),
-                   [&](int a, int b) { return ids[a] < ids[b]; });
+  std::stable_sort(p.perm.begin(), p.perm.end(), [&](int a, int b) { return ids[a] < ids[b]; });
   p.inverse.assign(n, 0);
   p.unique_ids.assign(n, 0);
   p.run_offsets.assign(n + 1, n);
@@ -86,8 +84,7 @@ struct Case {
 // Zipf(alpha) ranks like numpy's rng.zipf (unbounded): ranks below K from an
 // exact CDF table, the tail mass past K (K^(1-alpha)/(alpha-1)) from the
 // continuous Pareto tail; then rank * 2654435761 mod N when scattered.
-std::vector<int> zipf_ids(std::mt19937_64& rng, long long N, double alpha,
-                          int n, bool scatter) {
+std::vector<int> zipf_ids(std::mt19937_64& rng, long long N, double alpha, int n, bool scatter) {
   const long long K = std::min<long long>(N, 10000000);
   std::vector<double> cdf(K);
   double s = 0;
@@ -123,8 +120,8 @@ std::vector<int> bags_uniform(std::mt19937_64& rng, int B, int lo, int hi) {
 }
 
 // Relative L2 error of a[:len] (default: all) against ref.
-double rel_err(const std::vector<float>& a, const std::vector<double>& ref,
-               bool* has_nan, size_t len = SIZE_MAX) {
+double rel_err(const std::vector<float>& a, const std::vector<double>& ref, bool* has_nan,
+               size_t len = SIZE_MAX) {
   double num = 0, den = 0;
   for (size_t i = 0; i < std::min(len, a.size()); ++i) {
     if (!std::isfinite(a[i])) *has_nan = true;
@@ -140,8 +137,7 @@ template <typename T>
 T* to_dev(const std::vector<T>& v) {
   T* p = nullptr;
   CK(cudaMalloc(&p, std::max<size_t>(1, v.size()) * sizeof(T)));
-  if (!v.empty())
-    CK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  if (!v.empty()) CK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
   return p;
 }
 template <typename T>
@@ -187,9 +183,8 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
   float *d_g1 = to_dev(g1), *d_g2 = to_dev(g2), *d_g3 = to_dev(g3), *d_w = to_dev(w),
         *d_dout = to_dev(dout);
   int *d_uids = to_dev(p.unique_ids), *d_goffs = to_dev(p.group_offsets),
-      *d_counts = to_dev(counts), *d_inv = to_dev(p.inverse),
-      *d_perm = to_dev(p.perm), *d_runs = to_dev(p.run_offsets),
-      *d_bags = to_dev(c.bag_offsets), *d_bagids = to_dev(bag_ids);
+      *d_counts = to_dev(counts), *d_inv = to_dev(p.inverse), *d_perm = to_dev(p.perm),
+      *d_runs = to_dev(p.run_offsets), *d_bags = to_dev(c.bag_offsets), *d_bagids = to_dev(bag_ids);
   float *d_rows, *d_out, *d_drows, *d_dw, *d_dg1, *d_dg2, *d_dg3;
   CK(cudaMalloc(&d_rows, (size_t)n * D * 4));
   CK(cudaMalloc(&d_out, std::max<size_t>(1, (size_t)B * D) * 4));
@@ -219,10 +214,10 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
   poison(d_dg3, g3.size());
   CK(flowtt::rows_fwd(t, d_g1, d_g2, d_g3, d_uids, d_goffs, d_counts, n, d_rows, d_fs, st));
   CK(flowtt::bag_pool_fwd(d_rows, d_inv, d_w, d_bags, n, B, D, d_out, st));
-  CK(flowtt::bag_pool_bwd(d_dout, d_rows, d_w, d_inv, d_bagids, d_perm, d_runs, d_counts, n, B,
-                          D, d_drows, d_dw, d_ps, st));
-  CK(flowtt::rows_bwd(t, d_g1, d_g2, d_g3, d_drows, d_uids, d_goffs, d_counts, n, d_dg1,
-                      d_dg2, d_dg3, d_bs, st));
+  CK(flowtt::bag_pool_bwd(d_dout, d_rows, d_w, d_inv, d_bagids, d_perm, d_runs, d_counts, n, B, D,
+                          d_drows, d_dw, d_ps, st));
+  CK(flowtt::rows_bwd(t, d_g1, d_g2, d_g3, d_drows, d_uids, d_goffs, d_counts, n, d_dg1, d_dg2,
+                      d_dg3, d_bs, st));
   CK(cudaStreamSynchronize(st));
   CK(cudaGetLastError());
   auto rows = from_dev(d_rows, (size_t)n * D);
@@ -236,8 +231,8 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
   poison(d_dg1, g1.size());
   poison(d_dg2, g2.size());
   poison(d_dg3, g3.size());
-  CK(flowtt::rows_bwd(t, d_g1, d_g2, d_g3, d_drows, d_uids, d_goffs, d_counts, n, d_dg1,
-                      d_dg2, d_dg3, d_bs, st));
+  CK(flowtt::rows_bwd(t, d_g1, d_g2, d_g3, d_drows, d_uids, d_goffs, d_counts, n, d_dg1, d_dg2,
+                      d_dg3, d_bs, st));
   CK(cudaStreamSynchronize(st));
   bool bitwise = from_dev(d_dg1, g1.size()) == dg1 && from_dev(d_dg2, g2.size()) == dg2 &&
                  from_dev(d_dg3, g3.size()) == dg3;
@@ -261,8 +256,7 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
         for (int q2 = 0; q2 < Q2; ++q2)
           for (int b = 0; b < R2; ++b) {
             double s = 0;
-            for (int a = 0; a < R1; ++a)
-              s += (double)G1[q1 * R1 + a] * G2[(a * Q2 + q2) * R2 + b];
+            for (int a = 0; a < R1; ++a) s += (double)G1[q1 * R1 + a] * G2[(a * Q2 + q2) * R2 + b];
             P[(q1 * Q2 + q2) * R2 + b] = s;
           }
       const float* dr = &drows[(size_t)u * D];
@@ -332,8 +326,8 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
       CK(cudaMalloc(&d_bfs, bfs));
       CK(cudaMemset(d_bfs, 0xFF, bfs));  // NaN rows buffer: unwritten rows would show
       poison(d_out, (size_t)B * D);
-      CK(flowtt::bag_fwd(t, d_g1, d_g2, d_g3, d_uids, d_goffs, d_counts, d_inv, d_w, d_bags, n,
-                         B, chunk, d_out, d_bfs, st));
+      CK(flowtt::bag_fwd(t, d_g1, d_g2, d_g3, d_uids, d_goffs, d_counts, d_inv, d_w, d_bags, n, B,
+                         chunk, d_out, d_bfs, st));
       CK(cudaStreamSynchronize(st));
       auto bag = from_dev(d_out, (size_t)B * D);
       if (chunk == n) bag_bitwise = bag == out;
@@ -342,14 +336,15 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
     }
     const double worst = std::max({e_rows, e_out, e_dr, e_dw, e1, e2, e3, e_bag});
     const bool ok = !nan && worst <= 1e-5 && bitwise && bag_bitwise;
-    printf("[%s] n=%d U=%d G=%d B=%d D=%d r=%d,%d | rows %.2e out %.2e drows %.2e dw %.2e "
-           "dg1 %.2e dg2 %.2e dg3 %.2e bag_fwd %.2e | nan=%d bitwise=%d bag_bitwise=%d -> %s\n",
-           c.name.c_str(), n, p.U, p.G, B, D, t.r1, t.r2, e_rows, e_out, e_dr, e_dw, e1, e2, e3,
-           e_bag, (int)nan, (int)bitwise, (int)bag_bitwise, ok ? "PASS" : "FAIL");
+    printf(
+        "[%s] n=%d U=%d G=%d B=%d D=%d r=%d,%d | rows %.2e out %.2e drows %.2e dw %.2e "
+        "dg1 %.2e dg2 %.2e dg3 %.2e bag_fwd %.2e | nan=%d bitwise=%d bag_bitwise=%d -> %s\n",
+        c.name.c_str(), n, p.U, p.G, B, D, t.r1, t.r2, e_rows, e_out, e_dr, e_dw, e1, e2, e3, e_bag,
+        (int)nan, (int)bitwise, (int)bag_bitwise, ok ? "PASS" : "FAIL");
     fails += ok ? 0 : 1;
   } else {
-    printf("[%s] n=%d U=%d G=%d B=%d (no host check) bitwise=%d\n", c.name.c_str(), n, p.U,
-           p.G, B, (int)bitwise);
+    printf("[%s] n=%d U=%d G=%d B=%d (no host check) bitwise=%d\n", c.name.c_str(), n, p.U, p.G, B,
+           (int)bitwise);
     fails += bitwise ? 0 : 1;
   }
 
@@ -374,9 +369,8 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
     float t_rows = time_it([&] {
       flowtt::rows_fwd(t, d_g1, d_g2, d_g3, d_uids, d_goffs, d_counts, n, d_rows, d_fs, st);
     });
-    float t_pool = time_it([&] {
-      flowtt::bag_pool_fwd(d_rows, d_inv, d_w, d_bags, n, B, D, d_out, st);
-    });
+    float t_pool =
+        time_it([&] { flowtt::bag_pool_fwd(d_rows, d_inv, d_w, d_bags, n, B, D, d_out, st); });
     const long long chunk = (40LL << 20) / (4 * D);  // flowtt_jax.ops.bag_chunk_rows(D)
     const size_t bfs = flowtt::bag_fwd_scratch_bytes(t, n, chunk);
     void* d_bfs;
@@ -387,12 +381,12 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
     });
     cudaFree(d_bfs);
     float t_pbwd = time_it([&] {
-      flowtt::bag_pool_bwd(d_dout, d_rows, d_w, d_inv, d_bagids, d_perm, d_runs, d_counts, n,
-                           B, D, d_drows, d_dw, d_ps, st);
+      flowtt::bag_pool_bwd(d_dout, d_rows, d_w, d_inv, d_bagids, d_perm, d_runs, d_counts, n, B, D,
+                           d_drows, d_dw, d_ps, st);
     });
     float t_rbwd = time_it([&] {
-      flowtt::rows_bwd(t, d_g1, d_g2, d_g3, d_drows, d_uids, d_goffs, d_counts, n, d_dg1,
-                       d_dg2, d_dg3, d_bs, st);
+      flowtt::rows_bwd(t, d_g1, d_g2, d_g3, d_drows, d_uids, d_goffs, d_counts, n, d_dg1, d_dg2,
+                       d_dg3, d_bs, st);
     });
     if (!kAllStages)
       printf("STAGES [%s] FLOWTT_STAGE_MASK %d: rows_bwd %.4f ms\n", c.name.c_str(),
@@ -401,18 +395,37 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
     const double flops = 2.0 * p.G * M * t.r2 * t.r1 + 2.0 * p.U * D * t.r2;
     printf("TIMING [%s] bag_fwd (fused, chunk %lld) %.4f ms, scratch %.1f MB\n", c.name.c_str(),
            chunk, t_bag, bfs / 1e6);
-    printf("TIMING [%s] rows_fwd %.4f ms  pool_fwd %.4f ms  fwd_total %.4f ms | pool_bwd %.4f ms"
-           "  rows_bwd %.4f ms  fwd+bwd %.4f ms | fwd FLOP %.3g (%.1f%% of 60 TFLOP/s fp32 in "
-           "rows_fwd) | scratch fwd %.1f MB bwd %.1f MB\n",
-           c.name.c_str(), t_rows, t_pool, t_rows + t_pool, t_pbwd, t_rbwd,
-           t_rows + t_pool + t_pbwd + t_rbwd, flops, 100.0 * flops / (t_rows * 1e-3) / 60e12,
-           fs / 1e6, bs / 1e6);
+    printf(
+        "TIMING [%s] rows_fwd %.4f ms  pool_fwd %.4f ms  fwd_total %.4f ms | pool_bwd %.4f ms"
+        "  rows_bwd %.4f ms  fwd+bwd %.4f ms | fwd FLOP %.3g (%.1f%% of 60 TFLOP/s fp32 in "
+        "rows_fwd) | scratch fwd %.1f MB bwd %.1f MB\n",
+        c.name.c_str(), t_rows, t_pool, t_rows + t_pool, t_pbwd, t_rbwd,
+        t_rows + t_pool + t_pbwd + t_rbwd, flops, 100.0 * flops / (t_rows * 1e-3) / 60e12, fs / 1e6,
+        bs / 1e6);
   }
-  cudaFree(d_g1); cudaFree(d_g2); cudaFree(d_g3); cudaFree(d_w); cudaFree(d_dout);
-  cudaFree(d_uids); cudaFree(d_goffs); cudaFree(d_counts); cudaFree(d_inv); cudaFree(d_perm);
-  cudaFree(d_runs); cudaFree(d_bags); cudaFree(d_bagids); cudaFree(d_rows); cudaFree(d_out);
-  cudaFree(d_drows); cudaFree(d_dw); cudaFree(d_dg1); cudaFree(d_dg2); cudaFree(d_dg3);
-  cudaFree(d_fs); cudaFree(d_bs); cudaFree(d_ps);
+  cudaFree(d_g1);
+  cudaFree(d_g2);
+  cudaFree(d_g3);
+  cudaFree(d_w);
+  cudaFree(d_dout);
+  cudaFree(d_uids);
+  cudaFree(d_goffs);
+  cudaFree(d_counts);
+  cudaFree(d_inv);
+  cudaFree(d_perm);
+  cudaFree(d_runs);
+  cudaFree(d_bags);
+  cudaFree(d_bagids);
+  cudaFree(d_rows);
+  cudaFree(d_out);
+  cudaFree(d_drows);
+  cudaFree(d_dw);
+  cudaFree(d_dg1);
+  cudaFree(d_dg2);
+  cudaFree(d_dg3);
+  cudaFree(d_fs);
+  cudaFree(d_bs);
+  cudaFree(d_ps);
   cudaStreamDestroy(st);
   return fails;
 }

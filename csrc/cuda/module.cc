@@ -30,8 +30,8 @@ NB_MODULE(_flowtt_cuda, m) {
           const char* why = flowtt::check_dims(flowtt::TTDims{p1, p2, p3, q1, q2, q3, r1, r2});
           return why == nullptr ? nb::none() : nb::cast(std::string(why));
         });
-  m.def("scratch_bytes", [](int p1, int p2, int p3, int q1, int q2, int q3, int r1, int r2,
-                            int n, long long chunk_rows) {
+  m.def("scratch_bytes", [](int p1, int p2, int p3, int q1, int q2, int q3, int r1, int r2, int n,
+                            long long chunk_rows) {
     flowtt::TTDims t{p1, p2, p3, q1, q2, q3, r1, r2};
     nb::dict d;
     d["rows_fwd"] = flowtt::rows_fwd_scratch_bytes(t, n);

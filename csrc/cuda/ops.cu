@@ -26,14 +26,13 @@ constexpr bool run_stage(int bit) { return (FLOWTT_STAGE_MASK & bit) != 0; }
 }  // namespace
 
 const char* check_dims(const TTDims& t) {
-  if (t.p1 <= 0 || t.p2 <= 0 || t.p3 <= 0 || t.q1 <= 0 || t.q2 <= 0 ||
-      t.q3 <= 0 || t.r1 <= 0 || t.r2 <= 0)
+  if (t.p1 <= 0 || t.p2 <= 0 || t.p3 <= 0 || t.q1 <= 0 || t.q2 <= 0 || t.q3 <= 0 || t.r1 <= 0 ||
+      t.r2 <= 0)
     return "flowtt CUDA: core dimensions must be positive";
   if ((long long)t.p1 * t.p2 > (1LL << 26))
     return "flowtt CUDA: p1*p2 too large for the dense prefix map (max 2^26)";
   if (t.p2 > 65535) return "flowtt CUDA: p2 > 65535 unsupported";
-  if (t.q1 > kQ1Max || t.q1 * t.q2 > kMMax || t.q3 > kQ3Max ||
-      t.r2 > 32 * kBB || t.r1 > kAMax)
+  if (t.q1 > kQ1Max || t.q1 * t.q2 > kMMax || t.q3 > kQ3Max || t.r2 > 32 * kBB || t.r1 > kAMax)
     return "flowtt CUDA: unsupported core shape (need q1<=8, q1*q2<=16, "
            "q3<=8, r1<=64, r2<=64); use impl='reference'";
   const Dev d = make_dev(t);
@@ -43,9 +42,8 @@ const char* check_dims(const TTDims& t) {
   return nullptr;
 }
 
-cudaError_t rows_fwd(const TTDims& t, const float* g1, const float* g2,
-                     const float* g3, const int* unique_ids,
-                     const int* group_offsets, const int* counts, int n,
+cudaError_t rows_fwd(const TTDims& t, const float* g1, const float* g2, const float* g3,
+                     const int* unique_ids, const int* group_offsets, const int* counts, int n,
                      float* rows, void* scratch, cudaStream_t stream) {
   const Dev d = make_dev(t);
   const FwdScratch s = fwd_layout(d, n, 1, 0, scratch);
@@ -55,12 +53,10 @@ cudaError_t rows_fwd(const TTDims& t, const float* g1, const float* g2,
                                rows, stream);
 }
 
-cudaError_t bag_fwd(const TTDims& t, const float* g1, const float* g2,
-                    const float* g3, const int* unique_ids,
-                    const int* group_offsets, const int* counts,
-                    const int* inverse, const float* weights,
-                    const int* bag_offsets, int n, int B, long long chunk_rows,
-                    float* out, void* scratch, cudaStream_t stream) {
+cudaError_t bag_fwd(const TTDims& t, const float* g1, const float* g2, const float* g3,
+                    const int* unique_ids, const int* group_offsets, const int* counts,
+                    const int* inverse, const float* weights, const int* bag_offsets, int n, int B,
+                    long long chunk_rows, float* out, void* scratch, cudaStream_t stream) {
   if (B <= 0) return cudaSuccess;
   const Dev d = make_dev(t);
   const int C = bag_chunk(n, chunk_rows);
@@ -69,21 +65,20 @@ cudaError_t bag_fwd(const TTDims& t, const float* g1, const float* g2,
   if (err != cudaSuccess) return err;
   // static chunk count (U <= n is on the device): chunks past U exit at once
   for (int lo = 0; lo < n; lo += C) {
-    if ((err = launch_rows_fwd_range(d, g1, g2, g3, unique_ids, group_offsets, counts, n, lo, C,
-                                     s, lo / C, s.rows, stream)) != cudaSuccess)
+    if ((err = launch_rows_fwd_range(d, g1, g2, g3, unique_ids, group_offsets, counts, n, lo, C, s,
+                                     lo / C, s.rows, stream)) != cudaSuccess)
       return err;
-    if ((err = launch_pool_fwd(s.rows, inverse, weights, bag_offsets, n, B, d.D, lo, lo + C,
-                               counts, lo > 0, out, stream)) != cudaSuccess)
+    if ((err = launch_pool_fwd(s.rows, inverse, weights, bag_offsets, n, B, d.D, lo, lo + C, counts,
+                               lo > 0, out, stream)) != cudaSuccess)
       return err;
   }
   return cudaSuccess;
 }
 
-cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2,
-                     const float* g3, const float* d_rows,
-                     const int* unique_ids, const int* group_offsets,
-                     const int* counts, int n, float* dg1, float* dg2,
-                     float* dg3, void* scratch, cudaStream_t stream) {
+cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2, const float* g3,
+                     const float* d_rows, const int* unique_ids, const int* group_offsets,
+                     const int* counts, int n, float* dg1, float* dg2, float* dg3, void* scratch,
+                     cudaStream_t stream) {
   const Dev d = make_dev(t);
   const BwdScratch s = bwd_layout(d, n, scratch);
   cudaError_t err;
@@ -92,8 +87,8 @@ cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2,
       cudaSuccess)
     return err;
   if (!run_stage(1)) return cudaGetLastError();
-  if ((err = launch_rows_bwd_tiles(d, g1, g2, g3, d_rows, unique_ids, group_offsets, counts, n,
-                                   s, stream)) != cudaSuccess)
+  if ((err = launch_rows_bwd_tiles(d, g1, g2, g3, d_rows, unique_ids, group_offsets, counts, n, s,
+                                   stream)) != cudaSuccess)
     return err;
   if (!run_stage(2)) return cudaGetLastError();
   if ((err = launch_dg2_reduce(d, s, dg2, stream)) != cudaSuccess) return err;

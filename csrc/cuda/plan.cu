@@ -14,9 +14,9 @@
 // No device synchronisation, no allocation: scratch comes from the caller.
 #include "cuda/plan.h"
 
-#include <cub/cub.cuh>
 #include <thrust/iterator/counting_iterator.h>
 #include <thrust/iterator/transform_iterator.h>
+#include <cub/cub.cuh>
 
 #include <algorithm>
 #include <cstdint>
@@ -75,15 +75,14 @@ struct PlanScratch {
 // includes the slack to align base itself.
 cudaError_t plan_layout(int n, int end_bit, void* base, PlanScratch* s) {
   size_t sort_bytes = 0, scan_bytes = 0;
-  cudaError_t err = cub::DeviceRadixSort::SortPairs(
-      nullptr, sort_bytes, (const int*)nullptr, (int*)nullptr, (const int*)nullptr,
-      (int*)nullptr, n, 0, end_bit);
+  cudaError_t err =
+      cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, (const int*)nullptr, (int*)nullptr,
+                                      (const int*)nullptr, (int*)nullptr, n, 0, end_bit);
   if (err != cudaSuccess) return err;
   err = cub::DeviceScan::InclusiveSum(nullptr, scan_bytes, flag_iter(nullptr, 1),
                                       (uint64_t*)nullptr, n);
   if (err != cudaSuccess) return err;
-  char* p = base ? reinterpret_cast<char*>(align_up(reinterpret_cast<uintptr_t>(base)))
-                 : nullptr;
+  char* p = base ? reinterpret_cast<char*>(align_up(reinterpret_cast<uintptr_t>(base))) : nullptr;
   size_t off = 0;
   auto take = [&](size_t bytes) {
     char* r = p ? p + off : nullptr;
@@ -100,8 +99,8 @@ cudaError_t plan_layout(int n, int end_bit, void* base, PlanScratch* s) {
   return cudaSuccess;
 }
 
-__global__ void clamp_kernel(const int* __restrict__ ids, int n, int max_id,
-                             int* __restrict__ keys, int* __restrict__ positions) {
+__global__ void clamp_kernel(const int* __restrict__ ids, int n, int max_id, int* __restrict__ keys,
+                             int* __restrict__ positions) {
   const int64_t i = int64_t(blockIdx.x) * kBlock + threadIdx.x;
   if (i >= n) return;
   keys[i] = min(max(ids[i], 0), max_id);
@@ -147,8 +146,8 @@ cudaError_t plan_scratch_bytes(int n, int num_rows, size_t* bytes) {
   return err;
 }
 
-cudaError_t build_plan(const int* ids, int n, int last_extent, int num_rows,
-                       const PlanOutputs& out, void* scratch, cudaStream_t stream) {
+cudaError_t build_plan(const int* ids, int n, int last_extent, int num_rows, const PlanOutputs& out,
+                       void* scratch, cudaStream_t stream) {
   cudaError_t err;
   if (n == 0) {  // no ids: run_offsets = group_offsets = [0], counts = (0, 0)
     if ((err = cudaMemsetAsync(out.run_offsets, 0, sizeof(int), stream)) != cudaSuccess ||
@@ -163,9 +162,8 @@ cudaError_t build_plan(const int* ids, int n, int last_extent, int num_rows,
   clamp_kernel<<<blocks, kBlock, 0, stream>>>(ids, n, num_rows - 1, s.keys, s.positions);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   size_t bytes = s.cub_bytes;
-  if ((err = cub::DeviceRadixSort::SortPairs(s.cub_tmp, bytes, s.keys, s.sorted_keys,
-                                             s.positions, out.perm, n, 0, end_bit,
-                                             stream)) != cudaSuccess)
+  if ((err = cub::DeviceRadixSort::SortPairs(s.cub_tmp, bytes, s.keys, s.sorted_keys, s.positions,
+                                             out.perm, n, 0, end_bit, stream)) != cudaSuccess)
     return err;
   bytes = s.cub_bytes;
   if ((err = cub::DeviceScan::InclusiveSum(s.cub_tmp, bytes, flag_iter(s.sorted_keys, last_extent),

@@ -25,8 +25,7 @@ cudaError_t plan_scratch_bytes(int n, int num_rows, size_t* bytes);
 // Ids are clamped to [0, num_rows - 1] first (num_rows >= 1), so for in-range
 // ids the plan equals flowtt_jax.plan.make_plan bit for bit. All work is
 // queued on `stream`; `scratch` holds plan_scratch_bytes(n, num_rows) bytes.
-cudaError_t build_plan(const int* ids, int n, int last_extent, int num_rows,
-                       const PlanOutputs& out, void* scratch,
-                       cudaStream_t stream);
+cudaError_t build_plan(const int* ids, int n, int last_extent, int num_rows, const PlanOutputs& out,
+                       void* scratch, cudaStream_t stream);
 
 }  // namespace flowtt

@@ -20,24 +20,33 @@ namespace {
 template <int VEC>
 struct VecT;
 template <>
-struct VecT<1> { using T = float; };
+struct VecT<1> {
+  using T = float;
+};
 template <>
-struct VecT<4> { using T = float4; };
+struct VecT<4> {
+  using T = float4;
+};
 
-__device__ __forceinline__ void vfma(float& acc, float w, float v) {
-  acc = fmaf(w, v, acc);
-}
+__device__ __forceinline__ void vfma(float& acc, float w, float v) { acc = fmaf(w, v, acc); }
 __device__ __forceinline__ void vfma(float4& acc, float w, float4 v) {
-  acc.x = fmaf(w, v.x, acc.x); acc.y = fmaf(w, v.y, acc.y);
-  acc.z = fmaf(w, v.z, acc.z); acc.w = fmaf(w, v.w, acc.w);
+  acc.x = fmaf(w, v.x, acc.x);
+  acc.y = fmaf(w, v.y, acc.y);
+  acc.z = fmaf(w, v.z, acc.z);
+  acc.w = fmaf(w, v.w, acc.w);
 }
 __device__ __forceinline__ float vdot(float a, float b) { return a * b; }
 __device__ __forceinline__ float vdot(float4 a, float4 b) {
   return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, a.x * b.x)));
 }
-template <typename T> __device__ __forceinline__ T vzero();
-template <> __device__ __forceinline__ float vzero<float>() { return 0.f; }
-template <> __device__ __forceinline__ float4 vzero<float4>() {
+template <typename T>
+__device__ __forceinline__ T vzero();
+template <>
+__device__ __forceinline__ float vzero<float>() {
+  return 0.f;
+}
+template <>
+__device__ __forceinline__ float4 vzero<float4>() {
   return make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
@@ -46,13 +55,11 @@ template <> __device__ __forceinline__ float4 vzero<float4>() {
 // at num_unique when counts is given) add w * rows[idx - lo]; accumulate:
 // start from out (the fused forward's later chunks), else from 0.
 template <int VEC>
-__global__ void pool_fwd_kernel(const float* __restrict__ rows,
-                                const int* __restrict__ inverse,
+__global__ void pool_fwd_kernel(const float* __restrict__ rows, const int* __restrict__ inverse,
                                 const float* __restrict__ weights,
-                                const int* __restrict__ bag_offsets, int n,
-                                int B, int D, int TS, int lo, int hi,
-                                const int* __restrict__ counts,
-                                bool accumulate, float* __restrict__ out) {
+                                const int* __restrict__ bag_offsets, int n, int B, int D, int TS,
+                                int lo, int hi, const int* __restrict__ counts, bool accumulate,
+                                float* __restrict__ out) {
   using T = typename VecT<VEC>::T;
   if (counts != nullptr) hi = min(hi, clampi(counts[0], 0, n));
   if (accumulate && lo >= hi) return;
@@ -88,15 +95,12 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows,
 // d_rows past num_unique is not written (the contract leaves it unspecified).
 
 template <int VEC>
-__global__ void pool_bwd_rows_p1(const float* __restrict__ dout,
-                                 const float* __restrict__ weights,
-                                 const int* __restrict__ bag_ids,
-                                 const int* __restrict__ perm,
+__global__ void pool_bwd_rows_p1(const float* __restrict__ dout, const float* __restrict__ weights,
+                                 const int* __restrict__ bag_ids, const int* __restrict__ perm,
                                  const int* __restrict__ inverse,
                                  const int* __restrict__ run_offsets,
-                                 const int* __restrict__ counts, int n, int B,
-                                 int D, int TS, float* __restrict__ d_rows,
-                                 float* __restrict__ part) {
+                                 const int* __restrict__ counts, int n, int B, int D, int TS,
+                                 float* __restrict__ d_rows, float* __restrict__ part) {
   using T = typename VecT<VEC>::T;
   const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const int k = (int)(gt / TS), lane = (int)(gt % TS);
@@ -174,8 +178,7 @@ __device__ __forceinline__ void shfl_add(float4& v, int off) {
 template <int VEC>
 __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
                                  const int* __restrict__ counts, int n, int D,
-                                 const float* __restrict__ part,
-                                 float* __restrict__ d_rows) {
+                                 const float* __restrict__ part, float* __restrict__ d_rows) {
   using T = typename VecT<VEC>::T;
   constexpr int kV = 8;  // vectors per lane per pass
   const int lane = threadIdx.x & 31;
@@ -236,8 +239,7 @@ __global__ void pool_bwd_weights_kernel(const float* __restrict__ dout,
                                         const float* __restrict__ rows,
                                         const int* __restrict__ inverse,
                                         const int* __restrict__ bag_ids,
-                                        const int* __restrict__ perm,
-                                        int n, int B, int D, int TS,
+                                        const int* __restrict__ perm, int n, int B, int D, int TS,
                                         float* __restrict__ d_weights) {
   using T = typename VecT<VEC>::T;
   const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -254,8 +256,7 @@ __global__ void pool_bwd_weights_kernel(const float* __restrict__ dout,
     const T* r = reinterpret_cast<const T*>(rows) + (size_t)idx * DV;
     for (int dv = lane; dv < DV; dv += TS) s += vdot(a[dv], r[dv]);
   }
-  for (int off = TS >> 1; off > 0; off >>= 1)
-    s += __shfl_xor_sync(0xffffffffu, s, off);
+  for (int off = TS >> 1; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
   if (valid && lane == 0) d_weights[k] = s;
 }
 
@@ -267,78 +268,66 @@ int team_size(int DV) {
 
 }  // namespace
 
-cudaError_t launch_pool_fwd(const float* rows, const int* inverse,
-                            const float* weights, const int* bag_offsets, int n,
-                            int B, int D, int lo, int hi, const int* counts,
-                            bool accumulate, float* out, cudaStream_t stream) {
+cudaError_t launch_pool_fwd(const float* rows, const int* inverse, const float* weights,
+                            const int* bag_offsets, int n, int B, int D, int lo, int hi,
+                            const int* counts, bool accumulate, float* out, cudaStream_t stream) {
   if (B <= 0) return cudaSuccess;
-  const bool v4 = (D % 4) == 0 &&
-                  (reinterpret_cast<uintptr_t>(rows) % 16) == 0 &&
+  const bool v4 = (D % 4) == 0 && (reinterpret_cast<uintptr_t>(rows) % 16) == 0 &&
                   (reinterpret_cast<uintptr_t>(out) % 16) == 0;
   const int DV = v4 ? D / 4 : D;
   const int TS = team_size(DV);
   const int blocks = (int)(((long long)B * TS + 255) / 256);
   if (v4)
-    pool_fwd_kernel<4><<<blocks, 256, 0, stream>>>(rows, inverse, weights, bag_offsets, n, B, D,
-                                                   TS, lo, hi, counts, accumulate, out);
+    pool_fwd_kernel<4><<<blocks, 256, 0, stream>>>(rows, inverse, weights, bag_offsets, n, B, D, TS,
+                                                   lo, hi, counts, accumulate, out);
   else
-    pool_fwd_kernel<1><<<blocks, 256, 0, stream>>>(rows, inverse, weights, bag_offsets, n, B, D,
-                                                   TS, lo, hi, counts, accumulate, out);
+    pool_fwd_kernel<1><<<blocks, 256, 0, stream>>>(rows, inverse, weights, bag_offsets, n, B, D, TS,
+                                                   lo, hi, counts, accumulate, out);
   return cudaGetLastError();
 }
 
-cudaError_t bag_pool_fwd(const float* rows, const int* inverse,
-                         const float* weights, const int* bag_offsets, int n,
-                         int B, int D, float* out, cudaStream_t stream) {
-  return launch_pool_fwd(rows, inverse, weights, bag_offsets, n, B, D, 0, n, nullptr, false,
-                         out, stream);
+cudaError_t bag_pool_fwd(const float* rows, const int* inverse, const float* weights,
+                         const int* bag_offsets, int n, int B, int D, float* out,
+                         cudaStream_t stream) {
+  return launch_pool_fwd(rows, inverse, weights, bag_offsets, n, B, D, 0, n, nullptr, false, out,
+                         stream);
 }
 
-cudaError_t bag_pool_bwd(const float* dout, const float* rows,
-                         const float* weights, const int* inverse,
-                         const int* bag_ids, const int* perm,
-                         const int* run_offsets, const int* counts, int n,
-                         int B, int D, float* d_rows, float* d_weights,
-                         void* scratch, cudaStream_t stream) {
+cudaError_t bag_pool_bwd(const float* dout, const float* rows, const float* weights,
+                         const int* inverse, const int* bag_ids, const int* perm,
+                         const int* run_offsets, const int* counts, int n, int B, int D,
+                         float* d_rows, float* d_weights, void* scratch, cudaStream_t stream) {
   float* part = static_cast<float*>(scratch);
-  const bool v4 = (D % 4) == 0 &&
-                  ((reinterpret_cast<uintptr_t>(dout) |
-                    reinterpret_cast<uintptr_t>(rows) |
-                    reinterpret_cast<uintptr_t>(d_rows) |
-                    reinterpret_cast<uintptr_t>(part)) % 16) == 0;
+  const bool v4 =
+      (D % 4) == 0 && ((reinterpret_cast<uintptr_t>(dout) | reinterpret_cast<uintptr_t>(rows) |
+                        reinterpret_cast<uintptr_t>(d_rows) | reinterpret_cast<uintptr_t>(part)) %
+                       16) == 0;
   const int DV = v4 ? D / 4 : D;
   const int TS = team_size(DV);
   if (B <= 0) {
-    cudaError_t e = cudaMemsetAsync(d_rows, 0, sizeof(float) * (size_t)n * D,
-                                    stream);
+    cudaError_t e = cudaMemsetAsync(d_rows, 0, sizeof(float) * (size_t)n * D, stream);
     if (e != cudaSuccess) return e;
-    return d_weights == nullptr
-               ? cudaSuccess
-               : cudaMemsetAsync(d_weights, 0, sizeof(float) * (size_t)n, stream);
+    return d_weights == nullptr ? cudaSuccess
+                                : cudaMemsetAsync(d_weights, 0, sizeof(float) * (size_t)n, stream);
   }
   const int nch = (n + kPL - 1) / kPL;
   const int b1 = (int)(((long long)nch * TS + 255) / 256);
-  const int b2 = std::max(1, std::min((int)(((long long)n + 255) / 256),
-                                      num_sms() * 16));
+  const int b2 = std::max(1, std::min((int)(((long long)n + 255) / 256), num_sms() * 16));
   const int bw = (int)(((long long)n * TS + 255) / 256);
   if (v4) {
-    pool_bwd_rows_p1<4><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm,
-                                                inverse, run_offsets, counts,
-                                                n, B, D, TS, d_rows, part);
-    pool_bwd_rows_p2<4><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D,
-                                                part, d_rows);
+    pool_bwd_rows_p1<4><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm, inverse, run_offsets,
+                                                counts, n, B, D, TS, d_rows, part);
+    pool_bwd_rows_p2<4><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D, part, d_rows);
     if (d_weights != nullptr)
-      pool_bwd_weights_kernel<4><<<bw, 256, 0, stream>>>(
-          dout, rows, inverse, bag_ids, perm, n, B, D, TS, d_weights);
+      pool_bwd_weights_kernel<4>
+          <<<bw, 256, 0, stream>>>(dout, rows, inverse, bag_ids, perm, n, B, D, TS, d_weights);
   } else {
-    pool_bwd_rows_p1<1><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm,
-                                                inverse, run_offsets, counts,
-                                                n, B, D, TS, d_rows, part);
-    pool_bwd_rows_p2<1><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D,
-                                                part, d_rows);
+    pool_bwd_rows_p1<1><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm, inverse, run_offsets,
+                                                counts, n, B, D, TS, d_rows, part);
+    pool_bwd_rows_p2<1><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D, part, d_rows);
     if (d_weights != nullptr)
-      pool_bwd_weights_kernel<1><<<bw, 256, 0, stream>>>(
-          dout, rows, inverse, bag_ids, perm, n, B, D, TS, d_weights);
+      pool_bwd_weights_kernel<1>
+          <<<bw, 256, 0, stream>>>(dout, rows, inverse, bag_ids, perm, n, B, D, TS, d_weights);
   }
   return cudaGetLastError();
 }

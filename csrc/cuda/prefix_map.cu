@@ -12,10 +12,8 @@
 namespace flowtt {
 namespace {
 
-__global__ void build_map_kernel(Dev d, const int* __restrict__ uids,
-                                 const int* __restrict__ goffs,
-                                 const int* __restrict__ counts, int n,
-                                 int* __restrict__ map) {
+__global__ void build_map_kernel(Dev d, const int* __restrict__ uids, const int* __restrict__ goffs,
+                                 const int* __restrict__ counts, int n, int* __restrict__ map) {
   const int U = clampi(counts[0], 0, n);
   const int G = clampi(counts[1], 0, U);
   const int stride = gridDim.x * blockDim.x;

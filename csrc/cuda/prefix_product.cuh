@@ -14,9 +14,8 @@ constexpr int kJ = 4;  // columns per lane in warp_compute_P
 // lane) and all q1 rows, so each G2 element read from shared memory feeds
 // q1 FMAs and each (broadcast) G1 element kJ FMAs.
 template <int Q1C>
-__device__ __forceinline__ void warp_compute_P(const Dev& d, const float* G1w,
-                                               const float* G2s, int ld2,
-                                               float* Pw, int lane) {
+__device__ __forceinline__ void warp_compute_P(const Dev& d, const float* G1w, const float* G2s,
+                                               int ld2, float* Pw, int lane) {
   const int Q2R2 = d.q2 * d.r2;
   for (int j0 = 0; j0 < Q2R2; j0 += 32 * kJ) {
     constexpr int NQ1 = Q1C ? Q1C : kQ1Max;
@@ -38,8 +37,7 @@ __device__ __forceinline__ void warp_compute_P(const Dev& d, const float* G1w,
         if (Q1C || q1 < d.q1) {
           const float g1v = G1w[q1 * d.r1 + a];
 #pragma unroll
-          for (int jj = 0; jj < kJ; ++jj)
-            acc[jj][q1] = fmaf(g1v, g2v[jj], acc[jj][q1]);
+          for (int jj = 0; jj < kJ; ++jj) acc[jj][q1] = fmaf(g1v, g2v[jj], acc[jj][q1]);
         }
       }
     }
@@ -61,9 +59,8 @@ __device__ __forceinline__ void warp_compute_P(const Dev& d, const float* G1w,
 // Ps[k][m][b] (m = q1*q2 index, group stride PT) when ldm == 0, else
 // transposed as Ps[k][b][m] with row stride ldm (the forward's layout).
 // As: [r1][ldA], G2s: [r1][ldB].
-__device__ __forceinline__ void tile_gemm_P(const Dev& d, const float* As,
-                                            int ldA, const float* G2s, int ldB,
-                                            int nR, float* Ps, int PT,
+__device__ __forceinline__ void tile_gemm_P(const Dev& d, const float* As, int ldA,
+                                            const float* G2s, int ldB, int nR, float* Ps, int PT,
                                             int ldm = 0) {
   const int NC4 = d.q2 * d.r2 / 4;
   const int nRB = (nR + kRPT - 1) / kRPT;

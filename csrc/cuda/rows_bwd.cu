@@ -35,15 +35,11 @@ constexpr int kKC = 16;  // K rows per dG2 staging chunk of the warp tile kernel
 // sum_k G1[i1_k]^T dP_k (groups in i1 order) with register accumulators.
 template <int Q1C, int MC, int Q3C, int BBC>
 __global__ void __launch_bounds__(kThreads)
-    rows_bwd_tile_kernel(Dev d, const float* __restrict__ g1,
-                         const float* __restrict__ g2,
-                         const float* __restrict__ g3,
-                         const float* __restrict__ d_rows,
-                         const int* __restrict__ uids,
-                         const int* __restrict__ goffs,
-                         const int* __restrict__ counts, int n,
-                         const int* __restrict__ map, int* ctrl,
-                         int* __restrict__ tile_flag, float* __restrict__ Pbuf,
+    rows_bwd_tile_kernel(Dev d, const float* __restrict__ g1, const float* __restrict__ g2,
+                         const float* __restrict__ g3, const float* __restrict__ d_rows,
+                         const int* __restrict__ uids, const int* __restrict__ goffs,
+                         const int* __restrict__ counts, int n, const int* __restrict__ map,
+                         int* ctrl, int* __restrict__ tile_flag, float* __restrict__ Pbuf,
                          float* __restrict__ dPbuf, float* __restrict__ dG1p,
                          float* __restrict__ dG2p, int slots) {
   extern __shared__ float4 smem4[];
@@ -156,8 +152,7 @@ __global__ void __launch_bounds__(kThreads)
               if (Q3C || q < d.q3) {
                 const float dv = __ldg(dr + m * (Q3C ? Q3C : d.q3) + q);
 #pragma unroll
-                for (int bb = 0; bb < NBB; ++bb)
-                  acc[bb][m] = fmaf(dv, g3v[bb][q], acc[bb][m]);
+                for (int bb = 0; bb < NBB; ++bb) acc[bb][m] = fmaf(dv, g3v[bb][q], acc[bb][m]);
               }
             }
           }
@@ -195,8 +190,7 @@ __global__ void __launch_bounds__(kThreads)
               const float gv = g2r[q2 * d.r2 + b];
 #pragma unroll
               for (int q1 = 0; q1 < NQ1; ++q1)
-                if (Q1C || q1 < d.q1)
-                  s1[q1] = fmaf(Pw[(q1 * d.q2 + q2) * d.R2p + b], gv, s1[q1]);
+                if (Q1C || q1 < d.q1) s1[q1] = fmaf(Pw[(q1 * d.q2 + q2) * d.R2p + b], gv, s1[q1]);
             }
           }
           float* o = dG1p + (size_t)g * d.Q1R1;
@@ -247,8 +241,7 @@ __global__ void __launch_bounds__(kThreads)
               for (int ib = 0; ib < kAMax / 16; ++ib) {
                 if (ib * 16 + 16 <= NA && a0 + ib * 16 + 16 <= d.r1) {
 #pragma unroll
-                  for (int i = ib * 16; i < ib * 16 + 16; ++i)
-                    c[i] = fmaf(ar[i], bv, c[i]);
+                  for (int i = ib * 16; i < ib * 16 + 16; ++i) c[i] = fmaf(ar[i], bv, c[i]);
                 } else if (ib * 16 < NA) {
 #pragma unroll
                   for (int i = ib * 16; i < ib * 16 + 16; ++i)
@@ -294,24 +287,19 @@ __host__ __device__ inline BwdGeo bwd_geo(const Dev& d, int GB) {
   g.ldA = (GB * d.q1 + kRPT - 1) / kRPT * kRPT;
   g.ldG2 = NC + 4;  // a-strided reads of the dG1 pass hit different banks
   g.PT = d.M * d.r2 + 4;
-  g.smem_bytes = (int)sizeof(float) *
-                 (d.r1 * g.ldG2 + d.r1 * NC + d.r1 * g.ldA + GB * g.PT);
+  g.smem_bytes = (int)sizeof(float) * (d.r1 * g.ldG2 + d.r1 * NC + d.r1 * g.ldA + GB * g.PT);
   return g;
 }
 
 template <int M, int Q3>
 __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
     rows_bwd_gemm_kernel(Dev d, BwdGeo geo, const float* __restrict__ g1,
-                         const float* __restrict__ g2,
-                         const float* __restrict__ g3,
-                         const float* __restrict__ d_rows,
-                         const int* __restrict__ uids,
-                         const int* __restrict__ goffs,
-                         const int* __restrict__ counts, int n,
-                         const int* __restrict__ map, int* ctrl,
-                         int* __restrict__ tile_flag, float* __restrict__ Pbuf,
-                         float* __restrict__ dG1p, float* __restrict__ dG2p,
-                         int slots) {
+                         const float* __restrict__ g2, const float* __restrict__ g3,
+                         const float* __restrict__ d_rows, const int* __restrict__ uids,
+                         const int* __restrict__ goffs, const int* __restrict__ counts, int n,
+                         const int* __restrict__ map, int* ctrl, int* __restrict__ tile_flag,
+                         float* __restrict__ Pbuf, float* __restrict__ dG1p,
+                         float* __restrict__ dG2p, int slots) {
   constexpr int MB2 = (32 / Q3) < M ? (32 / Q3) : M;  // rows m per dP item
   constexpr int NMB2 = M / MB2;
   extern __shared__ float4 smem4[];
@@ -380,8 +368,7 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
       for (int i = tid; i < nB * d.Q1R1; i += kGT) {  // rows fastest: no bank conflicts
         const int a = i / nR, row = i - a * nR;
         const int k = row / d.q1, q1 = row - k * d.q1;
-        As[a * geo.ldA + row] =
-            __ldg(g1 + (size_t)(i1b + s_k[k0 + k]) * d.Q1R1 + q1 * d.r1 + a);
+        As[a * geo.ldA + row] = __ldg(g1 + (size_t)(i1b + s_k[k0 + k]) * d.Q1R1 + q1 * d.r1 + a);
       }
       __syncthreads();
       tile_gemm_P(d, As, geo.ldA, G2s, geo.ldG2, nR, PD, geo.PT);
@@ -412,20 +399,25 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
           for (int u = gs; u < ge; ++u) {
             const int id = id_next;
             if (u + 1 < ge) id_next = __ldg(uids + u + 1);
-            const float4* dr4 = reinterpret_cast<const float4*>(
-                d_rows + (size_t)u * d.D + m0 * Q3);
-            const float4* g34 = reinterpret_cast<const float4*>(
-                g3 + ((size_t)id3(d, id) * d.r2 + b0) * Q3);
+            const float4* dr4 = reinterpret_cast<const float4*>(d_rows + (size_t)u * d.D + m0 * Q3);
+            const float4* g34 =
+                reinterpret_cast<const float4*>(g3 + ((size_t)id3(d, id) * d.r2 + b0) * Q3);
             float dr[MB2 * Q3], gv[4 * Q3];
 #pragma unroll
             for (int i = 0; i < MB2 * Q3 / 4; ++i) {
               const float4 v = __ldg(dr4 + i);
-              dr[4 * i] = v.x; dr[4 * i + 1] = v.y; dr[4 * i + 2] = v.z; dr[4 * i + 3] = v.w;
+              dr[4 * i] = v.x;
+              dr[4 * i + 1] = v.y;
+              dr[4 * i + 2] = v.z;
+              dr[4 * i + 3] = v.w;
             }
 #pragma unroll
             for (int i = 0; i < Q3; ++i) {
               const float4 v = __ldg(g34 + i);
-              gv[4 * i] = v.x; gv[4 * i + 1] = v.y; gv[4 * i + 2] = v.z; gv[4 * i + 3] = v.w;
+              gv[4 * i] = v.x;
+              gv[4 * i + 1] = v.y;
+              gv[4 * i + 2] = v.z;
+              gv[4 * i + 3] = v.w;
             }
 #pragma unroll
             for (int i = 0; i < MB2; ++i)
@@ -491,8 +483,7 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
         for (int k = 0; k < nB; ++k) {
           for (int q1 = 0; q1 < d.q1; ++q1) {
             const int row = k * d.q1 + q1;
-            const float4 p =
-                *reinterpret_cast<const float4*>(PD + k * geo.PT + q1 * NC + 4 * j4);
+            const float4 p = *reinterpret_cast<const float4*>(PD + k * geo.PT + q1 * NC + 4 * j4);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
               const float av = As[(ab * 4 + i) * geo.ldA + row];
@@ -507,7 +498,10 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
         for (int i = 0; i < 4; ++i) {
           float4* o = reinterpret_cast<float4*>(dG2s + (ab * 4 + i) * NC + 4 * j4);
           float4 v = *o;
-          v.x += acc[i][0]; v.y += acc[i][1]; v.z += acc[i][2]; v.w += acc[i][3];
+          v.x += acc[i][0];
+          v.y += acc[i][1];
+          v.z += acc[i][2];
+          v.w += acc[i][3];
           *o = v;
         }
       }
@@ -525,8 +519,7 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
 }
 
 __global__ void dg2_reduce_kernel(Dev d, int nT1, const int* __restrict__ flag,
-                                  const float* __restrict__ dG2p,
-                                  float* __restrict__ dg2) {
+                                  const float* __restrict__ dG2p, float* __restrict__ dg2) {
   const int i2 = blockIdx.y;
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= d.R1Q2R2) return;
@@ -542,9 +535,8 @@ __global__ void dg2_reduce_kernel(Dev d, int nT1, const int* __restrict__ flag,
 // Threads split the group list into S contiguous parts (fixed S), combined
 // in order: deterministic.
 __global__ void dg1_reduce_kernel(Dev d, const int* __restrict__ map,
-                                  const int* __restrict__ counts, int n,
-                                  int slots, const float* __restrict__ dG1p,
-                                  float* __restrict__ dg1) {
+                                  const int* __restrict__ counts, int n, int slots,
+                                  const float* __restrict__ dG1p, float* __restrict__ dg1) {
   extern __shared__ int s_list[];  // p2 ints, then S*Q1R1 floats
   __shared__ int s_cnt;
   const int i1 = blockIdx.x;
@@ -575,8 +567,7 @@ __global__ void dg1_reduce_kernel(Dev d, const int* __restrict__ map,
       const int per = (cnt + S - 1) / S;
       const int jb = s * per, je = min(cnt, jb + per);
 #pragma unroll 8
-      for (int j = jb; j < je; ++j)
-        acc += __ldg(dG1p + (size_t)s_list[j] * d.Q1R1 + e);
+      for (int j = jb; j < je; ++j) acc += __ldg(dG1p + (size_t)s_list[j] * d.Q1R1 + e);
       s_part[s * EW + tid % EW] = acc;
     }
     __syncthreads();
@@ -593,11 +584,9 @@ __global__ void dg1_reduce_kernel(Dev d, const int* __restrict__ map,
 
 size_t bwd_smem(const Dev& d) {
   const int NJ = d.q2 * d.r2;
-  const size_t warps = (size_t)(kThreads / 32) *
-                       (align4(d.Q1R1) + align4(d.M * d.R2p));
+  const size_t warps = (size_t)(kThreads / 32) * (align4(d.Q1R1) + align4(d.M * d.R2p));
   const size_t ab = (size_t)align4(kKC * d.r1) + (size_t)kKC * NJ;
-  return sizeof(float) *
-         ((size_t)align4(d.r1 * (NJ + 1)) + std::max(warps, ab));
+  return sizeof(float) * ((size_t)align4(d.r1 * (NJ + 1)) + std::max(warps, ab));
 }
 
 // Groups per batch of the GEMM backward tile (~110 KB of shared memory if
@@ -610,8 +599,8 @@ int gemm_bwd_batch_groups(const Dev& d) {
   return 0;
 }
 
-cudaError_t launch_rows_bwd_tiles(const Dev& d, const float* g1, const float* g2,
-                                  const float* g3, const float* d_rows, const int* unique_ids,
+cudaError_t launch_rows_bwd_tiles(const Dev& d, const float* g1, const float* g2, const float* g3,
+                                  const float* d_rows, const int* unique_ids,
                                   const int* group_offsets, const int* counts, int n,
                                   const BwdScratch& s, cudaStream_t stream) {
   const int sms = num_sms();
@@ -622,10 +611,9 @@ cudaError_t launch_rows_bwd_tiles(const Dev& d, const float* g1, const float* g2
     GemmShapes::dispatch(
         [&](auto shape) {
           using S = decltype(shape);
-          err = launch_persistent(rows_bwd_gemm_kernel<S::M, S::Q3>, geo.smem_bytes, stream,
-                                  sms, d, geo, g1, g2, g3, d_rows, unique_ids, group_offsets,
-                                  counts, n, s.map, s.ctrl, s.tile_flag, s.Pbuf, s.dG1p,
-                                  s.dG2p, s.slots);
+          err = launch_persistent(rows_bwd_gemm_kernel<S::M, S::Q3>, geo.smem_bytes, stream, sms, d,
+                                  geo, g1, g2, g3, d_rows, unique_ids, group_offsets, counts, n,
+                                  s.map, s.ctrl, s.tile_flag, s.Pbuf, s.dG1p, s.dG2p, s.slots);
         },
         d.M, d.q3);
     return err;
@@ -633,17 +621,16 @@ cudaError_t launch_rows_bwd_tiles(const Dev& d, const float* g1, const float* g2
   const size_t smem = bwd_smem(d);
   auto launch_warp = [&](auto shape) {
     using S = decltype(shape);
-    err = launch_persistent(rows_bwd_tile_kernel<S::Q1, S::M, S::Q3, S::BB>, smem, stream, sms,
-                            d, g1, g2, g3, d_rows, unique_ids, group_offsets, counts, n, s.map,
-                            s.ctrl, s.tile_flag, s.Pbuf, s.dPbuf, s.dG1p, s.dG2p, s.slots);
+    err = launch_persistent(rows_bwd_tile_kernel<S::Q1, S::M, S::Q3, S::BB>, smem, stream, sms, d,
+                            g1, g2, g3, d_rows, unique_ids, group_offsets, counts, n, s.map, s.ctrl,
+                            s.tile_flag, s.Pbuf, s.dPbuf, s.dG1p, s.dG2p, s.slots);
   };
   if (!WarpBwdShapes::dispatch(launch_warp, d.q1, d.M, d.q3, d.r2 > 32 ? 2 : 1))
     launch_warp(WarpBwdGeneric{});
   return err;
 }
 
-cudaError_t launch_dg2_reduce(const Dev& d, const BwdScratch& s, float* dg2,
-                              cudaStream_t stream) {
+cudaError_t launch_dg2_reduce(const Dev& d, const BwdScratch& s, float* dg2, cudaStream_t stream) {
   dim3 grid((d.R1Q2R2 + 255) / 256, d.p2);
   dg2_reduce_kernel<<<grid, 256, 0, stream>>>(d, s.nT1, s.tile_flag, s.dG2p, dg2);
   return cudaGetLastError();
@@ -652,9 +639,9 @@ cudaError_t launch_dg2_reduce(const Dev& d, const BwdScratch& s, float* dg2,
 cudaError_t launch_dg1_reduce(const Dev& d, const BwdScratch& s, const int* counts, int n,
                               float* dg1, cudaStream_t stream) {
   const size_t sm1 = sizeof(int) * align4(d.p2) + sizeof(float) * (size_t)kThreads;
-  cudaError_t err = cudaFuncSetAttribute(dg1_reduce_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)std::max<size_t>(sm1, 48 * 1024));
+  cudaError_t err =
+      cudaFuncSetAttribute(dg1_reduce_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           (int)std::max<size_t>(sm1, 48 * 1024));
   if (err != cudaSuccess) return err;
   dg1_reduce_kernel<<<d.p1, kThreads, sm1, stream>>>(d, s.map, counts, n, s.slots, s.dG1p, dg1);
   return cudaGetLastError();

@@ -40,10 +40,8 @@ namespace {
 // keeps fixed outputs o (all index math hoisted out of the id loop).
 __device__ __forceinline__ void warp_apply_g3(const Dev& d, const float* Pw,
                                               const float* __restrict__ g3,
-                                              const int* __restrict__ uids,
-                                              int ulo, int uhi, int lo,
-                                              float* __restrict__ rows,
-                                              int lane) {
+                                              const int* __restrict__ uids, int ulo, int uhi,
+                                              int lo, float* __restrict__ rows, int lane) {
   const int G3S = d.r2 * d.q3;
   if (d.D <= 32 && (32 % d.D) == 0) {
     const int per = 32 / d.D;
@@ -67,8 +65,7 @@ __device__ __forceinline__ void warp_apply_g3(const Dev& d, const float* Pw,
         const float* g = g3 + (size_t)id3(d, __ldg(uids + u)) * G3S + q;
         float acc = 0.f;
 #pragma unroll 8
-        for (int b = 0; b < d.r2; ++b)
-          acc = fmaf(pr[b], __ldg(g + b * d.q3), acc);
+        for (int b = 0; b < d.r2; ++b) acc = fmaf(pr[b], __ldg(g + b * d.q3), acc);
         rows[(size_t)(u - lo) * d.D + o] = acc;
       }
     }
@@ -80,15 +77,13 @@ __device__ __forceinline__ void warp_apply_g3(const Dev& d, const float* Pw,
 // the (only) group that starts before lo and reaches into the range, else
 // (gs - lo) / kCH + 1 (distinct: large groups start > kCH apart). Slots
 // needed: (hi - lo) / kCH + 2.
-__device__ __forceinline__ int ckpt_slot(int gs, int lo) {
-  return max(gs - lo + kCH, 0) / kCH;
-}
+__device__ __forceinline__ int ckpt_slot(int gs, int lo) { return max(gs - lo + kCH, 0) / kCH; }
 
 // Tiles [t_lo, t_hi) of the forward kernels that can hold groups of the
 // unique range [lo, end) (tile t = i1 block t / p2, column t % p2): the i1
 // blocks from the range's first to its last unique id.
-__device__ __forceinline__ void range_tiles(const Dev& d, const int* __restrict__ uids,
-                                            int lo, int end, int& t_lo, int& t_hi) {
+__device__ __forceinline__ void range_tiles(const Dev& d, const int* __restrict__ uids, int lo,
+                                            int end, int& t_lo, int& t_hi) {
   int a1, a2, a3, b1, b2, b3;
   split_id(d, uids[lo], a1, a2, a3);
   split_id(d, uids[end - 1], b1, b2, b3);
@@ -104,11 +99,11 @@ __device__ __forceinline__ void range_tiles(const Dev& d, const int* __restrict_
 // are exhausted, 0 when the chunk has no tail (or the plan is inconsistent),
 // else 1 after waiting for the group's checkpoint flag (slot = its
 // checkpoint slot).
-__device__ __forceinline__ int claim_chunk_tail(
-    const Dev& d, int* counter, int lo, int end, int U, int G,
-    const int* __restrict__ goffs, const int* __restrict__ uids,
-    const int* __restrict__ map, int* flags, int lane, int& a, int& bnd,
-    int& slot) {
+__device__ __forceinline__ int claim_chunk_tail(const Dev& d, int* counter, int lo, int end, int U,
+                                                int G, const int* __restrict__ goffs,
+                                                const int* __restrict__ uids,
+                                                const int* __restrict__ map, int* flags, int lane,
+                                                int& a, int& bnd, int& slot) {
   int c = 0;
   if (lane == 0) c = claim_tile(counter);
   c = lo / kCH + __shfl_sync(0xffffffffu, c, 0);
@@ -138,19 +133,16 @@ __device__ __forceinline__ int claim_chunk_tail(
 // range per chunk of its rows buffer).
 template <int Q1C>
 __global__ void __launch_bounds__(kThreads)
-    rows_fwd_kernel(Dev d, const float* __restrict__ g1,
-                    const float* __restrict__ g2, const float* __restrict__ g3,
-                    const int* __restrict__ uids,
-                    const int* __restrict__ goffs,
-                    const int* __restrict__ counts, int n, int lo, int hi,
-                    const int* __restrict__ map, int* ctrl, int* flags,
-                    float* ckpt, float* __restrict__ rows) {
+    rows_fwd_kernel(Dev d, const float* __restrict__ g1, const float* __restrict__ g2,
+                    const float* __restrict__ g3, const int* __restrict__ uids,
+                    const int* __restrict__ goffs, const int* __restrict__ counts, int n, int lo,
+                    int hi, const int* __restrict__ map, int* ctrl, int* flags, float* ckpt,
+                    float* __restrict__ rows) {
   extern __shared__ float4 smem4[];
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   float* G2s = reinterpret_cast<float*>(smem4);
-  float* G1w = G2s + align4(d.R1Q2R2) +
-               warp * (align4(d.Q1R1) + align4(d.M * d.R2p));
+  float* G1w = G2s + align4(d.R1Q2R2) + warp * (align4(d.Q1R1) + align4(d.M * d.R2p));
   float* Pw = G1w + align4(d.Q1R1);
   __shared__ int s_item;
   __shared__ int s_g[kT1F];
@@ -204,8 +196,7 @@ __global__ void __launch_bounds__(kThreads)
         __syncwarp();
         if (lane == 0) atomicExch(flags + slot, 1);
       }
-      warp_apply_g3(d, Pw, g3, uids, max(gs, lo), min(gs + min(sz, kCH), end), lo, rows,
-                    lane);
+      warp_apply_g3(d, Pw, g3, uids, max(gs, lo), min(gs + min(sz, kCH), end), lo, rows, lane);
       __syncwarp();
     }
     __syncthreads();
@@ -214,8 +205,8 @@ __global__ void __launch_bounds__(kThreads)
   // ---- phase 2: tails of large groups, a warp per chunk ----
   for (;;) {
     int a, bnd, slot;
-    const int got = claim_chunk_tail(d, ctrl + 1, lo, end, U, G, goffs, uids, map, flags, lane,
-                                     a, bnd, slot);
+    const int got =
+        claim_chunk_tail(d, ctrl + 1, lo, end, U, G, goffs, uids, map, flags, lane, a, bnd, slot);
     if (got < 0) break;
     if (got == 0) continue;
     const float* ck = ckpt + (size_t)slot * d.PSZ;
@@ -270,8 +261,7 @@ __host__ __device__ inline TileGeo tile_geo(const Dev& d, int GB) {
   g.ldA = (GB * d.q1 + kRPT - 1) / kRPT * kRPT;
   g.PT = d.r2 * (d.M + 4);  // [b][m], row stride M + 4
   g.ps_floats = GB * g.PT;  // the chunk phase: P of one warp per PT (min(GB, 8) warps)
-  g.smem_bytes = (int)sizeof(float) *
-                 (d.r1 * d.q2 * d.r2 + d.r1 * g.ldA + g.ps_floats);
+  g.smem_bytes = (int)sizeof(float) * (d.r1 * d.q2 * d.r2 + d.r1 * g.ldA + g.ps_floats);
   return g;
 }
 
@@ -280,7 +270,8 @@ __host__ __device__ inline TileGeo tile_geo(const Dev& d, int GB) {
 __device__ __forceinline__ float select(bool c, float a, float b) {
   float r;
   asm("{\n\t.reg .pred p;\n\tsetp.ne.s32 p, %3, 0;\n\tselp.f32 %0, %1, %2, p;\n\t}"
-      : "=f"(r) : "f"(a), "f"(b), "r"((int)c));
+      : "=f"(r)
+      : "f"(a), "f"(b), "r"((int)c));
   return r;
 }
 
@@ -289,9 +280,8 @@ __device__ __forceinline__ float select(bool c, float a, float b) {
 // in the warp). Fixed order: bitwise reproducible.
 template <int M, int Q3>
 __device__ __forceinline__ void apply_team(const Dev& d, const float* Pt,
-                                           const float* __restrict__ g3,
-                                           int id, int t, unsigned tmask,
-                                           float* __restrict__ out) {
+                                           const float* __restrict__ g3, int id, int t,
+                                           unsigned tmask, float* __restrict__ out) {
   using A = Team<M, Q3>;
   const int qh = t % A::QH, tb = (t / A::QH) % A::TB, ms = t / (A::QH * A::TB);
   float acc[A::Mm][4];
@@ -343,13 +333,11 @@ __device__ __forceinline__ void apply_team(const Dev& d, const float* Pt,
 template <int M, int Q3>
 __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
     rows_fwd_gemm_kernel(Dev d, TileGeo geo, const float* __restrict__ g1,
-                         const float* __restrict__ g2,
-                         const float* __restrict__ g3,
-                         const int* __restrict__ uids,
-                         const int* __restrict__ goffs,
+                         const float* __restrict__ g2, const float* __restrict__ g3,
+                         const int* __restrict__ uids, const int* __restrict__ goffs,
                          const int* __restrict__ counts, int n, int lo, int hi,
-                         const int* __restrict__ map, int* ctrl, int* flags,
-                         float* ckpt, float* __restrict__ rows) {
+                         const int* __restrict__ map, int* ctrl, int* flags, float* ckpt,
+                         float* __restrict__ rows) {
   using A = Team<M, Q3>;
   extern __shared__ float4 smem4[];
   const int NC = d.q2 * d.r2;
@@ -358,7 +346,7 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
   float* Ps = As + d.r1 * geo.ldA;               // [GB][PT]
   __shared__ int s_next, s_n, s_w;
   __shared__ int s_k[kT1F], s_gs[kT1F], s_big[kT1F], s_sz[kT1F];
-  __shared__ int s_pref[kT1F + 1];  // exclusive scan of the batch's sizes
+  __shared__ int s_pref[kT1F + 1];         // exclusive scan of the batch's sizes
   __shared__ int s_rowoff[kT1F * kQ1Max];  // G1 offset of each batch row
   const int tid = threadIdx.x, lane = tid & 31;
   const int U = clampi(counts[0], 0, n);
@@ -368,8 +356,7 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
   int t_lo, t_hi;
   range_tiles(d, uids, lo, end, t_lo, t_hi);
   const int team = tid / A::T, nTeams = kGT / A::T, tl = tid % A::T;
-  const unsigned tmask =
-      A::T == 32 ? 0xffffffffu : ((1u << A::T) - 1u) << (lane & ~(A::T - 1));
+  const unsigned tmask = A::T == 32 ? 0xffffffffu : ((1u << A::T) - 1u) << (lane & ~(A::T - 1));
 
   if (tid == 0) s_next = claim_tile(ctrl, t_lo);
   for (;;) {
@@ -429,7 +416,11 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
         int a = tid / nR, row = tid - a * nR;
         const int da = kGT / nR, drow = kGT - da * nR;
         for (; a < d.r1; a += da, row += drow) {
-          if (row >= nR) { row -= nR; ++a; if (a >= d.r1) break; }
+          if (row >= nR) {
+            row -= nR;
+            ++a;
+            if (a >= d.r1) break;
+          }
           As[a * geo.ldA + row] = __ldg(g1 + s_rowoff[row] + a);
         }
       }
@@ -470,8 +461,7 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
           locate(uq + nTeams, kn, un);
           idn = __ldg(uids + un);
         }
-        apply_team<M, Q3>(d, Ps + k * geo.PT, g3, id, tl, tmask,
-                          rows + (size_t)(u - lo) * d.D);
+        apply_team<M, Q3>(d, Ps + k * geo.PT, g3, id, tl, tmask, rows + (size_t)(u - lo) * d.D);
         k = kn, u = un, id = idn;
       }
       __syncthreads();
@@ -486,8 +476,8 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
   float* Pw = Ps + warp * geo.PT;
   for (;;) {
     int a, bnd, slot;
-    const int got = claim_chunk_tail(d, ctrl + 1, lo, end, U, G, goffs, uids, map, flags, lane,
-                                     a, bnd, slot);
+    const int got =
+        claim_chunk_tail(d, ctrl + 1, lo, end, U, G, goffs, uids, map, flags, lane, a, bnd, slot);
     if (got < 0) break;
     if (got == 0) continue;
     const float* ck = ckpt + (size_t)slot * d.PSZ;
@@ -514,15 +504,13 @@ int gemm_batch_groups(const Dev& d) {
 
 size_t fwd_smem(const Dev& d) {
   return sizeof(float) *
-         (size_t)(align4(d.R1Q2R2) +
-                  (kThreads / 32) * (align4(d.Q1R1) + align4(d.M * d.R2p)));
+         (size_t)(align4(d.R1Q2R2) + (kThreads / 32) * (align4(d.Q1R1) + align4(d.M * d.R2p)));
 }
 
-cudaError_t launch_rows_fwd_range(const Dev& d, const float* g1, const float* g2,
-                                  const float* g3, const int* unique_ids,
-                                  const int* group_offsets, const int* counts, int n,
-                                  int lo, int range, const FwdScratch& s, int p, float* rows,
-                                  cudaStream_t stream) {
+cudaError_t launch_rows_fwd_range(const Dev& d, const float* g1, const float* g2, const float* g3,
+                                  const int* unique_ids, const int* group_offsets,
+                                  const int* counts, int n, int lo, int range, const FwdScratch& s,
+                                  int p, float* rows, cudaStream_t stream) {
   int* ctrl = s.pass_ctrl(p);
   int* flags = ctrl + 2;
   const int sms = num_sms();
@@ -533,18 +521,17 @@ cudaError_t launch_rows_fwd_range(const Dev& d, const float* g1, const float* g2
     const TileGeo geo = tile_geo(d, GB);
     auto launch_gemm = [&](auto shape) {
       using S = decltype(shape);
-      err = launch_persistent(rows_fwd_gemm_kernel<S::M, S::Q3>, geo.smem_bytes, stream, sms,
-                              d, geo, g1, g2, g3, unique_ids, group_offsets, counts, n, lo, hi,
-                              s.map, ctrl, flags, s.ckpt, rows);
+      err = launch_persistent(rows_fwd_gemm_kernel<S::M, S::Q3>, geo.smem_bytes, stream, sms, d,
+                              geo, g1, g2, g3, unique_ids, group_offsets, counts, n, lo, hi, s.map,
+                              ctrl, flags, s.ckpt, rows);
     };
     if (GemmShapes::dispatch(launch_gemm, d.M, d.q3)) return err;
   }
   const size_t smem = fwd_smem(d);
   auto launch_warp = [&](auto shape) {
     using S = decltype(shape);
-    err = launch_persistent(rows_fwd_kernel<S::Q1>, smem, stream, sms, d, g1, g2, g3,
-                            unique_ids, group_offsets, counts, n, lo, hi, s.map, ctrl, flags,
-                            s.ckpt, rows);
+    err = launch_persistent(rows_fwd_kernel<S::Q1>, smem, stream, sms, d, g1, g2, g3, unique_ids,
+                            group_offsets, counts, n, lo, hi, s.map, ctrl, flags, s.ckpt, rows);
   };
   if (!WarpFwdShapes::dispatch(launch_warp, d.q1)) launch_warp(WarpFwdGeneric{});
   return err;

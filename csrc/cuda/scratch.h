@@ -28,7 +28,13 @@ struct Bump {
 // one memset), one checkpoint buffer, plus `buf_rows` rows of D floats (the fused
 // forward's rows buffer; 0 otherwise).
 struct FwdScratch {
-  int* map; int* ctrl; float* ckpt; float* rows; size_t bytes; int nslots; int passes;
+  int* map;
+  int* ctrl;
+  float* ckpt;
+  float* rows;
+  size_t bytes;
+  int nslots;
+  int passes;
   int* pass_ctrl(int p) const { return ctrl + (size_t)p * (2 + nslots); }  // flags at +2
   size_t ctrl_bytes() const { return sizeof(int) * (size_t)passes * (2 + nslots); }
 };
@@ -43,11 +49,25 @@ int bag_chunk(int n, long long chunk_rows);
 // tile the dG2 partial, the dG3 pass's sort keys/values, group of each unique id and
 // per (i3, part) partials, and cub's sort storage.
 struct BwdScratch {
-  int* map; int* ctrl; int* tile_flag; float* Pbuf; float* dPbuf; float* dG1p;
+  int* map;
+  int* ctrl;
+  int* tile_flag;
+  float* Pbuf;
+  float* dPbuf;
+  float* dG1p;
   float* dG2p;
-  int* ug; int* keys_in; int* keys_out; int* vals_in; int* vals_out;
+  int* ug;
+  int* keys_in;
+  int* keys_out;
+  int* vals_in;
+  int* vals_out;
   float* dg3p;
-  void* cub_tmp; size_t cub_bytes; size_t bytes; int slots; int nT1; int nTiles;
+  void* cub_tmp;
+  size_t cub_bytes;
+  size_t bytes;
+  int slots;
+  int nT1;
+  int nTiles;
 };
 BwdScratch bwd_layout(const Dev& d, int n, void* base);
 

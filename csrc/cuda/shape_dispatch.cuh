@@ -30,8 +30,8 @@ struct GemmShape {
   static constexpr int M = M_, Q3 = Q3_;
   static bool matches(int m, int q3) { return m == M && q3 == Q3; }
 };
-using GemmShapes = ShapeTable<GemmShape<4, 4>, GemmShape<8, 4>, GemmShape<16, 4>,
-                              GemmShape<4, 8>, GemmShape<8, 8>, GemmShape<16, 8>>;
+using GemmShapes = ShapeTable<GemmShape<4, 4>, GemmShape<8, 4>, GemmShape<16, 4>, GemmShape<4, 8>,
+                              GemmShape<8, 8>, GemmShape<16, 8>>;
 
 // The dims the GEMM tile kernels (forward and backward) take.
 inline bool gemm_dims(const Dev& d) { return GemmShapes::contains(d.M, d.q3) && d.r2 % 4 == 0; }

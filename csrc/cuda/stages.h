@@ -22,11 +22,10 @@ cudaError_t launch_build_map(const Dev& d, const int* unique_ids, const int* gro
 size_t fwd_smem(const Dev& d);
 // Rows of the unique range [lo, lo + range) into rows[u - lo] (after
 // launch_build_map), with pass p's counters and flags: one launch.
-cudaError_t launch_rows_fwd_range(const Dev& d, const float* g1, const float* g2,
-                                  const float* g3, const int* unique_ids,
-                                  const int* group_offsets, const int* counts, int n, int lo,
-                                  int range, const FwdScratch& s, int p, float* rows,
-                                  cudaStream_t stream);
+cudaError_t launch_rows_fwd_range(const Dev& d, const float* g1, const float* g2, const float* g3,
+                                  const int* unique_ids, const int* group_offsets,
+                                  const int* counts, int n, int lo, int range, const FwdScratch& s,
+                                  int p, float* rows, cudaStream_t stream);
 
 // ---- cuda/rows_bwd.cu ----
 // Shared memory of the backward warp tile kernel.
@@ -36,13 +35,12 @@ size_t bwd_smem(const Dev& d);
 int gemm_bwd_batch_groups(const Dev& d);
 // Tile kernel: P of every group (s.Pbuf), its dG1 partial (s.dG1p), each tile's dG2
 // partial (s.dG2p, s.tile_flag).
-cudaError_t launch_rows_bwd_tiles(const Dev& d, const float* g1, const float* g2,
-                                  const float* g3, const float* d_rows, const int* unique_ids,
+cudaError_t launch_rows_bwd_tiles(const Dev& d, const float* g1, const float* g2, const float* g3,
+                                  const float* d_rows, const int* unique_ids,
                                   const int* group_offsets, const int* counts, int n,
                                   const BwdScratch& s, cudaStream_t stream);
 // dG2[i2] = sum of the tile partials, i1 blocks in order.
-cudaError_t launch_dg2_reduce(const Dev& d, const BwdScratch& s, float* dg2,
-                              cudaStream_t stream);
+cudaError_t launch_dg2_reduce(const Dev& d, const BwdScratch& s, float* dg2, cudaStream_t stream);
 // dG1[i1] = sum of the group partials of i1, i2 ascending.
 cudaError_t launch_dg1_reduce(const Dev& d, const BwdScratch& s, const int* counts, int n,
                               float* dg1, cudaStream_t stream);
@@ -56,15 +54,14 @@ cudaError_t launch_dg3_keys(const Dev& d, const int* unique_ids, const int* coun
 // Stable radix sort of the keys (cub).
 cudaError_t launch_dg3_sort(const Dev& d, int n, const BwdScratch& s, cudaStream_t stream);
 // dG3 from the sorted ids: bucket bounds, per (i3, part) partials, parts summed in order.
-cudaError_t launch_dg3(const Dev& d, const float* d_rows, int n, const BwdScratch& s,
-                       float* dg3, cudaStream_t stream);
+cudaError_t launch_dg3(const Dev& d, const float* d_rows, int n, const BwdScratch& s, float* dg3,
+                       cudaStream_t stream);
 
 // ---- cuda/pool.cu ----
 // Pooling of the unique rows [lo, hi) (hi capped at num_unique when counts is given)
 // held in rows[idx - lo]; accumulate: add to out (later chunks of flowtt_bag_fwd).
 cudaError_t launch_pool_fwd(const float* rows, const int* inverse, const float* weights,
                             const int* bag_offsets, int n, int B, int D, int lo, int hi,
-                            const int* counts, bool accumulate, float* out,
-                            cudaStream_t stream);
+                            const int* counts, bool accumulate, float* out, cudaStream_t stream);
 
 }  // namespace flowtt
