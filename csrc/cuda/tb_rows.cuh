@@ -1,14 +1,16 @@
-// Device helpers of the table-batched rows kernels (cuda/tb_rows.cu). Every plan index
-// read is clamped into its core or range: a bad plan gives wrong numbers, never an
-// out-of-bounds access.
+// Device helpers of the table-batched rows kernels (cuda/tb_rows_kernels.cuh). Every
+// plan index read is clamped into its core or range: a bad plan gives wrong numbers,
+// never an out-of-bounds access. No CUDA header included (nvcc provides the built-ins;
+// cuda/tb_emu.h provides them for the CPU emulation test).
 #pragma once
-
-#include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda/tb_rows.h"
+// A kernel's dynamic shared memory (float4-aligned); the emulation test redefines it.
+#ifndef TB_DYNAMIC_SMEM
+#define TB_DYNAMIC_SMEM(name) extern __shared__ float4 name[]
+#endif
 
 namespace flowtt::tb {
 
@@ -31,23 +33,35 @@ struct TbDev {
   int ldP;   // row stride of P in shared memory: r2 + 1 (no bank conflicts across m)
 };
 
-inline TbDev tb_dev(const TbDims& t) {
+template <typename Dims>  // TbDims (cuda/tb_rows.h) or any struct with those fields
+inline TbDev tb_dev(const Dims& t) {
   TbDev d;
-  d.P1 = t.P1; d.P2 = t.P2; d.P3 = t.P3;
-  d.q1 = t.q1; d.q2 = t.q2; d.q3 = t.q3;
-  d.r1 = t.r1; d.r2 = t.r2;
-  d.K = t.q2 * t.r2;
-  d.M = t.q1 * t.q2;
-  d.D = d.M * t.q3;
-  d.Q1R1 = t.q1 * t.r1;
-  d.R1K = t.r1 * d.K;
-  d.PSZ = d.M * t.r2;
-  d.S3 = t.r2 * t.q3;
-  d.ldP = t.r2 + 1;
+  d.P1 = (int)t.P1; d.P2 = (int)t.P2; d.P3 = (int)t.P3;
+  d.q1 = (int)t.q1; d.q2 = (int)t.q2; d.q3 = (int)t.q3;
+  d.r1 = (int)t.r1; d.r2 = (int)t.r2;
+  d.K = d.q2 * d.r2;
+  d.M = d.q1 * d.q2;
+  d.D = d.M * d.q3;
+  d.Q1R1 = d.q1 * d.r1;
+  d.R1K = d.r1 * d.K;
+  d.PSZ = d.M * d.r2;
+  d.S3 = d.r2 * d.q3;
+  d.ldP = d.r2 + 1;
   return d;
 }
 
 __host__ __device__ inline int tb_align4(int x) { return (x + 3) & ~3; }
+
+// Dynamic shared memory of the kernels: the per-warp slices (g1 row, P) of the forward
+// and dg3 kernels; dP of a batch (dg1); the g2 row, g1 rows and dP of a batch (dg2).
+inline size_t tb_warp_slices_bytes(const TbDev& d) {
+  return sizeof(float) * kTbWarps * (size_t)(tb_align4(d.Q1R1) + tb_align4(d.M * d.ldP));
+}
+inline size_t tb_dg1_smem(const TbDev& d) { return sizeof(float) * (size_t)kTbBatch * d.PSZ; }
+inline size_t tb_dg2_smem(const TbDev& d) {
+  return sizeof(float) *
+         ((size_t)tb_align4(d.R1K) + (size_t)kTbBatch * (tb_align4(d.Q1R1) + d.PSZ));
+}
 
 __device__ __forceinline__ int tb_clamp(int v, int lo, int hi) {
   return v < lo ? lo : (v > hi ? hi : v);

@@ -1,0 +1,418 @@
+// Table-batched rows kernels (sm_90), docs/batched_contract.md, launched by
+// cuda/tb_rows.cu (and on the CPU by the emulation test cuda/tb_rows_emu_test.cc). The
+// kernels see packed core rows only (u_i3, g_i1, g_i2 from the plan), never tables: one
+// launch per stage serves every table of a shape group.
+//
+// Forward (flowtt_tb_rows_fwd), one persistent kernel: warps steal chunks of kTbChunk
+// consecutive unique indices from an atomic counter; a warp walks the groups overlapping
+// its chunk (the first by binary search in group_offsets), forms each group's prefix
+// product P = g1[g_i1] . g2[g_i2] in its shared-memory slice and writes the rows of the
+// chunk's unique indices of that group. A group longer than a chunk is split across
+// chunks (its P recomputed per chunk), so any skew balances.
+//
+// Backward (flowtt_tb_rows_bwd), in the contract's summation order, no float atomics:
+//   prep: sort keys (g_i2 of each group) and ug[u] (the group of each unique index);
+//   cub radix sort of (g_i2, g) and bucket bounds of each packed g2 row; bounds of each
+//   g1 row over g_i1 (non-decreasing in g); cub radix sort of (u_i3, u) and bounds of
+//   each g3 row. Then one persistent kernel per core, work stealing over its packed rows
+//   (a row no group touches is written 0):
+//   dg1[I]: for the groups of I in ascending g, in batches of kTbBatch: dP_g by the
+//     block (a thread per element, u ascending), then dP_g . g2[g_i2]^T (8 threads per
+//     output, fixed shuffle tree) added to the row's accumulators;
+//   dg2[I]: the same over the groups sorted by g_i2 (stable: ascending g), adding
+//     g1[g_i1]^T . dP_g into the row kept in shared memory (4x4 tiles per thread);
+//   dg3[I]: for the unique indices of I in ascending u, 8 at a time: a warp per u forms
+//     P of its group, then each output element adds P^T . d_rows[u] in u order.
+#pragma once
+
+#include "cuda/tb_rows.cuh"
+
+namespace flowtt::tb {
+namespace {  // internal linkage: one copy per including file
+
+// ------------------------------- forward -------------------------------------------
+
+template <int Q1C, int VEC>
+__global__ void __launch_bounds__(kTbThreads)
+    tb_fwd_kernel(TbDev d, const float* __restrict__ g1, const float* __restrict__ g2,
+                  const float* __restrict__ g3, const int* __restrict__ u_i3,
+                  const int* __restrict__ g_i1, const int* __restrict__ g_i2,
+                  const int* __restrict__ goffs, const int* __restrict__ counts, int n,
+                  int* ctr, float* __restrict__ rows) {
+  TB_DYNAMIC_SMEM(tb_smem4);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* G1s = reinterpret_cast<float*>(tb_smem4) +
+               warp * (tb_align4(d.Q1R1) + tb_align4(d.M * d.ldP));
+  float* Pw = G1s + tb_align4(d.Q1R1);
+  int U, G;
+  tb_counts(counts, n, U, G);
+  for (;;) {
+    int c = 0;
+    if (lane == 0) c = atomicAdd(ctr, 1);
+    c = __shfl_sync(0xffffffffu, c, 0);
+    if ((long long)c * kTbChunk >= U) break;
+    const int u0 = c * kTbChunk, u1 = min(u0 + kTbChunk, U);
+    for (int g = tb_find_group(goffs, G, u0); g < G; ++g) {
+      int gs, ge;
+      tb_group_range(goffs, g, U, gs, ge);
+      if (gs >= u1) break;
+      const int a = max(gs, u0), b = min(ge, u1);
+      if (a >= b) continue;
+      tb_warp_load_g1(d, g1, tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1), G1s, lane);
+      __syncwarp();
+      tb_warp_prefix<Q1C, VEC>(d, G1s,
+                               g2 + (size_t)tb_clamp(__ldg(g_i2 + g), 0, d.P2 - 1) * d.R1K,
+                               Pw, lane);
+      __syncwarp();
+      tb_warp_apply(d, Pw, g3, u_i3, a, b, rows, lane);
+      __syncwarp();
+    }
+  }
+}
+
+// ------------------------------- backward: sorts ------------------------------------
+
+// keys[g] = g_i2[g] (P2 past num_groups: sorted last), vals[g] = g; ug[u] = the group
+// of unique index u < num_unique.
+__global__ void tb_prep_kernel(TbDev d, const int* __restrict__ g_i2,
+                               const int* __restrict__ goffs, const int* __restrict__ counts,
+                               int n, int* __restrict__ keys, int* __restrict__ vals,
+                               int* __restrict__ ug) {
+  int U, G;
+  tb_counts(counts, n, U, G);
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
+    keys[j] = j < G ? tb_clamp(g_i2[j], 0, d.P2 - 1) : d.P2;
+    vals[j] = j;
+    if (j < U) ug[j] = tb_find_group(goffs, G, j);
+  }
+}
+
+// keys[u] = u_i3[u] (P3 past num_unique), vals[u] = u.
+__global__ void tb_keys3_kernel(TbDev d, const int* __restrict__ u_i3,
+                                const int* __restrict__ counts, int n, int* __restrict__ keys,
+                                int* __restrict__ vals) {
+  int U, G;
+  tb_counts(counts, n, U, G);
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
+    keys[j] = j < U ? tb_clamp(u_i3[j], 0, d.P3 - 1) : d.P3;
+    vals[j] = j;
+  }
+}
+
+// bounds[k] = the first j in [0, n) with key(j) >= k, for k in [0, P] (n if none), over
+// non-decreasing keys in [0, P]: position j writes the k in (key(j-1), key(j)], position
+// n those in (key(n-1), P]. key(j) = sorted[j] when given, else raw[j] clamped into
+// [0, P) for j < num_groups and P past it (g_i1: non-decreasing for a valid plan).
+__global__ void tb_bounds_kernel(const int* __restrict__ sorted, const int* __restrict__ raw,
+                                 const int* __restrict__ counts, int n, int P,
+                                 int* __restrict__ bounds) {
+  int U, G;
+  tb_counts(counts, n, U, G);
+  auto key = [&](int j) {
+    if (sorted != nullptr) return tb_clamp(sorted[j], 0, P);
+    return j < G ? tb_clamp(raw[j], 0, P - 1) : P;
+  };
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j <= n; j += gridDim.x * blockDim.x) {
+    const int k0 = j == 0 ? -1 : key(j - 1);
+    const int k1 = j == n ? P : key(j);
+    for (int k = k0 + 1; k <= k1; ++k) bounds[k] = j;
+  }
+}
+
+// ------------------------------- backward: dg1 --------------------------------------
+
+// dg1[I] = sum over the groups g of I (bounds1), ascending, of dP_g . g2[g_i2[g]]^T.
+// Threads (a, kp): output column a = tid / 8 (+ 32 per pass), kp = tid % 8 splits the
+// K = q2*r2 terms (float4 quads kp, kp+8, ...); the 8 partials of each (q1, a) are
+// combined by a fixed xor tree, then added to the accumulator of thread kp == 0.
+template <int Q1C, int VEC>
+__global__ void __launch_bounds__(kTbThreads)
+    tb_dg1_kernel(TbDev d, const float* __restrict__ g2, const float* __restrict__ g3,
+                  const float* __restrict__ d_rows, const int* __restrict__ u_i3,
+                  const int* __restrict__ g_i1, const int* __restrict__ g_i2,
+                  const int* __restrict__ goffs, const int* __restrict__ counts, int n,
+                  const int* __restrict__ bounds1, int* ctr, float* __restrict__ dg1) {
+  constexpr int NQ1 = Q1C ? Q1C : kTbQ1Max;
+  constexpr int KP = 8;
+  TB_DYNAMIC_SMEM(tb_smem4);
+  float* dPs = reinterpret_cast<float*>(tb_smem4);  // [kTbBatch][PSZ]
+  __shared__ int s_item, s_gs[kTbBatch], s_ge[kTbBatch], s_i2[kTbBatch], s_ok[kTbBatch];
+  const int tid = threadIdx.x, kp = tid % KP;
+  int U, G;
+  tb_counts(counts, n, U, G);
+  for (;;) {
+    const int I = tb_claim(ctr, &s_item);
+    if (I >= d.P1) break;
+    const int lo = tb_clamp(bounds1[I], 0, G), hi = tb_clamp(bounds1[I + 1], lo, G);
+    float acc[2][NQ1];
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int x1 = 0; x1 < NQ1; ++x1) acc[p][x1] = 0.f;
+    for (int g0 = lo; g0 < hi; g0 += kTbBatch) {
+      const int nb = min(kTbBatch, hi - g0);
+      __syncthreads();  // the previous batch's dPs are read
+      if (tid < nb) {
+        const int g = g0 + tid;
+        tb_group_range(goffs, g, U, s_gs[tid], s_ge[tid]);
+        s_i2[tid] = tb_clamp(__ldg(g_i2 + g), 0, d.P2 - 1);
+        s_ok[tid] = tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1) == I;  // false: a bad plan
+      }
+      __syncthreads();
+      tb_block_dP(d, nb, s_gs, s_ge, u_i3, g3, d_rows, dPs);
+      __syncthreads();
+      for (int k = 0; k < nb; ++k) {
+        if (!s_ok[k]) continue;
+        const float* dp = dPs + k * d.PSZ;
+        const float* g2row = g2 + (size_t)s_i2[k] * d.R1K;
+#pragma unroll
+        for (int pass = 0; pass < 2; ++pass) {
+          if (pass * 32 >= d.r1) break;
+          const int a = pass * 32 + tid / KP;
+          float part[NQ1];
+#pragma unroll
+          for (int x1 = 0; x1 < NQ1; ++x1) part[x1] = 0.f;
+          if (a < d.r1) {
+            const float* gr = g2row + (size_t)a * d.K;
+            if (VEC == 4) {
+              for (int q = kp; q < d.K / 4; q += KP) {
+                const float4 gv = __ldg(reinterpret_cast<const float4*>(gr) + q);
+#pragma unroll
+                for (int x1 = 0; x1 < NQ1; ++x1) {
+                  if (Q1C || x1 < d.q1) {
+                    const float4 dv = reinterpret_cast<const float4*>(dp + x1 * d.K)[q];
+                    float t = fmaf(dv.x, gv.x, part[x1]);
+                    t = fmaf(dv.y, gv.y, t);
+                    t = fmaf(dv.z, gv.z, t);
+                    part[x1] = fmaf(dv.w, gv.w, t);
+                  }
+                }
+              }
+            } else {
+              for (int j = kp; j < d.K; j += KP) {
+                const float gv = __ldg(gr + j);
+#pragma unroll
+                for (int x1 = 0; x1 < NQ1; ++x1)
+                  if (Q1C || x1 < d.q1) part[x1] = fmaf(dp[x1 * d.K + j], gv, part[x1]);
+              }
+            }
+          }
+#pragma unroll
+          for (int x1 = 0; x1 < NQ1; ++x1) {
+            if (Q1C || x1 < d.q1) {
+#pragma unroll
+              for (int off = KP / 2; off > 0; off >>= 1)
+                part[x1] += __shfl_xor_sync(0xffffffffu, part[x1], off);
+              acc[pass][x1] += part[x1];
+            }
+          }
+        }
+      }
+    }
+    if (kp == 0) {
+#pragma unroll
+      for (int pass = 0; pass < 2; ++pass) {
+        const int a = pass * 32 + tid / KP;
+        if (a < d.r1) {
+#pragma unroll
+          for (int x1 = 0; x1 < NQ1; ++x1)
+            if (Q1C || x1 < d.q1) dg1[((size_t)I * d.q1 + x1) * d.r1 + a] = acc[pass][x1];
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------- backward: dg2 --------------------------------------
+
+// dg2[I] = sum over the groups of I in ascending g (sorted_groups[bounds2[I] ..
+// bounds2[I+1]), a stable sort by g_i2) of g1[g_i1[g]]^T . dP_g. The row [r1][K] is
+// accumulated in shared memory, each element owned by one thread: VEC == 4 (r1 and K
+// multiples of 4) 4x4 tiles (a0..a0+3, j0..j0+3) per thread, else single elements.
+template <int VEC>
+__global__ void __launch_bounds__(kTbThreads)
+    tb_dg2_kernel(TbDev d, const float* __restrict__ g1, const float* __restrict__ g3,
+                  const float* __restrict__ d_rows, const int* __restrict__ u_i3,
+                  const int* __restrict__ g_i1, const int* __restrict__ goffs,
+                  const int* __restrict__ counts, int n, const int* __restrict__ bounds2,
+                  const int* __restrict__ sorted_groups, int* ctr, float* __restrict__ dg2) {
+  TB_DYNAMIC_SMEM(tb_smem4);
+  const int ld1 = tb_align4(d.Q1R1);
+  float* acc = reinterpret_cast<float*>(tb_smem4);  // [r1][K]
+  float* G1b = acc + tb_align4(d.R1K);              // [kTbBatch][ld1]
+  float* dPs = G1b + kTbBatch * ld1;                // [kTbBatch][PSZ]
+  __shared__ int s_item, s_gs[kTbBatch], s_ge[kTbBatch], s_i1[kTbBatch];
+  const int tid = threadIdx.x;
+  const int K4 = d.K / 4;
+  const int owned = VEC == 4 ? (d.r1 / 4) * K4 : d.R1K;  // tiles or elements
+  int U, G;
+  tb_counts(counts, n, U, G);
+  const int gmax = max(G - 1, 0);
+  for (;;) {
+    const int I = tb_claim(ctr, &s_item);
+    if (I >= d.P2) break;
+    const int lo = tb_clamp(bounds2[I], 0, n), hi = tb_clamp(bounds2[I + 1], lo, n);
+    for (int t = tid; t < owned; t += kTbThreads) {
+      if (VEC == 4) {
+        const int a0 = 4 * (t / K4), j0 = 4 * (t % K4);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          *reinterpret_cast<float4*>(acc + (a0 + i) * d.K + j0) = make_float4(0.f, 0.f, 0.f, 0.f);
+      } else {
+        acc[t] = 0.f;
+      }
+    }
+    for (int j0 = lo; j0 < hi; j0 += kTbBatch) {
+      const int nb = min(kTbBatch, hi - j0);
+      __syncthreads();  // the previous batch's G1b / dPs are read
+      if (tid < nb) {
+        const int g = tb_clamp(__ldg(sorted_groups + j0 + tid), 0, gmax);
+        tb_group_range(goffs, g, U, s_gs[tid], s_ge[tid]);
+        s_i1[tid] = tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1);
+      }
+      __syncthreads();
+      for (int e = tid; e < nb * d.Q1R1; e += kTbThreads) {
+        const int k = e / d.Q1R1, r = e - k * d.Q1R1;
+        G1b[k * ld1 + r] = __ldg(g1 + (size_t)s_i1[k] * d.Q1R1 + r);
+      }
+      tb_block_dP(d, nb, s_gs, s_ge, u_i3, g3, d_rows, dPs);
+      __syncthreads();
+      for (int t = tid; t < owned; t += kTbThreads) {
+        if (VEC == 4) {
+          const int a0 = 4 * (t / K4), c0 = 4 * (t % K4);
+          float v[4][4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float4 x = *reinterpret_cast<const float4*>(acc + (a0 + i) * d.K + c0);
+            v[i][0] = x.x; v[i][1] = x.y; v[i][2] = x.z; v[i][3] = x.w;
+          }
+          for (int k = 0; k < nb; ++k) {
+            float term[4][4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+              for (int c = 0; c < 4; ++c) term[i][c] = 0.f;
+            for (int x1 = 0; x1 < d.q1; ++x1) {
+              const float4 gv = *reinterpret_cast<const float4*>(G1b + k * ld1 + x1 * d.r1 + a0);
+              const float4 pv = *reinterpret_cast<const float4*>(dPs + k * d.PSZ + x1 * d.K + c0);
+              const float ga[4] = {gv.x, gv.y, gv.z, gv.w};
+              const float pb[4] = {pv.x, pv.y, pv.z, pv.w};
+#pragma unroll
+              for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) term[i][c] = fmaf(ga[i], pb[c], term[i][c]);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+              for (int c = 0; c < 4; ++c) v[i][c] += term[i][c];
+          }
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            *reinterpret_cast<float4*>(acc + (a0 + i) * d.K + c0) =
+                make_float4(v[i][0], v[i][1], v[i][2], v[i][3]);
+        } else {
+          const int a = t / d.K, j = t - a * d.K;
+          float v = acc[t];
+          for (int k = 0; k < nb; ++k) {
+            float term = 0.f;
+            for (int x1 = 0; x1 < d.q1; ++x1)
+              term = fmaf(G1b[k * ld1 + x1 * d.r1 + a], dPs[k * d.PSZ + x1 * d.K + j], term);
+            v += term;
+          }
+          acc[t] = v;
+        }
+      }
+    }
+    float* out = dg2 + (size_t)I * d.R1K;
+    for (int t = tid; t < owned; t += kTbThreads) {
+      if (VEC == 4) {
+        const int a0 = 4 * (t / K4), c0 = 4 * (t % K4);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          *reinterpret_cast<float4*>(out + (a0 + i) * d.K + c0) =
+              *reinterpret_cast<const float4*>(acc + (a0 + i) * d.K + c0);
+      } else {
+        out[t] = acc[t];
+      }
+    }
+  }
+}
+
+// ------------------------------- backward: dg3 --------------------------------------
+
+// dg3[I] = sum over the unique indices u of I in ascending u (sorted_u[bounds3[I] ..
+// bounds3[I+1]), a stable sort by u_i3) of P_{g(u)}^T . d_rows[u]. Per step of 8 ids a
+// warp forms P of one id's group in its slice; then each output element (b, z) (thread
+// tid, tid + 256) adds the 8 terms (each a sum over m ascending) in u order.
+template <int Q1C, int VEC>
+__global__ void __launch_bounds__(kTbThreads)
+    tb_dg3_kernel(TbDev d, const float* __restrict__ g1, const float* __restrict__ g2,
+                  const float* __restrict__ d_rows, const int* __restrict__ g_i1,
+                  const int* __restrict__ g_i2, const int* __restrict__ counts, int n,
+                  const int* __restrict__ bounds3, const int* __restrict__ sorted_u,
+                  const int* __restrict__ ug, int* ctr, float* __restrict__ dg3) {
+  TB_DYNAMIC_SMEM(tb_smem4);
+  float* smem = reinterpret_cast<float*>(tb_smem4);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wsz = tb_align4(d.Q1R1) + tb_align4(d.M * d.ldP);  // per warp: G1 row, P
+  float* G1s = smem + warp * wsz;
+  float* Pw = G1s + tb_align4(d.Q1R1);
+  __shared__ int s_item, s_u[kTbWarps];
+  int U, G;
+  tb_counts(counts, n, U, G);
+  const int gmax = max(G - 1, 0);
+  for (;;) {
+    const int I = tb_claim(ctr, &s_item);
+    if (I >= d.P3) break;
+    const int lo = tb_clamp(bounds3[I], 0, n), hi = tb_clamp(bounds3[I + 1], lo, n);
+    float acc[2] = {0.f, 0.f};  // elements tid, tid + 256 (r2*q3 <= 512)
+    for (int j0 = lo; j0 < hi; j0 += kTbWarps) {
+      const int nb = min(kTbWarps, hi - j0);
+      if (warp < nb) {
+        const int u = tb_clamp(__ldg(sorted_u + j0 + warp), 0, n - 1);
+        const int g = tb_clamp(__ldg(ug + u), 0, gmax);
+        if (lane == 0) s_u[warp] = u;
+        tb_warp_load_g1(d, g1, tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1), G1s, lane);
+        __syncwarp();
+        tb_warp_prefix<Q1C, VEC>(d, G1s,
+                                 g2 + (size_t)tb_clamp(__ldg(g_i2 + g), 0, d.P2 - 1) * d.R1K,
+                                 Pw, lane);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int e = tid + i * kTbThreads;
+        if (e < d.S3) {
+          const int b = e / d.q3, z = e - b * d.q3;
+          float v = acc[i];
+          for (int k = 0; k < nb; ++k) {
+            const float* P = smem + k * wsz + tb_align4(d.Q1R1) + b;
+            const float* dr = d_rows + (size_t)s_u[k] * d.D + z;
+            float c = 0.f;
+            for (int m = 0; m < d.M; ++m) c = fmaf(P[m * d.ldP], __ldg(dr + m * d.q3), c);
+            v += c;
+          }
+          acc[i] = v;
+        }
+      }
+      __syncthreads();  // the slices and s_u are read
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int e = tid + i * kTbThreads;
+      if (e < d.S3) dg3[(size_t)I * d.S3 + e] = acc[i];
+    }
+  }
+}
+
+}  // namespace
+}  // namespace flowtt::tb
+
+// The kernel instance for q1 (register blocking over q1 when q1 is 1, 2, 4 or 8).
+#define TB_BY_Q1(KERNEL, VEC, q1)    \
+  ((q1) == 1   ? &KERNEL<1, VEC>     \
+   : (q1) == 2 ? &KERNEL<2, VEC>     \
+   : (q1) == 4 ? &KERNEL<4, VEC>     \
+   : (q1) == 8 ? &KERNEL<8, VEC>     \
+               : &KERNEL<0, VEC>)
