@@ -18,7 +18,7 @@ the reference), ``"ffi"`` (require them), ``"reference"`` (per-position gathers 
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +27,11 @@ from jax.experimental import checkify
 
 from . import ffi
 from .bag import MODES, canonical_bags
-from .batched_plan import GroupLayout, GroupPlan, make_group_plan, plan_rows
+from .batched_plan import GroupLayout, GroupPlan, make_group_plan
 from .oob import OOB_POLICIES
 from .plan import Plan
 
-__all__ = ["tt_embedding_bag_group", "kernels_unsupported_reason"]
+__all__ = ["tt_embedding_bag_group", "pooled_group", "choose_impl", "kernels_unsupported_reason"]
 
 IMPLS = ("auto", "ffi", "reference")
 _TARGETS = ("flowtt_tb_rows_fwd", "flowtt_tb_rows_bwd")
@@ -84,8 +84,7 @@ def _group_bags_fwd(layout, weighted, packed, weights, ids, tables, offsets, bag
 
 def _group_bags_bwd(layout, weighted, res, dout):
     packed, weights, bag_ids, plan, rows = res
-    single = Plan(plan.perm, plan.inverse, plan.u_i3, plan.run_offsets, plan.group_offsets,
-                      plan.counts)
+    single = Plan(plan.perm, plan.inverse, plan.u_i3, plan.run_offsets, plan.group_offsets, plan.counts)
     d_rows, d_weights = ffi.pool_bwd(dout, rows, weights, bag_ids, single, with_d_weights=weighted)
     d_packed = _rows_bwd(packed, d_rows, plan)
     if d_weights is None:
@@ -129,22 +128,29 @@ def _apply_table_oob(ids, tables, num_rows, policy: str):
     valid = (ids >= 0) & (ids32 < limit) & (ids32 >= 0)
     if policy == "error":
         if isinstance(ids, jax.core.Tracer) or isinstance(valid, jax.core.Tracer):
-            checkify.check(jnp.all(valid), "ids out of range of their tables: found {bad} at {pos}",
-                           bad=ids[jnp.argmin(valid)] if ids.size else 0,
-                           pos=jnp.argmin(valid) if ids.size else 0)
+            checkify.check(
+                jnp.all(valid),
+                "ids out of range of their tables: found {bad} at {pos}",
+                bad=ids[jnp.argmin(valid)] if ids.size else 0,
+                pos=jnp.argmin(valid) if ids.size else 0,
+            )
         else:
             bad = np.flatnonzero(~np.asarray(valid))
             if bad.size:
-                raise ValueError(f"{bad.size} id(s) out of range of their tables, e.g. position "
-                                 f"{bad[0]}: id {np.asarray(ids)[bad[0]]}, table rows "
-                                 f"{np.asarray(limit)[bad[0]]}")
+                raise ValueError(
+                    f"{bad.size} id(s) out of range of their tables, e.g. position "
+                    f"{bad[0]}: id {np.asarray(ids)[bad[0]]}, table rows "
+                    f"{np.asarray(limit)[bad[0]]}"
+                )
     clipped = jnp.clip(ids32, 0, limit - 1)
     if policy == "zero":
         return jnp.where(valid, clipped, 0), valid
     return clipped, None
 
 
-def _choose_impl(impl: str, layout: GroupLayout, dtypes) -> str:
+def choose_impl(impl: str, layout: GroupLayout, dtypes) -> str:
+    """``"ffi"`` or ``"reference"`` for ``impl`` in ``IMPLS`` (``ValueError`` when ``"ffi"``
+    cannot run)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "reference":
@@ -192,26 +198,28 @@ def tt_embedding_bag_group(
     feature_tables = tuple(int(t) for t in feature_tables)
     num_features = len(feature_tables)
     if num_features == 0 or not all(0 <= t < layout.num_tables for t in feature_tables):
-        raise ValueError(f"feature_tables must be table indices in [0, {layout.num_tables}), "
-                         f"got {feature_tables}")
+        raise ValueError(
+            f"feature_tables must be table indices in [0, {layout.num_tables}), got {feature_tables}"
+        )
     offsets = jnp.asarray(offsets)
     if offsets.ndim != 1 or (offsets.shape[0] - 1) % num_features:
-        raise ValueError(f"offsets must be [F*B + 1] with F = {num_features} features, "
-                         f"got shape {offsets.shape}")
+        raise ValueError(
+            f"offsets must be [F*B + 1] with F = {num_features} features, got shape {offsets.shape}"
+        )
     batch = (offsets.shape[0] - 1) // num_features
     modes = _modes(mode, num_features)
-    impl = _choose_impl(impl, layout, [c.dtype for c in packed])
+    impl = choose_impl(impl, layout, [c.dtype for c in packed])
     out_dtype = packed[0].dtype if dtype is None else dtype
     dim = layout.dim
     ids = jnp.asarray(ids)
     if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"ids must be a flat int array [n], got {ids.dtype}{list(ids.shape)}")
-    num_bags = num_features * batch
     if ids.shape[0] == 0 or batch == 0:
         return jnp.zeros((num_features, batch, dim), out_dtype)
 
-    bags = canonical_bags(ids, offsets=offsets, segment_ids=None, num_bags=None, mask=None,
-                          weights=weights, mode="sum")
+    bags = canonical_bags(
+        ids, offsets=offsets, segment_ids=None, num_bags=None, mask=None, weights=weights, mode="sum"
+    )
     feature = bags.bag_ids // batch
     tables = jnp.asarray(feature_tables, jnp.int32)[feature]
     flat, valid = _apply_table_oob(bags.ids, tables, layout.table_arrays()["num_rows"], oob)
@@ -219,15 +227,35 @@ def tt_embedding_bag_group(
     if any(m != "sum" for m in modes):
         lengths = jnp.maximum(jnp.diff(bags.offsets), 1).astype(w.dtype)
         per_bag = np.repeat(np.asarray([MODES.index(m) for m in modes]), batch)
-        scale = jnp.where(per_bag == 1, 1.0 / lengths,
-                          jnp.where(per_bag == 2, jax.lax.rsqrt(lengths), 1.0))
+        scale = jnp.where(per_bag == 1, 1.0 / lengths, jnp.where(per_bag == 2, jax.lax.rsqrt(lengths), 1.0))
         w = w * scale[bags.bag_ids]
 
-    c32 = tuple(c.astype(jnp.promote_types(c.dtype, jnp.float32)) for c in packed)
-    if impl == "reference":
-        out = _reference_bags(layout, c32, w.astype(c32[0].dtype), flat, tables, bags.bag_ids,
-                              num_bags)
-    else:
-        out = _group_bags(layout, weights is not None, c32, w.astype(jnp.float32), flat, tables,
-                          bags.offsets, bags.bag_ids)
+    out = pooled_group(
+        packed, layout, flat, tables, bags.offsets, bags.bag_ids, w, weighted=weights is not None, impl=impl
+    )
     return out.reshape(num_features, batch, dim).astype(out_dtype)
+
+
+def pooled_group(
+    packed: Sequence[jax.Array],
+    layout: GroupLayout,
+    ids: jax.Array,
+    tables: jax.Array,
+    offsets: jax.Array,
+    bag_ids: jax.Array,
+    weights: jax.Array,
+    *,
+    weighted: bool,
+    impl: str,
+) -> jax.Array:
+    """Weighted bag sums ``[num_bags, D]`` (float32, float64 cores stay float64) of
+    prepared inputs: ids [n] int32 in range of their tables [n] int32, valid CSR
+    ``offsets [num_bags + 1]``, ``bag_ids [n]`` in ``[0, num_bags)`` and effective weights
+    [n] (modes and dropped ids folded in); n >= 1. ``weighted`` (static): the weights'
+    gradient is wanted; ``impl``: ``"ffi"`` or ``"reference"`` (as ``_choose_impl`` gives).
+    """
+    c32 = tuple(c.astype(jnp.promote_types(c.dtype, jnp.float32)) for c in packed)
+    num_bags = offsets.shape[0] - 1
+    if impl == "reference":
+        return _reference_bags(layout, c32, weights.astype(c32[0].dtype), ids, tables, bag_ids, num_bags)
+    return _group_bags(layout, weighted, c32, weights.astype(jnp.float32), ids, tables, offsets, bag_ids)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -132,8 +133,9 @@ def _sorted_unique(layout: GroupLayout, ids: jax.Array, tables: jax.Array, sort_
         keys = jnp.asarray(base[:-1], jnp.int32)[tables] + ids
         p = sort_plan(keys, base[-1])
         num_unique = p.counts[0]
-        ut = jnp.searchsorted(jnp.asarray(base[1:-1], jnp.int32), p.unique_ids, side="right",
-                              method="scan_unrolled").astype(jnp.int32)
+        ut = jnp.searchsorted(
+            jnp.asarray(base[1:-1], jnp.int32), p.unique_ids, side="right", method="scan_unrolled"
+        ).astype(jnp.int32)
         uid = p.unique_ids - jnp.asarray(base[:-1], jnp.int32)[ut]
         return p.perm, p.inverse, p.run_offsets, num_unique, ut, uid
     # Keys past int32: two stable sorts (by id, then by table) give the (table, id) order.
@@ -185,15 +187,24 @@ def make_group_plan(layout: GroupLayout, ids: jax.Array, tables: jax.Array, sort
     g_i2 = jnp.where(g_live, meta["o2"][ut[head]] + prefix[head] % p2[head], 0)
     u_i3 = jnp.where(live, meta["o3"][ut] + uid % p3, 0)
     counts = jnp.stack([num_unique, num_groups]).astype(jnp.int32)
-    return GroupPlan(perm, inverse, run_offsets, group_offsets, u_i3.astype(jnp.int32),
-                     g_i1.astype(jnp.int32), g_i2.astype(jnp.int32), counts)
+    return GroupPlan(
+        perm,
+        inverse,
+        run_offsets,
+        group_offsets,
+        u_i3.astype(jnp.int32),
+        g_i1.astype(jnp.int32),
+        g_i2.astype(jnp.int32),
+        counts,
+    )
 
 
 def unique_groups(plan: GroupPlan) -> jax.Array:
     """Prefix group of every unique index [n] int32 (past num_unique: the last group)."""
     n = plan.u_i3.shape[0]
-    g = jnp.searchsorted(plan.group_offsets[1:], jnp.arange(n, dtype=jnp.int32), side="right",
-                         method="scan_unrolled")
+    g = jnp.searchsorted(
+        plan.group_offsets[1:], jnp.arange(n, dtype=jnp.int32), side="right", method="scan_unrolled"
+    )
     return jnp.minimum(g, jnp.maximum(plan.counts[1] - 1, 0)).astype(jnp.int32)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -32,7 +32,6 @@ __all__ = [
     "make_table_configs",
     "check_tables",
     "bag_kwargs",
-    "feature_inputs",
     "dense_embedding_bag",
     "dense_lookup",
 ]
@@ -172,20 +171,6 @@ def bag_kwargs(value: Any) -> tuple[jax.Array, dict]:
     if ids.ndim == 1:
         ids = ids[:, None]
     return ids, {}
-
-
-def feature_inputs(
-    tables: Sequence[TableConfig], features: Mapping[str, Any]
-) -> Iterator[tuple[TableConfig, str, jax.Array, dict]]:
-    """``(table, feature name, ids, kwargs)`` per feature the tables read, in table order:
-    the arguments of the table's bag call (see ``bag_kwargs``). ``KeyError`` for a
-    feature missing from ``features``."""
-    for cfg in tables:
-        for fname in cfg.feature_keys:
-            if fname not in features:
-                raise KeyError(f"missing input for feature {fname!r} (table {cfg.name!r})")
-            ids, kw = bag_kwargs(features[fname])
-            yield cfg, fname, ids, kw
 
 
 def dense_embedding_bag(

@@ -3,7 +3,7 @@
 
 Same maths and the same parameter names (``core_0 .. core_{d-1}``, ``embedding`` for
 dense tables), so a linen and an nnx layer given the same cores give the same output.
-In a ``TTEmbeddingCollection`` each table is a submodule named after the table.
+A ``TTEmbeddingCollection`` stores packed tables (``flowtt_jax.collection_layout``).
 
 Initialisation draws all cores of a table from one key (the ``params`` rng of the
 first core), so custom ``embedding_init``s that build the cores jointly (e.g. TT-SVD)
@@ -20,7 +20,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .collection import TableConfig, check_tables, dense_embedding_bag, dense_lookup, feature_inputs
+from .collection import TableConfig, dense_embedding_bag, dense_lookup
+from .collection_layout import CollectionLayout
 from .cores import CoreInit, check_cores, resolve_init, to_dense
 from .cores import from_dense as _tt_svd
 from .ops import tt_embedding_bag, tt_lookup
@@ -201,7 +202,10 @@ class EmbedBag(nn.Module):
 class TTEmbeddingCollection(nn.Module):
     """Named TT / dense tables pooled in one call; see ``flowtt_jax.nnx.TTEmbeddingCollection``.
 
-    Params: ``{table name: {"core_k" | "embedding": ...}}``.
+    Params: ``{name: array}`` with the names of ``CollectionLayout.param_names`` (packed
+    cores of each TT shape group, packed dense tables), as in the nnx twin; all of them
+    drawn from the first param's key. ``CollectionLayout(tables).table_params(params,
+    name)`` reads one table's cores.
     """
 
     tables: Sequence[TableConfig]
@@ -212,36 +216,14 @@ class TTEmbeddingCollection(nn.Module):
 
     @nn.compact
     def __call__(self, features: Mapping[str, Any]) -> dict[str, jax.Array]:
-        tables = check_tables(self.tables)
-        layers = {}
-        for cfg in tables:
-            if cfg.kind == "tt":
-                layers[cfg.name] = TTEmbedBag(
-                    cfg.num_embeddings,
-                    cfg.features,
-                    rank=cfg.rank,
-                    dtype=self.dtype,
-                    param_dtype=self.param_dtype,
-                    embedding_init=cfg.std,
-                    row_shape=cfg.row_shape,
-                    col_shape=cfg.col_shape,
-                    num_cores=cfg.num_cores,
-                    oob=self.oob,
-                    impl=self.impl,
-                    mode=cfg.mode,
-                    name=cfg.name,
-                )
-            else:
-                layers[cfg.name] = EmbedBag(
-                    cfg.num_embeddings,
-                    cfg.features,
-                    mode=cfg.mode,
-                    dtype=self.dtype,
-                    param_dtype=self.param_dtype,
-                    embedding_init=cfg.std,
-                    oob=self.oob,
-                    name=cfg.name,
-                )
-        return {
-            fname: layers[cfg.name](ids, **kw) for cfg, fname, ids, kw in feature_inputs(tables, features)
-        }
+        layout = CollectionLayout(tuple(self.tables))
+        cache: dict[str, dict] = {}
+
+        def init(key, name):
+            if "params" not in cache:
+                cache["params"] = layout.init(key, self.param_dtype)
+            return cache["params"][name]
+
+        names = [n for p in range(len(layout.packs)) for n in layout.param_names(p)]
+        params = {n: self.param(n, init, n) for n in names}
+        return layout.apply(params, features, oob=self.oob, impl=self.impl, dtype=self.dtype)

@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .collection import TableConfig, check_tables, dense_embedding_bag, dense_lookup, feature_inputs
+from .collection import TableConfig, dense_embedding_bag, dense_lookup
+from .collection_layout import CollectionLayout
 from .cores import CoreInit, check_cores, resolve_init, to_dense
 from .cores import from_dense as _tt_svd
 from .ops import tt_embedding_bag, tt_lookup
@@ -270,10 +271,13 @@ class TTEmbeddingCollection(nnx.Module):
     ``tables``: ``TableConfig``s (see ``flowtt_jax.collection``). Call with a mapping
     ``{feature name: input}`` (an int array ``[B]`` or ``[B, L]``, or a dict of
     ``tt_embedding_bag`` arguments); returns ``{feature name: [B, features]}``.
-    Tables live in ``self.embeddings[name]`` (``TTEmbedBag`` or ``EmbedBag``).
 
-    Today the tables run one after another (one op per table); a table-batched op
-    will replace the loop without changing this interface.
+    The tables are packed (``flowtt_jax.collection_layout``): the TT tables of one shape
+    group (same column shape and ranks) share packed cores and run as one table-batched
+    op (one plan, one launch per stage); dense tables of one dim share one packed table
+    (one gather and segment sum). Parameters: ``self.params[name]`` (``nnx.Param``s named
+    as ``CollectionLayout.param_names``); per table: ``cores(name)``, ``table(name)``,
+    ``to_dense(name)``, ``load_table(name, ...)``, ``from_dense(name, dense)``.
     """
 
     def __init__(
@@ -286,49 +290,54 @@ class TTEmbeddingCollection(nnx.Module):
         impl: str = "auto",
         rngs: nnx.Rngs,
     ):
-        self.tables = check_tables(tables)
+        self.layout = CollectionLayout(tuple(tables))
+        self.tables = self.layout.tables
         self.dtype = dtype
         self.param_dtype = param_dtype
-        layers = {}
-        for cfg in self.tables:
-            if cfg.kind == "tt":
-                layers[cfg.name] = TTEmbedBag(
-                    cfg.num_embeddings,
-                    cfg.features,
-                    mode=cfg.mode,
-                    rank=cfg.rank,
-                    dtype=dtype,
-                    param_dtype=param_dtype,
-                    embedding_init=cfg.std,
-                    row_shape=cfg.row_shape,
-                    col_shape=cfg.col_shape,
-                    num_cores=cfg.num_cores,
-                    oob=oob,
-                    impl=impl,
-                    rngs=rngs,
-                )
-            else:
-                layers[cfg.name] = EmbedBag(
-                    cfg.num_embeddings,
-                    cfg.features,
-                    mode=cfg.mode,
-                    dtype=dtype,
-                    param_dtype=param_dtype,
-                    embedding_init=cfg.std,
-                    oob=oob,
-                    rngs=rngs,
-                )
-        self.embeddings = nnx.Dict(layers)
+        self.oob = oob
+        self.impl = impl
+        init = self.layout.init(rngs.params(), param_dtype)
+        self.params = nnx.Dict({k: nnx.Param(v) for k, v in init.items()})
+
+    def _values(self) -> dict[str, jax.Array]:
+        return {k: p[...] for k, p in self.params.items()}
 
     def __call__(self, features: Mapping[str, Any]) -> dict[str, jax.Array]:
-        return {
-            fname: self.embeddings[cfg.name](ids, **kw)
-            for cfg, fname, ids, kw in feature_inputs(self.tables, features)
-        }
+        return self.layout.apply(self._values(), features, oob=self.oob, impl=self.impl, dtype=self.dtype)
+
+    def cores(self, name: str) -> tuple[jax.Array, ...]:
+        """TT table ``name``'s cores ``[p_k, r_{k-1}, q_k, r_k]`` (views of the packed cores)."""
+        if self._config(name).kind != "tt":
+            raise ValueError(f"table {name!r} is dense: use table({name!r})")
+        return self.layout.table_params(self._values(), name)
+
+    def table(self, name: str) -> jax.Array:
+        """Dense table ``name``'s ``[N, D]`` parameters."""
+        if self._config(name).kind != "dense":
+            raise ValueError(f"table {name!r} is TT: use cores({name!r}) or to_dense({name!r})")
+        return self.layout.table_params(self._values(), name)[0]
+
+    def to_dense(self, name: str) -> jax.Array:
+        """Table ``name`` materialised ``[N, D]`` (for export and tests)."""
+        return self.layout.to_dense(self._values(), name)
+
+    def load_table(self, name: str, values: Sequence[jax.Array]) -> None:
+        """Replaces table ``name``'s parameters (its cores, or ``(table,)`` if dense)."""
+        new = self.layout.with_table(self._values(), name, values)
+        for k, p in self.params.items():
+            p[...] = new[k]
+
+    def from_dense(self, name: str, dense: jax.Array) -> None:
+        """Loads a dense ``[N, D]`` table into table ``name``: its TT-SVD truncated to the
+        table's ranks (TT tables) or the table itself (dense tables)."""
+        cfg = self._config(name)
+        values = (dense,) if cfg.kind == "dense" else _tt_svd(dense, cfg.spec(), self.param_dtype)
+        self.load_table(name, values)
 
     def embedding_bytes(self) -> dict[str, int]:
         """Bytes of parameters stored per table."""
-        return {
-            name: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(layer, nnx.Param)))
-            for name, layer in self.embeddings.items()
-        }
+        return self.layout.table_bytes(self._values())
+
+    def _config(self, name: str) -> TableConfig:
+        p, t = self.layout.locate(name)
+        return self.layout.packs[p].tables[t]

@@ -53,8 +53,9 @@ def make_batch(seed: int, batch: int = 7, feature_tables=FEATURE_TABLES, specs=S
     return ids, offsets, weights
 
 
-def per_table_loop(packed, ids, offsets, weights, modes, feature_tables=FEATURE_TABLES,
-                   layout=LAYOUT, oob="zero"):
+def per_table_loop(
+    packed, ids, offsets, weights, modes, feature_tables=FEATURE_TABLES, layout=LAYOUT, oob="zero"
+):
     """[F, B, D]: one reference ``tt_embedding_bag`` per feature."""
     num_features = len(feature_tables)
     batch = (len(offsets) - 1) // num_features
@@ -62,10 +63,18 @@ def per_table_loop(packed, ids, offsets, weights, modes, feature_tables=FEATURE_
     for f, t in enumerate(feature_tables):
         lo, hi = offsets[f * batch], offsets[(f + 1) * batch]
         feature_offsets = offsets[f * batch : (f + 1) * batch + 1] - lo
-        outs.append(ftt.tt_embedding_bag(
-            layout.table_cores(packed, t), ids[lo:hi], offsets=feature_offsets,
-            weights=None if weights is None else weights[lo:hi], mode=modes[f],
-            num_embeddings=layout.specs[t].num_embeddings, oob=oob, impl="reference"))
+        outs.append(
+            ftt.tt_embedding_bag(
+                layout.table_cores(packed, t),
+                ids[lo:hi],
+                offsets=feature_offsets,
+                weights=None if weights is None else weights[lo:hi],
+                mode=modes[f],
+                num_embeddings=layout.specs[t].num_embeddings,
+                oob=oob,
+                impl="reference",
+            )
+        )
     return jnp.stack(outs)
 
 
@@ -97,10 +106,14 @@ def _brute_force_plan(layout, ids, tables):
 
 @pytest.mark.parametrize("huge", [False, True], ids=["int32_keys", "two_sorts"])
 def test_plan_matches_brute_force(huge):
-    specs = SPECS if not huge else (
-        ftt.TTSpec.create(1_500_000_000, 16, 4, col_shape=(2, 2, 4)),
-        SPECS[1],
-        ftt.TTSpec.create(1_600_000_000, 16, 4, col_shape=(2, 2, 4)),
+    specs = (
+        SPECS
+        if not huge
+        else (
+            ftt.TTSpec.create(1_500_000_000, 16, 4, col_shape=(2, 2, 4)),
+            SPECS[1],
+            ftt.TTSpec.create(1_600_000_000, 16, 4, col_shape=(2, 2, 4)),
+        )
     )
     layout = GroupLayout(specs)
     assert (layout.row_base[-1] > 2**31 - 1) == huge
@@ -134,15 +147,17 @@ def test_plan_rows_are_the_tables_rows():
     packed = make_packed(1)
     ids, offsets, _ = make_batch(2)
     tables = np.repeat(np.asarray(FEATURE_TABLES), 7)[
-        np.searchsorted(offsets, np.arange(len(ids)), side="right") - 1]
+        np.searchsorted(offsets, np.arange(len(ids)), side="right") - 1
+    ]
     plan = make_group_plan(LAYOUT, jnp.asarray(ids), jnp.asarray(tables, jnp.int32))
     rows = np.asarray(plan_rows(packed, plan))
-    dense = [np.asarray(ftt.to_dense(LAYOUT.table_cores(packed, t), s.num_embeddings))
-             for t, s in enumerate(SPECS)]
+    dense = [
+        np.asarray(ftt.to_dense(LAYOUT.table_cores(packed, t), s.num_embeddings)) for t, s in enumerate(SPECS)
+    ]
     inv = np.asarray(plan.inverse)
     for k in range(len(ids)):
         np.testing.assert_allclose(rows[inv[k]], dense[tables[k]][ids[k]], rtol=1e-5, atol=1e-6)
-    assert np.all(rows[int(plan.counts[0]):] == 0)
+    assert np.all(rows[int(plan.counts[0]) :] == 0)
 
 
 MODES = ("sum", "mean", "sqrtn", "sum", "mean", "sqrtn")
@@ -154,8 +169,11 @@ def test_forward_matches_per_table_loop(impl, weighted):
     packed = make_packed(3)
     ids, offsets, weights = make_batch(4)
     w = weights if weighted else None
-    out = jax.jit(lambda c, i, o, w: tt_embedding_bag_group(
-        c, LAYOUT, i, o, FEATURE_TABLES, weights=w, mode=MODES, impl=impl))(packed, ids, offsets, w)
+    out = jax.jit(
+        lambda c, i, o, w: tt_embedding_bag_group(
+            c, LAYOUT, i, o, FEATURE_TABLES, weights=w, mode=MODES, impl=impl
+        )
+    )(packed, ids, offsets, w)
     expected = per_table_loop(packed, ids, offsets, w, MODES)
     assert out.shape == (len(FEATURE_TABLES), 7, 16)
     np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6)
@@ -171,8 +189,16 @@ def test_gradients_match_per_table_loop(impl):
     def loss(fn):
         return lambda c, w: jnp.sum(fn(c, w) * dout)
 
-    ours = jax.jit(jax.grad(loss(lambda c, w: tt_embedding_bag_group(
-        c, LAYOUT, ids, offsets, FEATURE_TABLES, weights=w, mode=MODES, impl=impl)), (0, 1)))
+    ours = jax.jit(
+        jax.grad(
+            loss(
+                lambda c, w: tt_embedding_bag_group(
+                    c, LAYOUT, ids, offsets, FEATURE_TABLES, weights=w, mode=MODES, impl=impl
+                )
+            ),
+            (0, 1),
+        )
+    )
     ref = jax.grad(loss(lambda c, w: per_table_loop(c, ids, offsets, w, MODES)), (0, 1))
     (dc, dw), (dc_ref, dw_ref) = ours(packed, weights), ref(packed, weights)
     for a, b in zip(dc, dc_ref):
@@ -191,8 +217,9 @@ def test_out_of_range_ids_follow_the_policy_per_table(impl, oob):
     rng = np.random.default_rng(10)
     bad = rng.random(len(ids)) < 0.2
     ids = np.where(bad, rng.choice([-3, 7000, 2**30], len(ids)), ids).astype(np.int32)
-    out = tt_embedding_bag_group(packed, LAYOUT, ids, offsets, FEATURE_TABLES, weights=weights,
-                                 mode=MODES, oob=oob, impl=impl)
+    out = tt_embedding_bag_group(
+        packed, LAYOUT, ids, offsets, FEATURE_TABLES, weights=weights, mode=MODES, oob=oob, impl=impl
+    )
     expected = per_table_loop(packed, ids, offsets, weights, MODES, oob=oob)
     np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6)
 
@@ -210,8 +237,9 @@ def test_vmap_over_weights(impl):
     packed = make_packed(13)
     ids, offsets, weights = make_batch(14)
     ws = np.stack([weights, 2 * weights, -weights])
-    out = jax.vmap(lambda w: tt_embedding_bag_group(packed, LAYOUT, ids, offsets, FEATURE_TABLES,
-                                                    weights=w, impl=impl))(ws)
+    out = jax.vmap(
+        lambda w: tt_embedding_bag_group(packed, LAYOUT, ids, offsets, FEATURE_TABLES, weights=w, impl=impl)
+    )(ws)
     for k in range(3):
         expected = per_table_loop(packed, ids, offsets, ws[k], ("sum",) * 6)
         np.testing.assert_allclose(out[k], expected, rtol=2e-5, atol=2e-6)
@@ -219,12 +247,12 @@ def test_vmap_over_weights(impl):
 
 def test_one_id_and_no_ids():
     packed = make_packed(15)
-    out = tt_embedding_bag_group(packed, LAYOUT, np.array([36], np.int32), np.array([0, 1], np.int32),
-                                 (1,))
+    out = tt_embedding_bag_group(packed, LAYOUT, np.array([36], np.int32), np.array([0, 1], np.int32), (1,))
     expected = ftt.to_dense(LAYOUT.table_cores(packed, 1), 37)[36]
     np.testing.assert_allclose(out[0, 0], expected, rtol=1e-5, atol=1e-6)
-    empty = tt_embedding_bag_group(packed, LAYOUT, np.zeros((0,), np.int32),
-                                   np.zeros((2 * 3 + 1,), np.int32), (0, 2))
+    empty = tt_embedding_bag_group(
+        packed, LAYOUT, np.zeros((0,), np.int32), np.zeros((2 * 3 + 1,), np.int32), (0, 2)
+    )
     assert empty.shape == (2, 3, 16) and np.all(np.asarray(empty) == 0)
 
 
@@ -241,3 +269,72 @@ def test_bad_arguments_are_named():
         tt_embedding_bag_group(packed, LAYOUT, ids, offsets[::-1], FEATURE_TABLES)
     with pytest.raises(ValueError, match="mode"):
         tt_embedding_bag_group(packed, LAYOUT, ids, offsets, FEATURE_TABLES, mode=("sum",))
+
+
+def test_collection_packs_groups_and_matches_single_ops():
+    """A collection of 5 TT tables (one shape group + a 2-core single) and 2 dense tables:
+    features of two batch sizes, weights, masks, a shared table."""
+    from flax import nnx
+
+    from flowtt_jax.collection import TableConfig
+    from flowtt_jax.nnx import TTEmbeddingCollection
+
+    dim = 16
+    tables = [
+        TableConfig("t0", 1000, dim, rank=4, mode="sum", col_shape=(2, 2, 4)),
+        TableConfig("t1", 37, dim, rank=4, mode="mean", col_shape=(2, 2, 4), row_shape=(2, 4, 5)),
+        TableConfig("t2", 5000, dim, rank=4, mode="sqrtn", col_shape=(2, 2, 4), feature_names=("f2", "g2")),
+        TableConfig("two", 400, dim, rank=4, num_cores=2),
+        TableConfig("d0", 9, dim, kind="dense", mode="mean"),
+        TableConfig("d1", 11, dim, kind="dense"),
+    ]
+    col = TTEmbeddingCollection(tables, rngs=nnx.Rngs(0))
+    assert [p.kind for p in col.layout.packs] == ["tt", "dense", "single"]
+    rng = np.random.default_rng(0)
+    x = {
+        "t0": rng.integers(0, 1000, (6, 3)),
+        "t1": {"ids": rng.integers(0, 37, (6, 2)), "mask": rng.random((6, 2)) < 0.6},
+        "f2": {"ids": rng.integers(0, 5000, 11), "offsets": np.array([0, 3, 3, 4, 8, 8, 11])},
+        "g2": {"ids": rng.integers(0, 5000, (4, 2)), "weights": rng.standard_normal((4, 2))},
+        "two": rng.integers(0, 400, (6,)),
+        "d0": rng.integers(0, 9, (6, 4)),
+        "d1": np.array([10, 0, 3, 3, 7, 1]),
+    }
+    out = jax.jit(lambda c, x: c(x))(col, x)
+    for cfg in tables:
+        for f in cfg.feature_keys:
+            ids, kw = ftt.collection.bag_kwargs(x[f])
+            if cfg.kind == "dense":
+                expected = ftt.collection.dense_embedding_bag(col.table(cfg.name), ids, mode=cfg.mode, **kw)
+            else:
+                expected = ftt.tt_embedding_bag(
+                    col.cores(cfg.name),
+                    ids,
+                    mode=cfg.mode,
+                    num_embeddings=cfg.num_embeddings,
+                    impl="reference",
+                    **kw,
+                )
+            np.testing.assert_allclose(out[f], expected, rtol=2e-5, atol=2e-6, err_msg=f)
+    # gradients: the packed cores' gradient sliced per table equals the table's own
+    grads = nnx.grad(lambda c: sum(jnp.sum(jnp.sin(v)) for v in c(x).values()))(col)
+    g = {k: v[...] for k, v in grads["params"].items()}
+    for name, feats in (("t2", ("f2", "g2")), ("t1", ("t1",))):
+        cfg = next(t for t in tables if t.name == name)
+
+        def loss(c, cfg=cfg, feats=feats):
+            total = 0.0
+            for f in feats:
+                ids, kw = ftt.collection.bag_kwargs(x[f])
+                total += jnp.sum(
+                    jnp.sin(
+                        ftt.tt_embedding_bag(
+                            c, ids, mode=cfg.mode, num_embeddings=cfg.num_embeddings, impl="reference", **kw
+                        )
+                    )
+                )
+            return total
+
+        ref = jax.grad(loss)(col.cores(name))
+        for a, b in zip(col.layout.table_params(g, name), ref):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)

@@ -213,8 +213,12 @@ def test_collection_mixes_tt_and_dense():
         TableConfig("c", 300, D, rank=4, mode="sqrtn", feature_names=("c1", "c2")),
     ]
     col = TTEmbeddingCollection(tables, rngs=nnx.Rngs(0))
-    assert isinstance(col.embeddings["a"], TTEmbedBag)
-    assert isinstance(col.embeddings["b"], EmbedBag)
+    # a and c differ in rank: two shape groups; b is a dense pack
+    assert [(p.kind, [t.name for t in p.tables]) for p in col.layout.packs] == [
+        ("tt", ["a"]),
+        ("tt", ["c"]),
+        ("dense", ["b"]),
+    ]
     k = jax.random.split(jax.random.key(0), 4)
     ids_a = rand_ids(k[0], (4,), 500)  # one id per example
     ids_b = rand_ids(k[1], (4, 3), 7)  # padded
@@ -231,9 +235,9 @@ def test_collection_mixes_tt_and_dense():
     out = col(x)
     assert set(out) == {"a", "b", "c1", "c2"}
     assert all(v.shape == (4, D) for v in out.values())
-    ca, cc = col.embeddings["a"].cores, col.embeddings["c"].cores
+    ca, cc = col.cores("a"), col.cores("c")
     close(out["a"], ftt.tt_lookup(ca, ids_a, num_embeddings=500))
-    table_b = col.embeddings["b"].embedding[...]
+    table_b = col.table("b")
     close(out["b"], table_b[ids_b].mean(1))
     close(out["c1"], ftt.tt_embedding_bag(cc, ids_c1, offsets=offs, mode="sqrtn", num_embeddings=300))
     close(out["c2"], ftt.tt_embedding_bag(cc, ids_c2, mask=mask_c2, mode="sqrtn", num_embeddings=300))
@@ -242,10 +246,23 @@ def test_collection_mixes_tt_and_dense():
     close(dense_embedding_bag(dense_c, ids_c1, offsets=offs, mode="sqrtn"), out["c1"], 1e-5)
     # memory accounting and gradients to both kinds of table
     nbytes = col.embedding_bytes()
-    assert nbytes["b"] == 7 * D * 4 and nbytes["a"] == 4 * col.embeddings["a"].spec.num_params
+    assert nbytes["b"] == 7 * D * 4 and nbytes["a"] == 4 * tables[0].spec().num_params
     grads = nnx.grad(lambda c: sum(jnp.sum(v) for v in c(x).values()))(col)
-    assert float(jnp.abs(grads["embeddings"]["b"]["embedding"][...]).max()) > 0
-    assert float(jnp.abs(grads["embeddings"]["a"]["core_2"][...]).max()) > 0
+    grads = col.layout, {k: v[...] for k, v in grads["params"].items()}
+    ga, gb = (grads[0].table_params(grads[1], name) for name in ("a", "b"))
+    assert float(jnp.abs(gb[0]).max()) > 0 and float(jnp.abs(ga[2]).max()) > 0
+    # gradients of the packed op equal those of the single-table op per table
+    ref = jax.grad(lambda c: jnp.sum(ftt.tt_lookup(c, ids_a, num_embeddings=500)))(ca)
+    for g, r in zip(ga, ref):
+        close(g, r, 1e-5)
+    # one table's cores in and out of the packs
+    col.load_table("a", [2 * c for c in ca])
+    close(col.cores("a")[0], 2 * ca[0])
+    close(col.cores("c")[0], cc[0])
+    col.from_dense("b", jnp.ones((7, D)))
+    close(col(x)["b"], jnp.ones((4, D)))
+    with pytest.raises(ValueError, match="dense"):
+        col.cores("b")
     with pytest.raises(KeyError):
         col({"a": ids_a})
     with pytest.raises(ValueError):

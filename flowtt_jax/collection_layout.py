@@ -1,0 +1,284 @@
+"""A collection's tables as packs: the static layout, packed parameters and one
+batched call per pack (Flax-free; ``nnx.py`` and ``linen.py`` hold the parameters).
+
+- TT tables with 3 cores, the same column shape and the same ranks form a *shape
+  group*: their cores are packed per core index (``GroupLayout``) and every feature
+  reading them is pooled by one ``pooled_group`` call (one plan, one launch per stage).
+- Dense tables of the same dim are packed into one ``[sum N, D]`` table: one gather and
+  one segment sum for all their features.
+- TT tables with another number of cores keep their own cores and the single-table op.
+
+Parameters are a flat ``{name: array}`` dict: ``tt{g}_core{k}`` (group g's packed core
+k), ``dense{g}`` (dense pack g), ``{table}_core{k}`` (a single TT table). Compile time
+grows with the number of packs, not of tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .bag import CanonicalBags, prepare_bags
+from .batched import choose_impl, pooled_group
+from .batched_plan import GroupLayout
+from .collection import TableConfig, bag_kwargs, check_tables
+from .cores import resolve_init, to_dense
+from .ops import tt_embedding_bag
+
+__all__ = ["CollectionLayout", "FeatureSlot", "TablePack"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSlot:
+    """A feature read by a pack: its name, its table's index in the pack, its pooling mode."""
+
+    feature: str
+    table: int
+    mode: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TablePack:
+    """Tables stored together. ``kind``: ``"tt"`` (a shape group, ``layout`` set),
+    ``"dense"`` (one ``[sum N, D]`` table) or ``"single"`` (one TT table of any core count)."""
+
+    kind: str
+    tables: tuple[TableConfig, ...]
+    features: tuple[FeatureSlot, ...]
+    layout: GroupLayout | None = None
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        """Dense packs: ``T + 1`` offsets of the tables' rows in the packed table."""
+        return tuple(
+            int(x) for x in np.concatenate([[0], np.cumsum([t.num_embeddings for t in self.tables])])
+        )
+
+
+def _group_key(cfg: TableConfig) -> tuple:
+    spec = cfg.spec()
+    if spec.num_cores != 3:
+        return ("single", cfg.name)
+    return ("tt", spec.col_shape, spec.ranks)
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectionLayout:
+    """Static packing of a collection's ``TableConfig``s (hashable)."""
+
+    tables: tuple[TableConfig, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tables", check_tables(self.tables))
+
+    @functools.cached_property
+    def packs(self) -> tuple[TablePack, ...]:
+        """TT shape groups (in order of first table), then dense packs by dim, then singles."""
+        keys: dict[tuple, list[TableConfig]] = {}
+        for cfg in self.tables:
+            key = ("dense", cfg.features) if cfg.kind == "dense" else _group_key(cfg)
+            keys.setdefault(key, []).append(cfg)
+        order = {"tt": 0, "dense": 1, "single": 2}
+        packs = []
+        for key, cfgs in sorted(keys.items(), key=lambda kv: order[kv[0][0]]):
+            slots = tuple(FeatureSlot(f, t, cfg.mode) for t, cfg in enumerate(cfgs) for f in cfg.feature_keys)
+            layout = GroupLayout(tuple(c.spec() for c in cfgs)) if key[0] == "tt" else None
+            packs.append(TablePack(key[0], tuple(cfgs), slots, layout))
+        return tuple(packs)
+
+    def param_names(self, p: int) -> tuple[str, ...]:
+        """Parameter names of pack ``p``."""
+        pack = self.packs[p]
+        if pack.kind == "tt":
+            return tuple(f"tt{p}_core{k}" for k in range(3))
+        if pack.kind == "dense":
+            return (f"dense{p}",)
+        return tuple(f"{pack.tables[0].name}_core{k}" for k in range(pack.tables[0].spec().num_cores))
+
+    def locate(self, name: str) -> tuple[int, int]:
+        """``(pack index, table index in the pack)`` of table ``name``."""
+        for p, pack in enumerate(self.packs):
+            for t, cfg in enumerate(pack.tables):
+                if cfg.name == name:
+                    return p, t
+        raise KeyError(f"no table named {name!r}; tables: {[c.name for c in self.tables]}")
+
+    def init(self, key: jax.Array, param_dtype: Any = jnp.float32) -> dict[str, jax.Array]:
+        """Fresh parameters: each table drawn as a lone table would be (TT rows of std
+        ``cfg.std``; dense ``normal(cfg.std)``) with ``fold_in(key, table index)``."""
+        index = {cfg.name: i for i, cfg in enumerate(self.tables)}
+        params = {}
+        for p, pack in enumerate(self.packs):
+            keys = [jax.random.fold_in(key, index[c.name]) for c in pack.tables]
+            names = self.param_names(p)
+            if pack.kind == "dense":
+                parts = [
+                    c.std * jax.random.normal(k, (c.num_embeddings, c.features))
+                    for c, k in zip(pack.tables, keys)
+                ]
+                params[names[0]] = jnp.concatenate(parts).astype(param_dtype)
+                continue
+            cores = [resolve_init(c.std)(k, c.spec(), param_dtype) for c, k in zip(pack.tables, keys)]
+            packed = pack.layout.pack(cores) if pack.kind == "tt" else cores[0]
+            params.update({n: jnp.asarray(c, param_dtype) for n, c in zip(names, packed)})
+        return params
+
+    def table_params(self, params: Mapping[str, jax.Array], name: str) -> tuple[jax.Array, ...]:
+        """Table ``name``'s own parameters: its TT cores ``[p_k, r_{k-1}, q_k, r_k]``, or
+        ``(table [N, D],)`` for a dense table (static slices of the packs)."""
+        p, t = self.locate(name)
+        pack, arrays = self.packs[p], tuple(params[n] for n in self.param_names(p))
+        if pack.kind == "tt":
+            return pack.layout.table_cores(arrays, t)
+        if pack.kind == "dense":
+            lo, hi = pack.row_offsets[t], pack.row_offsets[t + 1]
+            return (arrays[0][lo:hi],)
+        return arrays
+
+    def with_table(self, params: Mapping[str, jax.Array], name: str, values: Sequence[jax.Array]) -> dict:
+        """``params`` with table ``name``'s parameters replaced by ``values`` (same shapes
+        as ``table_params``), e.g. the TT-SVD of a dense table."""
+        p, t = self.locate(name)
+        pack, names = self.packs[p], self.param_names(p)
+        old = self.table_params(params, name)
+        if tuple(tuple(v.shape) for v in values) != tuple(tuple(o.shape) for o in old):
+            raise ValueError(
+                f"table {name!r}: shapes {[v.shape for v in values]} != {[o.shape for o in old]}"
+            )
+        out = dict(params)
+        if pack.kind == "tt":
+            offs = pack.layout.core_offsets
+            for k, (n, v) in enumerate(zip(names, values)):
+                out[n] = params[n].at[offs[k][t] : offs[k][t + 1]].set(v.astype(params[n].dtype))
+        elif pack.kind == "dense":
+            lo, hi = pack.row_offsets[t], pack.row_offsets[t + 1]
+            out[names[0]] = params[names[0]].at[lo:hi].set(values[0].astype(params[names[0]].dtype))
+        else:
+            out.update({n: v.astype(params[n].dtype) for n, v in zip(names, values)})
+        return out
+
+    def to_dense(self, params: Mapping[str, jax.Array], name: str) -> jax.Array:
+        """Table ``name`` materialised ``[N, D]`` (float32 accumulation, the params' dtype)."""
+        p, t = self.locate(name)
+        values = self.table_params(params, name)
+        if self.packs[p].kind == "dense":
+            return values[0]
+        cfg = self.packs[p].tables[t]
+        return to_dense(tuple(c.astype(jnp.float32) for c in values), cfg.num_embeddings).astype(
+            values[0].dtype
+        )
+
+    def table_bytes(self, params: Mapping[str, jax.Array]) -> dict[str, int]:
+        """Bytes of parameters stored per table."""
+        return {
+            cfg.name: sum(int(x.size) * x.dtype.itemsize for x in self.table_params(params, cfg.name))
+            for cfg in self.tables
+        }
+
+    def apply(
+        self,
+        params: Mapping[str, jax.Array],
+        features: Mapping[str, Any],
+        *,
+        oob: str = "zero",
+        impl: str = "auto",
+        dtype: Any | None = None,
+    ) -> dict[str, jax.Array]:
+        """``{feature: [B, D]}`` for every feature the tables read (see
+        ``flowtt_jax.collection`` for the input forms); ``KeyError`` for a missing one."""
+        out = {}
+        for p, pack in enumerate(self.packs):
+            arrays = tuple(params[n] for n in self.param_names(p))
+            out_dtype = arrays[0].dtype if dtype is None else dtype
+            if pack.kind == "single":
+                for slot in pack.features:
+                    ids, kw = _feature(features, slot, pack)
+                    cfg = pack.tables[0]
+                    out[slot.feature] = tt_embedding_bag(
+                        arrays,
+                        ids,
+                        **kw,
+                        mode=slot.mode,
+                        num_embeddings=cfg.num_embeddings,
+                        oob=oob,
+                        impl=impl,
+                        dtype=out_dtype,
+                    )
+                continue
+            prepared = {s.feature: _prepare(features, s, pack, oob) for s in pack.features}
+            for slots in _by_batch(pack.features, prepared):
+                pooled = _pool(pack, arrays, slots, prepared, impl)
+                batch = prepared[slots[0].feature][0].offsets.shape[0] - 1
+                for f, slot in enumerate(slots):
+                    out[slot.feature] = pooled[f * batch : (f + 1) * batch].astype(out_dtype)
+        return out
+
+
+def _feature(features: Mapping[str, Any], slot: FeatureSlot, pack: TablePack) -> tuple[jax.Array, dict]:
+    if slot.feature not in features:
+        raise KeyError(f"missing input for feature {slot.feature!r} (table {pack.tables[slot.table].name!r})")
+    return bag_kwargs(features[slot.feature])
+
+
+def _prepare(features, slot: FeatureSlot, pack: TablePack, oob: str) -> tuple[CanonicalBags, bool]:
+    """The feature's canonical bags (mode folded into the weights, ids in range) and
+    whether it has user weights."""
+    ids, kw = _feature(features, slot, pack)
+    bags = prepare_bags(
+        ids,
+        num_embeddings=pack.tables[slot.table].num_embeddings,
+        oob=oob,
+        mode=slot.mode,
+        offsets=kw.get("offsets"),
+        segment_ids=kw.get("segment_ids"),
+        num_bags=kw.get("num_bags"),
+        mask=kw.get("mask"),
+        weights=kw.get("weights"),
+    )
+    return bags, kw.get("weights") is not None
+
+
+def _by_batch(slots: Sequence[FeatureSlot], prepared) -> list[tuple[FeatureSlot, ...]]:
+    """The pack's features split by batch size (one packed call each), in order."""
+    groups: dict[int, list[FeatureSlot]] = {}
+    for s in slots:
+        groups.setdefault(prepared[s.feature][0].offsets.shape[0] - 1, []).append(s)
+    return [tuple(v) for v in groups.values()]
+
+
+def _pool(pack: TablePack, arrays, slots, prepared, impl: str) -> jax.Array:
+    """``[F*B, D]`` bags of ``slots`` (same batch B) pooled in one call: feature-major CSR
+    over the features' concatenated ids."""
+    bags = [prepared[s.feature][0] for s in slots]
+    batch = bags[0].offsets.shape[0] - 1
+    dim = arrays[0].shape[-1] if pack.kind == "dense" else pack.layout.dim
+    sizes = [b.ids.shape[0] for b in bags]
+    if sum(sizes) == 0 or batch == 0:
+        return jnp.zeros((len(slots) * batch, dim), jnp.promote_types(arrays[0].dtype, jnp.float32))
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    ids = jnp.concatenate([b.ids for b in bags])
+    weights = jnp.concatenate([b.weights for b in bags])
+    # bag (f, b) of the packed CSR starts where the feature's bag b starts; the last bag of
+    # a feature runs to the next feature's first (positions between weigh 0)
+    offsets = jnp.concatenate(
+        [b.offsets[:-1] + int(s) for b, s in zip(bags, starts[:-1])] + [jnp.full((1,), starts[-1], jnp.int32)]
+    )
+    bag_ids = jnp.concatenate([b.bag_ids + f * batch for f, b in enumerate(bags)])
+    if pack.kind == "dense":
+        bases = [pack.row_offsets[s.table] for s in slots]
+        row_base = jnp.concatenate([jnp.full((m,), b, jnp.int32) for m, b in zip(sizes, bases)])
+        rows = jnp.take(arrays[0], row_base + ids, axis=0)
+        rows = rows.astype(jnp.promote_types(rows.dtype, jnp.float32))
+        return jax.ops.segment_sum(rows * weights[:, None], bag_ids, num_segments=len(slots) * batch)
+    tables = jnp.concatenate([jnp.full((m,), s.table, jnp.int32) for m, s in zip(sizes, slots)])
+    weighted = any(prepared[s.feature][1] for s in slots)
+    which = choose_impl(impl, pack.layout, [a.dtype for a in arrays])
+    return pooled_group(
+        arrays, pack.layout, ids, tables, offsets, bag_ids, weights, weighted=weighted, impl=which
+    )
