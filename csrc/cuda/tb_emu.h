@@ -105,6 +105,13 @@ T __shfl_sync(unsigned, T v, int src) {
 }
 
 template <typename T>
+T __shfl_up_sync(unsigned mask, T v, unsigned delta) {
+  const int lane = (int)(threadIdx.x % 32);
+  const T r = __shfl_sync(mask, v, lane >= (int)delta ? lane - (int)delta : lane);
+  return r;
+}
+
+template <typename T>
 T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
   return __shfl_sync(mask, v, (int)(threadIdx.x % 32) ^ lane_mask);
 }

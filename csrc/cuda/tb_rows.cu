@@ -1,5 +1,6 @@
-// Table-batched rows ops on CUDA: the launchers of cuda/tb_rows.h (scratch layout, the
-// cub sorts, launch configuration). The kernels and their design: cuda/tb_rows_kernels.cuh.
+// Table-batched rows ops on CUDA: the launchers of cuda/tb_rows.h (scratch layouts, the
+// cub sorts, path choice, launch configuration). The kernels and their design:
+// cuda/tb_rows_kernels.cuh.
 #include <cub/cub.cuh>
 
 #include <algorithm>
@@ -10,8 +11,6 @@
 
 namespace flowtt::tb {
 namespace {
-
-// ------------------------------- host side ------------------------------------------
 
 int tb_num_sms() {
   int dev = 0, sms = 0;
@@ -62,21 +61,87 @@ int tb_end_bit(int max_key) {  // bits that hold keys in [0, max_key]
   return b;
 }
 
-struct TbBwdScratch {
-  int* zeroed;  // ctrl [4] then bounds1 [P1+1]: one memset
-  size_t zeroed_bytes;
-  int *ctrl, *bounds1, *bounds2, *bounds3;
-  int *ka, *kb, *va, *vb, *vc, *ug;
-  void* cub_tmp;
-  size_t cub_bytes, bytes;
-};
-
 size_t tb_sort_bytes(int n, int max_key) {
   size_t bytes = 0;
   cub::DoubleBuffer<int> k(nullptr, nullptr), v(nullptr, nullptr);
   cub::DeviceRadixSort::SortPairs(nullptr, bytes, k, v, n, 0, tb_end_bit(max_key));
   return bytes;
 }
+
+// Shared memory cap of the sorted-tile forward (room for two blocks per SM).
+constexpr size_t kTbTileSmemCap = 100 * 1024;
+
+// The groups stably sorted by g_i2 (both ops): key / value double buffers, cub's
+// temporary storage, bounds2 [P2+1].
+struct TbGroupSort {
+  int *ka, *kb, *va, *vb, *bounds2;
+  void* cub_tmp;
+  size_t cub_bytes;
+};
+
+TbGroupSort tb_group_sort_layout(TbBump& bp, const TbDev& d, int n, size_t cub_bytes) {
+  TbGroupSort s;
+  s.ka = bp.take<int>(n);
+  s.kb = bp.take<int>(n);
+  s.va = bp.take<int>(n);
+  s.vb = bp.take<int>(n);
+  s.bounds2 = bp.take<int>((size_t)d.P2 + 1);
+  s.cub_bytes = cub_bytes;
+  s.cub_tmp = bp.take<char>(cub_bytes);
+  return s;
+}
+
+int tb_grid_stride_blocks(int n) {
+  return std::max(1, std::min(n / 256 + 1, tb_num_sms() * 8));
+}
+
+// keys / values -> radix sort -> bounds2; *k and *v hold the sorted keys / groups after
+// (and ug[u] the group of each unique index, when ug is given).
+cudaError_t tb_sort_groups(const TbDev& d, const TbGroupSort& s, const int* g_i2,
+                           const int* goffs, const int* counts, int n, int* ug,
+                           cub::DoubleBuffer<int>* k, cub::DoubleBuffer<int>* v,
+                           cudaStream_t stream) {
+  tb_prep_kernel<<<tb_grid_stride_blocks(n), 256, 0, stream>>>(d, g_i2, goffs, counts, n, s.ka,
+                                                               s.va, ug);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  *k = cub::DoubleBuffer<int>(s.ka, s.kb);
+  *v = cub::DoubleBuffer<int>(s.va, s.vb);
+  size_t bytes = s.cub_bytes;
+  if ((err = cub::DeviceRadixSort::SortPairs(s.cub_tmp, bytes, *k, *v, n, 0,
+                                             tb_end_bit(d.P2), stream)) != cudaSuccess)
+    return err;
+  tb_bounds_kernel<<<tb_grid_stride_blocks(n), 256, 0, stream>>>(k->Current(), nullptr, counts,
+                                                                 n, d.P2, s.bounds2);
+  return cudaGetLastError();
+}
+
+// Forward scratch: the work counters, and the group sort when the tile path may run.
+struct TbFwdScratch {
+  int* ctr;  // [2]
+  TbGroupSort sort;
+  size_t bytes;
+};
+
+TbFwdScratch tb_fwd_layout(const TbDev& d, int n, char* base) {
+  TbBump bp{base};
+  TbFwdScratch s;
+  s.ctr = bp.take<int>(2);
+  if (tb_tile_geo(d, kTbTileSmemCap).GB > 0)
+    s.sort = tb_group_sort_layout(bp, d, n, tb_sort_bytes(n, d.P2));
+  s.bytes = bp.off + 256;
+  return s;
+}
+
+// Backward scratch: ctrl [4] and bounds1 [P1+1] (one memset), the group sort, the unique
+// index sort (its own third value buffer, the second key buffers reused), bounds3, ug.
+struct TbBwdScratch {
+  int* zeroed;
+  size_t zeroed_bytes;
+  int *ctrl, *bounds1, *bounds3, *vc, *ug;
+  TbGroupSort sort;
+  size_t bytes;
+};
 
 TbBwdScratch tb_bwd_layout(const TbDev& d, int n, char* base) {
   TbBump bp{base};
@@ -85,16 +150,11 @@ TbBwdScratch tb_bwd_layout(const TbDev& d, int n, char* base) {
   s.zeroed = bp.take<int>(4 + (size_t)d.P1 + 1);
   s.ctrl = s.zeroed;
   s.bounds1 = s.zeroed ? s.zeroed + 4 : nullptr;
-  s.bounds2 = bp.take<int>((size_t)d.P2 + 1);
+  s.sort = tb_group_sort_layout(bp, d, n,
+                                std::max(tb_sort_bytes(n, d.P2), tb_sort_bytes(n, d.P3)));
   s.bounds3 = bp.take<int>((size_t)d.P3 + 1);
-  s.ka = bp.take<int>(n);
-  s.kb = bp.take<int>(n);
-  s.va = bp.take<int>(n);
-  s.vb = bp.take<int>(n);
   s.vc = bp.take<int>(n);
   s.ug = bp.take<int>(n);
-  s.cub_bytes = std::max(tb_sort_bytes(n, d.P2), tb_sort_bytes(n, d.P3));
-  s.cub_tmp = bp.take<char>(s.cub_bytes);
   s.bytes = bp.off + 256;
   return s;
 }
@@ -115,20 +175,34 @@ const char* tb_check_dims(const TbDims& t) {
   return nullptr;
 }
 
-size_t tb_rows_fwd_scratch_bytes(const TbDims&, int) { return 2 * 256; }
+size_t tb_rows_fwd_scratch_bytes(const TbDims& t, int n) {
+  return tb_fwd_layout(tb_dev(t), n, nullptr).bytes;
+}
 
 cudaError_t tb_rows_fwd(const TbDims& t, const float* g1, const float* g2, const float* g3,
                         const int* u_i3, const int* g_i1, const int* g_i2,
                         const int* group_offsets, const int* counts, int n, float* rows,
-                        void* scratch, cudaStream_t stream) {
+                        void* scratch, cudaStream_t stream, bool tiles) {
   const TbDev d = tb_dev(t);
-  int* ctr = reinterpret_cast<int*>(tb_base(scratch));
-  cudaError_t err = cudaMemsetAsync(ctr, 0, sizeof(int), stream);
+  const TbFwdScratch s = tb_fwd_layout(d, n, tb_base(scratch));
+  cudaError_t err = cudaMemsetAsync(s.ctr, 0, 2 * sizeof(int), stream);
   if (err != cudaSuccess) return err;
+  const TbTileGeo geo = tb_tile_geo(d, kTbTileSmemCap);
+  if (tiles && geo.GB > 0 && tb_aligned16(g2) && tb_aligned16(g3) && tb_aligned16(rows)) {
+    cub::DoubleBuffer<int> k, v;
+    if ((err = tb_sort_groups(d, s.sort, g_i2, group_offsets, counts, n, nullptr, &k, &v,
+                              stream)) != cudaSuccess)
+      return err;
+    const size_t smem = std::max(geo.smem, tb_warp_slices_bytes(d));
+    auto kernel = d.q3 == 4 ? &tb_fwd_tile_kernel<4> : &tb_fwd_tile_kernel<8>;
+    return tb_launch(kernel, smem, stream, d, geo, g1, g2, g3, u_i3, g_i1, g_i2, group_offsets,
+                     counts, n, (const int*)s.sort.bounds2, (const int*)v.Current(), s.ctr,
+                     rows);
+  }
   const bool vec = d.K % 4 == 0 && tb_aligned16(g2);
   auto kernel = vec ? TB_BY_Q1(tb_fwd_kernel, 4, d.q1) : TB_BY_Q1(tb_fwd_kernel, 1, d.q1);
   return tb_launch(kernel, tb_warp_slices_bytes(d), stream, d, g1, g2, g3, u_i3, g_i1, g_i2,
-                   group_offsets, counts, n, ctr, rows);
+                   group_offsets, counts, n, s.ctr, rows);
 }
 
 size_t tb_rows_bwd_scratch_bytes(const TbDims& t, int n) {
@@ -144,29 +218,22 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
   const TbBwdScratch s = tb_bwd_layout(d, n, tb_base(scratch));
   cudaError_t err;
   if ((err = cudaMemsetAsync(s.zeroed, 0, s.zeroed_bytes, stream)) != cudaSuccess) return err;
-  const int eblocks = std::max(1, std::min((n + 255) / 256, tb_num_sms() * 8));
-  const int bblocks = std::max(1, std::min(n / 256 + 1, tb_num_sms() * 8));  // n + 1 positions
-  // groups by g_i2, bounds of the g2 rows; bounds of the g1 rows
-  tb_prep_kernel<<<eblocks, 256, 0, stream>>>(d, g_i2, group_offsets, counts, n, s.ka, s.va,
-                                              s.ug);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  cub::DoubleBuffer<int> k2(s.ka, s.kb), v2(s.va, s.vb);
-  size_t cub_bytes = s.cub_bytes;
-  if ((err = cub::DeviceRadixSort::SortPairs(s.cub_tmp, cub_bytes, k2, v2, n, 0,
-                                             tb_end_bit(d.P2), stream)) != cudaSuccess)
+  // groups by g_i2 and the bounds of the g2 rows; the bounds of the g1 rows
+  cub::DoubleBuffer<int> k2, v2;
+  if ((err = tb_sort_groups(d, s.sort, g_i2, group_offsets, counts, n, s.ug, &k2, &v2,
+                            stream)) != cudaSuccess)
     return err;
   const int* sorted_groups = v2.Current();
-  tb_bounds_kernel<<<bblocks, 256, 0, stream>>>(k2.Current(), nullptr, counts, n, d.P2,
-                                                s.bounds2);
+  const int bblocks = tb_grid_stride_blocks(n);
   tb_bounds_kernel<<<bblocks, 256, 0, stream>>>(nullptr, g_i1, counts, n, d.P1, s.bounds1);
-  // unique indices by u_i3 (values into the buffer the group sort left free), bounds of
-  // the g3 rows
+  // unique indices by u_i3 (values into the buffer the group sort left free, keys into
+  // its key buffers), the bounds of the g3 rows
   int* v3_in = v2.Alternate();
-  tb_keys3_kernel<<<eblocks, 256, 0, stream>>>(d, u_i3, counts, n, s.ka, v3_in);
+  tb_keys3_kernel<<<bblocks, 256, 0, stream>>>(d, u_i3, counts, n, s.sort.ka, v3_in);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  cub::DoubleBuffer<int> k3(s.ka, s.kb), v3(v3_in, s.vc);
-  cub_bytes = s.cub_bytes;
-  if ((err = cub::DeviceRadixSort::SortPairs(s.cub_tmp, cub_bytes, k3, v3, n, 0,
+  cub::DoubleBuffer<int> k3(s.sort.ka, s.sort.kb), v3(v3_in, s.vc);
+  size_t bytes = s.sort.cub_bytes;
+  if ((err = cub::DeviceRadixSort::SortPairs(s.sort.cub_tmp, bytes, k3, v3, n, 0,
                                              tb_end_bit(d.P3), stream)) != cudaSuccess)
     return err;
   const int* sorted_u = v3.Current();
@@ -186,15 +253,15 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
     const bool vec = d.K % 4 == 0 && d.r1 % 4 == 0 && tb_aligned16(dg2);
     auto kernel = vec ? &tb_dg2_kernel<4> : &tb_dg2_kernel<1>;
     if ((err = tb_launch(kernel, tb_dg2_smem(d), stream, d, g1, g3, d_rows, u_i3, g_i1,
-                         group_offsets, counts, n, (const int*)s.bounds2, sorted_groups,
+                         group_offsets, counts, n, (const int*)s.sort.bounds2, sorted_groups,
                          s.ctrl + 1, dg2)) != cudaSuccess)
       return err;
   }
   if (stages & 4) {
     auto kernel = vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1);
     if ((err = tb_launch(kernel, tb_warp_slices_bytes(d), stream, d, g1, g2, d_rows, g_i1,
-                         g_i2, counts, n, (const int*)s.bounds3, sorted_u,
-                         (const int*)s.ug, s.ctrl + 2, dg3)) != cudaSuccess)
+                         g_i2, counts, n, (const int*)s.bounds3, sorted_u, (const int*)s.ug,
+                         s.ctrl + 2, dg3)) != cudaSuccess)
       return err;
   }
   return cudaSuccess;

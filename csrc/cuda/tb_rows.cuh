@@ -19,6 +19,8 @@ constexpr int kTbWarps = kTbThreads / 32;
 constexpr int kTbChunk = 64;     // unique indices per forward work item
 constexpr int kTbBatch = 8;      // groups per shared-memory batch of the dg1 / dg2 kernels
 constexpr int kTbQ1Max = 8, kTbMMax = 16, kTbQ3Max = 8, kTbRMax = 64;
+constexpr int kTbTileGroups = 32;  // max groups per batch of the sorted-tile forward
+constexpr int kTbRPT = 8;          // rows (group, q1) per thread of its prefix GEMM
 
 // Dims and derived sizes, by value into every kernel.
 struct TbDev {
@@ -51,6 +53,34 @@ inline TbDev tb_dev(const Dims& t) {
 }
 
 __host__ __device__ inline int tb_align4(int x) { return (x + 3) & ~3; }
+
+// The sorted-tile forward (tb_fwd_tile_kernel): per batch of GB groups sharing a g2 row,
+// the g2 row [r1][K], the g1 rows transposed As [r1][ldA] (rows (group, q1), ldA a
+// multiple of kTbRPT) and P of each group as Ps [GB][r2][ldm] (ldm = M + 1). GB: the
+// largest power of two <= max_groups (and >= 4) that fits smem_cap; 0 when the dims do
+// not take the tile path (r2 % 4 != 0, q3 not 4 or 8, or no GB fits).
+struct TbTileGeo {
+  int GB, ldA, ldm, PT;
+  size_t smem;
+};
+inline TbTileGeo tb_tile_geo(const TbDev& d, size_t smem_cap,
+                             int max_groups = kTbTileGroups) {
+  TbTileGeo g{0, 0, d.M + 1, d.r2 * (d.M + 1), 0};
+  if (d.r2 % 4 != 0 || (d.q3 != 4 && d.q3 != 8)) return g;
+  for (int gb = kTbTileGroups; gb >= 4; gb /= 2) {
+    if (gb > max_groups) continue;
+    const int ldA = (gb * d.q1 + kTbRPT - 1) / kTbRPT * kTbRPT;
+    const size_t smem =
+        sizeof(float) * ((size_t)tb_align4(d.R1K) + (size_t)d.r1 * ldA + (size_t)gb * g.PT);
+    if (smem <= smem_cap) {
+      g.GB = gb;
+      g.ldA = ldA;
+      g.smem = smem;
+      return g;
+    }
+  }
+  return g;
+}
 
 // Dynamic shared memory of the kernels: the per-warp slices (g1 row, P) of the forward
 // and dg3 kernels; dP of a batch (dg1); the g2 row, g1 rows and dP of a batch (dg2).

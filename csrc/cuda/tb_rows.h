@@ -22,12 +22,15 @@ struct TbDims {
 const char* tb_check_dims(const TbDims& d);
 
 // flowtt_tb_rows_fwd: rows [n, D] for the unique indices u < num_unique (rows past it are
-// left unwritten). Scratch: one work counter.
+// left unwritten). Dims with r2 % 4 == 0 and q3 in {4, 8} take the sorted-tile kernel
+// (scratch: a radix sort of n (g_i2, g) pairs, about 16 bytes per plan entry, and the
+// bucket bounds of the g2 rows), others the chunked one (scratch: two counters).
+// `tiles` (profiling aid for the harness): false forces the chunked kernel.
 size_t tb_rows_fwd_scratch_bytes(const TbDims& d, int n);
 cudaError_t tb_rows_fwd(const TbDims& d, const float* g1, const float* g2, const float* g3,
                         const int* u_i3, const int* g_i1, const int* g_i2,
                         const int* group_offsets, const int* counts, int n, float* rows,
-                        void* scratch, cudaStream_t stream);
+                        void* scratch, cudaStream_t stream, bool tiles = true);
 
 // flowtt_tb_rows_bwd: dg1, dg2, dg3 (the packed cores' shapes), every element written, in
 // the contract's summation order (bitwise reproducible). Scratch: about 24 bytes per plan

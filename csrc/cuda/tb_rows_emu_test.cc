@@ -55,6 +55,9 @@ void EmuFwd(const Inputs& in, bool vec, float* rows) {
                 in.u_i3, in.g_i1, in.g_i2, in.goffs, in.counts, in.n, &ctr, rows);
 }
 
+// Sorted-tile forward (when the dims take it): the group sort, then the tile kernel.
+void EmuFwdTile(const Inputs& in, const TbTileGeo& geo, float* rows);
+
 // (keys, vals) stably sorted by key, as cub::DeviceRadixSort::SortPairs.
 void StableSortPairs(std::vector<int>* keys, std::vector<int>* vals) {
   std::vector<int> idx(keys->size());
@@ -64,6 +67,21 @@ void StableSortPairs(std::vector<int>* keys, std::vector<int>* vals) {
   for (size_t i = 0; i < idx.size(); ++i) k[i] = (*keys)[idx[i]], v[i] = (*vals)[idx[i]];
   *keys = k;
   *vals = v;
+}
+
+void EmuFwdTile(const Inputs& in, const TbTileGeo& geo, float* rows) {
+  const TbDev& d = in.d;
+  const int n = in.n;
+  std::vector<int> ctr(2, 0), keys(n), vals(n), bounds2(d.P2 + 1);
+  tb_emu_launch(kGrid, 256, 0, tb_prep_kernel, d, in.g_i2, in.goffs, in.counts, n, keys.data(),
+                vals.data(), (int*)nullptr);
+  StableSortPairs(&keys, &vals);
+  tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, (const int*)keys.data(), (const int*)nullptr,
+                in.counts, n, d.P2, bounds2.data());
+  auto kernel = d.q3 == 4 ? &tb_fwd_tile_kernel<4> : &tb_fwd_tile_kernel<8>;
+  tb_emu_launch(kGrid, kTbThreads, std::max(geo.smem, tb_warp_slices_bytes(d)), kernel, d, geo,
+                in.g1, in.g2, in.g3, in.u_i3, in.g_i1, in.g_i2, in.goffs, in.counts, n,
+                (const int*)bounds2.data(), (const int*)vals.data(), ctr.data(), rows);
 }
 
 // tb_rows_bwd: dg1, dg2, dg3.
@@ -128,8 +146,19 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
   const std::vector<double> ref = TbRefRows(c, p, r.k);
   const double e_rows = TbRelErr(rows.data(), ref.data(), ref.size());
   char buf[160];
-  std::snprintf(buf, sizeof buf, " fwd rel err %.2e", e_rows);
+  std::snprintf(buf, sizeof buf, " fwd (chunks) rel err %.2e", e_rows);
   Report(e_rows < kTol, tag + buf);
+  // the sorted-tile forward: its default geometry, and batches of 4 groups (runs longer
+  // than a batch)
+  for (int max_groups : {kTbTileGroups, 4}) {
+    const TbTileGeo geo = tb_tile_geo(r.in.d, 100 * 1024, max_groups);
+    if (!vec || geo.GB == 0) break;
+    std::fill(rows.begin(), rows.end(), NAN);
+    EmuFwdTile(r.in, geo, rows.data());
+    const double e = TbRelErr(rows.data(), ref.data(), ref.size());
+    std::snprintf(buf, sizeof buf, " fwd (tiles of %d groups) rel err %.2e", geo.GB, e);
+    Report(e < kTol, tag + buf);
+  }
   std::vector<float> dg1(r.k.g1.size(), NAN), dg2(r.k.g2.size(), NAN), dg3(r.k.g3.size(), NAN);
   EmuBwd(r.in, vec, dg1.data(), dg2.data(), dg3.data());
   std::vector<double> r1, r2, r3;
@@ -142,9 +171,9 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
 }
 
 // Invalid plans: the kernels finish and (under the address sanitizer) read nothing out of
-// bounds. On the small case (the emulated barriers are slow).
-void InvalidPlans() {
-  const TbCase c = TbStandardCases()[2];
+// bounds. On small cases (the emulated barriers are slow): `which` of the standard ones.
+void InvalidPlans(int which) {
+  const TbCase c = TbStandardCases()[which];
   const TbHostPlan good = TbMakePlan(c, kPad);
   std::mt19937_64 rng(9);
   auto run = [&](const std::string& what, auto edit) {
@@ -154,8 +183,10 @@ void InvalidPlans() {
     std::vector<float> rows(p.n * c.s.dim()), dg1(r.k.g1.size()), dg2(r.k.g2.size()),
         dg3(r.k.g3.size());
     EmuFwd(r.in, true, rows.data());
+    const TbTileGeo geo = tb_tile_geo(r.in.d, 100 * 1024);
+    if (geo.GB > 0) EmuFwdTile(r.in, geo, rows.data());
     EmuBwd(r.in, true, dg1.data(), dg2.data(), dg3.data());
-    Report(true, "invalid plan, finished: " + what);
+    Report(true, "invalid plan, finished: " + c.name + ", " + what);
   };
   run("u_i3 out of range", [&](TbHostPlan& p) {
     for (int u = 0; u < p.U; u += 7) p.u_i3[u] = (u % 2) ? -1000 : kPad;
@@ -191,7 +222,8 @@ int main() {
     p.counts = {0, 0};
     RunCase(c, p, true);
   }
-  InvalidPlans();
+  InvalidPlans(2);  // the scalar paths
+  InvalidPlans(4);  // the vector paths and the sorted-tile forward
   std::printf("%s: %d failure(s)\n", g_failures ? "FAIL" : "PASS", g_failures);
   return g_failures ? 1 : 0;
 }
