@@ -25,6 +25,7 @@ from .spec import TTSpec
 __all__ = ["GroupLayout", "GroupPlan", "make_group_plan"]
 
 _INT32_MAX = 2**31 - 1
+_UINT32_MAX = 2**32 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,18 +139,24 @@ def _sorted_unique(layout: GroupLayout, ids: jax.Array, tables: jax.Array, sort_
         ).astype(jnp.int32)
         uid = p.unique_ids - jnp.asarray(base[:-1], jnp.int32)[ut]
         return p.perm, p.inverse, p.run_offsets, num_unique, ut, uid
-    # Keys past int32: two stable sorts (by id, then by table) give the (table, id) order.
     iota = jnp.arange(n, dtype=jnp.int32)
-    _, by_id = jax.lax.sort((ids, iota), num_keys=1, is_stable=True)
-    st, perm = jax.lax.sort((tables[by_id], by_id), num_keys=1, is_stable=True)
-    sid = ids[perm]
-    new = jnp.concatenate([jnp.ones((1,), bool), (st[1:] != st[:-1]) | (sid[1:] != sid[:-1])])
+    if base[-1] <= _UINT32_MAX:
+        # uint32 keys (XLA's sort; one radix sort of key-value pairs on the GPU)
+        keys = jnp.asarray(base[:-1], jnp.uint32)[tables] + ids.astype(jnp.uint32)
+        sk, perm = jax.lax.sort((keys, iota), num_keys=1, is_stable=True)
+        new = jnp.concatenate([jnp.ones((1,), bool), sk[1:] != sk[:-1]])
+    else:
+        # past 32 bits: two stable sorts (by id, then by table) give the (table, id) order
+        _, by_id = jax.lax.sort((ids, iota), num_keys=1, is_stable=True)
+        _, perm = jax.lax.sort((tables[by_id], by_id), num_keys=1, is_stable=True)
+        st, sid = tables[perm], ids[perm]
+        new = jnp.concatenate([jnp.ones((1,), bool), (st[1:] != st[:-1]) | (sid[1:] != sid[:-1])])
     uidx = (jnp.cumsum(new, dtype=jnp.int32) - 1).astype(jnp.int32)
     num_unique = uidx[-1] + 1
     inverse = jnp.zeros((n,), jnp.int32).at[perm].set(uidx, unique_indices=True)
     run_offsets = _starts_to_offsets(new, uidx, jnp.int32(n))
-    first = jnp.minimum(run_offsets[:n], n - 1)
-    return perm, inverse, run_offsets, num_unique, st[first], sid[first]
+    first = perm[jnp.minimum(run_offsets[:n], n - 1)]
+    return perm, inverse, run_offsets, num_unique, tables[first], ids[first]
 
 
 def _reference_sort_plan(keys: jax.Array, num_keys: int):

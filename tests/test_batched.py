@@ -104,19 +104,17 @@ def _brute_force_plan(layout, ids, tables):
     return keys, u_i3, groups
 
 
-@pytest.mark.parametrize("huge", [False, True], ids=["int32_keys", "two_sorts"])
-def test_plan_matches_brute_force(huge):
-    specs = (
-        SPECS
-        if not huge
-        else (
-            ftt.TTSpec.create(1_500_000_000, 16, 4, col_shape=(2, 2, 4)),
-            SPECS[1],
-            ftt.TTSpec.create(1_600_000_000, 16, 4, col_shape=(2, 2, 4)),
-        )
-    )
+BIG = ftt.TTSpec.create(1_500_000_000, 16, 4, col_shape=(2, 2, 4))
+
+
+@pytest.mark.parametrize(
+    "specs,key_bits",
+    [(SPECS, 31), ((BIG, SPECS[1], BIG), 32), ((BIG, SPECS[1], BIG, BIG), 33)],
+    ids=["int32_keys", "uint32_keys", "two_sorts"],
+)
+def test_plan_matches_brute_force(specs, key_bits):
     layout = GroupLayout(specs)
-    assert (layout.row_base[-1] > 2**31 - 1) == huge
+    assert max((layout.row_base[-1] - 1).bit_length(), 31) == key_bits
     rng = np.random.default_rng(0)
     n = 400
     tables = rng.integers(0, len(specs), n).astype(np.int32)
