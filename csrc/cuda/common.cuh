@@ -105,6 +105,29 @@ __device__ __forceinline__ int claim_tile(int* counter, int first = 0) {
   return first + atomicAdd(counter, 1);
 }
 
+// N float4s from global memory (read-only path) into the register array dst[4 * N].
+template <int N>
+__device__ __forceinline__ void ldg_float4s(const float4* __restrict__ src, float* dst) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float4 v = __ldg(src + i);
+    dst[4 * i] = v.x;
+    dst[4 * i + 1] = v.y;
+    dst[4 * i + 2] = v.z;
+    dst[4 * i + 3] = v.w;
+  }
+}
+
+// claim_tile for a whole block: thread 0 claims, every thread returns the item (`slot`:
+// a __shared__ int, free again on return).
+__device__ __forceinline__ int claim_tile_block(int* counter, int first, int& slot) {
+  if (threadIdx.x == 0) slot = claim_tile(counter, first);
+  __syncthreads();
+  const int t = slot;
+  __syncthreads();
+  return t;
+}
+
 inline int num_sms() {
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess)

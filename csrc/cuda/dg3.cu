@@ -162,14 +162,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int m = 0; m < M; ++m) {
         const float4 p = __ldg(reinterpret_cast<const float4*>(P + m * d.r2));
         float dv[Q3];
-#pragma unroll
-        for (int i = 0; i < Q3 / 4; ++i) {
-          const float4 v = __ldg(dr + m * (Q3 / 4) + i);
-          dv[4 * i] = v.x;
-          dv[4 * i + 1] = v.y;
-          dv[4 * i + 2] = v.z;
-          dv[4 * i + 3] = v.w;
-        }
+        ldg_float4s<Q3 / 4>(dr + m * (Q3 / 4), dv);
 #pragma unroll
         for (int q = 0; q < Q3; ++q) {
           acc[0][q] = fmaf(p.x, dv[q], acc[0][q]);

@@ -112,6 +112,14 @@ std::vector<int> zipf_ids(std::mt19937_64& rng, long long N, double alpha, int n
   return ids;
 }
 
+// n ids drawn uniformly from [lo, hi].
+std::vector<int> uniform_ids(std::mt19937_64& rng, int lo, int hi, int n) {
+  std::uniform_int_distribution<int> U(lo, hi);
+  std::vector<int> ids(n);
+  for (auto& x : ids) x = U(rng);
+  return ids;
+}
+
 std::vector<int> bags_uniform(std::mt19937_64& rng, int B, int lo, int hi) {
   std::vector<int> off(B + 1, 0);
   std::uniform_int_distribution<int> L(lo, hi);
@@ -443,9 +451,7 @@ int main(int argc, char** argv) {
   {  // small uniform with empty bags, D=16 r=8
     Case c{"uniform_D16_r8", mk(10, 10, 10, 2, 2, 4, 8), 1000};
     c.bag_offsets = bags_uniform(rng, 64, 0, 6);
-    std::uniform_int_distribution<int> U(0, 999);
-    c.ids.resize(c.bag_offsets.back());
-    for (auto& x : c.ids) x = U(rng);
+    c.ids = uniform_ids(rng, 0, 999, c.bag_offsets.back());
     cases.push_back(c);
   }
   {  // zipf 1.2 unscattered (hot groups > kCH, checkpoint path), D=32 r=32
@@ -475,9 +481,7 @@ int main(int argc, char** argv) {
   {  // N < prod(P): ids near the last row, D=128 r=64 uniform
     Case c{"uniform_lastrows_D128_r64", mk(30, 30, 40, 4, 4, 8, 64), 35000};
     c.bag_offsets = bags_uniform(rng, 500, 0, 27);
-    std::uniform_int_distribution<int> U(34000, 34999);
-    c.ids.resize(c.bag_offsets.back());
-    for (auto& x : c.ids) x = U(rng);
+    c.ids = uniform_ids(rng, 34000, 34999, c.bag_offsets.back());
     cases.push_back(c);
   }
   if (!s1only)
@@ -502,9 +506,7 @@ int main(int argc, char** argv) {
     {
       Case c{"S1_uniform", mk(200, 200, 250, 2, 4, 4, 32), 10000000};
       c.bag_offsets = bags_uniform(rng, 32768, 1, 27);
-      std::uniform_int_distribution<int> U(0, 9999999);
-      c.ids.resize(c.bag_offsets.back());
-      for (auto& x : c.ids) x = U(rng);
+      c.ids = uniform_ids(rng, 0, 9999999, c.bag_offsets.back());
       c.check = false;
       fails += run_case(c, rng, true);
     }

@@ -5,7 +5,7 @@
 // unsupported_reason() says why the kernels cannot take a core shape (None if they can).
 #include <string>
 
-#include "common/ffi_capsule.h"
+#include "common/registrations.h"
 #include "cuda/handlers.h"
 #include "cuda/ops.h"
 #include "cuda/plan.h"
@@ -15,15 +15,9 @@
 NB_MODULE(_flowtt_cuda, m) {
   namespace nb = nanobind;
   m.def("registrations", []() {
-    using flowtt::EncapsulateFfiHandler;
-    nb::dict d;
-    d["flowtt_tt_rows_fwd"] = EncapsulateFfiHandler(FlowttRowsFwdCuda);
-    d["flowtt_tt_rows_bwd"] = EncapsulateFfiHandler(FlowttRowsBwdCuda);
-    d["flowtt_bag_pool_fwd"] = EncapsulateFfiHandler(FlowttPoolFwdCuda);
-    d["flowtt_bag_pool_bwd"] = EncapsulateFfiHandler(FlowttPoolBwdCuda);
-    d["flowtt_bag_fwd"] = EncapsulateFfiHandler(FlowttBagFwdCuda);
-    d["flowtt_plan"] = EncapsulateFfiHandler(FlowttPlanCuda);
-    return d;
+    // OpHandlers order: rows_fwd, rows_bwd, pool_fwd, pool_bwd, bag_fwd, plan
+    return flowtt::Registrations({FlowttRowsFwdCuda, FlowttRowsBwdCuda, FlowttPoolFwdCuda,
+                                  FlowttPoolBwdCuda, FlowttBagFwdCuda, FlowttPlanCuda});
   });
   m.def("unsupported_reason",
         [](int p1, int p2, int p3, int q1, int q2, int q3, int r1, int r2) -> nb::object {

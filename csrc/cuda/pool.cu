@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
@@ -260,6 +261,16 @@ __global__ void pool_bwd_weights_kernel(const float* __restrict__ dout,
   if (valid && lane == 0) d_weights[k] = s;
 }
 
+// Calls f(std::integral_constant<int, VEC>{}) with VEC = 4 (float4 vectors) when v4,
+// else 1: the pooling kernels' vector width.
+template <typename F>
+void with_vec(bool v4, F&& f) {
+  if (v4)
+    f(std::integral_constant<int, 4>{});
+  else
+    f(std::integral_constant<int, 1>{});
+}
+
 int team_size(int DV) {
   int ts = 1;
   while (ts < DV && ts < 32) ts <<= 1;
@@ -277,12 +288,10 @@ cudaError_t launch_pool_fwd(const float* rows, const int* inverse, const float* 
   const int DV = v4 ? D / 4 : D;
   const int TS = team_size(DV);
   const int blocks = (int)(((long long)B * TS + 255) / 256);
-  if (v4)
-    pool_fwd_kernel<4><<<blocks, 256, 0, stream>>>(rows, inverse, weights, bag_offsets, n, B, D, TS,
-                                                   lo, hi, counts, accumulate, out);
-  else
-    pool_fwd_kernel<1><<<blocks, 256, 0, stream>>>(rows, inverse, weights, bag_offsets, n, B, D, TS,
-                                                   lo, hi, counts, accumulate, out);
+  with_vec(v4, [&](auto vec) {
+    pool_fwd_kernel<vec()><<<blocks, 256, 0, stream>>>(rows, inverse, weights, bag_offsets, n, B, D,
+                                                       TS, lo, hi, counts, accumulate, out);
+  });
   return cudaGetLastError();
 }
 
@@ -314,21 +323,14 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows, const float* weig
   const int b1 = (int)(((long long)nch * TS + 255) / 256);
   const int b2 = std::max(1, std::min((int)(((long long)n + 255) / 256), num_sms() * 16));
   const int bw = (int)(((long long)n * TS + 255) / 256);
-  if (v4) {
-    pool_bwd_rows_p1<4><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm, inverse, run_offsets,
-                                                counts, n, B, D, TS, d_rows, part);
-    pool_bwd_rows_p2<4><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D, part, d_rows);
+  with_vec(v4, [&](auto vec) {
+    pool_bwd_rows_p1<vec()><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm, inverse,
+                                                    run_offsets, counts, n, B, D, TS, d_rows, part);
+    pool_bwd_rows_p2<vec()><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D, part, d_rows);
     if (d_weights != nullptr)
-      pool_bwd_weights_kernel<4>
+      pool_bwd_weights_kernel<vec()>
           <<<bw, 256, 0, stream>>>(dout, rows, inverse, bag_ids, perm, n, B, D, TS, d_weights);
-  } else {
-    pool_bwd_rows_p1<1><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm, inverse, run_offsets,
-                                                counts, n, B, D, TS, d_rows, part);
-    pool_bwd_rows_p2<1><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D, part, d_rows);
-    if (d_weights != nullptr)
-      pool_bwd_weights_kernel<1>
-          <<<bw, 256, 0, stream>>>(dout, rows, inverse, bag_ids, perm, n, B, D, TS, d_weights);
-  }
+  });
   return cudaGetLastError();
 }
 

@@ -54,6 +54,19 @@ __device__ __forceinline__ void warp_compute_P(const Dev& d, const float* G1w, c
   }
 }
 
+// A warp's P of a group of row i1: G1[i1] staged in the warp's slice G1w, then
+// warp_compute_P into Pw (G2s: G2[i2] with row stride ld2).
+template <int Q1C>
+__device__ __forceinline__ void warp_group_P(const Dev& d, const float* __restrict__ g1, int i1,
+                                             float* G1w, const float* G2s, int ld2, float* Pw,
+                                             int lane) {
+  const float* g1s = g1 + (size_t)i1 * d.Q1R1;
+  for (int i = lane; i < d.Q1R1; i += 32) G1w[i] = __ldg(g1s + i);
+  __syncwarp();
+  warp_compute_P<Q1C>(d, G1w, G2s, ld2, Pw, lane);
+  __syncwarp();
+}
+
 // P of the nR rows (group k, q1) of a batch = A . G2, kRPT x 4 outputs per
 // thread (float4 loads of A^T and G2 from shared memory), stored as
 // Ps[k][m][b] (m = q1*q2 index, group stride PT) when ldm == 0, else

@@ -65,10 +65,7 @@ __global__ void __launch_bounds__(kThreads)
   const int nTiles = nT1 * d.p2;
 
   for (;;) {
-    if (tid == 0) s_item = claim_tile(ctrl);
-    __syncthreads();
-    const int t = s_item;
-    __syncthreads();
+    const int t = claim_tile_block(ctrl, 0, s_item);
     if (t >= nTiles) break;
     const int i2 = t % d.p2;
     const int i1b = (t / d.p2) * kT1B;
@@ -108,11 +105,7 @@ __global__ void __launch_bounds__(kThreads)
       if (g < 0) continue;
       const int gs = clampi(goffs[g], 0, U);
       const int ge = clampi(goffs[g + 1], gs, U);
-      const float* g1s = g1 + (size_t)(i1b + k) * d.Q1R1;
-      for (int i = lane; i < d.Q1R1; i += 32) G1w[i] = __ldg(g1s + i);
-      __syncwarp();
-      warp_compute_P<Q1C>(d, G1w, G2s, LS, Pw, lane);
-      __syncwarp();
+      warp_group_P<Q1C>(d, g1, i1b + k, G1w, G2s, LS, Pw, lane);
       {
         float* pb = Pbuf + (size_t)g * d.PSZ;
         for (int w = lane; w < d.PSZ; w += 32) {
@@ -403,22 +396,8 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
             const float4* g34 =
                 reinterpret_cast<const float4*>(g3 + ((size_t)id3(d, id) * d.r2 + b0) * Q3);
             float dr[MB2 * Q3], gv[4 * Q3];
-#pragma unroll
-            for (int i = 0; i < MB2 * Q3 / 4; ++i) {
-              const float4 v = __ldg(dr4 + i);
-              dr[4 * i] = v.x;
-              dr[4 * i + 1] = v.y;
-              dr[4 * i + 2] = v.z;
-              dr[4 * i + 3] = v.w;
-            }
-#pragma unroll
-            for (int i = 0; i < Q3; ++i) {
-              const float4 v = __ldg(g34 + i);
-              gv[4 * i] = v.x;
-              gv[4 * i + 1] = v.y;
-              gv[4 * i + 2] = v.z;
-              gv[4 * i + 3] = v.w;
-            }
+            ldg_float4s<MB2 * Q3 / 4>(dr4, dr);
+            ldg_float4s<Q3>(g34, gv);
 #pragma unroll
             for (int i = 0; i < MB2; ++i)
 #pragma unroll

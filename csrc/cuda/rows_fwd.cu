@@ -156,10 +156,7 @@ __global__ void __launch_bounds__(kThreads)
 
   // ---- phase 1: tiles (i2 column x kT1F i1 values), a warp per group ----
   for (;;) {
-    if (tid == 0) s_item = claim_tile(ctrl, t_lo);
-    __syncthreads();
-    const int t = s_item;
-    __syncthreads();
+    const int t = claim_tile_block(ctrl, t_lo, s_item);
     if (t >= t_hi) break;
     const int i2 = t % d.p2;
     const int i1b = (t / d.p2) * kT1F;
@@ -179,11 +176,7 @@ __global__ void __launch_bounds__(kThreads)
       if (g < 0) continue;
       const int gs = clampi(goffs[g], 0, U);
       const int ge = clampi(goffs[g + 1], gs, U);
-      const float* g1s = g1 + (size_t)(i1b + k) * d.Q1R1;
-      for (int i = lane; i < d.Q1R1; i += 32) G1w[i] = __ldg(g1s + i);
-      __syncwarp();
-      warp_compute_P<Q1C>(d, G1w, G2s, d.q2 * d.r2, Pw, lane);
-      __syncwarp();
+      warp_group_P<Q1C>(d, g1, i1b + k, G1w, G2s, d.q2 * d.r2, Pw, lane);
       const int sz = ge - gs;
       if (sz > kCH) {
         const int slot = ckpt_slot(gs, lo);
