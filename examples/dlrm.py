@@ -23,11 +23,11 @@ Runs on the default JAX backend: CPU, or the GPU when one is present.
 from __future__ import annotations
 
 import argparse
-import collections
-import concurrent.futures
 import dataclasses
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +121,28 @@ def embedding_bytes(model: DLRM) -> int:
 
 # ----------------------------------------------------------------------------- training
 @dataclasses.dataclass
+class StepTimes:
+    """Seconds per step after compile: each part timed alone (``timed``: wall time of
+    back-to-back calls over their count, blocking once at the end, so device time when
+    the device is the bottleneck) and the training loop's own average step."""
+
+    data: float  # generating one batch on device
+    forward: float  # the model's forward alone
+    train_step: float  # forward + backward + optimizer update on a fixed batch
+    loop: float  # the training loop: data + train step + dispatch + log syncs
+
+    def report(self, batch_size: int) -> str:
+        ms = lambda t: f"{t * 1e3:.3f} ms"
+        parts = self.data + self.train_step
+        return (
+            f"data generation {ms(self.data)} + forward+backward+update {ms(self.train_step)} "
+            f"(forward alone {ms(self.forward)}) = {ms(parts)}; whole training step {ms(self.loop)} "
+            f"({batch_size / self.loop:,.0f} examples/s; dispatch, host syncs and gaps "
+            f"{ms(self.loop - parts)})"
+        )
+
+
+@dataclasses.dataclass
 class RunResult:
     name: str
     auc: float
@@ -134,21 +156,21 @@ class RunResult:
     full_dense_bytes: int
     steps: int
     batch_size: int
+    step_times: StepTimes
 
     @property
     def memory_ratio(self) -> float:
         return self.dense_equivalent_bytes / self.embedding_bytes
 
 
-def prefetch(make, n: int, depth: int = 2):
-    """Yields ``make(0), ..., make(n-1)``, generated ``depth`` ahead on a worker thread."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pending = collections.deque(pool.submit(make, i) for i in range(min(depth, n)))
-        for i in range(n):
-            out = pending.popleft().result()
-            if i + depth < n:
-                pending.append(pool.submit(make, i + depth))
-            yield out
+def timed(fn: Callable[[], Any], n: int) -> float:
+    """Seconds per call of ``fn`` over ``n`` back-to-back calls (after one warm-up call)."""
+    jax.block_until_ready(fn())
+    t = time.perf_counter()
+    for _ in range(n):
+        out = fn()
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / max(n, 1)
 
 
 def build_optimizer(name: str, lr: float) -> optax.GradientTransformation:
@@ -200,32 +222,37 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
         f"{dense_eq / emb_bytes:,.1f}x; full-cardinality dense: {full_dense:,} bytes)"
     )
 
-    # donate the model and optimizer state: updates happen in place (matters for the
-    # dense baseline, whose tables and Adam moments are hundreds of MB)
-    @nnx.jit(donate_argnums=(0, 1))
-    def train_step(model, optimizer, dense, sparse, labels):
-        def loss_fn(model):
-            return bce(model(dense, sparse), labels)
+    # Functional steps over the split state (plain jax.jit: little Python per call). The
+    # state is donated, so updates happen in place (the dense baseline's tables and Adam
+    # moments are GBs at full cardinality). Batches are made on device by their own jitted
+    # program (the same one in the TT and dense runs, so the data are bitwise identical);
+    # nothing in the loop waits for the device except the loss at log points.
+    graphdef, state = nnx.split((model, optimizer))
+    del model, optimizer
 
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state, dense, sparse, labels):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(lambda m: bce(m(dense, sparse), labels))(model)
         optimizer.update(model, grads)
-        return loss
+        return nnx.state((model, optimizer)), loss
 
-    @nnx.jit
-    def predict(model, dense, sparse):
+    @jax.jit
+    def predict(state, dense, sparse):
+        model, _ = nnx.merge(graphdef, state)
         return model(dense, sparse)
 
     # train_seconds counts everything (compile included); examples/s is measured after
     # the first (compiling) step
-    batches = prefetch(lambda i: data.batch(i, args.batch_size, stream=0), args.steps)
     bar = None
     if tqdm is not None and not args.no_progress:
         bar = tqdm(total=args.steps, desc=f"train[{name}]", unit="step", dynamic_ncols=True)
     t0 = time.perf_counter()
     t_first = None
     losses = []
-    for step, (d, s, y, _) in enumerate(batches):
-        loss = train_step(model, optimizer, jnp.asarray(d), jnp.asarray(s), jnp.asarray(y))
+    for step in range(args.steps):
+        d, s, y, _ = data.batch(step, args.batch_size, stream=0)
+        state, loss = train_step(state, d, s, y)
         losses.append(loss)
         if step == 0:
             float(loss)
@@ -240,24 +267,23 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
                 log(f"[{name}] step {step + 1}/{args.steps} loss {loss_val:.4f} ({eps:,.0f} examples/s)")
         if bar is not None:
             bar.update(1)
-    jax.block_until_ready(nnx.state(model))
+    jax.block_until_ready(state)
     t_end = time.perf_counter()
     if bar is not None:
         bar.close()
     train_seconds = t_end - t0
     tail = max(1, args.steps // 10)
     loss_val = float(jnp.mean(jnp.stack(losses[-tail:])))
-    steady = (
-        (args.steps - 1) * args.batch_size / max(t_end - t_first, 1e-9) if args.steps > 1 else float("nan")
-    )
+    loop = (t_end - t_first) / (args.steps - 1) if args.steps > 1 else float("nan")
+    steady = args.batch_size / loop
 
     scores, labels, logits = [], [], []
     for i in range(args.eval_batches):
         d, s, y, lg = data.batch(i, args.batch_size, stream=1)
-        scores.append(np.asarray(predict(model, jnp.asarray(d), jnp.asarray(s))))
+        scores.append(predict(state, d, s))
         labels.append(y)
         logits.append(lg)
-    scores, labels, logits = map(np.concatenate, (scores, labels, logits))
+    scores, labels, logits = (np.concatenate([np.asarray(a) for a in x]) for x in (scores, labels, logits))
     auc = roc_auc(labels, scores)
     bayes = roc_auc(labels, logits)
     eval_loss = float(bce(jnp.asarray(scores), jnp.asarray(labels)))
@@ -270,6 +296,24 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
         f"[{name}] held-out: AUC {auc:.4f}, log loss {eval_loss:.4f} on {labels.size:,} examples "
         f"(Bayes AUC of the planted teacher: {bayes:.4f})"
     )
+
+    # Where a step's time goes, each part alone (after the evaluation: the extra steps
+    # train the model further on one batch, which nothing uses any more).
+    d, s, y, _ = data.batch(0, args.batch_size, stream=0)
+
+    def one_step():
+        nonlocal state
+        state, loss = train_step(state, d, s, y)
+        return loss
+
+    n = args.profile_steps
+    times = StepTimes(
+        data=timed(lambda: data.batch(0, args.batch_size, stream=0), n),
+        forward=timed(lambda: predict(state, d, s), n),
+        train_step=timed(one_step, n),
+        loop=loop,
+    )
+    log(f"[{name}] step time after compile: {times.report(args.batch_size)}")
     return RunResult(
         name,
         auc,
@@ -283,6 +327,7 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
         full_dense,
         args.steps,
         args.batch_size,
+        times,
     )
 
 
@@ -316,7 +361,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--impl", default="auto", choices=("auto", "ffi", "reference"))
     p.add_argument("--seed", type=int, default=0, help="model init seed")
     p.add_argument("--data-seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=int, default=10, help="log (and wait for the device) every N steps")
+    p.add_argument(
+        "--profile-steps", type=int, default=10, help="calls per part when timing where a step's time goes"
+    )
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of tqdm")
     p.add_argument(
         "--check",
@@ -359,6 +407,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, RunResult]:
             f"train {de.train_seconds:7.1f} s"
         )
         print(f"AUC difference (dense - TT): {de.auc - tt.auc:+.4f}")
+        tt_eps, de_eps = tt.examples_per_second, de.examples_per_second
+        print(
+            f"examples/s after compile: TT {tt_eps:,.0f}, dense {de_eps:,.0f} "
+            f"(TT / dense {tt_eps / de_eps:.2f})"
+        )
         print(f"embedding memory ratio (dense / TT): {de.embedding_bytes / tt.embedding_bytes:,.1f}x")
         print(f"vs full-cardinality dense tables: {tt.full_dense_bytes / tt.embedding_bytes:,.1f}x")
         gap, ratio = abs(de.auc - tt.auc), de.embedding_bytes / tt.embedding_bytes

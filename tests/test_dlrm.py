@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from examples import dlrm
-from examples.criteo_synth import CRITEO_KAGGLE_CARDINALITIES, SynthConfig, SynthCriteo
+from examples.criteo_synth import CRITEO_KAGGLE_CARDINALITIES, SynthConfig, SynthCriteo, affine_mod, hash32
 
 TINY = [
     "--steps",
@@ -26,6 +26,8 @@ TINY = [
     "--no-progress",
     "--log-every",
     "2",
+    "--profile-steps",
+    "1",
 ]
 
 
@@ -35,6 +37,8 @@ def test_tt_run_tiny():
     assert 0.0 <= res.auc <= 1.0 and 0.0 <= res.bayes_auc <= 1.0
     assert res.embedding_bytes < res.dense_equivalent_bytes < res.full_dense_bytes
     assert res.memory_ratio > 1
+    t = res.step_times
+    assert min(t.data, t.forward, t.train_step, t.loop) > 0 and res.examples_per_second > 0
 
 
 def test_compare_tiny():
@@ -61,18 +65,53 @@ def test_roc_auc_matches_pairwise_definition():
 def test_synthetic_data_deterministic_and_capped():
     assert len(CRITEO_KAGGLE_CARDINALITIES) == 26
     data = SynthCriteo(SynthConfig(max_rows=1000))
-    d1, s1, y1, l1 = data.batch(3, 128)
-    d2, s2, y2, l2 = data.batch(3, 128)
-    np.testing.assert_array_equal(s1, s2)
-    np.testing.assert_array_equal(y1, y2)
+    d1, s1, y1, l1 = map(np.asarray, data.batch(3, 128))
+    # a second generator (as in the dense run) makes the same bits; rows do not depend on B
+    d2, s2, y2, l2 = map(np.asarray, SynthCriteo(SynthConfig(max_rows=1000)).batch(3, 256))
+    for a, b in ((d1, d2), (s1, s2), (y1, y2), (l1, l2)):
+        np.testing.assert_array_equal(a, b[:128])
     assert d1.shape == (128, 13) and s1.shape == (128, 26) and y1.shape == (128,)
+    assert s1.dtype == np.int32 and d1.dtype == y1.dtype == l1.dtype == np.float32
     assert (s1 >= 0).all() and (s1 < np.array(data.cardinalities)).all()
     assert max(data.cardinalities) == 1000
     _, s3, _, _ = data.batch(3, 128, stream=1)
-    assert not np.array_equal(s1, s3)
+    assert not np.array_equal(s1, np.asarray(s3))
     # the planted signal is informative: the teacher's logit ranks labels well
-    _, _, y, logit = data.batch(0, 4000, stream=1)
+    _, _, y, logit = map(np.asarray, data.batch(0, 4000, stream=1))
     assert dlrm.roc_auc(y, logit) > 0.75
+    assert 0.1 < y.mean() < 0.3
+
+
+def test_synthetic_ids_follow_the_bounded_power_law():
+    data = SynthCriteo(SynthConfig(zipf_a=1.2))
+    m = 50_000
+    _, ids, _, _ = map(np.asarray, data.batch(0, m, stream=1))
+    for f in (2, 9, 16):  # C3 (10^7 rows), C10, C17 (10 rows)
+        n, a, b = CRITEO_KAGGLE_CARDINALITIES[f], int(data._a[f]), int(data._b[f])
+        assert (ids[:, f] >= 0).all() and (ids[:, f] < n).all()
+        rank = (ids[:, f].astype(np.int64) - b) * pow(a, -1, n) % n  # undo the affine scatter
+        for r in (1, 10, 1000, 100_000, 1_000_000):
+            if r < n:
+                cdf = (1 - (r + 1) ** -0.2) / (1 - (n + 1) ** -0.2)  # P(rank < r)
+                assert abs((rank < r).mean() - cdf) < 4 * np.sqrt(cdf * (1 - cdf) / m) + 1e-9, (f, r)
+
+
+def test_affine_mod_and_hash32_are_exact():
+    rng = np.random.default_rng(0)
+    n = np.array([1, 3, 1000, 10131227, 2**24 - 1, 2**24])
+    a = np.array([rng.integers(0, k) for k in n])
+    b = np.array([rng.integers(0, k) for k in n])
+    a[-1] = b[-1] = 2**24 - 1
+    x = np.stack([rng.integers(0, k, 500) for k in n], 1)
+    x[0, -1] = 2**24 - 1
+    got = np.asarray(affine_mod(a, b, x.astype(np.int32), n)).astype(np.int64)
+    want = [[(int(a[j]) * int(x[i, j]) + int(b[j])) % int(n[j]) for j in range(n.size)] for i in range(500)]
+    np.testing.assert_array_equal(got, want)
+    # murmur3_32 reference vectors (4-byte little-endian blocks)
+    word = int.from_bytes(b"test", "little")
+    assert int(hash32(0, word)) == 0xBA6BD213
+    assert int(hash32(0x9747B28C, word)) == 0x704B81DC
+    assert int(hash32(0, 0)) == 0x2362F9DE
 
 
 def test_check_fails_when_targets_are_missed():
