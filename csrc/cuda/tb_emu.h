@@ -116,6 +116,32 @@ T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
   return __shfl_sync(mask, v, (int)(threadIdx.x % 32) ^ lane_mask);
 }
 
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+
+// Warp votes and reductions: every lane publishes its value, then reads all 32.
+inline unsigned __ballot_sync(unsigned, int pred) {
+  tb_emu::Warp& w = tb_emu::g_warps[threadIdx.x / 32];
+  w.buf[threadIdx.x % 32] = pred != 0;
+  tb_emu::wait(w.bar);
+  unsigned bits = 0;
+  for (int l = 0; l < 32; ++l) bits |= (w.buf[l] ? 1u : 0u) << l;
+  tb_emu::wait(w.bar);
+  return bits;
+}
+inline int __reduce_min_sync(unsigned, int v) {
+  tb_emu::Warp& w = tb_emu::g_warps[threadIdx.x / 32];
+  std::memcpy(&w.buf[threadIdx.x % 32], &v, 4);
+  tb_emu::wait(w.bar);
+  int m = v;
+  for (int l = 0; l < 32; ++l) {
+    int x;
+    std::memcpy(&x, &w.buf[l], 4);
+    m = std::min(m, x);
+  }
+  tb_emu::wait(w.bar);
+  return m;
+}
+
 inline int atomicAdd(int* p, int v) {
   const int old = *p;
   *p = old + v;

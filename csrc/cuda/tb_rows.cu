@@ -169,9 +169,10 @@ const char* tb_check_dims(const TbDims& t) {
       t.r2 > kTbRMax)
     return "flowtt_tb CUDA: unsupported core shape (need q1 <= 8, q1*q2 <= 16, q3 <= 8, "
            "r1 <= 64, r2 <= 64); use impl='reference'";
-  if (tb_dg2_smem(tb_dev(t)) > 200 * 1024)
-    return "flowtt_tb CUDA: g2 rows too large for the dg2 kernel's shared memory (r1*q2*r2 "
-           "must be <= ~45k); use impl='reference'";
+  const TbDev d = tb_dev(t);
+  if (d.R1K > kTbMaxG2Row || tb_dg2_smem(d) > 200 * 1024 || tb_dg1_geo(d).R == 0)
+    return "flowtt_tb CUDA: g2 rows too large for the kernels' shared memory (need "
+           "r1*q2*r2 <= 24576); use impl='reference'";
   return nullptr;
 }
 
@@ -243,8 +244,9 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
 
   const bool vec_g2 = d.K % 4 == 0 && tb_aligned16(g2);
   if (stages & 1) {
+    const TbDg1Geo geo = tb_dg1_geo(d);
     auto kernel = vec_g2 ? TB_BY_Q1(tb_dg1_kernel, 4, d.q1) : TB_BY_Q1(tb_dg1_kernel, 1, d.q1);
-    if ((err = tb_launch(kernel, tb_dg1_smem(d), stream, d, g2, g3, d_rows, u_i3, g_i1, g_i2,
+    if ((err = tb_launch(kernel, geo.smem, stream, d, geo, g2, g3, d_rows, u_i3, g_i2,
                          group_offsets, counts, n, (const int*)s.bounds1, s.ctrl + 0, dg1)) !=
         cudaSuccess)
       return err;

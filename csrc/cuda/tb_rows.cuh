@@ -4,6 +4,7 @@
 // cuda/tb_emu.h provides them for the CPU emulation test).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -17,8 +18,9 @@ namespace flowtt::tb {
 constexpr int kTbThreads = 256;  // every kernel: 8 warps
 constexpr int kTbWarps = kTbThreads / 32;
 constexpr int kTbChunk = 64;     // unique indices per forward work item
-constexpr int kTbBatch = 8;      // groups per shared-memory batch of the dg1 / dg2 kernels
+constexpr int kTbBatch = 8;      // groups per shared-memory batch of the dg2 kernel
 constexpr int kTbQ1Max = 8, kTbMMax = 16, kTbQ3Max = 8, kTbRMax = 64;
+constexpr int kTbMaxG2Row = 24576;  // r1*q2*r2 bound (g2 rows staged in shared memory)
 constexpr int kTbTileGroups = 32;  // max groups per batch of the sorted-tile forward
 constexpr int kTbRPT = 8;          // rows (group, q1) per thread of its prefix GEMM
 
@@ -82,12 +84,36 @@ inline TbTileGeo tb_tile_geo(const TbDev& d, size_t smem_cap,
   return g;
 }
 
+// The dg1 kernel (tb_dg1_kernel): a block takes R consecutive g1 rows; a super-step
+// holds up to S g2 rows and KMAX (>= R) groups. Shared memory: the g2 rows [S][R1K], the
+// rows' accumulators [R][q1*r1], dP of the listed groups [KMAX][PSZ]. The largest R, then
+// S, then KMAX within 100 KB, else within 200 KB; R = 0 if nothing fits.
+constexpr int kTbDg1MaxRows = 32, kTbDg1MaxSteps = 4, kTbDg1MaxList = 64;
+struct TbDg1Geo {
+  int R, S, KMAX;
+  size_t smem;
+};
+inline TbDg1Geo tb_dg1_geo(const TbDev& d) {
+  for (size_t budget : {size_t{100} << 10, size_t{200} << 10}) {
+    for (int R = kTbDg1MaxRows; R >= 8; R /= 2) {
+      for (int S = kTbDg1MaxSteps; S >= 1; S /= 2) {
+        const size_t fixed =
+            sizeof(float) * ((size_t)S * tb_align4(d.R1K) + (size_t)tb_align4(R * d.Q1R1));
+        if (fixed >= budget) continue;
+        const int kmax = (int)std::min<size_t>(kTbDg1MaxList, (budget - fixed) /
+                                                                   (sizeof(float) * d.PSZ));
+        if (kmax >= R) return {R, S, kmax, fixed + sizeof(float) * (size_t)kmax * d.PSZ};
+      }
+    }
+  }
+  return {0, 0, 0, 0};
+}
+
 // Dynamic shared memory of the kernels: the per-warp slices (g1 row, P) of the forward
-// and dg3 kernels; dP of a batch (dg1); the g2 row, g1 rows and dP of a batch (dg2).
+// and dg3 kernels; the g2 row, g1 rows and dP of a batch (dg2).
 inline size_t tb_warp_slices_bytes(const TbDev& d) {
   return sizeof(float) * kTbWarps * (size_t)(tb_align4(d.Q1R1) + tb_align4(d.M * d.ldP));
 }
-inline size_t tb_dg1_smem(const TbDev& d) { return sizeof(float) * (size_t)kTbBatch * d.PSZ; }
 inline size_t tb_dg2_smem(const TbDev& d) {
   return sizeof(float) *
          ((size_t)tb_align4(d.R1K) + (size_t)kTbBatch * (tb_align4(d.Q1R1) + d.PSZ));

@@ -84,8 +84,9 @@ void EmuFwdTile(const Inputs& in, const TbTileGeo& geo, float* rows) {
                 (const int*)bounds2.data(), (const int*)vals.data(), ctr.data(), rows);
 }
 
-// tb_rows_bwd: dg1, dg2, dg3.
-void EmuBwd(const Inputs& in, bool vec, float* dg1, float* dg2, float* dg3) {
+// tb_rows_bwd: dg1, dg2, dg3 (dg1 with the kernel's geometry dg1_geo).
+void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, float* dg2,
+            float* dg3) {
   const TbDev& d = in.d;
   const int n = in.n;
   std::vector<int> ctrl(4, 0), bounds1(d.P1 + 1, 0), bounds2(d.P2 + 1), bounds3(d.P3 + 1);
@@ -106,9 +107,9 @@ void EmuBwd(const Inputs& in, bool vec, float* dg1, float* dg2, float* dg3) {
                 in.counts, n, d.P3, bounds3.data());
   const bool vec_g2 = vec && d.K % 4 == 0;
   auto k1 = vec_g2 ? TB_BY_Q1(tb_dg1_kernel, 4, d.q1) : TB_BY_Q1(tb_dg1_kernel, 1, d.q1);
-  tb_emu_launch(kGrid, kTbThreads, tb_dg1_smem(d), k1, d, in.g2, in.g3, in.d_rows, in.u_i3,
-                in.g_i1, in.g_i2, in.goffs, in.counts, n, (const int*)bounds1.data(),
-                &ctrl[0], dg1);
+  tb_emu_launch(kGrid, kTbThreads, dg1_geo.smem, k1, d, dg1_geo, in.g2, in.g3, in.d_rows,
+                in.u_i3, in.g_i2, in.goffs, in.counts, n, (const int*)bounds1.data(), &ctrl[0],
+                dg1);
   auto k2 = vec && d.K % 4 == 0 && d.r1 % 4 == 0 ? &tb_dg2_kernel<4> : &tb_dg2_kernel<1>;
   tb_emu_launch(kGrid, kTbThreads, tb_dg2_smem(d), k2, d, in.g1, in.g3, in.d_rows, in.u_i3,
                 in.g_i1, in.goffs, in.counts, n, (const int*)bounds2.data(),
@@ -159,15 +160,23 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
     std::snprintf(buf, sizeof buf, " fwd (tiles of %d groups) rel err %.2e", geo.GB, e);
     Report(e < kTol, tag + buf);
   }
-  std::vector<float> dg1(r.k.g1.size(), NAN), dg2(r.k.g2.size(), NAN), dg3(r.k.g3.size(), NAN);
-  EmuBwd(r.in, vec, dg1.data(), dg2.data(), dg3.data());
   std::vector<double> r1, r2, r3;
   TbRefGrads(c, p, r.k, r.d_rows, &r1, &r2, &r3);
-  const double e1 = TbRelErr(dg1.data(), r1.data(), r1.size());
-  const double e2 = TbRelErr(dg2.data(), r2.data(), r2.size());
-  const double e3 = TbRelErr(dg3.data(), r3.data(), r3.size());
-  std::snprintf(buf, sizeof buf, " bwd rel err dg1 %.2e dg2 %.2e dg3 %.2e", e1, e2, e3);
-  Report(e1 < kTol && e2 < kTol && e3 < kTol, tag + buf);
+  // the default dg1 geometry, and a small one (8 rows, one g2 row and 8 groups per step)
+  for (TbDg1Geo geo : {tb_dg1_geo(r.in.d), TbDg1Geo{8, 1, 8, 0}}) {
+    if (geo.smem == 0)
+      geo.smem = sizeof(float) * (tb_align4(r.in.d.R1K) + tb_align4(8 * r.in.d.Q1R1) +
+                                  8 * (size_t)r.in.d.PSZ);
+    std::vector<float> dg1(r.k.g1.size(), NAN), dg2(r.k.g2.size(), NAN),
+        dg3(r.k.g3.size(), NAN);
+    EmuBwd(r.in, vec, geo, dg1.data(), dg2.data(), dg3.data());
+    const double e1 = TbRelErr(dg1.data(), r1.data(), r1.size());
+    const double e2 = TbRelErr(dg2.data(), r2.data(), r2.size());
+    const double e3 = TbRelErr(dg3.data(), r3.data(), r3.size());
+    std::snprintf(buf, sizeof buf, " bwd (dg1 %d rows x %d steps) rel err dg1 %.2e dg2 %.2e dg3 %.2e",
+                  geo.R, geo.S, e1, e2, e3);
+    Report(e1 < kTol && e2 < kTol && e3 < kTol, tag + buf);
+  }
 }
 
 // Invalid plans: the kernels finish and (under the address sanitizer) read nothing out of
@@ -185,7 +194,7 @@ void InvalidPlans(int which) {
     EmuFwd(r.in, true, rows.data());
     const TbTileGeo geo = tb_tile_geo(r.in.d, 100 * 1024);
     if (geo.GB > 0) EmuFwdTile(r.in, geo, rows.data());
-    EmuBwd(r.in, true, dg1.data(), dg2.data(), dg3.data());
+    EmuBwd(r.in, true, tb_dg1_geo(r.in.d), dg1.data(), dg2.data(), dg3.data());
     Report(true, "invalid plan, finished: " + c.name + ", " + what);
   };
   run("u_i3 out of range", [&](TbHostPlan& p) {

@@ -21,9 +21,10 @@
 //   g1 row over g_i1 (non-decreasing in g); cub radix sort of (u_i3, u) and bounds of
 //   each g3 row. Then one persistent kernel per core, work stealing over its packed rows
 //   (a row no group touches is written 0):
-//   dg1[I]: for the groups of I in ascending g, in batches of kTbBatch: dP_g by the
-//     block (a thread per element, u ascending), then dP_g . g2[g_i2]^T (8 threads per
-//     output, fixed shuffle tree) added to the row's accumulators;
+//   dg1[I]: blocks of consecutive g1 rows, their group lists merged by g_i2 (each g2
+//     row loaded once for every row of the block using it, each row's terms still in
+//     ascending g): dP_g by the block (a thread per element, u ascending), then
+//     dP_g . g2[g_i2]^T (8 threads per output, fixed shuffle tree) added to the row;
 //   dg2[I]: the same over the groups sorted by g_i2 (stable: ascending g), adding
 //     g1[g_i1]^T . dP_g into the row kept in shared memory (4x4 tiles per thread);
 //   dg3[I]: for the unique indices of I in ascending u, 8 at a time: a warp per u forms
@@ -287,49 +288,97 @@ __global__ void tb_bounds_kernel(const int* __restrict__ sorted, const int* __re
 // ------------------------------- backward: dg1 --------------------------------------
 
 // dg1[I] = sum over the groups g of I (bounds1), ascending, of dP_g . g2[g_i2[g]]^T.
-// Threads (a, kp): output column a = tid / 8 (+ 32 per pass), kp = tid % 8 splits the
-// K = q2*r2 terms (float4 quads kp, kp+8, ...); the 8 partials of each (q1, a) are
-// combined by a fixed xor tree, then added to the accumulator of thread kp == 0.
+// A block takes geo.R consecutive g1 rows and merges their group lists by g_i2 (warp 0
+// keeps a head per row; a step is the smallest head key and the rows whose head has it):
+// within a row g_i2 rises with g, so every row still receives its terms in ascending g,
+// while each g2 row is loaded once per step for all the rows that use it. Per super-step
+// (up to geo.S steps, geo.KMAX groups): the steps' g2 rows to shared memory, dP of every
+// listed group (tb_block_dP), then the groups in list order: threads (a, kp), output
+// column a = tid / 8 (+ 32 per pass), kp = tid % 8 splitting the K = q2*r2 terms (float4
+// quads kp, kp+8, ...); the 8 partials of each (q1, a) combined by a fixed xor tree and
+// added to the row's accumulator, owned by thread kp == 0 of column a.
 template <int Q1C, int VEC>
 __global__ void __launch_bounds__(kTbThreads)
-    tb_dg1_kernel(TbDev d, const float* __restrict__ g2, const float* __restrict__ g3,
-                  const float* __restrict__ d_rows, const int* __restrict__ u_i3,
-                  const int* __restrict__ g_i1, const int* __restrict__ g_i2,
+    tb_dg1_kernel(TbDev d, TbDg1Geo geo, const float* __restrict__ g2,
+                  const float* __restrict__ g3, const float* __restrict__ d_rows,
+                  const int* __restrict__ u_i3, const int* __restrict__ g_i2,
                   const int* __restrict__ goffs, const int* __restrict__ counts, int n,
                   const int* __restrict__ bounds1, int* ctr, float* __restrict__ dg1) {
   constexpr int NQ1 = Q1C ? Q1C : kTbQ1Max;
   constexpr int KP = 8;
+  constexpr int kNoKey = 0x7fffffff;
   TB_DYNAMIC_SMEM(tb_smem4);
-  float* dPs = reinterpret_cast<float*>(tb_smem4);  // [kTbBatch][PSZ]
-  __shared__ int s_item, s_gs[kTbBatch], s_ge[kTbBatch], s_i2[kTbBatch], s_ok[kTbBatch];
-  const int tid = threadIdx.x, kp = tid % KP;
+  const int ld2 = tb_align4(d.R1K);
+  float* G2s = reinterpret_cast<float*>(tb_smem4);  // [S][ld2]
+  float* acc = G2s + geo.S * ld2;                    // [R][q1][r1]
+  float* dPs = acc + tb_align4(geo.R * d.Q1R1);     // [KMAX][PSZ]
+  __shared__ int s_item, s_cnt, s_steps;
+  __shared__ int s_g[kTbDg1MaxList], s_row[kTbDg1MaxList], s_step[kTbDg1MaxList];
+  __shared__ int s_gs[kTbDg1MaxList], s_ge[kTbDg1MaxList], s_i2[kTbDg1MaxSteps];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, kp = tid % KP;
   int U, G;
   tb_counts(counts, n, U, G);
   for (;;) {
-    const int I = tb_claim(ctr, &s_item);
-    if (I >= d.P1) break;
-    const int lo = tb_clamp(bounds1[I], 0, G), hi = tb_clamp(bounds1[I + 1], lo, G);
-    float acc[2][NQ1];
-#pragma unroll
-    for (int p = 0; p < 2; ++p)
-#pragma unroll
-      for (int x1 = 0; x1 < NQ1; ++x1) acc[p][x1] = 0.f;
-    for (int g0 = lo; g0 < hi; g0 += kTbBatch) {
-      const int nb = min(kTbBatch, hi - g0);
-      __syncthreads();  // the previous batch's dPs are read
-      if (tid < nb) {
-        const int g = g0 + tid;
-        tb_group_range(goffs, g, U, s_gs[tid], s_ge[tid]);
-        s_i2[tid] = tb_clamp(__ldg(g_i2 + g), 0, d.P2 - 1);
-        s_ok[tid] = tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1) == I;  // false: a bad plan
+    const int blk = tb_claim(ctr, &s_item);
+    if ((long long)blk * geo.R >= d.P1) break;
+    const int I0 = blk * geo.R, nrows = min(geo.R, d.P1 - I0);
+    if (kp == 0) {
+      for (int a = tid / KP; a < d.r1; a += kTbThreads / KP)
+        for (int r = 0; r < nrows; ++r)
+          for (int x1 = 0; x1 < d.q1; ++x1) acc[(r * d.q1 + x1) * d.r1 + a] = 0.f;
+    }
+    int h = 0, e = 0;  // warp 0, lane r: the next and the end group of row I0 + r
+    if (warp == 0 && lane < nrows) {
+      h = tb_clamp(bounds1[I0 + lane], 0, G);
+      e = tb_clamp(bounds1[I0 + lane + 1], h, G);
+    }
+    for (;;) {
+      __syncthreads();  // the previous super-step is done
+      if (warp == 0) {  // the next steps of the merge
+        int cnt = 0, steps = 0;
+        while (steps < geo.S) {
+          const int key = h < e ? tb_clamp(__ldg(g_i2 + h), 0, d.P2 - 1) : kNoKey;
+          const int m = __reduce_min_sync(0xffffffffu, key);
+          if (m == kNoKey) break;
+          const unsigned members = __ballot_sync(0xffffffffu, key == m);
+          if (cnt + __popc(members) > geo.KMAX) break;
+          if (key == m) {
+            const int pos = cnt + __popc(members & ((1u << lane) - 1u));
+            s_g[pos] = h;
+            s_row[pos] = lane;
+            s_step[pos] = steps;
+            ++h;
+          }
+          if (lane == 0) s_i2[steps] = m;
+          cnt += __popc(members);
+          ++steps;
+        }
+        if (lane == 0) {
+          s_cnt = cnt;
+          s_steps = steps;
+        }
       }
       __syncthreads();
-      tb_block_dP(d, nb, s_gs, s_ge, u_i3, g3, d_rows, dPs);
+      const int cnt = s_cnt;
+      if (cnt == 0) break;
+      for (int st = 0; st < s_steps; ++st) {
+        const float* src = g2 + (size_t)s_i2[st] * d.R1K;
+        float* dst = G2s + st * ld2;
+        if (VEC == 4) {
+          for (int i = tid; i < d.R1K / 4; i += kTbThreads)
+            reinterpret_cast<float4*>(dst)[i] = __ldg(reinterpret_cast<const float4*>(src) + i);
+        } else {
+          for (int i = tid; i < d.R1K; i += kTbThreads) dst[i] = __ldg(src + i);
+        }
+      }
+      if (tid < cnt) tb_group_range(goffs, s_g[tid], U, s_gs[tid], s_ge[tid]);
       __syncthreads();
-      for (int k = 0; k < nb; ++k) {
-        if (!s_ok[k]) continue;
+      tb_block_dP(d, cnt, s_gs, s_ge, u_i3, g3, d_rows, dPs);
+      __syncthreads();
+      for (int k = 0; k < cnt; ++k) {
         const float* dp = dPs + k * d.PSZ;
-        const float* g2row = g2 + (size_t)s_i2[k] * d.R1K;
+        const float* g2s = G2s + s_step[k] * ld2;
+        float* acc_row = acc + s_row[k] * d.Q1R1;
 #pragma unroll
         for (int pass = 0; pass < 2; ++pass) {
           if (pass * 32 >= d.r1) break;
@@ -338,10 +387,10 @@ __global__ void __launch_bounds__(kTbThreads)
 #pragma unroll
           for (int x1 = 0; x1 < NQ1; ++x1) part[x1] = 0.f;
           if (a < d.r1) {
-            const float* gr = g2row + (size_t)a * d.K;
+            const float* gr = g2s + a * d.K;
             if (VEC == 4) {
               for (int q = kp; q < d.K / 4; q += KP) {
-                const float4 gv = __ldg(reinterpret_cast<const float4*>(gr) + q);
+                const float4 gv = reinterpret_cast<const float4*>(gr)[q];
 #pragma unroll
                 for (int x1 = 0; x1 < NQ1; ++x1) {
                   if (Q1C || x1 < d.q1) {
@@ -355,7 +404,7 @@ __global__ void __launch_bounds__(kTbThreads)
               }
             } else {
               for (int j = kp; j < d.K; j += KP) {
-                const float gv = __ldg(gr + j);
+                const float gv = gr[j];
 #pragma unroll
                 for (int x1 = 0; x1 < NQ1; ++x1)
                   if (Q1C || x1 < d.q1) part[x1] = fmaf(dp[x1 * d.K + j], gv, part[x1]);
@@ -368,22 +417,17 @@ __global__ void __launch_bounds__(kTbThreads)
 #pragma unroll
               for (int off = KP / 2; off > 0; off >>= 1)
                 part[x1] += __shfl_xor_sync(0xffffffffu, part[x1], off);
-              acc[pass][x1] += part[x1];
+              if (kp == 0 && a < d.r1) acc_row[x1 * d.r1 + a] += part[x1];
             }
           }
         }
       }
     }
     if (kp == 0) {
-#pragma unroll
-      for (int pass = 0; pass < 2; ++pass) {
-        const int a = pass * 32 + tid / KP;
-        if (a < d.r1) {
-#pragma unroll
-          for (int x1 = 0; x1 < NQ1; ++x1)
-            if (Q1C || x1 < d.q1) dg1[((size_t)I * d.q1 + x1) * d.r1 + a] = acc[pass][x1];
-        }
-      }
+      for (int a = tid / KP; a < d.r1; a += kTbThreads / KP)
+        for (int r = 0; r < nrows; ++r)
+          for (int x1 = 0; x1 < d.q1; ++x1)
+            dg1[((size_t)(I0 + r) * d.q1 + x1) * d.r1 + a] = acc[(r * d.q1 + x1) * d.r1 + a];
     }
   }
 }
