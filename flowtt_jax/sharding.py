@@ -1,21 +1,80 @@
-"""Data parallelism: replicated cores, batch split over a mesh axis (design section 5).
+"""Many devices: data parallelism (the default) and table-wise model parallelism (design 5).
 
-TT cores are megabytes, so the default for many devices is to replicate them and
-split the batch. Under a plain ``jax.jit`` with a sharded batch the ops are correct
-but XLA does not partition the FFI custom calls: every device gathers and runs the
-whole batch. ``data_parallel`` runs each device's slice through the op instead, and
-XLA all-reduces the core gradients.
+TT cores are megabytes, so the default is to replicate them and split the batch. Under
+a plain ``jax.jit`` with a sharded batch the ops are correct but XLA does not partition
+the FFI custom calls: every device would gather and run the whole batch. So the ops run
+inside ``jax.shard_map``, each device on its own slice, and the replicated parameters'
+gradients are summed over devices (an all-reduce, from ``shard_map``'s transpose).
+
+- ``data_parallel(fn, mesh)``: a single-table op ``fn(cores, *batched)``.
+- ``collection_data_parallel(layout, mesh)``: a collection (``CollectionLayout``) with
+  replicated parameters; its ``apply(params, features)`` takes the batch split along dim
+  0 (per-shard forms for CSR / segment inputs: ``shard_bags``, ``sharding_base``).
+- ``collection_table_wise(layout, mesh, placement)`` with ``place_tables``: every TT
+  table on one device, ids and pooled bags exchanged by ``all_to_all``
+  (``sharding_tablewise``); the same numbers as data parallel.
+- Flax NNX (``sharding_nnx``, loaded on first access): ``shard_collection`` switches a
+  model's ``TTEmbeddingCollection`` to either strategy, ``make_train_step`` /
+  ``sharded_value_and_grad`` / ``sharded_call`` run a whole model per device.
+
+Multi-host: the same code after ``jax.distributed.initialize()``; the mesh spans every
+process's devices and each process feeds its own part of the batch
+(``sharding_nnx.shard_batch``). Collectives are JAX's own (NCCL on GPU).
+
+``check_vma=False`` (every ``shard_map`` here): ``jax.ffi.ffi_call`` types its results as
+device-invariant (no varying manual axes) whatever its inputs, and requires its inputs'
+types to agree. With ``check_vma=True`` an op on a device's own ids then either fails
+the type check (cores marked varying with ``pvary``: the custom VJP's core cotangent
+comes back invariant-typed, which ``custom_vjp`` rejects) or -- cores left invariant --
+type-checks and is *wrong*: the cotangents of the invariant-typed cores are not summed
+over devices (measured on jax 0.10.2: gradient relative error ~1). With
+``check_vma=False``, ``shard_map`` sums every replicated input's cotangent over the axis,
+which is right here. Dropping it needs the FFI layer to give results its inputs'
+varying axes (``jax.ShapeDtypeStruct(..., manual_axis_type=...)``), then ``pvary`` of the
+replicated cores before the op.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-__all__ = ["data_parallel"]
+from .collection_layout import CollectionLayout
+from .sharding_base import local_features, run_sharded, shard_bags
+from .sharding_placement import PER_ID_COST, TableCost, TableWisePlacement, place_tables, table_costs
+from .sharding_tablewise import TableWiseLayout
+
+__all__ = [
+    "data_parallel",
+    "DataParallelLayout",
+    "collection_data_parallel",
+    "collection_table_wise",
+    "TableWiseLayout",
+    "TableWisePlacement",
+    "TableCost",
+    "PER_ID_COST",
+    "place_tables",
+    "table_costs",
+    "shard_bags",
+    "local_features",
+]
+
+#: Flax NNX helpers (``sharding_nnx``), loaded on first access so this module needs no Flax.
+_NNX = (
+    "shard_collection",
+    "unshard_collection",
+    "make_train_step",
+    "sharded_value_and_grad",
+    "sharded_call",
+    "place_state",
+    "shard_batch",
+)
 
 
 def data_parallel(fn: Callable[..., Any], mesh: Mesh, axis: str = "data") -> Callable[..., Any]:
@@ -36,12 +95,69 @@ def data_parallel(fn: Callable[..., Any], mesh: Mesh, axis: str = "data") -> Cal
 
     def wrapped(cores, *batched):
         in_specs = (PartitionSpec(),) + (PartitionSpec(axis),) * len(batched)
-        # check_vma=False: FFI call results carry no varying-manual-axes type, so
-        # shard_map's type check would reject them; the replicated cores' cotangent
-        # is still psum-ed over `axis` by shard_map's transpose.
         mapped = jax.shard_map(
             fn, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(axis), check_vma=False
         )
         return mapped(cores, *batched)
 
     return wrapped
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelLayout(CollectionLayout):
+    """A ``CollectionLayout`` run data parallel over mesh axis ``axis``: the same
+    (replicated) parameters; ``apply`` takes the batch split along dim 0 and returns
+    ``{feature: [B, D]}`` split the same way, each device pooling its own bags (one
+    ``shard_map``, or directly when already inside one over ``axis``)."""
+
+    mesh: Mesh
+    axis: str = "data"
+
+    def param_specs(self) -> dict[str, PartitionSpec]:
+        """Every parameter replicated: ``P()``."""
+        return {n: PartitionSpec() for p in range(len(self.packs)) for n in self.param_names(p)}
+
+    def apply(
+        self,
+        params: Mapping[str, jax.Array],
+        features: Mapping[str, Any],
+        *,
+        oob: str = "zero",
+        impl: str = "auto",
+        dtype: Any | None = None,
+    ) -> dict[str, jax.Array]:
+        local = functools.partial(CollectionLayout.apply, self, oob=oob, impl=impl, dtype=dtype)
+        return run_sharded(self.mesh, self.axis, self.param_specs(), local, params, features)
+
+
+def collection_data_parallel(layout: CollectionLayout, mesh: Mesh, axis: str = "data") -> DataParallelLayout:
+    """``layout`` run data parallel over ``mesh`` axis ``axis`` (same parameters).
+
+    Example::
+
+        dp = collection_data_parallel(layout, mesh)
+        out = jax.jit(dp.apply)(params, features)  # params replicated, features split on dim 0
+    """
+    return DataParallelLayout(layout.tables, mesh, axis)
+
+
+def collection_table_wise(
+    layout: CollectionLayout, mesh: Mesh, placement: TableWisePlacement, axis: str = "data"
+) -> TableWiseLayout:
+    """``layout`` with its TT tables placed by ``placement`` over ``mesh`` axis ``axis``;
+    parameters from ``TableWiseLayout.shard_params``, placed by ``param_specs``.
+
+    Example::
+
+        placement = place_tables(layout, mesh.shape["data"], sample_features)
+        tw = collection_table_wise(layout, mesh, placement)
+        params = tw.shard_params(layout.init(key))
+        out = jax.jit(tw.apply)(params, features)
+    """
+    return TableWiseLayout(layout.tables, mesh, axis, placement)
+
+
+def __getattr__(name: str):
+    if name in _NNX:
+        return getattr(importlib.import_module(f"{__package__}.sharding_nnx"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

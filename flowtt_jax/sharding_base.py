@@ -1,0 +1,190 @@
+"""A collection's batch split over a mesh axis: per-shard bag inputs and the ``shard_map``
+around a layout's per-device code (used by ``sharding`` and ``sharding_tablewise``).
+
+Every feature's input is split along its first dimension into ``S`` equal parts, ``S``
+the size of the mesh axis; each device gets one. Padded forms (``[B]``, ``[B, L]`` ids,
+``mask`` and ``weights`` ``[B, L]``) split as they are. A flat ids array with CSR
+``offsets [B + 1]`` or ``segment_ids`` cannot: how many ids fall in each part depends on
+the data, and shapes must not. Those features come *per shard*: ids ``[S, C]`` (shard s
+holds the ids of bags ``[s*B/S, (s+1)*B/S)``, padded to a capacity ``C``) with
+
+- ``offsets [S, B/S + 1]``: each shard's local CSR (``offsets[s, 0] = 0``; ids of shard s
+  past ``offsets[s, -1]`` are padding, in no bag), or
+- ``segment_ids [S, C]``: the local bag of each id (``[0, B/S)``; others are dropped), with
+  ``num_bags = B``, the global bag count;
+
+and optional ``weights [S, C]``. ``shard_bags`` makes that form from a global CSR on the
+host. Each device then runs the single-device code on a local CSR (offsets rebased to
+its own ids): no collective touches the ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+__all__ = ["shard_bags", "local_features", "run_sharded"]
+
+_PER_SHARD_KEYS = ("ids", "offsets", "segment_ids", "weights")
+
+
+def shard_bags(
+    ids: np.ndarray,
+    *,
+    num_shards: int,
+    offsets: np.ndarray | None = None,
+    segment_ids: np.ndarray | None = None,
+    num_bags: int | None = None,
+    weights: np.ndarray | None = None,
+    capacity: int | None = None,
+) -> dict[str, np.ndarray]:
+    """One feature's global bags -> the per-shard CSR input of a sharded collection (host, numpy).
+
+    Args:
+      ids: int ids [n], with CSR ``offsets [B + 1]`` or ``segment_ids [n]`` + ``num_bags``
+        (ids outside ``[offsets[0], offsets[-1])`` or of a segment outside ``[0, B)`` are dropped).
+      num_shards: S, the mesh axis size (in a multi-process run: this process's shards of
+        its own batch); must divide B.
+      weights: optional per-id weights [n].
+      capacity: C, ids per shard (default: the largest shard's count, at least 1). Give a
+        fixed value to keep shapes, and so compiled steps, the same from batch to batch
+        (and across processes); ``ValueError`` if a shard has more ids.
+
+    Returns:
+      ``{"ids": [S, C], "offsets": [S, B/S + 1], "weights": [S, C]}`` (weights only when
+      given); shard s's ids are ``ids[s, :offsets[s, -1]]``, the rest padding (id 0, weight 0).
+    """
+    ids = np.asarray(ids)
+    if ids.ndim != 1:
+        raise ValueError(f"ids must be flat [n], got shape {ids.shape}")
+    w = None if weights is None else np.asarray(weights)
+    if w is not None and w.shape != ids.shape:
+        raise ValueError(f"weights shape {w.shape} != ids shape {ids.shape}")
+    if (offsets is None) == (segment_ids is None):
+        raise ValueError("give exactly one of offsets or segment_ids")
+    if segment_ids is not None:
+        if num_bags is None:
+            raise ValueError("segment_ids needs num_bags")
+        seg = np.asarray(segment_ids)
+        keep = np.flatnonzero((seg >= 0) & (seg < num_bags))
+        order = keep[np.argsort(seg[keep], kind="stable")]
+        ids, w = ids[order], None if w is None else w[order]
+        offsets = np.searchsorted(seg[order], np.arange(num_bags + 1), side="left")
+    offsets = np.asarray(offsets, np.int64)
+    if offsets.ndim != 1 or offsets.size < 1 or np.any(np.diff(offsets) < 0):
+        raise ValueError("offsets must be a non-decreasing [B + 1] array")
+    if offsets[0] < 0 or offsets[-1] > ids.size:
+        raise ValueError(f"offsets must lie in [0, {ids.size}], got [{offsets[0]}, {offsets[-1]}]")
+    num = offsets.size - 1
+    if num % num_shards:
+        raise ValueError(f"{num} bags do not split into {num_shards} equal shards")
+    per = num // num_shards
+    starts = offsets[::per] if per else np.zeros(num_shards + 1, np.int64)
+    counts = np.diff(starts)
+    cap = max(1, int(counts.max(initial=0))) if capacity is None else int(capacity)
+    if counts.max(initial=0) > cap:
+        raise ValueError(f"a shard has {counts.max()} ids, more than capacity {cap}")
+    out_ids = np.zeros((num_shards, cap), ids.dtype)
+    out_w = None if w is None else np.zeros((num_shards, cap), w.dtype)
+    local = np.empty((num_shards, per + 1), np.int32)
+    for s in range(num_shards):
+        lo, hi = starts[s], starts[s + 1]
+        out_ids[s, : hi - lo] = ids[lo:hi]
+        if out_w is not None:
+            out_w[s, : hi - lo] = w[lo:hi]
+        local[s] = offsets[s * per : (s + 1) * per + 1] - lo
+    out = {"ids": out_ids, "offsets": local}
+    if out_w is not None:
+        out["weights"] = out_w
+    return out
+
+
+def _per_shard(value: Any) -> bool:
+    return isinstance(value, Mapping) and (
+        value.get("offsets") is not None or value.get("segment_ids") is not None
+    )
+
+
+def local_features(features: Mapping[str, Any], num_shards: int) -> dict[str, Any]:
+    """One device's features, inside ``shard_map``: per-shard inputs (leading dim 1 here)
+    become local CSR / segment inputs (``num_bags`` divided by ``num_shards``); the
+    padded forms are already local."""
+    out = {}
+    for name, value in features.items():
+        if not _per_shard(value):
+            out[name] = value
+            continue
+        value = dict(value)
+        if value["ids"].ndim != 2 or value["ids"].shape[0] != 1:
+            raise ValueError(
+                f"feature {name!r}: with offsets or segment_ids a sharded collection takes per-shard "
+                f"ids [S, C] (S = {num_shards}, the mesh axis size; see flowtt_jax.sharding.shard_bags), "
+                f"got {value['ids'].shape[0] * num_shards} rows in all"
+            )
+        for k in _PER_SHARD_KEYS:
+            if value.get(k) is not None:
+                value[k] = value[k][0]
+        if value.get("segment_ids") is not None:
+            if value.get("num_bags") is None or value["num_bags"] % num_shards:
+                raise ValueError(
+                    f"feature {name!r}: num_bags (the global B) must be a multiple of {num_shards}"
+                )
+            value["num_bags"] = value["num_bags"] // num_shards
+        out[name] = value
+    return out
+
+
+def _split_static(features: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
+    """(arrays, static ``num_bags`` per feature): only arrays cross ``shard_map``."""
+    arrays, static = {}, {}
+    for name, value in features.items():
+        if isinstance(value, Mapping):
+            if value.get("num_bags") is not None:
+                static[name] = int(value["num_bags"])
+            value = {k: v for k, v in value.items() if k != "num_bags" and v is not None}
+        arrays[name] = value
+    return arrays, static
+
+
+def _merge_static(arrays: Mapping[str, Any], static: Mapping[str, int]) -> dict[str, Any]:
+    return {n: {**v, "num_bags": static[n]} if n in static else v for n, v in arrays.items()}
+
+
+def run_sharded(
+    mesh: Mesh,
+    axis: str,
+    param_specs: Mapping[str, PartitionSpec],
+    local_fn: Callable[[Mapping[str, jax.Array], dict[str, Any]], dict[str, jax.Array]],
+    params: Mapping[str, jax.Array],
+    features: Mapping[str, Any],
+) -> dict[str, jax.Array]:
+    """``local_fn(local params, local features) -> {feature: [B/S, D]}`` on every device.
+
+    Inside a ``shard_map`` over ``axis`` (e.g. a whole model's step) it is called directly;
+    otherwise it runs in its own ``shard_map``: parameters split as ``param_specs``
+    says, every feature array along dim 0, outputs ``{feature: [B, D]}`` split along dim 0.
+    ``check_vma=False``: ``flowtt_jax.sharding`` says why.
+    """
+    num_shards = mesh.shape[axis]
+    if axis in jax.sharding.get_abstract_mesh().manual_axes:
+        return local_fn(params, local_features(features, num_shards))
+    arrays, static = _split_static(features)
+    for name, value in arrays.items():
+        if _per_shard(value) and np.ndim(value["ids"]) == 2 and value["ids"].shape[0] != num_shards:
+            raise ValueError(
+                f"feature {name!r}: per-shard ids have {value['ids'].shape[0]} shards, the mesh axis "
+                f"{axis!r} has {num_shards}"
+            )
+
+    def body(p, a):
+        return local_fn(p, local_features(_merge_static(a, static), num_shards))
+
+    specs = {k: param_specs[k] for k in params}
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(specs, PartitionSpec(axis)), out_specs=PartitionSpec(axis), check_vma=False
+    )
+    return mapped(dict(params), arrays)

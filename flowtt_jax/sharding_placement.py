@@ -1,0 +1,148 @@
+"""Input-aware placement of a collection's TT tables on the devices of a mesh axis.
+
+``table_costs`` estimates each TT table's work per step from a sample batch: its ids,
+unique ids and unique (i1, i2) prefixes -- the quantities FlowTT's work is made of --
+rather than its size alone (OPER's point: with skewed, table-dependent access, placement
+that sees the input balances the step; a big table read by few, hot ids is cheap).
+``place_tables`` assigns the tables by greedy longest-processing-time over that estimate
+(heaviest first, each to the least loaded device), on the host, once: the result is a
+static ``TableWisePlacement`` for ``sharding_tablewise.TableWiseLayout``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .collection_layout import CollectionLayout
+
+__all__ = ["PER_ID_COST", "TableCost", "TableWisePlacement", "place_tables", "table_costs"]
+
+#: Work per id beyond the arithmetic (plan sort, gathers, pooling traffic: about 40 bytes),
+#: in float32 FLOPs at an H200's FLOP-per-byte balance (about 12).
+PER_ID_COST = 512.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TableCost:
+    """One TT table's estimated work per step: ids, unique ids, unique (i1, i2) prefixes
+    in the sample, and ``cost``, forward + backward FLOPs plus ``PER_ID_COST`` per id."""
+
+    name: str
+    nnz: int
+    unique: int
+    prefixes: int
+    cost: float
+
+
+def _host_ids(value: Any, num_rows: int) -> np.ndarray:
+    """The in-range ids a feature input pools (host numpy), any input form, global or per shard."""
+    if not isinstance(value, Mapping):
+        ids = np.asarray(value).reshape(-1)
+    else:
+        ids = np.asarray(value["ids"])
+        offsets, seg = value.get("offsets"), value.get("segment_ids")
+        if offsets is not None:
+            offsets = np.asarray(offsets)
+            rows = ids.reshape(-1, ids.shape[-1]) if offsets.ndim == 2 else ids.reshape(1, -1)
+            offs = offsets.reshape(rows.shape[0], -1)
+            ids = np.concatenate([r[o[0] : o[-1]] for r, o in zip(rows, offs)])
+        elif seg is not None:
+            seg = np.asarray(seg)
+            local = value["num_bags"] // (seg.shape[0] if seg.ndim == 2 else 1)
+            ids = ids[(seg >= 0) & (seg < local)]
+        elif value.get("mask") is not None:
+            ids = ids[np.asarray(value["mask"], bool)]
+        ids = ids.reshape(-1)
+    return ids[(ids >= 0) & (ids < num_rows)]
+
+
+def table_costs(
+    layout: CollectionLayout, sample: Mapping[str, Any], *, per_id: float = PER_ID_COST
+) -> tuple[TableCost, ...]:
+    """Estimated work of every TT table in a shape group, from a sample batch (host).
+
+    ``sample``: ``{feature: input}`` in any form a collection takes, of the size a step
+    sees (unique counts grow sublinearly with the batch). Per table t with ids from all
+    its features: nnz ids, u unique ids, g unique prefixes ``id // p3``;
+    ``cost = 3 (2 g q1 q2 r1 r2 + 2 u D r2) + 2 nnz D + per_id nnz`` (FlowTT forward and
+    backward: a prefix product per prefix, a last-core product per unique id; pooling).
+    """
+    out = []
+    for pack in layout.packs:
+        if pack.kind != "tt":
+            continue
+        for t, cfg in enumerate(pack.tables):
+            spec = cfg.spec()
+            parts = [_host_ids(sample[s.feature], cfg.num_embeddings) for s in pack.features if s.table == t]
+            ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+            uniq = np.unique(ids)
+            prefixes = int(np.unique(uniq // spec.row_shape[-1]).size)
+            (q1, q2, _), (_, r1, r2, _) = spec.col_shape, spec.ranks
+            flops = 3 * (2.0 * prefixes * q1 * q2 * r1 * r2 + 2.0 * uniq.size * spec.embedding_dim * r2)
+            cost = flops + 2.0 * ids.size * spec.embedding_dim + per_id * ids.size
+            out.append(TableCost(cfg.name, int(ids.size), int(uniq.size), prefixes, cost))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableWisePlacement:
+    """Which device of a mesh axis holds each TT table (static, hashable).
+
+    Attributes:
+      num_devices: S, the axis size.
+      tables: names of the placed tables (every TT table of a shape group).
+      devices: device index of each, in ``[0, S)``.
+      costs: the estimates the placement was made from (``TableCost`` per table).
+    """
+
+    num_devices: int
+    tables: tuple[str, ...]
+    devices: tuple[int, ...]
+    costs: tuple[TableCost, ...] = ()
+
+    def device(self, name: str) -> int:
+        return self.devices[self.tables.index(name)]
+
+    @property
+    def loads(self) -> tuple[float, ...]:
+        """Estimated cost per device."""
+        loads = [0.0] * self.num_devices
+        for c in self.costs:
+            loads[self.device(c.name)] += c.cost
+        return tuple(loads)
+
+    @property
+    def imbalance(self) -> float:
+        """Largest device load over the mean load (1.0 = perfect balance)."""
+        loads = self.loads
+        return max(loads) * len(loads) / max(sum(loads), 1e-30)
+
+
+def place_tables(
+    layout: CollectionLayout,
+    num_devices: int,
+    sample: Mapping[str, Any] | None = None,
+    *,
+    costs: Sequence[TableCost] | None = None,
+    per_id: float = PER_ID_COST,
+) -> TableWisePlacement:
+    """Greedy longest-processing-time placement of the TT tables over ``num_devices``:
+    tables by decreasing cost (``table_costs(layout, sample)`` unless ``costs`` are
+    given), each to the device with the least load so far (ties: lowest index)."""
+    if costs is None:
+        if sample is None:
+            raise ValueError("place_tables needs a sample batch or costs")
+        costs = table_costs(layout, sample, per_id=per_id)
+    costs = tuple(costs)
+    loads = [0.0] * num_devices
+    device = {}
+    for c in sorted(costs, key=lambda c: -c.cost):
+        d = min(range(num_devices), key=lambda i: (loads[i], i))
+        device[c.name] = d
+        loads[d] += c.cost
+    names = tuple(c.name for c in costs)
+    return TableWisePlacement(num_devices, names, tuple(device[n] for n in names), costs)

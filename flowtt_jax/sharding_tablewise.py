@@ -1,0 +1,390 @@
+"""Table-wise model parallelism of a collection: each TT table lives on one device.
+
+Placement (``sharding_placement``): a static ``TableWisePlacement`` from the batch's own
+statistics, by greedy longest-processing-time.
+
+Storage: the tables of a shape group placed on device d are packed as a group of their
+own (slots in decreasing size); the group's packed core k is stored stacked
+``[S, R_k, r_{k-1}, q_k, r_k]`` (``R_k`` the largest device's rows, padded) and sharded
+over the axis, so a device holds only its own tables' cores (and optimizer state).
+Dense tables and tables of other core counts stay replicated (data parallel).
+
+Step (inside ``shard_map``, per shape group): each device prepares its local bags of
+every feature of the group (modes and out-of-range ids folded into weights), then
+
+1. routes ``ids [S, C]``, ``weights [S, C]`` and per-bag id counts ``[S, R]`` with one
+   ``all_to_all`` each: row e holds the features whose table lives on device e, features
+   concatenated in a static order (C, R: the largest destination's total, padded);
+2. the owner rebuilds one CSR over what it received (source-major, offsets from the
+   counts, padding in the last bag of its source with weight 0) and pools every bag in
+   one ``pooled_group`` call over its local tables -- one plan and one launch per stage;
+3. returns the pooled ``[S, R, D]`` with one more ``all_to_all``; each device reads its
+   features' bags from row e = owner.
+
+Gradients follow by transposition (``all_to_all`` back, the owner's fixed-order TT
+backward); no parameter gradient is all-reduced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .bag import prepare_bags
+from .batched import choose_impl, pooled_group
+from .collection import bag_kwargs
+from .collection_layout import CollectionLayout, FeatureSlot
+from .sharding_base import run_sharded
+from .sharding_placement import TableWisePlacement
+from .spec import TTSpec
+
+__all__ = ["DeviceGroupLayout", "TableWiseLayout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceGroupLayout:
+    """A shape group's tables split over the devices of ``axis``: a ``GroupLayout`` whose
+    per-table metadata (``table_arrays``) is the calling device's (``axis_index``), for
+    ``pooled_group`` inside ``shard_map``. Slot j of device d is ``device_specs[d][j]``;
+    key ranges (``row_base``) are the largest table in each slot, so one static key space
+    serves every device."""
+
+    device_specs: tuple[tuple[TTSpec, ...], ...]
+    axis: str
+
+    @property
+    def _first(self) -> TTSpec:
+        return next(s for specs in self.device_specs for s in specs)
+
+    @property
+    def num_tables(self) -> int:
+        return max(len(s) for s in self.device_specs)
+
+    @property
+    def dim(self) -> int:
+        return self._first.embedding_dim
+
+    def device_offsets(self, d: int) -> tuple[tuple[int, ...], ...]:
+        """Per core k: the slots' row offsets in device d's packed core k."""
+        specs = self.device_specs[d]
+        return tuple(
+            tuple(int(x) for x in np.cumsum([0] + [s.row_shape[k] for s in specs])) for k in range(3)
+        )
+
+    @functools.cached_property
+    def row_base(self) -> tuple[int, ...]:
+        sizes = [
+            max((math.prod(s[j].row_shape) for s in self.device_specs if j < len(s)), default=1)
+            for j in range(self.num_tables)
+        ]
+        return tuple(int(x) for x in np.cumsum([0] + sizes, dtype=np.int64))
+
+    def packed_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Local packed core shapes ``[R_k, r_{k-1}, q_k, r_k]`` (R_k: the largest device's rows)."""
+        s0 = self._first
+        rows = [
+            max(max(self.device_offsets(d)[k][-1] for d in range(len(self.device_specs))), 1)
+            for k in range(3)
+        ]
+        return tuple((rows[k], s0.ranks[k], s0.col_shape[k], s0.ranks[k + 1]) for k in range(3))
+
+    @functools.cached_property
+    def _tables(self) -> dict[str, np.ndarray]:
+        n, slots = len(self.device_specs), self.num_tables
+        meta = {k: np.zeros((n, slots), np.int32) for k in ("num_rows", "p2", "p3", "o1", "o2", "o3")}
+        meta["num_rows"][:] = meta["p2"][:] = meta["p3"][:] = 1
+        for d, specs in enumerate(self.device_specs):
+            offs = self.device_offsets(d)
+            for j, s in enumerate(specs):
+                meta["num_rows"][d, j], meta["p2"][d, j], meta["p3"][d, j] = (
+                    s.num_embeddings,
+                    s.row_shape[1],
+                    s.row_shape[2],
+                )
+                meta["o1"][d, j], meta["o2"][d, j], meta["o3"][d, j] = offs[0][j], offs[1][j], offs[2][j]
+        return meta
+
+    def table_arrays(self) -> dict[str, jax.Array]:
+        """This device's per-slot int32 metadata [T] (call inside ``shard_map`` over ``axis``)."""
+        d = jax.lax.axis_index(self.axis)
+        return {k: jnp.asarray(v)[d] for k, v in self._tables.items()}
+
+
+def _unsplit(x: jax.Array) -> jax.Array:
+    """``x`` replicated if its type says it is split (meshes with explicit axes), where
+    indexing the split dimension needs it; else ``x``."""
+    sharding = jax.typeof(x).sharding
+    if any(sharding.spec):
+        return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlacedPack:
+    """A shape group placed table-wise: per device its tables (indices in the pack, in slot
+    order), the split group layout, and per device the (feature, slot) pairs it pools."""
+
+    slots: tuple[tuple[int, ...], ...]
+    group: DeviceGroupLayout
+    routes: tuple[tuple[tuple[FeatureSlot, int], ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TableWiseLayout(CollectionLayout):
+    """A ``CollectionLayout`` whose TT tables are placed table-wise over mesh axis ``axis``
+    (see the module docstring); dense packs and tables of other core counts are replicated.
+
+    Parameters (``shard_params`` from the usual packed ones): a shape group's core k is
+    ``[S, R_k, r_{k-1}, q_k, r_k]`` sharded by ``param_specs`` (``P(axis)``); the rest as in
+    ``CollectionLayout``. ``apply`` takes the batch of a data-parallel step (every feature
+    split along dim 0, per-shard forms for offsets / segment ids: ``sharding_base``).
+    """
+
+    mesh: Mesh
+    axis: str
+    placement: TableWisePlacement
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.placement.num_devices != self.mesh.shape[self.axis]:
+            raise ValueError(
+                f"placement for {self.placement.num_devices} devices, mesh axis {self.axis!r} has "
+                f"{self.mesh.shape[self.axis]}"
+            )
+        missing = [
+            c.name
+            for p in self.packs
+            if p.kind == "tt"
+            for c in p.tables
+            if c.name not in self.placement.tables
+        ]
+        if missing:
+            raise ValueError(f"the placement has no device for TT tables {missing}")
+
+    @functools.cached_property
+    def placed(self) -> dict[int, _PlacedPack]:
+        """Pack index -> its table-wise placement, for every TT shape group."""
+        out = {}
+        n = self.placement.num_devices
+        for p, pack in enumerate(self.packs):
+            if pack.kind != "tt":
+                continue
+            slots = []
+            for d in range(n):
+                mine = [t for t, c in enumerate(pack.tables) if self.placement.device(c.name) == d]
+                slots.append(tuple(sorted(mine, key=lambda t: -math.prod(pack.layout.specs[t].row_shape))))
+            group = DeviceGroupLayout(tuple(tuple(pack.layout.specs[t] for t in s) for s in slots), self.axis)
+            routes = tuple(
+                tuple((f, slots[d].index(f.table)) for f in pack.features if f.table in slots[d])
+                for d in range(n)
+            )
+            out[p] = _PlacedPack(tuple(slots), group, routes)
+        return out
+
+    @functools.cached_property
+    def _replicated(self) -> tuple[CollectionLayout | None, dict[str, str]]:
+        """The replicated tables as a layout of their own, and its param names -> ours."""
+        packs = [pk for p, pk in enumerate(self.packs) if p not in self.placed]
+        if not packs:
+            return None, {}
+        sub = CollectionLayout(tuple(c for pk in packs for c in pk.tables))
+        names = {}
+        for q, pk in enumerate(sub.packs):
+            p = next(p for p, mine in enumerate(self.packs) if mine.tables == pk.tables)
+            names.update(zip(sub.param_names(q), self.param_names(p)))
+        return sub, names
+
+    def param_specs(self) -> dict[str, PartitionSpec]:
+        """``PartitionSpec`` of every parameter: ``P(axis)`` for placed groups, else ``P()``."""
+        return {
+            n: PartitionSpec(self.axis) if p in self.placed else PartitionSpec()
+            for p in range(len(self.packs))
+            for n in self.param_names(p)
+        }
+
+    def shard_params(self, params: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """Table-wise parameters from ``CollectionLayout`` ones (same names)."""
+        out = dict(params)
+        for p, placed in self.placed.items():
+            layout, names = self.packs[p].layout, self.param_names(p)
+            arrays = tuple(params[n] for n in names)
+            shapes = placed.group.packed_shapes()
+            for k, name in enumerate(names):
+                stacked = []
+                for slots in placed.slots:
+                    parts = [layout.table_cores(arrays, t)[k] for t in slots]
+                    rows = (
+                        jnp.concatenate(parts) if parts else jnp.zeros((0, *shapes[k][1:]), arrays[k].dtype)
+                    )
+                    stacked.append(jnp.pad(rows, [(0, shapes[k][0] - rows.shape[0])] + [(0, 0)] * 3))
+                out[name] = jnp.stack(stacked)
+        return out
+
+    def gather_params(self, params: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """``CollectionLayout`` parameters from table-wise ones (the inverse of ``shard_params``)."""
+        out = dict(params)
+        for p in self.placed:
+            names = self.param_names(p)
+            for k, name in enumerate(names):
+                parts = [self._table_core(params, p, t, k) for t in range(len(self.packs[p].tables))]
+                out[name] = jnp.concatenate(parts)
+        return out
+
+    def _where(self, p: int, t: int) -> tuple[int, int]:
+        """(device, slot) of table t of pack p."""
+        for d, slots in enumerate(self.placed[p].slots):
+            if t in slots:
+                return d, slots.index(t)
+        raise AssertionError(f"table {t} of pack {p} is not placed")
+
+    def _table_core(self, params: Mapping[str, jax.Array], p: int, t: int, k: int) -> jax.Array:
+        d, j = self._where(p, t)
+        offs = self.placed[p].group.device_offsets(d)[k]
+        return _unsplit(params[self.param_names(p)[k]])[d, offs[j] : offs[j + 1]]
+
+    def table_params(self, params: Mapping[str, jax.Array], name: str) -> tuple[jax.Array, ...]:
+        p, t = self.locate(name)
+        if p not in self.placed:
+            return super().table_params(params, name)
+        return tuple(self._table_core(params, p, t, k) for k in range(3))
+
+    def with_table(self, params: Mapping[str, jax.Array], name: str, values: Sequence[jax.Array]) -> dict:
+        p, t = self.locate(name)
+        if p not in self.placed:
+            return super().with_table(params, name, values)
+        old = self.table_params(params, name)
+        if tuple(tuple(v.shape) for v in values) != tuple(tuple(o.shape) for o in old):
+            raise ValueError(
+                f"table {name!r}: shapes {[v.shape for v in values]} != {[o.shape for o in old]}"
+            )
+        d, j = self._where(p, t)
+        out = dict(params)
+        for k, n in enumerate(self.param_names(p)):
+            offs = self.placed[p].group.device_offsets(d)[k]
+            out[n] = params[n].at[d, offs[j] : offs[j + 1]].set(values[k].astype(params[n].dtype))
+        return out
+
+    def apply(
+        self,
+        params: Mapping[str, jax.Array],
+        features: Mapping[str, Any],
+        *,
+        oob: str = "zero",
+        impl: str = "auto",
+        dtype: Any | None = None,
+    ) -> dict[str, jax.Array]:
+        """``{feature: [B, D]}`` from table-wise ``params`` (``shard_params``) and a batch split
+        over ``axis``; runs in its own ``shard_map`` unless called inside one over ``axis``."""
+        local = functools.partial(self._local_apply, oob=oob, impl=impl, dtype=dtype)
+        return run_sharded(self.mesh, self.axis, self.param_specs(), local, params, features)
+
+    def _local_apply(self, params, features, *, oob: str, impl: str, dtype: Any) -> dict[str, jax.Array]:
+        sub, names = self._replicated
+        out = {}
+        if sub is not None:
+            sub_params = {s: params[n] for s, n in names.items()}
+            out.update(sub.apply(sub_params, features, oob=oob, impl=impl, dtype=dtype))
+        for p, placed in self.placed.items():
+            out.update(self._pool_placed(p, placed, params, features, oob, impl, dtype))
+        return out
+
+    def _pool_placed(
+        self, p, placed: _PlacedPack, params, features, oob, impl, dtype
+    ) -> dict[str, jax.Array]:
+        """One shape group: route, pool on the owners, return (the module docstring's steps)."""
+        pack, axis, n = self.packs[p], self.axis, self.placement.num_devices
+        cores = tuple(params[name][0] for name in self.param_names(p))  # this device's [R_k, ...]
+        out_dtype = cores[0].dtype if dtype is None else dtype
+        dim = placed.group.dim
+        bags, weighted = {}, False
+        for slot in pack.features:
+            if slot.feature not in features:
+                raise KeyError(
+                    f"missing input for feature {slot.feature!r} (table {pack.tables[slot.table].name!r})"
+                )
+            ids, kw = bag_kwargs(features[slot.feature])
+            weighted |= kw.get("weights") is not None
+            bags[slot.feature] = prepare_bags(
+                ids,
+                num_embeddings=pack.tables[slot.table].num_embeddings,
+                oob=oob,
+                mode=slot.mode,
+                offsets=kw.get("offsets"),
+                segment_ids=kw.get("segment_ids"),
+                num_bags=kw.get("num_bags"),
+                mask=kw.get("mask"),
+                weights=kw.get("weights"),
+            )
+        # 1. what goes to each device: its features' ids, weights and per-bag counts
+        send = []
+        for route in placed.routes:
+            ids, w, counts = [], [], []
+            for f, _ in route:
+                b = bags[f.feature]
+                num, m = b.offsets.shape[0] - 1, b.ids.shape[0]
+                if num == 0:
+                    continue
+                # every position in some bag: ids before offsets[0] / past offsets[-1] (weight
+                # 0) join the first / last bag
+                full = b.offsets.at[0].set(0).at[-1].set(m)
+                ids.append(b.ids)
+                w.append(b.weights.astype(jnp.float32))
+                counts.append(jnp.diff(full))
+            send.append((ids, w, counts))
+        cap = max(1, max(sum(x.shape[0] for x in ids) for ids, _, _ in send))
+        nbags = max(1, max(sum(x.shape[0] for x in c) for _, _, c in send))
+
+        def padded(parts, size, dt):
+            flat = jnp.concatenate(parts) if parts else jnp.zeros((0,), dt)
+            return jnp.pad(flat.astype(dt), (0, size - flat.shape[0]))
+
+        send_ids = jnp.stack([padded(ids, cap, jnp.int32) for ids, _, _ in send])
+        send_w = jnp.stack([padded(w, cap, jnp.float32) for _, w, _ in send])
+        send_counts = jnp.stack([padded(c, nbags, jnp.int32) for _, _, c in send])
+        recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0)  # row s: from device s
+        recv_w = jax.lax.all_to_all(send_w, axis, 0, 0)
+        recv_counts = jax.lax.all_to_all(send_counts, axis, 0, 0)
+        # 2. one CSR over the received ids, source-major; pool on this device's tables
+        excl = jnp.cumsum(recv_counts, axis=1) - recv_counts
+        starts = (jnp.arange(n, dtype=jnp.int32)[:, None] * cap + excl).reshape(-1)
+        offsets = jnp.concatenate([starts, jnp.full((1,), n * cap, jnp.int32)])
+        marks = jnp.zeros((n * cap + 1,), jnp.int32).at[starts].add(1)
+        bag_ids = jnp.cumsum(marks[:-1]) - 1
+        slot_of_bag = np.zeros((n, nbags), np.int32)
+        for d, route in enumerate(placed.routes):
+            lo = 0
+            for f, j in route:
+                num = bags[f.feature].offsets.shape[0] - 1
+                slot_of_bag[d, lo : lo + num] = j
+                lo += num
+        tables = jnp.asarray(slot_of_bag)[jax.lax.axis_index(axis)][bag_ids % nbags]
+        which = choose_impl(impl, placed.group, [c.dtype for c in cores])
+        pooled = pooled_group(
+            cores,
+            placed.group,
+            recv_ids.reshape(-1),
+            tables,
+            offsets,
+            bag_ids,
+            recv_w.reshape(-1),
+            weighted=weighted,
+            impl=which,
+        )
+        # 3. pooled bags back to the devices that asked
+        back = jax.lax.all_to_all(pooled.reshape(n, nbags, dim).astype(out_dtype), axis, 0, 0)
+        out = {}
+        for e, route in enumerate(placed.routes):
+            lo = 0
+            for f, _ in route:
+                num = bags[f.feature].offsets.shape[0] - 1
+                out[f.feature] = back[e, lo : lo + num]
+                lo += num
+        return out
