@@ -4,7 +4,7 @@ Each example has 13 dense features (non-negative counts, fed to the model as
 ``log1p``), 26 categorical ids (one per sparse feature, the Criteo Kaggle
 cardinalities) and a 0/1 click label. ``SynthCriteo.batch(index, batch_size, stream)``
 is one ``jax.jit`` program (jax.numpy, 32-bit integers and float32 only), so a batch
-costs microseconds of accelerator time and no host work. Every random number is a
+costs a small fraction of a training step's device time and no host work. Every random number is a
 counter-based hash of ``(seed, stream, batch index, row, slot)``, so two runs (TT and
 dense) see identical data, the train (stream 0) and held-out (stream 1) sets never
 overlap, and row r of a batch does not depend on the batch size.
@@ -224,17 +224,19 @@ class SynthCriteo:
         h = hash32(_TEACHER_DOMAIN, self.config.seed, f, _u32(raw_ids)[:, :, None], comp)
         return (_unit(h) - 0.5) * math.sqrt(12.0)
 
-    def _make_batch(self, index, stream, b: int):
+    def _make_batch(self, stream, index, b: int):
         c = self.config
         raw = self._raw_ids(stream, index, b)
         log_counts = self._log_counts(stream, index, b)
         e = self.teacher_embedding(raw)
         f, k = self.num_sparse, c.hidden_dim
-        first = jnp.einsum("bfk,fk->b", e, self._v) / math.sqrt(f * k)
+        hp = jax.lax.Precision.HIGHEST  # the same logits on every backend (no TF32)
+        first = jnp.einsum("bfk,fk->b", e, self._v, precision=hp) / math.sqrt(f * k)
         pi, pj = self._pairs[:, 0], self._pairs[:, 1]
-        pair = jnp.einsum("bpk,bpk->b", e[:, pi], e[:, pj]) / math.sqrt(max(len(pi), 1) * k)
+        pair = jnp.einsum("bpk,bpk->b", e[:, pi], e[:, pj], precision=hp) / math.sqrt(max(len(pi), 1) * k)
         z = (log_counts - self._z_mean) / self._z_std
-        logit = c.bias + c.sparse_scale * first + c.pair_scale * pair + c.dense_scale * (z @ self._w)
+        dense_part = jnp.dot(z, self._w, precision=hp)
+        logit = c.bias + c.sparse_scale * first + c.pair_scale * pair + c.dense_scale * dense_part
         u = _unit(self._bits(stream, index, b, f + NUM_DENSE, 1)[:, 0])
         labels = (u < jax.nn.sigmoid(logit)).astype(jnp.float32)
         ids = raw % jnp.array(self.cardinalities, jnp.int32) if c.max_rows else raw
@@ -246,4 +248,4 @@ class SynthCriteo:
         f32)``, device arrays made by one jitted program (dispatched asynchronously)."""
         if not 0 <= stream < _PROBE_STREAM:
             raise ValueError(f"stream must be in [0, 2**32 - 1), got {stream}")
-        return self._batch(np.uint32(index), np.uint32(stream), batch_size)
+        return self._batch(np.uint32(stream), np.uint32(index), batch_size)
