@@ -2,10 +2,14 @@
 
 Forms accepted by ``tt_embedding_bag``:
 - ``offsets``: ids [n] with offsets [B+1] (CSR: bag b is ids[offsets[b]:offsets[b+1]],
-  non-decreasing, offsets[0] = 0, offsets[B] = n). Positions outside
-  ``[offsets[0], offsets[B])`` belong to no bag.
-- ``segment_ids`` + ``num_bags``: ids [n] with a bag index per id (any order); ids
-  whose segment is outside ``[0, num_bags)`` are dropped.
+  non-decreasing, offsets[0] = 0, offsets[B] = n). Concrete offsets that break this
+  raise ``ValueError``. Traced offsets (under ``jit``) cannot be checked on the host:
+  by default they are clamped into ``[0, n]`` and made non-decreasing (a running
+  maximum), and positions outside ``[offsets[0], offsets[B])`` belong to no bag; with
+  ``check_offsets`` (the ops pass ``oob == "error"``) a ``checkify.check`` reports them
+  instead (wrap the jitted function in ``checkify.checkify``).
+- ``segment_ids`` + ``num_bags`` (a static int >= 0): ids [n] with a bag index per id
+  (any order); ids whose segment is outside ``[0, num_bags)`` are dropped.
 - padded: ids [B, L] with an optional bool ``mask`` [B, L] (masked-out ids are dropped).
 
 Canonical form: ids [n] in bag order, offsets [B+1] valid CSR, bag_ids [n], and an
@@ -19,17 +23,23 @@ then the out-of-range policy (``flowtt_jax.oob``) on its ids and weights.
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
-from .oob import apply_oob
+from .oob import apply_oob, as_ids, park_dropped, saturate_int32
 
-__all__ = ["MODES", "CanonicalBags", "canonical_bags", "prepare_bags"]
+__all__ = ["MODES", "MAX_NNZ", "CanonicalBags", "canonical_bags", "check_sizes", "prepare_bags"]
 
 MODES = ("sum", "mean", "sqrtn")
+
+#: The most ids (and bags) one call takes: the plan and the kernels index positions and
+#: bags with int32, and the plan's [n + 1] offsets need n + 1 < 2^31.
+MAX_NNZ = 2**31 - 2
 
 
 class CanonicalBags(NamedTuple):
@@ -37,17 +47,36 @@ class CanonicalBags(NamedTuple):
     weights: jax.Array  # [n] f32 effective weights (0 for dropped ids)
     offsets: jax.Array  # [B+1] int32, valid CSR over [0, n]
     bag_ids: jax.Array  # [n] int32 in [0, B)
+    keep: jax.Array | None = None  # [n] bool, False where dropped (masked, in no bag); None: none
 
 
-def _check_concrete_offsets(offsets: jax.Array, n: int) -> None:
+def check_sizes(nnz: int, num_bags: int) -> None:
+    """``ValueError`` unless ``nnz`` ids and ``num_bags`` bags fit the int32 indexing."""
+    if nnz > MAX_NNZ or num_bags > MAX_NNZ:
+        raise ValueError(
+            f"{nnz} ids in {num_bags} bags: one call takes at most {MAX_NNZ} (2^31 - 2) of each, "
+            "since the plan and the kernels index them with int32; split the batch"
+        )
+
+
+def _check_offsets(offsets: jax.Array, n: int, traced_check: bool) -> None:
+    """Concrete offsets: ``ValueError`` unless valid CSR over n ids. Traced: a
+    ``checkify.check`` when ``traced_check``, else nothing (they are clamped)."""
+    message = "offsets must be non-decreasing with offsets[0] == 0 and offsets[-1] == len(ids) == "
     if isinstance(offsets, jax.core.Tracer):
+        if traced_check:
+            steps = offsets[1:] >= offsets[:-1]
+            checkify.check(
+                (offsets[0] == 0) & (offsets[-1] == n) & jnp.all(steps),
+                message + f"{n}; got first {{first}}, last {{last}}, first decrease after index {{at}}",
+                first=offsets[0],
+                last=offsets[-1],
+                at=jnp.where(jnp.all(steps), -1, jnp.argmin(steps)) if steps.size else -1,
+            )
         return
     o = np.asarray(offsets)
-    if o.size and (o[0] != 0 or o[-1] != n or np.any(np.diff(o) < 0)):
-        raise ValueError(
-            f"offsets must be non-decreasing with offsets[0] == 0 and offsets[-1] == len(ids) "
-            f"== {n}; got first {o[:1].tolist()}, last {o[-1:].tolist()}"
-        )
+    if o[0] != 0 or o[-1] != n or np.any(np.diff(o) < 0):
+        raise ValueError(message + f"{n}; got first {o[:1].tolist()}, last {o[-1:].tolist()}")
 
 
 def canonical_bags(
@@ -59,8 +88,12 @@ def canonical_bags(
     mask: jax.Array | None,
     weights: jax.Array | None,
     mode: str,
+    check_offsets: bool = False,
 ) -> CanonicalBags:
-    """Any of the three bag forms -> ``CanonicalBags`` (ids keep their dtype and values)."""
+    """Any of the three bag forms -> ``CanonicalBags`` (ids keep their dtype and values).
+
+    ``check_offsets``: traced ``offsets`` get a ``checkify.check`` instead of the clamp.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if offsets is not None and segment_ids is not None:
@@ -79,24 +112,34 @@ def canonical_bags(
         if mask is not None:
             raise ValueError("mask is for padded [B, L] ids only")
     n = ids.size
+    check_sizes(n, 0)
     keep = None
     if offsets is not None:
-        offsets = jnp.asarray(offsets)
+        if not isinstance(offsets, jax.Array):
+            offsets = np.asarray(offsets)  # checked before jnp.asarray could wrap int64 values
         if offsets.ndim != 1 or offsets.shape[0] < 1:
             raise ValueError(f"offsets must be 1-D of length num_bags + 1, got {offsets.shape}")
-        _check_concrete_offsets(offsets, n)
+        if not jnp.issubdtype(offsets.dtype, jnp.integer):
+            raise TypeError(f"offsets must be an integer array, got dtype {offsets.dtype}")
+        _check_offsets(offsets, n, check_offsets)
         # Valid CSR whatever the input: clamp to [0, n] and make non-decreasing.
-        offsets = jax.lax.cummax(jnp.clip(offsets.astype(jnp.int32), 0, n))
+        offsets = jax.lax.cummax(jnp.clip(saturate_int32(jnp.asarray(offsets)), 0, n))
         pos = jnp.arange(n, dtype=jnp.int32)
         keep = (pos >= offsets[0]) & (pos < offsets[-1])
     elif segment_ids is not None:
         if num_bags is None:
             raise ValueError("segment_ids needs num_bags (a static int)")
-        segment_ids = jnp.asarray(segment_ids)
+        try:
+            num_bags = operator.index(num_bags)
+        except TypeError:
+            raise TypeError(f"num_bags must be a static int, got {num_bags!r}") from None
+        if num_bags < 0:
+            raise ValueError(f"num_bags must be >= 0, got {num_bags}")
+        # any int dtype, no wrap-around: out-of-range segments stay out of range
+        segment_ids = saturate_int32(as_ids(segment_ids, "zero", "segment_ids"))
         if segment_ids.shape != ids.shape:
             raise ValueError(f"segment_ids shape {segment_ids.shape} != ids shape {ids.shape}")
         seg = jnp.where((segment_ids >= 0) & (segment_ids < num_bags), segment_ids, num_bags)
-        seg = seg.astype(jnp.int32)
         w_in = jnp.ones((n,), jnp.float32) if w is None else w
         seg, ids, w = jax.lax.sort((seg, ids, w_in), num_keys=1, is_stable=True)
         offsets = jnp.searchsorted(
@@ -120,6 +163,7 @@ def canonical_bags(
         offsets = jnp.arange(b + 1, dtype=jnp.int32) * length
 
     num = offsets.shape[0] - 1
+    check_sizes(n, num)
     pos = jnp.arange(n, dtype=jnp.int32)
     # scan_unrolled: no while loop (on GPU a while loop copies its carry and waits on the host)
     bag = jnp.searchsorted(offsets, pos, side="right", method="scan_unrolled") - 1
@@ -136,7 +180,7 @@ def canonical_bags(
         lengths = jnp.maximum(lengths, 1).astype(eff.dtype)
         scale = 1.0 / lengths if mode == "mean" else jax.lax.rsqrt(lengths)
         eff = eff * scale[bag_ids]
-    return CanonicalBags(ids, eff, offsets, bag_ids)
+    return CanonicalBags(ids, eff, offsets, bag_ids, keep)
 
 
 def prepare_bags(
@@ -155,17 +199,21 @@ def prepare_bags(
 
     Returns ``CanonicalBags`` whose ids are int32 in ``[0, num_embeddings)`` and whose
     weights are 0 for the ids ``oob="zero"`` drops (they still count towards a bag's
-    length for ``mean`` / ``sqrtn``).
+    length for ``mean`` / ``sqrtn``); ``keep`` is False at every dropped position
+    (masked, in no bag, out of range under ``"zero"``), whose id is parked on a kept
+    one (``park_dropped``). ``oob="error"`` also checks traced offsets.
     """
     bags = canonical_bags(
-        ids,
+        as_ids(ids, oob),
         offsets=offsets,
         segment_ids=segment_ids,
         num_bags=num_bags,
         mask=mask,
         weights=weights,
         mode=mode,
+        check_offsets=oob == "error",
     )
     flat, valid = apply_oob(bags.ids, num_embeddings, oob)
     w = bags.weights if valid is None else jnp.where(valid, bags.weights, 0.0)
-    return bags._replace(ids=flat, weights=w)
+    live = bags.keep if valid is None else (valid if bags.keep is None else valid & bags.keep)
+    return bags._replace(ids=park_dropped(flat, live), weights=w, keep=live)

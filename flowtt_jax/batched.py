@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from . import ffi
+from . import ffi, reference
 from .bag import MODES, canonical_bags
 from .batched_plan import GroupLayout, GroupPlan, make_group_plan
-from .oob import OOB_POLICIES
+from .oob import OOB_POLICIES, as_ids, park_dropped, saturate_int32
 from .plan import Plan
 
 __all__ = ["tt_embedding_bag_group", "pooled_group", "choose_impl", "kernels_unsupported_reason"]
@@ -106,7 +106,7 @@ def _reference_bags(layout: GroupLayout, packed, weights, ids, tables, bag_ids, 
     g1, g2, g3 = packed
     rows = jnp.einsum("nxa,naqb,nbz->nxqz", g1[i1, 0], g2[i2], g3[i3, :, :, 0])
     rows = rows.reshape(ids.shape[0], -1)
-    return jax.ops.segment_sum(rows * weights[:, None], bag_ids, num_segments=num_bags)
+    return reference.pool(rows, weights, bag_ids, num_bags)
 
 
 def _modes(mode: str | Sequence[str], num_features: int) -> tuple[str, ...]:
@@ -124,8 +124,8 @@ def _apply_table_oob(ids, tables, num_rows, policy: str):
     if policy not in OOB_POLICIES:
         raise ValueError(f"oob must be one of {OOB_POLICIES}, got {policy!r}")
     limit = num_rows[tables]
-    ids32 = ids.astype(jnp.int32)
-    valid = (ids >= 0) & (ids32 < limit) & (ids32 >= 0)
+    ids32 = saturate_int32(ids)  # any int dtype: out-of-range ids stay out of range
+    valid = (ids32 >= 0) & (ids32 < limit)
     if policy == "error":
         if isinstance(ids, jax.core.Tracer) or isinstance(valid, jax.core.Tracer):
             checkify.check(
@@ -181,14 +181,18 @@ def tt_embedding_bag_group(
     Args:
       packed: the group's packed cores (``GroupLayout.packed_shapes()``).
       layout: static ``GroupLayout`` of the group's T tables.
-      ids: int ids [n], each local to its feature's table.
+      ids: ids [n] of any integer dtype, each local to its feature's table (host int64
+        ids past int32 without x64 are out of range, not wrapped: ``flowtt_jax.oob``).
       offsets: int [F*B + 1], feature-major CSR (non-decreasing; concrete offsets are
-        checked, traced ones clamped into a valid CSR like ``tt_embedding_bag``'s).
+        checked, traced ones clamped into a valid CSR like ``tt_embedding_bag``'s, or
+        ``checkify``-checked with ``oob="error"``).
       feature_tables: static table index in ``[0, T)`` per feature (F entries).
-      weights: optional float per-id weights [n] (differentiable).
+      weights: optional float per-id weights [n] (differentiable); a weight of exactly 0
+        skips its position (a non-finite row gives 0, not NaN).
       mode: ``"sum" | "mean" | "sqrtn"``, or one per feature; an empty bag gives zeros.
       oob: ``"error" | "clip" | "zero"`` against each id's own table.
-      impl: ``"auto" | "ffi" | "reference"``.
+      impl: ``"auto" | "ffi" | "reference"`` (the kernels: one reverse-mode derivative;
+        forward mode and higher orders need ``"reference"``).
       dtype: output dtype (default: the cores'); accumulation is float32 at least.
     """
     packed = tuple(packed)
@@ -211,19 +215,28 @@ def tt_embedding_bag_group(
     impl = choose_impl(impl, layout, [c.dtype for c in packed])
     out_dtype = packed[0].dtype if dtype is None else dtype
     dim = layout.dim
-    ids = jnp.asarray(ids)
-    if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+    ids = as_ids(ids, oob)
+    if ids.ndim != 1:
         raise ValueError(f"ids must be a flat int array [n], got {ids.dtype}{list(ids.shape)}")
     if ids.shape[0] == 0 or batch == 0:
         return jnp.zeros((num_features, batch, dim), out_dtype)
 
     bags = canonical_bags(
-        ids, offsets=offsets, segment_ids=None, num_bags=None, mask=None, weights=weights, mode="sum"
+        ids,
+        offsets=offsets,
+        segment_ids=None,
+        num_bags=None,
+        mask=None,
+        weights=weights,
+        mode="sum",
+        check_offsets=oob == "error",
     )
     feature = bags.bag_ids // batch
     tables = jnp.asarray(feature_tables, jnp.int32)[feature]
     flat, valid = _apply_table_oob(bags.ids, tables, layout.table_arrays()["num_rows"], oob)
     w = bags.weights if valid is None else jnp.where(valid, bags.weights, 0.0)
+    live = bags.keep if valid is None else (valid if bags.keep is None else valid & bags.keep)
+    flat, tables = park_dropped(flat, live, tables)  # dropped positions add no rows of their own
     if any(m != "sum" for m in modes):
         lengths = jnp.maximum(jnp.diff(bags.offsets), 1).astype(w.dtype)
         per_bag = np.repeat(np.asarray([MODES.index(m) for m in modes]), batch)
@@ -258,4 +271,6 @@ def pooled_group(
     num_bags = offsets.shape[0] - 1
     if impl == "reference":
         return _reference_bags(layout, c32, weights.astype(c32[0].dtype), ids, tables, bag_ids, num_bags)
-    return _group_bags(layout, weighted, c32, weights.astype(jnp.float32), ids, tables, offsets, bag_ids)
+    ffi.check_kernel_nnz(ids.shape[0])
+    with ffi.explain_ad_errors():
+        return _group_bags(layout, weighted, c32, weights.astype(jnp.float32), ids, tables, offsets, bag_ids)

@@ -1,12 +1,28 @@
 """Loading, registering and calling the compiled FFI ops (see docs/op_contract.md).
 
 The CPU extension ``_flowtt_cpu`` is always built; ``_flowtt_cuda`` exists when the
-package was built with CUDA. Targets are registered once, on first use, for each
-platform whose extension and jax backend are both present.
+package was built with CUDA. Every target of every extension present is registered
+when this module is imported (``import flowtt_jax`` does it), for its platform ("cpu",
+"CUDA"), whether or not that jax backend exists: registering needs no device (jax
+keeps a platform's registrations until its plugin loads), so a module exported with
+``jax.export`` runs in a fresh process after ``import flowtt_jax``.
+
+Exporting: the targets are not on jax's list of custom calls with a stable binary
+interface, so ``jax.export.export`` needs ``disabled_checks=disabled_safety_checks()``
+(one ``jax.export.DisabledSafetyCheck.custom_call`` per target); the serialized module
+runs where the same (or an ABI-compatible) flowtt_jax is imported.
+
+Differentiation: the kernels come with reverse-mode rules only (``jax.custom_vjp``):
+one ``jax.grad`` / ``jax.vjp``. Forward mode (``jax.jvp``, ``jax.jacfwd``) and
+derivatives of the gradient (``jax.hessian``, grad of grad) raise
+``NotImplementedError`` naming ``impl="reference"``, which supports them all (the
+linear function of ``jax.linearize`` is forward mode too: jax's own error, raised
+outside this package).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 
@@ -17,8 +33,13 @@ import numpy as np
 from .plan import Plan
 
 __all__ = [
+    "AD_UNSUPPORTED",
+    "CUDA_MAX_NNZ",
     "available",
+    "check_kernel_nnz",
     "cuda_unsupported_reason",
+    "disabled_safety_checks",
+    "explain_ad_errors",
     "plan",
     "rows_fwd",
     "rows_bwd",
@@ -35,20 +56,11 @@ def _import(name: str):
         return None
 
 
-def _has_backend(platform: str) -> bool:
-    try:
-        return bool(jax.devices(platform))
-    except RuntimeError:
-        return False
-
-
 @functools.cache
 def _register() -> tuple[str, ...]:
     """Registers every available extension's targets; returns the platforms done."""
     done = []
-    for module, platform, backend in (("_flowtt_cpu", "cpu", "cpu"), ("_flowtt_cuda", "CUDA", "gpu")):
-        if not _has_backend(backend):
-            continue
+    for module, platform in (("_flowtt_cpu", "cpu"), ("_flowtt_cuda", "CUDA")):
         ext = _import(module)
         if ext is None:
             continue
@@ -56,6 +68,57 @@ def _register() -> tuple[str, ...]:
             jax.ffi.register_ffi_target(name, capsule, platform=platform)
         done.append(platform)
     return tuple(done)
+
+
+def _target_names() -> tuple[str, ...]:
+    names = set()
+    for module in ("_flowtt_cpu", "_flowtt_cuda"):
+        ext = _import(module)
+        if ext is not None:
+            names.update(ext.registrations())
+    return tuple(sorted(names))
+
+
+def disabled_safety_checks() -> list:
+    """``disabled_checks`` for ``jax.export.export`` of a function using these ops: one
+    ``DisabledSafetyCheck.custom_call`` per target of the extensions present."""
+    return [jax.export.DisabledSafetyCheck.custom_call(name) for name in _target_names()]
+
+
+AD_UNSUPPORTED = (
+    "flowtt_jax: the FFI kernels (impl='auto' / 'ffi') have reverse-mode rules only: one jax.grad "
+    "or jax.vjp. Forward mode (jax.jvp, jax.jacfwd, jax.linearize's linear function) and "
+    "derivatives of a gradient (jax.hessian, grad of grad) are not supported on them; pass "
+    "impl='reference' (pure jax.numpy, every order and mode of differentiation) for those"
+)
+
+
+@contextlib.contextmanager
+def explain_ad_errors():
+    """Turns jax's errors for forward-mode or higher-order differentiation of the kernels
+    (a ``jax.custom_vjp`` under ``jvp``, an FFI call under ``jvp``) into one
+    ``NotImplementedError`` that names ``impl="reference"``."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        text = str(e)
+        if "forward-mode autodiff" in text or "cannot be differentiated" in text:
+            raise NotImplementedError(AD_UNSUPPORTED) from e
+        raise
+
+
+#: The CUDA rows kernels take nnz < 2^30 (their handlers refuse more).
+CUDA_MAX_NNZ = 2**30 - 1
+
+
+def check_kernel_nnz(nnz: int) -> None:
+    """``ValueError`` when the default backend's kernels cannot take ``nnz`` ids in one
+    call (CUDA: ``CUDA_MAX_NNZ``; every backend: ``bag.MAX_NNZ``, checked earlier)."""
+    if jax.default_backend() == "gpu" and nnz > CUDA_MAX_NNZ:
+        raise ValueError(
+            f"{nnz} ids in one call: the CUDA kernels take at most {CUDA_MAX_NNZ} (2^30 - 1); "
+            "split the batch"
+        )
 
 
 def available() -> bool:
@@ -90,7 +153,8 @@ def _call(target: str, outs, *args, **attrs):
             "flowtt_jax was installed without its compiled extension (_flowtt_cpu); "
             "reinstall with `pip install -e .` or use impl='reference'"
         )
-    return jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*args, **attrs)
+    with explain_ad_errors():
+        return jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*args, **attrs)
 
 
 def _f32(shape) -> jax.ShapeDtypeStruct:
@@ -189,3 +253,6 @@ def pool_bwd(dout, rows, weights, bag_ids, plan: Plan, with_d_weights: bool = Tr
         plan.counts,
     )
     return d_rows, (d_weights if with_d_weights else None)
+
+
+_register()  # at import: a deserialized jax.export module finds the targets

@@ -1,12 +1,21 @@
-"""Out-of-range id policy: ``"error" | "clip" | "zero"``.
+"""Out-of-range id policy: ``"error" | "clip" | "zero"``, and the ids' dtypes.
 
 - ``"error"``: concrete ids raise ``ValueError``; traced ids add a
   ``checkify.check`` (wrap the jitted function in ``checkify.checkify``).
 - ``"clip"``: ids are clamped into ``[0, N)``.
-- ``"zero"`` (default): an out-of-range id contributes a zero row (its weight is 0);
-  it still counts towards a bag's length for ``mean`` / ``sqrtn``.
+- ``"zero"`` (default): an out-of-range id contributes a zero row (its weight is 0, and
+  a position of weight 0 is never read: a non-finite row 0 cannot leak into it); it
+  still counts towards a bag's length for ``mean`` / ``sqrtn``.
 
-Whatever the policy, ids handed to kernels are in ``[0, N)``.
+Whatever the policy, ids handed to kernels are int32 in ``[0, N)``.
+
+Every integer dtype is accepted. Ids are compared with N after a saturating cast to
+int32 (int8/int16/uint8/uint16 widen exactly; wider ids above 2^31 - 1 or below -2^31
+become those bounds, which no table reaches: they stay out of range and ``"clip"``
+sends them to the nearest end). Host ids (numpy arrays, Python ints and lists) that do
+not fit JAX's default integer type -- int64 values past int32 while ``jax_enable_x64``
+is off, which ``jnp.asarray`` would wrap silently -- are saturated the same way before
+JAX sees them (``as_ids``): ``"error"`` names them, ``"zero"`` and ``"clip"`` apply.
 """
 
 from __future__ import annotations
@@ -16,18 +25,73 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-__all__ = ["OOB_POLICIES", "apply_oob"]
+__all__ = ["OOB_POLICIES", "apply_oob", "as_ids", "park_dropped", "saturate_int32"]
 
 OOB_POLICIES = ("error", "clip", "zero")
 
+_I32 = np.iinfo(np.int32)
 
-def apply_oob(ids: jax.Array, num_embeddings: int, policy: str) -> tuple[jax.Array, jax.Array | None]:
-    """Returns ``(int32 ids in [0, N), valid)``; ``valid`` is a bool mask for "zero", else None."""
+
+def _check_policy(policy: str) -> None:
     if policy not in OOB_POLICIES:
         raise ValueError(f"oob must be one of {OOB_POLICIES}, got {policy!r}")
-    if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise TypeError(f"ids must be an integer array, got dtype {ids.dtype}")
-    valid = (ids >= 0) & (ids < num_embeddings)
+
+
+def _check_integer(dtype, name: str = "ids") -> None:
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {dtype}")
+
+
+def as_ids(ids, policy: str, name: str = "ids") -> jax.Array:
+    """``ids`` as a JAX integer array, without JAX's silent wrap-around of host ids.
+
+    JAX arrays and tracers pass unchanged. Host ids whose values do not fit the dtype
+    JAX would give them (int64 / uint64 past int32 / uint32 while ``jax_enable_x64`` is
+    off) are out of range of every table: ``policy == "error"`` raises ``ValueError``
+    naming them, else they are saturated to the int32 bounds (still out of range).
+    ``name`` names the argument in errors.
+    """
+    _check_policy(policy)
+    if isinstance(ids, jax.Array):
+        _check_integer(ids.dtype, name)
+        return ids
+    host = np.asarray(ids)
+    _check_integer(host.dtype, name)
+    if jax.dtypes.canonicalize_dtype(host.dtype).itemsize < host.dtype.itemsize:
+        wide = (host < _I32.min) | (host > _I32.max)
+        if np.any(wide):
+            if policy == "error":
+                bad = host[wide]
+                raise ValueError(
+                    f"{bad.size} value(s) of {name} do not fit in int32 (jax_enable_x64 is off), so "
+                    f"they are out of range of any table, e.g. {bad[:5].tolist()}"
+                )
+            host = np.clip(host, _I32.min, _I32.max)
+        host = host.astype(np.int32)
+    return jnp.asarray(host)
+
+
+def saturate_int32(ids: jax.Array) -> jax.Array:
+    """int32 ids that keep out-of-range ids out of range: exact for ids of 32 bits or less
+    (uint32 above 2^31 - 1 saturates), wider ids saturate to the int32 bounds."""
+    dtype = np.dtype(ids.dtype)
+    if dtype.itemsize < 4 or dtype == np.int32:
+        return ids.astype(jnp.int32)
+    hi = ids.dtype.type(_I32.max)
+    if jnp.issubdtype(dtype, jnp.signedinteger):
+        ids = jnp.maximum(ids, ids.dtype.type(_I32.min))
+    return jnp.minimum(ids, hi).astype(jnp.int32)
+
+
+def apply_oob(ids: jax.Array, num_embeddings: int, policy: str) -> tuple[jax.Array, jax.Array | None]:
+    """Returns ``(int32 ids in [0, N), valid)``; ``valid`` is a bool mask for "zero", else None.
+
+    ``ids``: a JAX integer array of any integer dtype (``as_ids`` first for host input).
+    """
+    _check_policy(policy)
+    _check_integer(ids.dtype)
+    ids32 = saturate_int32(ids)
+    valid = (ids32 >= 0) & (ids32 < num_embeddings)
     if policy == "error":
         if isinstance(ids, jax.core.Tracer):
             checkify.check(
@@ -41,7 +105,24 @@ def apply_oob(ids: jax.Array, num_embeddings: int, policy: str) -> tuple[jax.Arr
                 raise ValueError(
                     f"{bad.size} id(s) out of range [0, {num_embeddings}), e.g. {bad[:5].tolist()}"
                 )
-    clipped = jnp.clip(ids, 0, num_embeddings - 1).astype(jnp.int32)
+    clipped = jnp.clip(ids32, 0, num_embeddings - 1)
     if policy == "zero":
         return jnp.where(valid, clipped, 0), valid
     return clipped, None
+
+
+def park_dropped(ids: jax.Array, live: jax.Array | None, *others: jax.Array):
+    """``ids`` [n] with every position where ``live`` is False moved onto the first live
+    position's id (``others``, e.g. the positions' tables, move with it).
+
+    A dropped position (weight 0) then adds no unique row of its own: its id's row is
+    one the batch reads anyway, so a non-finite row that only dropped ids address
+    (row 0 of the ``"zero"`` policy, a padding id) reaches neither the output nor, through
+    ``0 * inf`` in the backward, the core gradients. ``live`` None: nothing is dropped.
+    Returns ``ids``, or ``(ids, *others)`` when ``others`` are given.
+    """
+    if live is None or ids.shape[0] == 0:
+        return (ids, *others) if others else ids
+    first = jnp.argmax(live)  # 0 when nothing is live: then every output is 0 anyway
+    moved = tuple(jnp.where(live, x, x[first]) for x in (ids, *others))
+    return moved if others else moved[0]

@@ -8,9 +8,18 @@ the unique rows in chunks of at most ``ROWS_CHUNK_BYTES``; the training forward
 keeps all [n, D] rows, the backward's residual.
 
 ``impl``: ``"auto"`` (the FFI kernels when the extension is built and the table
-has 3 cores with float32/bfloat16 cores that the platform's kernels support, else
-the reference), ``"ffi"`` (require the
-kernels), ``"reference"`` (pure jax.numpy).
+has 3 cores of float32, bfloat16 or float16 (computed in float32) that the platform's
+kernels support, else the reference), ``"ffi"`` (require the kernels),
+``"reference"`` (pure jax.numpy). The kernels are differentiable once, in reverse
+mode (``jax.grad``, ``jax.vjp``); forward mode and higher orders need
+``impl="reference"`` (``flowtt_jax.ffi``).
+
+Input policies (the same on both paths): ids of any integer dtype (``flowtt_jax.oob``);
+out-of-range ids by ``oob``; a position of weight exactly 0 (a dropped id, a masked or
+out-of-bag position, a zero user weight) is skipped, never multiplied, so a non-finite
+row cannot turn it into NaN (its weight's gradient is still the row's dot product with
+the bag's gradient); zero bags or zero ids give empty / zero outputs and zero
+gradients; at most ``bag.MAX_NNZ`` (2^31 - 2) ids and bags per call.
 """
 
 from __future__ import annotations
@@ -23,9 +32,9 @@ import jax
 import jax.numpy as jnp
 
 from . import ffi, reference
-from .bag import prepare_bags
-from .oob import apply_oob
-from .spec import TTSpec
+from .bag import check_sizes, prepare_bags
+from .oob import apply_oob, as_ids, park_dropped
+from .spec import TTSpec, as_cores
 
 __all__ = ["tt_lookup", "tt_embedding_bag"]
 
@@ -98,13 +107,15 @@ def _bag(cores, ids, offsets, bag_ids, weights, weighted, num_bags, impl, dtype)
     dtype = cores[0].dtype if dtype is None else dtype
     c32 = tuple(jnp.promote_types(c.dtype, jnp.float32) for c in cores)
     c32 = tuple(c.astype(t) for c, t in zip(cores, c32))
-    if ids.shape[0] == 0:
+    if ids.shape[0] == 0 or num_bags == 0:  # nothing to pool: zeros, and zero gradients
         return jnp.zeros((num_bags, math.prod(c.shape[2] for c in cores)), dtype)
     if impl == "reference":
         rows = reference.tt_rows(c32, ids)
         out = reference.pool(rows, weights.astype(rows.dtype), bag_ids, num_bags)
     else:
-        out = _fused_bag(weighted, c32, weights.astype(jnp.float32), ids, offsets, bag_ids)
+        ffi.check_kernel_nnz(ids.shape[0])
+        with ffi.explain_ad_errors():
+            out = _fused_bag(weighted, c32, weights.astype(jnp.float32), ids, offsets, bag_ids)
     return out.astype(dtype)
 
 
@@ -126,17 +137,26 @@ def tt_embedding_bag(
     """Pooled TT embedding bags: ``[B, D]`` in ``dtype`` (default: the cores' dtype).
 
     Args:
-      cores: d cores, core k ``[p_k, r_{k-1}, q_k, r_k]``.
-      ids: int ids, ``[n]`` with ``offsets`` ([B+1] CSR) or ``segment_ids`` ([n], with
-        static ``num_bags``), or padded ``[B, L]`` with optional bool ``mask`` [B, L].
-      weights: optional per-id float weights, same shape as ids (differentiable).
+      cores: a sequence of d cores, core k ``[p_k, r_{k-1}, q_k, r_k]`` (float32, bfloat16
+        or float16 for the kernels; float64 on the reference).
+      ids: ids of any integer dtype, ``[n]`` with ``offsets`` ([B+1] CSR) or ``segment_ids``
+        ([n], with a static int ``num_bags`` >= 0), or padded ``[B, L]`` with optional
+        bool ``mask`` [B, L].
+      offsets: concrete offsets must be non-decreasing from 0 to n (else ``ValueError``).
+        Traced ones are clamped into ``[0, n]`` and made non-decreasing, positions outside
+        ``[offsets[0], offsets[B])`` belonging to no bag; with ``oob="error"`` they get a
+        ``checkify`` check instead (see ``flowtt_jax.bag``).
+      weights: optional per-id float weights, same shape as ids (differentiable). A
+        weight of exactly 0 skips its position (a non-finite row gives 0, not NaN).
       mode: ``"sum" | "mean" | "sqrtn"``; an empty bag gives zeros.
       num_embeddings: N (defaults to ``prod(row_shape)``); ids outside [0, N) follow ``oob``.
-      oob: ``"error" | "clip" | "zero"`` (see ``flowtt_jax.oob``).
-      impl: ``"auto" | "ffi" | "reference"``.
+      oob: ``"error" | "clip" | "zero"`` (see ``flowtt_jax.oob``); ``"error"`` also checks
+        traced offsets.
+      impl: ``"auto" | "ffi" | "reference"`` (forward mode and second order: reference).
       dtype: output dtype; the contraction and pooling accumulate in float32 (at least)
         whatever the cores' dtype, and cast once at the end.
     """
+    cores = as_cores(cores)
     impl = _choose_impl(impl, cores)
     n_rows = TTSpec.from_cores(cores, num_embeddings).num_embeddings
     bags = prepare_bags(
@@ -176,12 +196,16 @@ def tt_lookup(
     (default: the cores' dtype; computed in float32 at least).
 
     Same pipeline as ``tt_embedding_bag`` with one bag per id, so duplicate ids
-    are computed once and the backward is deterministic.
+    are computed once and the backward is deterministic. Ids of any integer dtype;
+    ``oob`` as there (an ``oob="zero"`` row is exactly 0 even where row 0 is not finite).
     """
+    cores = as_cores(cores)
     impl = _choose_impl(impl, cores)
     n_rows = TTSpec.from_cores(cores, num_embeddings).num_embeddings
-    ids = jnp.asarray(ids)
+    ids = as_ids(ids, oob)
+    check_sizes(ids.size, ids.size)
     flat, valid = apply_oob(ids.reshape(-1), n_rows, oob)
+    flat = park_dropped(flat, valid)
     n = flat.shape[0]
     w = jnp.ones((n,), jnp.float32) if valid is None else valid.astype(jnp.float32)
     pos = jnp.arange(n, dtype=jnp.int32)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-__all__ = ["tt_digits", "tt_rows", "pool"]
+__all__ = ["tt_digits", "tt_rows", "pool", "weighted_rows"]
 
 
 def tt_digits(ids: jax.Array, row_shape: Sequence[int]) -> list[jax.Array]:
@@ -35,6 +35,26 @@ def tt_rows(cores: Sequence[jax.Array], ids: jax.Array) -> jax.Array:
     return acc[..., 0]
 
 
+@jax.custom_jvp
+def weighted_rows(rows: jax.Array, weights: jax.Array) -> jax.Array:
+    """``rows [n, D] * weights [n, None]``, exactly 0 where a weight is 0 (never
+    ``0 * inf = NaN``): the kernels' "a zero weight skips its position".
+
+    Differentiated as the product ``rows * weights``: the tangent in a weight is the row
+    even where the weight is 0 (the kernels' d_weights), the tangent in a row is its
+    weight (so 0 there).
+    """
+    return jnp.where((weights != 0)[:, None], rows * weights[:, None], jnp.zeros((), rows.dtype))
+
+
+@weighted_rows.defjvp
+def _weighted_rows_jvp(primals, tangents):
+    rows, weights = primals
+    d_rows, d_weights = tangents
+    return weighted_rows(rows, weights), weighted_rows(d_rows, weights) + rows * d_weights[:, None]
+
+
 def pool(rows: jax.Array, weights: jax.Array, bag_ids: jax.Array, num_bags: int) -> jax.Array:
-    """Weighted sum of rows [n, D] into bags: [num_bags, D]."""
-    return jax.ops.segment_sum(rows * weights[:, None], bag_ids, num_segments=num_bags)
+    """Weighted sum of rows [n, D] into bags: [num_bags, D]; positions of weight 0 add
+    nothing (``weighted_rows``)."""
+    return jax.ops.segment_sum(weighted_rows(rows, weights), bag_ids, num_segments=num_bags)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["TTSpec", "factor_rows", "factor_cols"]
+__all__ = ["TTSpec", "as_cores", "factor_rows", "factor_cols"]
 
 # Weight of shape imbalance (log max/min) against padding fraction when choosing
 # the row shape: an exact factorisation wins over a slightly more balanced one.
@@ -25,43 +26,61 @@ def _score(shape: tuple[int, ...], n: int) -> float:
     return pad + _BALANCE_WEIGHT * math.log(max(shape) / min(shape))
 
 
-def _best_pair(n: int) -> tuple[float, tuple[int, int]]:
-    """Best (p1, p2) with p1 * p2 >= n, p1 <= p2 (vectorised search around sqrt n)."""
+#: Ids are int32: ``prod(row_shape)`` (and so N) must stay below this.
+ID_LIMIT = 2**31
+
+
+def _best_pair(n: int, limit: int) -> tuple[int, int] | None:
+    """Best (p1, p2) with n <= p1 * p2 < limit, p1 <= p2 (vectorised search around sqrt n)."""
     root = math.isqrt(n)
     lo = max(1, int(root / 1.6))
     p1 = np.arange(lo, max(root, 1) + 2, dtype=np.int64)
     p2 = -(-n // p1)
-    ok = p1 <= p2
+    ok = (p1 <= p2) & (p1 * p2 < limit)
+    if not ok.any():
+        return None
     p1, p2 = p1[ok], p2[ok]
     pad = (p1 * p2) / n - 1.0
     score = pad + _BALANCE_WEIGHT * np.log(p2 / p1)
     i = int(np.argmin(score))
-    return float(score[i]), (int(p1[i]), int(p2[i]))
+    return int(p1[i]), int(p2[i])
 
 
-def factor_rows(n: int, d: int) -> tuple[int, ...]:
-    """Near-balanced ``d`` factors with product >= n, ascending.
-
-    Minimises ``padding fraction + 0.01 * log(max / min)``: a factorisation padded by
-    0.1% beats one 10% less balanced, but not one twice as unbalanced. For 10^7 that
-    gives 202*222*223 (212 padding rows); pass ``row_shape`` for e.g. (200, 200, 250).
-    """
-    if n < 1 or d < 1:
-        raise ValueError(f"need n >= 1 and d >= 1, got n={n}, d={d}")
+def _factor(n: int, d: int, limit: int) -> tuple[int, ...] | None:
     if d == 1:
-        return (n,)
+        return (n,) if n < limit else None
     if d == 2:
-        return _best_pair(n)[1]
+        return _best_pair(n, limit)
     root = n ** (1.0 / d)
     best, best_shape = math.inf, None
     for p1 in range(max(1, int(root / 1.6)), int(math.ceil(root)) + 2):
-        rest = factor_rows(-(-n // p1), d - 1)
+        rest = _factor(-(-n // p1), d - 1, -(-limit // p1))  # p1 * prod(rest) < limit
+        if rest is None:
+            continue
         shape = tuple(sorted((p1,) + rest))
         s = _score(shape, n)
         if s < best:
             best, best_shape = s, shape
-    assert best_shape is not None
     return best_shape
+
+
+def factor_rows(n: int, d: int, limit: int = ID_LIMIT) -> tuple[int, ...]:
+    """Near-balanced ``d`` factors with ``n <= product < limit``, ascending.
+
+    Minimises ``padding fraction + 0.01 * log(max / min)``: a factorisation padded by
+    0.1% beats one 10% less balanced, but not one twice as unbalanced. For 10^7 that
+    gives 202*222*223 (212 padding rows); pass ``row_shape`` for e.g. (200, 200, 250).
+    ``limit`` (2^31: int32 ids) binds only near it: 2^31 - 2 gives 993*1302*1661 exactly.
+    """
+    if n < 1 or d < 1:
+        raise ValueError(f"need n >= 1 and d >= 1, got n={n}, d={d}")
+    shape = _factor(n, d, limit)
+    if shape is None:
+        raise ValueError(
+            f"no near-balanced row shape of {d} factors with {n} <= product < {limit} (ids are "
+            "int32); pass row_shape"
+        )
+    return shape
 
 
 def factor_cols(dim: int, d: int) -> tuple[int, ...]:
@@ -80,6 +99,36 @@ def factor_cols(dim: int, d: int) -> tuple[int, ...]:
             best, best_shape = ratio, shape
     assert best_shape is not None
     return best_shape
+
+
+def as_cores(cores) -> tuple:
+    """``cores`` as a tuple of 4-D arrays, or a ``TypeError`` / ``ValueError`` that names
+    what was passed: TT cores are a sequence (the tuple ``init_cores`` returns), not a
+    dict or one array."""
+    if isinstance(cores, Mapping):
+        raise TypeError(
+            "cores must be a sequence of TT cores [p, r_in, q, r_out] (the tuple init_cores "
+            f"returns), got a {type(cores).__name__} with keys {list(cores)[:4]}; pass the cores "
+            "as a tuple in core order (first core first)"
+        )
+    if hasattr(cores, "shape") and hasattr(cores, "dtype"):
+        raise TypeError(
+            "cores must be a sequence of TT cores [p, r_in, q, r_out] (the tuple init_cores "
+            f"returns), got a single array of shape {tuple(cores.shape)}"
+        )
+    try:
+        cores = tuple(cores)
+    except TypeError:
+        raise TypeError(f"cores must be a sequence of TT cores, got {type(cores).__name__}") from None
+    for k, c in enumerate(cores):
+        if not (hasattr(c, "shape") and hasattr(c, "dtype")):
+            raise TypeError(f"cores[{k}] must be an array [p, r_in, q, r_out], got {type(c).__name__}")
+    if len(cores) < 2:
+        raise ValueError(f"a TT table needs at least 2 cores, got {len(cores)}")
+    shapes = [tuple(c.shape) for c in cores]
+    if any(len(s) != 4 for s in shapes):
+        raise ValueError(f"cores must be 4-D [p, r_in, q, r_out], got shapes {shapes}")
+    return cores
 
 
 def _max_ranks(row_shape: tuple[int, ...], col_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -132,8 +181,11 @@ class TTSpec:
             )
         if self.ranks[0] != 1 or self.ranks[-1] != 1:
             raise ValueError(f"boundary ranks must be 1, got {self.ranks}")
-        if math.prod(self.row_shape) >= 2**31:
-            raise ValueError(f"prod(row_shape)={math.prod(self.row_shape)} exceeds int32 ids")
+        if math.prod(self.row_shape) >= ID_LIMIT:
+            raise ValueError(
+                f"prod(row_shape)={math.prod(self.row_shape)} must be < 2^31: ids are int32 (the "
+                f"largest table has num_embeddings = 2^31 - 1)"
+            )
 
     @classmethod
     def create(
@@ -153,6 +205,8 @@ class TTSpec:
             )
         if num_cores < 2:
             raise ValueError(f"a TT table needs at least 2 cores, got num_cores={num_cores}")
+        if num_embeddings >= ID_LIMIT:
+            raise ValueError(f"num_embeddings={num_embeddings} must be < 2^31: ids are int32")
         row_shape = tuple(row_shape) if row_shape else factor_rows(num_embeddings, num_cores)
         col_shape = tuple(col_shape) if col_shape else factor_cols(embedding_dim, len(row_shape))
         d = len(row_shape)
@@ -190,9 +244,7 @@ class TTSpec:
     @classmethod
     def from_cores(cls, cores, num_embeddings: int | None = None) -> TTSpec:
         """Spec read off core shapes (N defaults to ``prod(row_shape)``)."""
-        shapes = [tuple(c.shape) for c in cores]
-        if any(len(s) != 4 for s in shapes):
-            raise ValueError(f"cores must be 4-D [p, r_in, q, r_out], got shapes {shapes}")
+        shapes = [tuple(c.shape) for c in as_cores(cores)]
         for k in range(len(shapes) - 1):
             if shapes[k][3] != shapes[k + 1][1]:
                 raise ValueError(f"rank mismatch between cores {k} and {k + 1}: {shapes}")

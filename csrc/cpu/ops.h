@@ -171,7 +171,8 @@ inline std::string CheckOffsets(const int32_t* offsets, int64_t num_bags, int64_
 }
 
 // out[b] += weights[k] * rows[inverse[k] - u_begin] for k in bag b, in increasing k, over the
-// positions whose inverse[k] lies in [u_begin, u_end) (the others are skipped, never read).
+// positions whose inverse[k] lies in [u_begin, u_end) and whose weight is not 0 (the others
+// are skipped, their rows never read: a zero weight gives 0 even for a non-finite row).
 // rows holds the unique rows [u_begin, u_end); offsets are checked.
 inline void PoolRange(const float* rows, int64_t d, const int32_t* inverse, const float* weights,
                       const int32_t* offsets, int64_t num_bags, int64_t u_begin, int64_t u_end,
@@ -180,8 +181,8 @@ inline void PoolRange(const float* rows, int64_t d, const int32_t* inverse, cons
     float* o = out + b * d;
     for (int32_t k = offsets[b]; k < offsets[b + 1]; ++k) {
       const int64_t u = inverse[k];
-      if (u < u_begin || u >= u_end) continue;
       const float w = weights[k];
+      if (u < u_begin || u >= u_end || w == 0.0f) continue;
       const float* r = rows + (u - u_begin) * d;
       for (int64_t j = 0; j < d; ++j) o[j] += w * r[j];
     }

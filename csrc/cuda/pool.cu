@@ -53,8 +53,9 @@ __device__ __forceinline__ float4 vzero<float4>() {
 
 // One thread team (TS lanes over D/VEC vectors) per bag, positions in
 // increasing k. Only positions whose unique index is in [lo, hi) (hi capped
-// at num_unique when counts is given) add w * rows[idx - lo]; accumulate:
-// start from out (the fused forward's later chunks), else from 0.
+// at num_unique when counts is given) and whose weight is not 0 add
+// w * rows[idx - lo] (a zero weight never reads its row: 0, not 0 * inf = NaN);
+// accumulate: start from out (the fused forward's later chunks), else from 0.
 template <int VEC>
 __global__ void pool_fwd_kernel(const float* __restrict__ rows, const int* __restrict__ inverse,
                                 const float* __restrict__ weights,
@@ -78,7 +79,8 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows, const int* __res
 #pragma unroll 4
     for (int k = kb; k < ke; ++k) {
       const unsigned idx = (unsigned)(__ldg(inverse + k) - lo);
-      if (idx < span) vfma(acc, __ldg(weights + k), rv[(size_t)idx * DV + dv]);
+      const float w = __ldg(weights + k);
+      if (idx < span && w != 0.f) vfma(acc, w, rv[(size_t)idx * DV + dv]);
     }
     ov[(size_t)bag * DV + dv] = acc;
   }
