@@ -261,7 +261,7 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
   }
   if (stages & 4) {
     auto kernel = vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1);
-    if ((err = tb_launch(kernel, tb_warp_slices_bytes(d), stream, d, g1, g2, d_rows, g_i1,
+    if ((err = tb_launch(kernel, tb_dg3_smem(d), stream, d, g1, g2, d_rows, g_i1,
                          g_i2, counts, n, (const int*)s.bounds3, sorted_u, (const int*)s.ug,
                          s.ctrl + 2, dg3)) != cudaSuccess)
       return err;

@@ -109,10 +109,17 @@ inline TbDg1Geo tb_dg1_geo(const TbDev& d) {
   return {0, 0, 0, 0};
 }
 
+// The dg3 kernel (tb_dg3_kernel): g3 rows per block, listed ids per super-step.
+constexpr int kTbDg3Rows = 32, kTbDg3MaxList = 64;
+
 // Dynamic shared memory of the kernels: the per-warp slices (g1 row, P) of the forward
-// and dg3 kernels; the g2 row, g1 rows and dP of a batch (dg2).
+// kernels; those and the accumulators of kTbDg3Rows g3 rows (dg3); the g2 row, g1 rows
+// and dP of a batch (dg2).
 inline size_t tb_warp_slices_bytes(const TbDev& d) {
   return sizeof(float) * kTbWarps * (size_t)(tb_align4(d.Q1R1) + tb_align4(d.M * d.ldP));
+}
+inline size_t tb_dg3_smem(const TbDev& d) {
+  return tb_warp_slices_bytes(d) + sizeof(float) * (size_t)kTbDg3Rows * d.S3;
 }
 inline size_t tb_dg2_smem(const TbDev& d) {
   return sizeof(float) *

@@ -115,7 +115,7 @@ void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, flo
                 in.g_i1, in.goffs, in.counts, n, (const int*)bounds2.data(),
                 sorted_groups.data(), &ctrl[1], dg2);
   auto k3 = vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1);
-  tb_emu_launch(kGrid, kTbThreads, tb_warp_slices_bytes(d), k3, d, in.g1, in.g2, in.d_rows,
+  tb_emu_launch(kGrid, kTbThreads, tb_dg3_smem(d), k3, d, in.g1, in.g2, in.d_rows,
                 in.g_i1, in.g_i2, in.counts, n, (const int*)bounds3.data(), sorted_u.data(),
                 (const int*)ug.data(), &ctrl[2], dg3);
 }

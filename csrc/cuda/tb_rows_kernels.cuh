@@ -27,8 +27,10 @@
 //     dP_g . g2[g_i2]^T (8 threads per output, fixed shuffle tree) added to the row;
 //   dg2[I]: the same over the groups sorted by g_i2 (stable: ascending g), adding
 //     g1[g_i1]^T . dP_g into the row kept in shared memory (4x4 tiles per thread);
-//   dg3[I]: for the unique indices of I in ascending u, 8 at a time: a warp per u forms
-//     P of its group, then each output element adds P^T . d_rows[u] in u order.
+//   dg3[I]: blocks of consecutive g3 rows, their id lists merged by group (each group's
+//     P formed once for every row of the block using it, each row's terms still in
+//     ascending u): a warp per group forms P, then each output element adds
+//     P^T . d_rows[u] in u order.
 #pragma once
 
 #include "cuda/tb_rows.cuh"
@@ -551,9 +553,14 @@ __global__ void __launch_bounds__(kTbThreads)
 // ------------------------------- backward: dg3 --------------------------------------
 
 // dg3[I] = sum over the unique indices u of I in ascending u (sorted_u[bounds3[I] ..
-// bounds3[I+1]), a stable sort by u_i3) of P_{g(u)}^T . d_rows[u]. Per step of 8 ids a
-// warp forms P of one id's group in its slice; then each output element (b, z) (thread
-// tid, tid + 256) adds the 8 terms (each a sum over m ascending) in u order.
+// bounds3[I+1]), a stable sort by u_i3) of P_{g(u)}^T . d_rows[u]. A block takes up to
+// kTbDg3Rows consecutive g3 rows and merges their id lists by group (warp 0 keeps a head
+// per row; a step is the smallest head group and the rows whose head id is in it): within
+// a row the group rises with u, so every row still receives its terms in ascending u,
+// while a group's P is formed once for all the rows of the block that use it. Per
+// super-step (up to 8 steps, kTbDg3MaxList ids): a warp per step forms P of its group in
+// its slice; then the listed ids in order, each output element (b, z) (thread tid,
+// tid + 256) adding its term (a sum over m ascending) to the id's row.
 template <int Q1C, int VEC>
 __global__ void __launch_bounds__(kTbThreads)
     tb_dg3_kernel(TbDev d, const float* __restrict__ g1, const float* __restrict__ g2,
@@ -561,27 +568,66 @@ __global__ void __launch_bounds__(kTbThreads)
                   const int* __restrict__ g_i2, const int* __restrict__ counts, int n,
                   const int* __restrict__ bounds3, const int* __restrict__ sorted_u,
                   const int* __restrict__ ug, int* ctr, float* __restrict__ dg3) {
+  constexpr int kNoKey = 0x7fffffff;
   TB_DYNAMIC_SMEM(tb_smem4);
   float* smem = reinterpret_cast<float*>(tb_smem4);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wsz = tb_align4(d.Q1R1) + tb_align4(d.M * d.ldP);  // per warp: G1 row, P
+  const int wsz = tb_align4(d.Q1R1) + tb_align4(d.M * d.ldP);  // per warp: g1 row, P
   float* G1s = smem + warp * wsz;
   float* Pw = G1s + tb_align4(d.Q1R1);
-  __shared__ int s_item, s_u[kTbWarps];
+  float* acc = smem + kTbWarps * wsz;  // [kTbDg3Rows][S3]
+  __shared__ int s_item, s_cnt, s_steps;
+  __shared__ int s_u[kTbDg3MaxList], s_row[kTbDg3MaxList], s_step[kTbDg3MaxList];
+  __shared__ int s_g[kTbWarps];
   int U, G;
   tb_counts(counts, n, U, G);
   const int gmax = max(G - 1, 0);
   for (;;) {
-    const int I = tb_claim(ctr, &s_item);
-    if (I >= d.P3) break;
-    const int lo = tb_clamp(bounds3[I], 0, n), hi = tb_clamp(bounds3[I + 1], lo, n);
-    float acc[2] = {0.f, 0.f};  // elements tid, tid + 256 (r2*q3 <= 512)
-    for (int j0 = lo; j0 < hi; j0 += kTbWarps) {
-      const int nb = min(kTbWarps, hi - j0);
-      if (warp < nb) {
-        const int u = tb_clamp(__ldg(sorted_u + j0 + warp), 0, n - 1);
-        const int g = tb_clamp(__ldg(ug + u), 0, gmax);
-        if (lane == 0) s_u[warp] = u;
+    const int blk = tb_claim(ctr, &s_item);
+    if ((long long)blk * kTbDg3Rows >= d.P3) break;
+    const int I0 = blk * kTbDg3Rows, nrows = min(kTbDg3Rows, d.P3 - I0);
+    for (int e = tid; e < d.S3; e += kTbThreads)
+      for (int r = 0; r < nrows; ++r) acc[r * d.S3 + e] = 0.f;
+    int h = 0, hend = 0;  // warp 0, lane r: the next and the end position of row I0 + r
+    if (warp == 0 && lane < nrows) {
+      h = tb_clamp(bounds3[I0 + lane], 0, n);
+      hend = tb_clamp(bounds3[I0 + lane + 1], h, n);
+    }
+    for (;;) {
+      __syncthreads();  // the previous super-step is done
+      if (warp == 0) {  // the next steps of the merge
+        int cnt = 0, steps = 0;
+        while (steps < kTbWarps) {
+          int u = 0, key = kNoKey;
+          if (h < hend) {
+            u = tb_clamp(__ldg(sorted_u + h), 0, n - 1);
+            key = tb_clamp(__ldg(ug + u), 0, gmax);
+          }
+          const int m = __reduce_min_sync(0xffffffffu, key);
+          if (m == kNoKey) break;
+          const unsigned members = __ballot_sync(0xffffffffu, key == m);
+          if (cnt + __popc(members) > kTbDg3MaxList) break;
+          if (key == m) {
+            const int pos = cnt + __popc(members & ((1u << lane) - 1u));
+            s_u[pos] = u;
+            s_row[pos] = lane;
+            s_step[pos] = steps;
+            ++h;
+          }
+          if (lane == 0) s_g[steps] = m;
+          cnt += __popc(members);
+          ++steps;
+        }
+        if (lane == 0) {
+          s_cnt = cnt;
+          s_steps = steps;
+        }
+      }
+      __syncthreads();
+      const int cnt = s_cnt;
+      if (cnt == 0) break;
+      if (warp < s_steps) {  // P of the step's group
+        const int g = s_g[warp];
         tb_warp_load_g1(d, g1, tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1), G1s, lane);
         __syncwarp();
         tb_warp_prefix<Q1C, VEC>(d, G1s,
@@ -589,29 +635,20 @@ __global__ void __launch_bounds__(kTbThreads)
                                  Pw, lane);
       }
       __syncthreads();
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int e = tid + i * kTbThreads;
-        if (e < d.S3) {
+      for (int k = 0; k < cnt; ++k) {
+        const float* P = smem + s_step[k] * wsz + tb_align4(d.Q1R1);
+        const float* dr = d_rows + (size_t)s_u[k] * d.D;
+        float* acc_row = acc + s_row[k] * d.S3;
+        for (int e = tid; e < d.S3; e += kTbThreads) {
           const int b = e / d.q3, z = e - b * d.q3;
-          float v = acc[i];
-          for (int k = 0; k < nb; ++k) {
-            const float* P = smem + k * wsz + tb_align4(d.Q1R1) + b;
-            const float* dr = d_rows + (size_t)s_u[k] * d.D + z;
-            float c = 0.f;
-            for (int m = 0; m < d.M; ++m) c = fmaf(P[m * d.ldP], __ldg(dr + m * d.q3), c);
-            v += c;
-          }
-          acc[i] = v;
+          float c = 0.f;
+          for (int m = 0; m < d.M; ++m) c = fmaf(P[m * d.ldP + b], __ldg(dr + m * d.q3 + z), c);
+          acc_row[e] += c;
         }
       }
-      __syncthreads();  // the slices and s_u are read
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int e = tid + i * kTbThreads;
-      if (e < d.S3) dg3[(size_t)I * d.S3 + e] = acc[i];
-    }
+    for (int e = tid; e < d.S3; e += kTbThreads)
+      for (int r = 0; r < nrows; ++r) dg3[(size_t)(I0 + r) * d.S3 + e] = acc[r * d.S3 + e];
   }
 }
 
