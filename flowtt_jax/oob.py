@@ -93,7 +93,7 @@ def apply_oob(ids: jax.Array, num_embeddings: int, policy: str) -> tuple[jax.Arr
     ids32 = saturate_int32(ids)
     valid = (ids32 >= 0) & (ids32 < num_embeddings)
     if policy == "error":
-        if isinstance(ids, jax.core.Tracer):
+        if isinstance(valid, jax.core.Tracer):  # traced ids, or concrete ones under checkify
             checkify.check(
                 jnp.all(valid),
                 f"ids out of range [0, {num_embeddings}): found {{bad}}",
