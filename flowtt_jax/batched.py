@@ -45,7 +45,7 @@ def kernels_unsupported_reason(layout: GroupLayout) -> str | None:
     if not all(ffi.has_target(t, platform) for t in _TARGETS):
         return f"this build has no table-batched kernels (flowtt_tb_rows_*) for {platform}"
     if platform == "gpu":
-        return ffi.cuda_unsupported_reason(layout.packed_shapes())
+        return ffi.cuda_tb_unsupported_reason(layout.packed_shapes())
     return None
 
 

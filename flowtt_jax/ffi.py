@@ -135,6 +135,16 @@ def cuda_unsupported_reason(cores) -> str | None:
     return ext.unsupported_reason(p1, p2, p3, q1, q2, q3, r1, r2)
 
 
+def cuda_tb_unsupported_reason(packed_shapes) -> str | None:
+    """Why the table-batched CUDA kernels cannot take packed cores of these shapes, or None
+    (also None without CUDA)."""
+    ext = _import("_flowtt_cuda") if "CUDA" in _register() else None
+    if ext is None:
+        return None
+    (p1, _, q1, r1), (p2, _, q2, r2), (p3, _, q3, _) = packed_shapes
+    return ext.tb_unsupported_reason(p1, p2, p3, q1, q2, q3, r1, r2)
+
+
 def has_target(name: str, platform: str) -> bool:
     """True when the extension for ``platform`` ("cpu" or "gpu") registered target ``name``."""
     module = {"cpu": "_flowtt_cpu", "gpu": "_flowtt_cuda"}[platform]

@@ -25,6 +25,8 @@ struct OpHandlers {
   XLA_FFI_Handler* pool_bwd;
   XLA_FFI_Handler* bag_fwd;
   XLA_FFI_Handler* plan;
+  XLA_FFI_Handler* tb_rows_fwd;  // table-batched rows ops (docs/batched_contract.md)
+  XLA_FFI_Handler* tb_rows_bwd;
 };
 
 // {target name: handler capsule}.
@@ -36,6 +38,8 @@ inline nanobind::dict Registrations(const OpHandlers& h) {
   d["flowtt_bag_pool_bwd"] = EncapsulateFfiHandler(h.pool_bwd);
   d["flowtt_bag_fwd"] = EncapsulateFfiHandler(h.bag_fwd);
   d["flowtt_plan"] = EncapsulateFfiHandler(h.plan);
+  d["flowtt_tb_rows_fwd"] = EncapsulateFfiHandler(h.tb_rows_fwd);
+  d["flowtt_tb_rows_bwd"] = EncapsulateFfiHandler(h.tb_rows_bwd);
   return d;
 }
 

@@ -2,12 +2,15 @@
 // (cpu/handlers.cc) to jax.ffi.register_ffi_target(platform="cpu").
 #include "common/registrations.h"
 #include "cpu/handlers.h"
+#include "cpu/tb_handlers.h"
 #include "nanobind/nanobind.h"
 
 NB_MODULE(_flowtt_cpu, m) {
   m.def("registrations", []() {
-    // OpHandlers order: rows_fwd, rows_bwd, pool_fwd, pool_bwd, bag_fwd, plan
+    // OpHandlers order: rows_fwd, rows_bwd, pool_fwd, pool_bwd, bag_fwd, plan, tb_rows_fwd,
+    // tb_rows_bwd
     return flowtt::Registrations({FlowttRowsFwdCpu, FlowttRowsBwdCpu, FlowttPoolFwdCpu,
-                                  FlowttPoolBwdCpu, FlowttBagFwdCpu, FlowttPlanCpu});
+                                  FlowttPoolBwdCpu, FlowttBagFwdCpu, FlowttPlanCpu,
+                                  FlowttTbRowsFwdCpu, FlowttTbRowsBwdCpu});
   });
 }

@@ -2,28 +2,46 @@
 // (cuda/handlers.cc) to jax.ffi.register_ffi_target(platform="CUDA");
 // scratch_bytes() reports the handlers' run-time scratch (for benchmarks; chunk_rows
 // is flowtt_bag_fwd's attribute);
-// unsupported_reason() says why the kernels cannot take a core shape (None if they can).
+// unsupported_reason() / tb_unsupported_reason() say why the (table-batched) kernels cannot
+// take a core shape (None if they can); tb_scratch_bytes() the table-batched ops' scratch.
 #include <string>
 
 #include "common/registrations.h"
 #include "cuda/handlers.h"
 #include "cuda/ops.h"
 #include "cuda/plan.h"
+#include "cuda/tb_handlers.h"
+#include "cuda/tb_rows.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 
 NB_MODULE(_flowtt_cuda, m) {
   namespace nb = nanobind;
   m.def("registrations", []() {
-    // OpHandlers order: rows_fwd, rows_bwd, pool_fwd, pool_bwd, bag_fwd, plan
+    // OpHandlers order: rows_fwd, rows_bwd, pool_fwd, pool_bwd, bag_fwd, plan, tb_rows_fwd,
+    // tb_rows_bwd
     return flowtt::Registrations({FlowttRowsFwdCuda, FlowttRowsBwdCuda, FlowttPoolFwdCuda,
-                                  FlowttPoolBwdCuda, FlowttBagFwdCuda, FlowttPlanCuda});
+                                  FlowttPoolBwdCuda, FlowttBagFwdCuda, FlowttPlanCuda,
+                                  FlowttTbRowsFwdCuda, FlowttTbRowsBwdCuda});
   });
   m.def("unsupported_reason",
         [](int p1, int p2, int p3, int q1, int q2, int q3, int r1, int r2) -> nb::object {
           const char* why = flowtt::check_dims(flowtt::TTDims{p1, p2, p3, q1, q2, q3, r1, r2});
           return why == nullptr ? nb::none() : nb::cast(std::string(why));
         });
+  m.def("tb_unsupported_reason",
+        [](int P1, int P2, int P3, int q1, int q2, int q3, int r1, int r2) -> nb::object {
+          const char* why = flowtt::tb::tb_check_dims({P1, P2, P3, q1, q2, q3, r1, r2});
+          return why == nullptr ? nb::none() : nb::cast(std::string(why));
+        });
+  m.def("tb_scratch_bytes", [](int P1, int P2, int P3, int q1, int q2, int q3, int r1, int r2,
+                               int n) {
+    const flowtt::tb::TbDims t{P1, P2, P3, q1, q2, q3, r1, r2};
+    nb::dict d;
+    d["tb_rows_fwd"] = flowtt::tb::tb_rows_fwd_scratch_bytes(t, n);
+    d["tb_rows_bwd"] = flowtt::tb::tb_rows_bwd_scratch_bytes(t, n);
+    return d;
+  });
   m.def("scratch_bytes", [](int p1, int p2, int p3, int q1, int q2, int q3, int r1, int r2, int n,
                             long long chunk_rows) {
     flowtt::TTDims t{p1, p2, p3, q1, q2, q3, r1, r2};
