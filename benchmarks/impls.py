@@ -11,6 +11,8 @@ features' sum-pooled bags side by side); the runner times ``fwd`` and its vjp wi
   (static size nnz), TT rows of the unique ids, gathered back and pooled.
 - ``ours`` (single table) / ``ours_per_table_loop`` (collections): ``tt_embedding_bag``
   (impl="ffi", the fused kernels) per table, in one jitted loop over the tables.
+- ``ours_batched`` (collections): ``tt_embedding_bag_group`` (impl="ffi"), the table-batched
+  op: one plan and one launch per stage for every table of a shape group (packed cores).
 
 Adding one (e.g. the table-batched op) is one decorated builder::
 
@@ -35,6 +37,8 @@ import numpy as np
 
 import flowtt_jax as ftt
 from flowtt_jax import reference
+from flowtt_jax.batched import tt_embedding_bag_group
+from flowtt_jax.batched_plan import GroupLayout
 
 from .workloads import Workload
 
@@ -256,3 +260,53 @@ register(
     scratch=ffi_scratch_bytes,
     description="tt_embedding_bag impl='ffi' called per table in one jitted loop (not the table-batched op)",
 )(_per_table(_tt_bag("ffi")))
+
+
+def _shape_groups(w: Workload) -> list[tuple[GroupLayout, tuple[int, ...]]]:
+    """The workload's tables as shape groups: ``(layout, table indices)`` in first-seen order."""
+    groups: dict[tuple, list[int]] = {}
+    for t, spec in enumerate(w.specs):
+        groups.setdefault((spec.col_shape, spec.ranks), []).append(t)
+    return [(GroupLayout(tuple(w.specs[t] for t in ts)), tuple(ts)) for ts in groups.values()]
+
+
+def _pack_groups(w: Workload, cores: TTCores) -> tuple[tuple[jax.Array, ...], ...]:
+    return tuple(layout.pack([cores[t] for t in ts]) for layout, ts in _shape_groups(w))
+
+
+@register(
+    "ours_batched",
+    suites=("collection",),
+    ours=True,
+    init=_pack_groups,
+    description="tt_embedding_bag_group impl='ffi': one plan and one launch per stage for all "
+    "tables of a shape group (packed cores)",
+)
+def _ours_batched(w: Workload) -> Fwd:
+    groups = _shape_groups(w)
+    bounds, b = w.feature_bounds, w.batch
+    feature_group = []
+    for t in w.feature_table:
+        g = next(i for i, (_, ts) in enumerate(groups) if t in ts)
+        feature_group.append((g, groups[g][1].index(t)))
+
+    def fwd(params, ids, offsets):
+        outs = [None] * w.num_features
+        for g, (layout, _) in enumerate(groups):
+            feats = [f for f, (fg, _) in enumerate(feature_group) if fg == g]
+            if len(groups) == 1:
+                g_ids, g_offsets = ids, offsets
+            else:  # this group's features' slices, re-packed feature-major
+                g_ids = jnp.concatenate([ids[bounds[f] : bounds[f + 1]] for f in feats])
+                starts = np.cumsum([0] + [bounds[f + 1] - bounds[f] for f in feats])
+                g_offsets = jnp.concatenate(
+                    [offsets[f * b : (f + 1) * b] - bounds[f] + int(s) for f, s in zip(feats, starts)]
+                    + [jnp.full((1,), starts[-1], offsets.dtype)]
+                )
+            tables = tuple(feature_group[f][1] for f in feats)
+            out = tt_embedding_bag_group(params[g], layout, g_ids, g_offsets, tables, impl="ffi")
+            for k, f in enumerate(feats):
+                outs[f] = out[k]
+        return jnp.concatenate(outs, axis=1)
+
+    return fwd
