@@ -48,15 +48,6 @@ __all__ = [
 ]
 
 
-def _put(x: Any, sharding: NamedSharding) -> jax.Array:
-    """``x`` placed with ``sharding``; a process-local value must be the same in every process."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return jax.device_put(x, sharding)
-    if jax.process_count() > 1 and not jnp.issubdtype(jnp.asarray(x).dtype, jax.dtypes.prng_key):
-        x = np.asarray(x)
-    return jax.device_put(x, sharding)
-
-
 def shard_collection(
     collection: TTEmbeddingCollection,
     mesh: Mesh,
@@ -82,7 +73,7 @@ def shard_collection(
     specs = layout.param_specs()
     for name, value in values.items():
         spec = specs[name]
-        placed = _put(value, NamedSharding(mesh, spec))
+        placed = jax.device_put(value, NamedSharding(mesh, spec))
         meta = (
             {"out_sharding": tuple(spec) + (None,) * (value.ndim - len(spec)), "mesh": mesh} if spec else {}
         )
@@ -112,8 +103,9 @@ def _specs(state: nnx.State) -> Any:
 
 def place_state(state: nnx.State, mesh: Mesh) -> nnx.State:
     """``state`` (e.g. ``nnx.state((model, optimizer))``) placed on ``mesh`` as its
-    metadata says: table-wise cores and their optimizer moments split, all else replicated."""
-    return jax.tree.map(lambda x, s: _put(x, NamedSharding(mesh, s)), state, _specs(state))
+    metadata says: table-wise cores and their optimizer moments split, all else replicated.
+    Process-local values must be the same in every process (same seeds)."""
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, _specs(state))
 
 
 def shard_batch(batch: Any, mesh: Mesh, axis: str = "data") -> Any:

@@ -1,0 +1,411 @@
+"""A collection over a mesh: data parallel and table-wise on 8 virtual CPU devices, a
+training step across 2 processes (``jax.distributed`` on localhost), and the host-side
+pieces (per-shard bags, cost model, placement) in this process.
+
+Subprocesses as in ``test_sharding``: the device count is fixed when jax starts."""
+
+import importlib.util
+import json
+import re
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.test_sharding import REPO, _cpu_env
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("flowtt_jax._flowtt_cpu") is None, reason="compiled extension not built"
+)
+
+B = 16  # global bags per feature: 2 per device on 8 devices, 4 per device on 4
+STEPS = 4
+
+
+def _tables():
+    from flowtt_jax.collection import TableConfig
+
+    return [
+        TableConfig("a", 500, 16, rank=4),
+        TableConfig("b", 3000, 16, rank=4, mode="mean"),
+        TableConfig("c", 700, 16, rank=4, mode="sqrtn", feature_names=("c1", "c2")),
+        TableConfig("d", 900, 8, rank=6),
+        TableConfig("e", 11, 16, kind="dense", mode="mean"),
+    ]
+
+
+def _segments_per_shard(ids, seg, num_shards: int) -> dict:
+    """Global segment-form bags -> per-shard ids / local segment ids ``[S, C]`` (-1: padding)."""
+    per, cap = B // num_shards, ids.size  # a fixed capacity: the same shapes every batch
+    shard = np.where((seg >= 0) & (seg < B), seg // per, -1)
+    out_ids = np.zeros((num_shards, cap), np.int32)
+    out_seg = np.full((num_shards, cap), -1, np.int32)
+    for s in range(num_shards):
+        mine = np.flatnonzero(shard == s)
+        out_ids[s, : mine.size], out_seg[s, : mine.size] = ids[mine], seg[mine] - s * per
+    return {"ids": out_ids, "segment_ids": out_seg}
+
+
+def _batch(seed: int, num_shards: int, csr_only: bool = False) -> tuple[dict, dict]:
+    """(global features, the same split for ``num_shards`` devices): every input form.
+    Feature "d" comes as segment ids (its static ``num_bags`` added by ``_with_num_bags``),
+    or with ``csr_only`` as CSR (per shard: ``shard_bags``)."""
+    from flowtt_jax.sharding import shard_bags
+    from tests.helpers import random_offsets
+
+    rng = np.random.default_rng(seed)
+    offs = random_offsets(B, 70, seed=seed)
+    ids_c1 = rng.integers(0, 700, 70).astype(np.int32)
+    w_c1 = rng.standard_normal(70).astype(np.float32)
+    ids_d = rng.integers(0, 900, 60).astype(np.int32)
+    seg_d = rng.integers(-1, B + 1, 60).astype(np.int32)  # -1 and B: dropped
+    glob = {
+        "a": rng.integers(0, 500, B).astype(np.int32),
+        "b": rng.integers(-3, 3003, (B, 5)).astype(np.int32),  # some out of range
+        "c1": {"ids": ids_c1, "offsets": offs, "weights": w_c1},
+        "c2": {"ids": rng.integers(0, 700, (B, 3)).astype(np.int32), "mask": rng.random((B, 3)) < 0.7},
+        "d": {"ids": ids_d, "segment_ids": seg_d},
+        "e": rng.integers(0, 11, (B, 2)).astype(np.int32),
+    }
+    split = dict(glob)
+    split["c1"] = shard_bags(ids_c1, offsets=offs, weights=w_c1, num_shards=num_shards, capacity=70)
+    split["d"] = _segments_per_shard(ids_d, seg_d, num_shards)
+    if csr_only:  # ids past offsets[-1]: padding (fixed shapes)
+        whole = shard_bags(ids_d, segment_ids=seg_d, num_bags=B, num_shards=1, capacity=60)
+        glob["d"] = {"ids": whole["ids"][0], "offsets": whole["offsets"][0]}
+        split["d"] = shard_bags(
+            glob["d"]["ids"], offsets=glob["d"]["offsets"], num_shards=num_shards, capacity=60
+        )
+    return glob, split
+
+
+def _with_num_bags(feats: dict) -> dict:
+    """Segment-form "d" with its static bag count (global B; a sharded collection divides it)."""
+    if "segment_ids" not in feats["d"]:
+        return feats
+    return {**feats, "d": {**feats["d"], "num_bags": B}}
+
+
+def _model(rngs):
+    """A small DLRM-like model: the collection, a dense input, a linear head."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from flowtt_jax.nnx import TTEmbeddingCollection
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.emb = TTEmbeddingCollection(_tables(), rngs=rngs)
+            self.bottom = nnx.Linear(4, 8, rngs=rngs)
+            self.head = nnx.Linear(8 + 4 * 16 + 8 + 16, 1, rngs=rngs)
+
+        def __call__(self, dense, feats):
+            e = self.emb(feats)
+            x = [jnp.tanh(self.bottom(dense))] + [e[n] for n in ("a", "b", "c1", "c2", "d", "e")]
+            return self.head(jnp.concatenate(x, axis=1))[:, 0]
+
+    return Model()
+
+
+def _loss(model, dense, feats, labels):
+    import optax
+
+    return optax.sigmoid_binary_cross_entropy(model(dense, feats), labels).mean()
+
+
+def _train_batch(step: int, num_shards: int) -> tuple:
+    glob, split = _batch(100 + step, num_shards, csr_only=True)
+    rng = np.random.default_rng(step)
+    dense = rng.standard_normal((B, 4)).astype(np.float32)
+    labels = (rng.random(B) < 0.4).astype(np.float32)
+    return (dense, glob, labels), (dense, split, labels)
+
+
+def _train(template, strategy: str | None, mesh, process_slice=lambda x: x) -> tuple[list[float], str]:
+    """(loss per step, compiled step HLO) of ``STEPS`` Adam steps from the model in
+    ``template = nnx.split(model)``: unsharded (``strategy=None``, the global batch on one
+    device) or through ``make_train_step`` with ``strategy`` "data" | "table"."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from flowtt_jax import sharding as sh
+
+    graphdef, state = template
+    model = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))  # the step donates its state
+    shards = mesh.shape["data"] if mesh is not None else 1
+    if strategy == "table":
+        sample = _train_batch(0, shards)[0][1]
+        sh.shard_collection(model.emb, mesh, placement=sh.place_tables(model.emb.layout, shards, sample))
+    elif strategy == "data":
+        sh.shard_collection(model.emb, mesh)
+    optimizer = nnx.Optimizer(model, optax.adam(0.05), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+    if strategy is None:
+
+        @jax.jit
+        def step(state, *batch):
+            model, optimizer = nnx.merge(graphdef, state)
+            loss, grads = nnx.value_and_grad(_loss)(model, *batch)
+            optimizer.update(model, grads)
+            return nnx.state((model, optimizer)), loss
+
+    else:
+        state = sh.place_state(state, mesh)
+        step = sh.make_train_step(graphdef, _loss, mesh)
+    batches = []
+    for i in range(STEPS):
+        glob, split = _train_batch(i, shards)
+        batches.append(glob if strategy is None else sh.shard_batch(jax.tree.map(process_slice, split), mesh))
+    compiled = step.lower(state, *batches[0]).compile()
+    losses = []
+    for batch in batches:
+        state, loss = compiled(state, *batch)
+        losses.append(float(loss))
+    return losses, compiled.as_text()
+
+
+def _collectives(text: str) -> dict[str, int]:
+    return {
+        c: len(re.findall(rf"\b{c}(-start)?\(", text)) for c in ("all-gather", "all-reduce", "all-to-all")
+    }
+
+
+def _check_collection() -> None:
+    """8 devices: both strategies' forward and gradients equal one device's, their HLO,
+    table-wise storage, training steps and predictions."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from flowtt_jax import sharding as sh
+    from flowtt_jax.batched import kernels_unsupported_reason
+    from tests.helpers import assert_no_host_callback, rel_err
+
+    assert len(jax.devices()) == 8, jax.devices()
+    mesh = jax.make_mesh((8,), ("data",))
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+    template = nnx.split(_model(nnx.Rngs(0)))
+    emb = nnx.merge(*template).emb
+    layout, params = emb.layout, {k: v[...] for k, v in emb.params.items()}
+    glob, split = _batch(0, 8)
+    batch = jax.tree.map(lambda x: put(x, P("data")), split)
+    names = sorted(glob)
+
+    def loss_of(apply, p, batch, w):
+        out = apply(p, _with_num_bags({**batch, "c1": {**batch["c1"], "weights": w}}))
+        return sum(jnp.sum(jnp.sin(out[k]) * (i + 1)) for i, k in enumerate(names))
+
+    ref_w = jnp.asarray(glob["c1"]["weights"])
+    ref = jax.jit(lambda p: layout.apply(p, _with_num_bags(glob)))(params)
+    ref_g, ref_gw = jax.jit(jax.grad(lambda p, w: loss_of(layout.apply, p, glob, w), argnums=(0, 1)))(
+        params, ref_w
+    )
+
+    def weights_grad(gw):  # per-shard [8, C] -> the global ids' order
+        gw, offs, out = np.asarray(gw), glob["c1"]["offsets"], np.zeros(70, np.float32)
+        for s in range(8):
+            lo, hi = offs[s * B // 8], offs[(s + 1) * B // 8]
+            out[lo:hi] = gw[s, : hi - lo]
+        return out
+
+    placement = sh.place_tables(layout, 8, _with_num_bags(glob))
+    dp = sh.collection_data_parallel(layout, mesh)
+    tw = sh.collection_table_wise(layout, mesh, placement)
+    w = batch["c1"]["weights"]
+    kernels = kernels_unsupported_reason(layout.packs[0].layout) is None
+    for name, lay, p in (
+        ("data", dp, put(params, P())),
+        ("table", tw, {k: put(v, tw.param_specs()[k]) for k, v in tw.shard_params(params).items()}),
+    ):
+        fwd = jax.jit(lambda p, b, a=lay.apply: a(p, _with_num_bags(b))).lower(p, batch).compile()
+        grad = jax.jit(jax.grad(lambda p, w, a=lay.apply: loss_of(a, p, batch, w), argnums=(0, 1)))
+        grad = grad.lower(p, w).compile()
+        out = fwd(p, batch)
+        for k in names:
+            assert out[k].shape == ref[k].shape and out[k].sharding.spec[0] == "data", (name, k)
+            assert rel_err(out[k], ref[k]) < 1e-6, (name, k, rel_err(out[k], ref[k]))
+        g, gw = grad(p, w)
+        if name == "table":
+            assert all(g[k].sharding.spec[0] == "data" for k in g if k.startswith("tt")), name
+            g = tw.gather_params(g)
+        for k in ref_g:
+            assert rel_err(g[k], ref_g[k]) < 1e-5, (name, k, rel_err(g[k], ref_g[k]))
+        assert rel_err(weights_grad(gw), ref_gw) < 1e-5, name
+
+        fwd_text, grad_text = fwd.as_text(), grad.as_text()
+        fwd_coll, grad_coll = _collectives(fwd_text), _collectives(grad_text)
+        print(name, "forward", fwd_coll, "gradient", grad_coll)
+        assert fwd_coll["all-gather"] == grad_coll["all-gather"] == 0, (name, fwd_coll, grad_coll)
+        assert_no_host_callback(grad_text)
+        # the table-batched kernels when this build has them (else the shape groups run
+        # the reference): one pooling call per shape group
+        pools = re.findall(r"= f32\[(\d+),\d+\]\S* custom-call\([^\n]*flowtt_bag_pool_fwd", fwd_text)
+        assert len(pools) == (2 if kernels else 0), pools
+        if name == "data":
+            # no collective in the forward: each device pools its own bags (2 per feature)
+            assert fwd_coll == {"all-gather": 0, "all-reduce": 0, "all-to-all": 0}
+            assert grad_coll["all-reduce"] >= 1 and grad_coll["all-to-all"] == 0
+            assert {int(x) for x in pools} <= {2 * 4, 2 * 1}, pools
+        else:
+            # 4 all_to_all per shape group forward (ids, weights, counts, pooled); the
+            # replicated dense table's gradient is the only all-reduce
+            assert fwd_coll == {"all-gather": 0, "all-reduce": 0, "all-to-all": 8}, fwd_coll
+            assert grad_coll["all-to-all"] > 8 and grad_coll["all-reduce"] == 1, grad_coll
+    # table-wise storage: a table's cores are where the placement says, nowhere else
+    tp = jax.jit(tw.shard_params)(params)
+    assert tp["tt0_core0"].shape[0] == 8
+    for t in ("a", "b", "c", "d"):
+        for x, y in zip(tw.table_params(tp, t), layout.table_params(params, t)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    # whole-model steps: the loss trajectory of one device, no all-gather
+    ref_losses, _ = _train(template, None, None)
+    for strategy in ("data", "table"):
+        losses, text = _train(template, strategy, mesh)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+        coll = _collectives(text)
+        print(strategy, "step", coll)
+        assert coll["all-gather"] == 0 and coll["all-reduce"] >= 1, coll
+        assert (coll["all-to-all"] > 0) == (strategy == "table"), coll
+
+    # predictions through sharded_call, then unshard_collection: the plain model's
+    model = nnx.merge(*template)
+    sh.shard_collection(model.emb, mesh, placement=placement)
+    dense, feats, _ = _train_batch(0, 8)[0]
+    sharded = _train_batch(0, 8)[1]
+    pred = jax.jit(sh.sharded_call(lambda m, d, f: m(d, f), mesh))(model, *sh.shard_batch(sharded[:2], mesh))
+    sh.unshard_collection(model.emb)
+    want = nnx.jit(lambda m, d, f: m(d, f))(model, dense, feats)
+    np.testing.assert_allclose(np.asarray(pred), np.asarray(want), rtol=1e-5, atol=1e-6)
+    print("collection sharding OK")
+
+
+def test_collection_over_eight_devices():
+    proc = subprocess.run(
+        [sys.executable, "-c", "from tests import test_sharding_collection as t; t._check_collection()"],
+        cwd=REPO,
+        env=_cpu_env(cpu_devices=8),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    assert "collection sharding OK" in proc.stdout
+
+
+def _train_worker(process_id: int, num_processes: int, port: int) -> None:
+    """Prints the loss trajectories of both strategies as JSON: 2 processes x 2 CPU
+    devices (each process feeds its half of every batch), or one unsharded process."""
+    import jax
+    from flax import nnx
+
+    if num_processes == 1:
+        print("LOSSES " + json.dumps({"single": _train(nnx.split(_model(nnx.Rngs(0))), None, None)[0]}))
+        return
+    jax.config.update("jax_num_cpu_devices", 2)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=120,
+    )
+    assert jax.process_count() == 2 and jax.device_count() == 4
+    mesh = jax.make_mesh((4,), ("data",))
+    half = lambda x: np.split(x, 2)[process_id]  # this process's dim-0 half of every leaf
+    template = nnx.split(_model(nnx.Rngs(0)))
+    out = {s: _train(template, s, mesh, half)[0] for s in ("data", "table")}
+    jax.distributed.shutdown()
+    print("LOSSES " + json.dumps(out))
+
+
+def test_train_step_across_two_processes():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    runs = [(i, 2) for i in range(2)] + [(0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"from tests import test_sharding_collection as t; t._train_worker({i}, {n}, {port})",
+            ],
+            cwd=REPO,
+            env=_cpu_env(cpu_devices=1 if n == 1 else None),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i, n in runs
+    ]
+    try:
+        outputs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    losses = []
+    for p, out in zip(procs, outputs):
+        lines = [line for line in out.splitlines() if line.startswith("LOSSES ")]
+        assert p.returncode == 0 and lines, out[-3000:]
+        losses.append(json.loads(lines[-1][7:]))
+    single = losses[2]["single"]
+    assert len(single) == STEPS
+    for run in losses[:2]:
+        for strategy in ("data", "table"):
+            np.testing.assert_allclose(run[strategy], single, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- host side
+def test_shard_bags_splits_csr_and_segments():
+    from flowtt_jax.sharding import shard_bags
+
+    ids = np.arange(10, dtype=np.int32) + 100
+    offsets = np.array([1, 3, 3, 6, 9])  # position 0 and 9 in no bag
+    out = shard_bags(ids, offsets=offsets, weights=np.ones(10, np.float32), num_shards=2)
+    np.testing.assert_array_equal(out["offsets"], [[0, 2, 2], [0, 3, 6]])
+    np.testing.assert_array_equal(out["ids"], [[101, 102, 0, 0, 0, 0], [103, 104, 105, 106, 107, 108]])
+    np.testing.assert_array_equal(out["weights"][0], [1, 1, 0, 0, 0, 0])
+    seg = np.array([3, 0, 9, 2, 0, 1, 3, 3, -1, 2])  # 9 and -1: dropped
+    by_seg = shard_bags(ids, segment_ids=seg, num_bags=4, num_shards=2, capacity=6)
+    np.testing.assert_array_equal(by_seg["offsets"], [[0, 2, 3], [0, 2, 5]])
+    np.testing.assert_array_equal(by_seg["ids"], [[101, 104, 105, 0, 0, 0], [103, 109, 100, 106, 107, 0]])
+    with pytest.raises(ValueError, match="capacity"):
+        shard_bags(ids, offsets=offsets, num_shards=2, capacity=2)
+    with pytest.raises(ValueError, match="equal shards"):
+        shard_bags(ids, offsets=offsets, num_shards=3)
+
+
+def test_costs_see_the_input_and_placement_balances_them():
+    from flowtt_jax.collection import TableConfig
+    from flowtt_jax.collection_layout import CollectionLayout
+    from flowtt_jax.sharding import TableCost, place_tables, table_costs
+
+    layout = CollectionLayout(tuple(TableConfig(f"t{i}", 10_000, 16, rank=8) for i in range(4)))
+    rng = np.random.default_rng(0)
+    sample = {
+        "t0": np.full((256, 4), 7),  # one hot id
+        "t1": rng.integers(0, 10_000, (256, 4)),  # uniform: ~1000 unique ids
+        "t2": {"ids": rng.integers(0, 100, 50), "offsets": np.linspace(0, 50, 257).astype(int)},
+        "t3": rng.integers(0, 10_000, (256, 1)),
+    }
+    costs = {c.name: c for c in table_costs(layout, sample)}
+    assert (costs["t0"].nnz, costs["t0"].unique, costs["t0"].prefixes) == (1024, 1, 1)
+    assert costs["t1"].unique == np.unique(sample["t1"]).size and costs["t1"].nnz == 1024
+    assert costs["t2"].nnz == 50
+    # same table sizes and id counts, different reuse: the uniform table costs more
+    assert costs["t1"].cost > 2 * costs["t0"].cost
+    placement = place_tables(layout, 2, sample)
+    # t1 outweighs the other three together: alone on its device (by size: 2 and 2)
+    assert placement.device("t1") not in {placement.device(t) for t in ("t0", "t2", "t3")}
+    assert placement.imbalance < 1.5
+    # LPT on given costs: 7 | 5 + 2 ... heaviest first, each to the least loaded device
+    given = [TableCost(n, 0, 0, 0, c) for n, c in zip(("t0", "t1", "t2", "t3"), (5.0, 7.0, 2.0, 4.0))]
+    lpt = place_tables(layout, 2, costs=given)
+    assert lpt.devices == (1, 0, 0, 1) and lpt.loads == (9.0, 9.0) and lpt.imbalance == 1.0
