@@ -202,9 +202,10 @@ def test_gradients_match_per_table_loop(impl):
     for a, b in zip(dc, dc_ref):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(dw, dw_ref, rtol=2e-5, atol=2e-5)
-    again = ours(packed, weights)
-    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves((dc, dw))):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()  # bitwise reproducible
+    if impl == "ffi":  # the kernels' fixed summation order (XLA's GPU scatter-add has none)
+        again = ours(packed, weights)
+        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves((dc, dw))):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
