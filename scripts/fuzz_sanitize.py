@@ -1,0 +1,185 @@
+"""The fuzz corpus on the GPU under compute-sanitizer, and under CUDA_LAUNCH_BLOCKING=1.
+
+    python scripts/fuzz_sanitize.py [--out DIR] [--cases N] [--tools memcheck,racecheck,initcheck,synccheck]
+
+Runs the cases of ``tests/test_fuzz_corpus.py`` whose single-table or table-batched
+kernels the GPU takes (``impl="ffi"``: forward, no-gradient forward, the fused forward in
+chunks of 64 rows, gradients of cores and weights), in child processes:
+
+1. ``plain``: as is; every result checked against the float64 oracle;
+2. ``blocking``: with ``CUDA_LAUNCH_BLOCKING=1``; results must equal plain's bit for bit;
+3. one run per tool: ``compute-sanitizer --tool T --target-processes all --kernel-name
+   kns=flowtt`` (the flowtt kernels, as ``scripts/gpu_check.sh``); its ``ERROR SUMMARY``
+   must say 0 errors and its results must equal plain's bit for bit.
+
+Writes ``DIR/<run>.log``, ``DIR/<run>.npz`` and ``DIR/summary.json`` (default DIR:
+``$OUT/fuzz_sanitize``, else ``./fuzz_sanitize_out``); exits 1 on any error, mismatch or
+oracle failure, 2 without a GPU (``FLOWTT_FUZZ_ON_CPU=1 ... --tools ''``: a dry run of the
+plain and blocking steps on the CPU kernels). Needs the CUDA build (``FLOWTT_CUDA=ON pip install
+--no-build-isolation --no-deps -e .``). racecheck is the slow one: ``--cases`` and
+``--tools`` split the work across calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+
+
+def _worker(out_path: Path, num_cases: int) -> int:
+    sys.path.insert(0, str(ROOT))
+    import jax
+
+    from flowtt_jax import ffi
+    from flowtt_jax.bag import prepare_bags
+    from flowtt_jax.batched import kernels_unsupported_reason
+    from flowtt_jax.batched_plan import GroupLayout
+    from tests.test_fuzz_corpus import compare, corpus, make_cores, oracle, run
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    if jax.default_backend() != "gpu" and os.environ.get("FLOWTT_FUZZ_ON_CPU") != "1":
+        print("no GPU backend (FLOWTT_FUZZ_ON_CPU=1: a dry run on the CPU kernels)", file=sys.stderr)
+        return 2
+    arrays, report = {}, {}
+    for case in corpus(num_cases):
+        cores = make_cores(case)
+        if case.kind == "group":
+            reason = kernels_unsupported_reason(GroupLayout(case.specs))
+        else:
+            reason = ffi.cuda_unsupported_reason(cores[0])
+        if reason:
+            report[case.seed] = {"case": case.describe(), "skipped": reason}
+            continue
+        t0 = time.perf_counter()
+        got = run(case, "ffi", cores)
+        bad = compare(got, oracle(case, cores))
+        if case.kind == "bag" and case.ids.size and len(case.offsets) > 1:  # the fused forward in chunks
+            spec = case.specs[0]
+            bags = prepare_bags(
+                case.ids,
+                num_embeddings=spec.num_embeddings,
+                oob=case.oob,
+                offsets=case.offsets,
+                segment_ids=None,
+                num_bags=None,
+                mask=None,
+                weights=case.weights,
+                mode=case.mode,
+            )
+            plan = ffi.plan(bags.ids, spec.row_shape[-1], spec.num_embeddings)
+            chunked = np.asarray(ffi.bag_fwd(tuple(cores[0]), plan, bags.weights, bags.offsets, 64))
+            got["out_chunks64"] = chunked
+            if not np.allclose(
+                chunked, got["out"], rtol=1e-5, atol=1e-5 * max(1.0, np.abs(got["out"]).max())
+            ):
+                bad.append("out_chunks64")
+        report[case.seed] = {"case": case.describe(), "oracle_failures": bad, "s": time.perf_counter() - t0}
+        for name, x in got.items():
+            arrays[f"{case.seed}/{name}"] = x
+        print(f"case {case.seed}: {case.describe()} {'OK' if not bad else bad}", flush=True)
+    np.savez(out_path, **arrays)
+    out_path.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _child(args: list[str], env: dict, log: Path, timeout: int) -> int:
+    with open(log, "w") as f:
+        try:
+            return subprocess.run(
+                args, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            f.write(f"\nTIMEOUT after {timeout} s\n")
+            return 124
+
+
+def _same_bits(a: Path, b: Path) -> list[str]:
+    x, y = np.load(a), np.load(b)
+    names = sorted(set(x.files) | set(y.files))
+    return [k for k in names if k not in x.files or k not in y.files or x[k].tobytes() != y[k].tobytes()]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--out", type=Path, default=Path(os.environ.get("OUT", "fuzz_sanitize_out")) / "fuzz_sanitize"
+    )
+    ap.add_argument("--cases", type=int, default=64, help="corpus cases (seeds 0..N-1)")
+    ap.add_argument(
+        "--tools", default=",".join(TOOLS), help="comma-separated compute-sanitizer tools ('' for none)"
+    )
+    ap.add_argument("--timeout", type=int, default=3000, help="seconds per child run")
+    ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return _worker(args.worker, args.cases)
+
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1"}
+    me = [sys.executable, str(Path(__file__).resolve()), "--cases", str(args.cases), "--worker"]
+    summary, status = {"cases": args.cases, "runs": {}}, 0
+
+    rc = _child(me + [str(out / "plain.npz")], env, out / "plain.log", args.timeout)
+    if rc != 0:
+        print(f"plain run failed (rc {rc}), see {out / 'plain.log'}")
+        return 2 if rc == 2 else 1
+    report = json.loads((out / "plain.json").read_text())
+    failures = {k: v["oracle_failures"] for k, v in report.items() if v.get("oracle_failures")}
+    ran = sum("skipped" not in v for v in report.values())
+    summary["runs"]["plain"] = {
+        "cases_run": ran,
+        "cases_skipped": len(report) - ran,
+        "oracle_failures": failures,
+    }
+    print(f"plain: {ran} cases on the kernels, {len(report) - ran} skipped, oracle failures: {failures or 0}")
+    status |= bool(failures)
+
+    runs = [("blocking", {"CUDA_LAUNCH_BLOCKING": "1"}, [])]
+    for tool in filter(None, args.tools.split(",")):
+        if tool not in TOOLS:
+            ap.error(f"unknown tool {tool!r}")
+        sanitizer = [
+            "compute-sanitizer",
+            "--tool",
+            tool,
+            "--target-processes",
+            "all",
+            "--kernel-name",
+            "kns=flowtt",
+        ]
+        runs.append((tool, {}, sanitizer))
+    for name, extra_env, prefix in runs:
+        t0 = time.perf_counter()
+        log = out / f"{name}.log"
+        rc = _child(prefix + me + [str(out / f"{name}.npz")], {**env, **extra_env}, log, args.timeout)
+        text = log.read_text(errors="replace")
+        errors = [int(m) for m in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
+        result = {"rc": rc, "seconds": round(time.perf_counter() - t0, 1)}
+        if prefix:
+            result["sanitizer_errors"] = sum(errors) if errors else None
+        differ = _same_bits(out / "plain.npz", out / f"{name}.npz") if rc == 0 else ["(no results)"]
+        result["differ_from_plain"] = differ
+        ok = rc == 0 and not differ and (not prefix or result["sanitizer_errors"] == 0)
+        result["ok"] = ok
+        status |= not ok
+        summary["runs"][name] = result
+        print(f"{name}: {'OK' if ok else 'FAIL'} {result}")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"summary: {out / 'summary.json'}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
