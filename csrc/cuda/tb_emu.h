@@ -128,6 +128,19 @@ inline unsigned __ballot_sync(unsigned, int pred) {
   tb_emu::wait(w.bar);
   return bits;
 }
+inline unsigned __match_any_sync(unsigned, int v) {
+  tb_emu::Warp& w = tb_emu::g_warps[threadIdx.x / 32];
+  std::memcpy(&w.buf[threadIdx.x % 32], &v, 4);
+  tb_emu::wait(w.bar);
+  unsigned bits = 0;
+  for (int l = 0; l < 32; ++l) {
+    int x;
+    std::memcpy(&x, &w.buf[l], 4);
+    bits |= (x == v ? 1u : 0u) << l;
+  }
+  tb_emu::wait(w.bar);
+  return bits;
+}
 inline int __reduce_min_sync(unsigned, int v) {
   tb_emu::Warp& w = tb_emu::g_warps[threadIdx.x / 32];
   std::memcpy(&w.buf[threadIdx.x % 32], &v, 4);

@@ -1,5 +1,5 @@
 // Table-batched rows ops on CUDA: the launchers of cuda/tb_rows.h (scratch layouts, the
-// cub sorts, path choice, launch configuration). The kernels and their design:
+// radix sorts, path choice, launch configuration). The kernels and their design:
 // cuda/tb_rows_kernels.cuh.
 #include <cub/cub.cuh>
 
@@ -8,6 +8,7 @@
 
 #include "cuda/tb_rows.h"
 #include "cuda/tb_rows_kernels.cuh"
+#include "cuda/tb_sort.cuh"
 
 namespace flowtt::tb {
 namespace {
@@ -61,33 +62,66 @@ int tb_end_bit(int max_key) {  // bits that hold keys in [0, max_key]
   return b;
 }
 
-size_t tb_sort_bytes(int n, int max_key) {
-  size_t bytes = 0;
-  cub::DoubleBuffer<int> k(nullptr, nullptr), v(nullptr, nullptr);
-  cub::DeviceRadixSort::SortPairs(nullptr, bytes, k, v, n, 0, tb_end_bit(max_key));
-  return bytes;
+// Radix sort scratch (cuda/tb_sort.cuh): the digit histograms and their exclusive scan,
+// [kTbRadix][tiles] each, and cub's scan storage.
+struct TbSortTmp {
+  int *hist, *offsets;
+  void* scan_tmp;
+  size_t scan_bytes;
+  int tiles;
+};
+
+TbSortTmp tb_sort_tmp_layout(TbBump& bp, int n) {
+  TbSortTmp t;
+  t.tiles = tb_sort_tiles(n);
+  const size_t m = (size_t)kTbRadix * t.tiles;
+  t.hist = bp.take<int>(m);
+  t.offsets = bp.take<int>(m);
+  t.scan_bytes = 0;
+  cub::DeviceScan::ExclusiveSum(nullptr, t.scan_bytes, (int*)nullptr, (int*)nullptr, (int)m);
+  t.scan_tmp = bp.take<char>(t.scan_bytes);
+  return t;
+}
+
+// Sorts the indices [0, num_groups) (which == 1) or [0, num_unique) (which == 0) stably
+// by key_src[i] clamped into [0, P), ping-ponging between *out and *alt: on return *out
+// points at the sorted indices, *alt at the other buffer.
+cudaError_t tb_radix_sort(const TbSortTmp& t, const int* key_src, int P, const int* counts,
+                          int which, int n, int** out, int** alt, cudaStream_t stream) {
+  const int* in = nullptr;  // the identity
+  for (int shift = 0; shift < tb_end_bit(P - 1); shift += kTbRadixBits) {
+    tb_radix_hist_kernel<<<t.tiles, kTbThreads, 0, stream>>>(in, key_src, P - 1, counts, which,
+                                                              n, shift, t.tiles, t.hist);
+    size_t bytes = t.scan_bytes;
+    cudaError_t err = cub::DeviceScan::ExclusiveSum(t.scan_tmp, bytes, t.hist, t.offsets,
+                                                    kTbRadix * t.tiles, stream);
+    if (err != cudaSuccess) return err;
+    tb_radix_scatter_kernel<<<t.tiles, kTbThreads, 0, stream>>>(
+        in, key_src, P - 1, counts, which, n, shift, t.tiles, t.offsets, *out);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    in = *out;
+    std::swap(*out, *alt);
+  }
+  std::swap(*out, *alt);
+  return cudaSuccess;
 }
 
 // Shared memory cap of the sorted-tile forward (room for two blocks per SM).
 constexpr size_t kTbTileSmemCap = 100 * 1024;
 
-// The groups stably sorted by g_i2 (both ops): key / value double buffers, cub's
-// temporary storage, bounds2 [P2+1].
+// The groups stably sorted by g_i2 (both ops): two index buffers, the sort's scratch,
+// bounds2 [P2+1].
 struct TbGroupSort {
-  int *ka, *kb, *va, *vb, *bounds2;
-  void* cub_tmp;
-  size_t cub_bytes;
+  int *va, *vb, *bounds2;
+  TbSortTmp tmp;
 };
 
-TbGroupSort tb_group_sort_layout(TbBump& bp, const TbDev& d, int n, size_t cub_bytes) {
+TbGroupSort tb_group_sort_layout(TbBump& bp, const TbDev& d, int n) {
   TbGroupSort s;
-  s.ka = bp.take<int>(n);
-  s.kb = bp.take<int>(n);
   s.va = bp.take<int>(n);
   s.vb = bp.take<int>(n);
   s.bounds2 = bp.take<int>((size_t)d.P2 + 1);
-  s.cub_bytes = cub_bytes;
-  s.cub_tmp = bp.take<char>(cub_bytes);
+  s.tmp = tb_sort_tmp_layout(bp, n);
   return s;
 }
 
@@ -95,24 +129,18 @@ int tb_grid_stride_blocks(int n) {
   return std::max(1, std::min(n / 256 + 1, tb_num_sms() * 8));
 }
 
-// keys / values -> radix sort -> bounds2; *k and *v hold the sorted keys / groups after
-// (and ug[u] the group of each unique index, when ug is given).
+// The groups by g_i2 into *sorted (one of the sort's buffers; *free_buf: the other), then
+// bounds2.
 cudaError_t tb_sort_groups(const TbDev& d, const TbGroupSort& s, const int* g_i2,
-                           const int* goffs, const int* counts, int n, int* ug,
-                           cub::DoubleBuffer<int>* k, cub::DoubleBuffer<int>* v,
+                           const int* counts, int n, const int** sorted, int** free_buf,
                            cudaStream_t stream) {
-  tb_prep_kernel<<<tb_grid_stride_blocks(n), 256, 0, stream>>>(d, g_i2, goffs, counts, n, s.ka,
-                                                               s.va, ug);
-  cudaError_t err = cudaGetLastError();
+  int *out = s.va, *alt = s.vb;
+  cudaError_t err = tb_radix_sort(s.tmp, g_i2, d.P2, counts, 1, n, &out, &alt, stream);
   if (err != cudaSuccess) return err;
-  *k = cub::DoubleBuffer<int>(s.ka, s.kb);
-  *v = cub::DoubleBuffer<int>(s.va, s.vb);
-  size_t bytes = s.cub_bytes;
-  if ((err = cub::DeviceRadixSort::SortPairs(s.cub_tmp, bytes, *k, *v, n, 0,
-                                             tb_end_bit(d.P2), stream)) != cudaSuccess)
-    return err;
-  tb_bounds_kernel<<<tb_grid_stride_blocks(n), 256, 0, stream>>>(k->Current(), nullptr, counts,
-                                                                 n, d.P2, s.bounds2);
+  tb_bounds_kernel<<<tb_grid_stride_blocks(n), 256, 0, stream>>>(out, g_i2, counts, 1, n, d.P2,
+                                                                 s.bounds2);
+  *sorted = out;
+  *free_buf = alt;
   return cudaGetLastError();
 }
 
@@ -127,14 +155,14 @@ TbFwdScratch tb_fwd_layout(const TbDev& d, int n, char* base) {
   TbBump bp{base};
   TbFwdScratch s;
   s.ctr = bp.take<int>(2);
-  if (tb_tile_geo(d, kTbTileSmemCap).GB > 0)
-    s.sort = tb_group_sort_layout(bp, d, n, tb_sort_bytes(n, d.P2));
+  if (tb_tile_geo(d, kTbTileSmemCap).GB > 0) s.sort = tb_group_sort_layout(bp, d, n);
   s.bytes = bp.off + 256;
   return s;
 }
 
-// Backward scratch: ctrl [4] and bounds1 [P1+1] (one memset), the group sort, the unique
-// index sort (its own third value buffer, the second key buffers reused), bounds3, ug.
+// Backward scratch: ctrl [4] and bounds1 [P1+1] (one memset), the group sort, a third
+// index buffer (the unique index sort uses it and the one the group sort left free),
+// bounds3, ug.
 struct TbBwdScratch {
   int* zeroed;
   size_t zeroed_bytes;
@@ -150,8 +178,7 @@ TbBwdScratch tb_bwd_layout(const TbDev& d, int n, char* base) {
   s.zeroed = bp.take<int>(4 + (size_t)d.P1 + 1);
   s.ctrl = s.zeroed;
   s.bounds1 = s.zeroed ? s.zeroed + 4 : nullptr;
-  s.sort = tb_group_sort_layout(bp, d, n,
-                                std::max(tb_sort_bytes(n, d.P2), tb_sort_bytes(n, d.P3)));
+  s.sort = tb_group_sort_layout(bp, d, n);
   s.bounds3 = bp.take<int>((size_t)d.P3 + 1);
   s.vc = bp.take<int>(n);
   s.ug = bp.take<int>(n);
@@ -190,15 +217,15 @@ cudaError_t tb_rows_fwd(const TbDims& t, const float* g1, const float* g2, const
   if (err != cudaSuccess) return err;
   const TbTileGeo geo = tb_tile_geo(d, kTbTileSmemCap);
   if (tiles && geo.GB > 0 && tb_aligned16(g2) && tb_aligned16(g3) && tb_aligned16(rows)) {
-    cub::DoubleBuffer<int> k, v;
-    if ((err = tb_sort_groups(d, s.sort, g_i2, group_offsets, counts, n, nullptr, &k, &v,
-                              stream)) != cudaSuccess)
+    const int* sorted;
+    int* free_buf;
+    if ((err = tb_sort_groups(d, s.sort, g_i2, counts, n, &sorted, &free_buf, stream)) !=
+        cudaSuccess)
       return err;
     const size_t smem = std::max(geo.smem, tb_warp_slices_bytes(d));
     auto kernel = d.q3 == 4 ? &tb_fwd_tile_kernel<4> : &tb_fwd_tile_kernel<8>;
     return tb_launch(kernel, smem, stream, d, geo, g1, g2, g3, u_i3, g_i1, g_i2, group_offsets,
-                     counts, n, (const int*)s.sort.bounds2, (const int*)v.Current(), s.ctr,
-                     rows);
+                     counts, n, (const int*)s.sort.bounds2, sorted, s.ctr, rows);
   }
   const bool vec = d.K % 4 == 0 && tb_aligned16(g2);
   auto kernel = vec ? TB_BY_Q1(tb_fwd_kernel, 4, d.q1) : TB_BY_Q1(tb_fwd_kernel, 1, d.q1);
@@ -219,27 +246,22 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
   const TbBwdScratch s = tb_bwd_layout(d, n, tb_base(scratch));
   cudaError_t err;
   if ((err = cudaMemsetAsync(s.zeroed, 0, s.zeroed_bytes, stream)) != cudaSuccess) return err;
-  // groups by g_i2 and the bounds of the g2 rows; the bounds of the g1 rows
-  cub::DoubleBuffer<int> k2, v2;
-  if ((err = tb_sort_groups(d, s.sort, g_i2, group_offsets, counts, n, s.ug, &k2, &v2,
-                            stream)) != cudaSuccess)
-    return err;
-  const int* sorted_groups = v2.Current();
+  // the group of each unique index; the groups by g_i2 and the bounds of the g2 rows; the
+  // bounds of the g1 rows; the unique indices by u_i3 and the bounds of the g3 rows
   const int bblocks = tb_grid_stride_blocks(n);
-  tb_bounds_kernel<<<bblocks, 256, 0, stream>>>(nullptr, g_i1, counts, n, d.P1, s.bounds1);
-  // unique indices by u_i3 (values into the buffer the group sort left free, keys into
-  // its key buffers), the bounds of the g3 rows
-  int* v3_in = v2.Alternate();
-  tb_keys3_kernel<<<bblocks, 256, 0, stream>>>(d, u_i3, counts, n, s.sort.ka, v3_in);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  cub::DoubleBuffer<int> k3(s.sort.ka, s.sort.kb), v3(v3_in, s.vc);
-  size_t bytes = s.sort.cub_bytes;
-  if ((err = cub::DeviceRadixSort::SortPairs(s.sort.cub_tmp, bytes, k3, v3, n, 0,
-                                             tb_end_bit(d.P3), stream)) != cudaSuccess)
+  tb_ug_kernel<<<bblocks, 256, 0, stream>>>(group_offsets, counts, n, s.ug);
+  const int* sorted_groups;
+  int* free_buf;
+  if ((err = tb_sort_groups(d, s.sort, g_i2, counts, n, &sorted_groups, &free_buf, stream)) !=
+      cudaSuccess)
     return err;
-  const int* sorted_u = v3.Current();
-  tb_bounds_kernel<<<bblocks, 256, 0, stream>>>(k3.Current(), nullptr, counts, n, d.P3,
-                                                s.bounds3);
+  tb_bounds_kernel<<<bblocks, 256, 0, stream>>>(nullptr, g_i1, counts, 1, n, d.P1, s.bounds1);
+  int *out = free_buf, *alt = s.vc;
+  if ((err = tb_radix_sort(s.sort.tmp, u_i3, d.P3, counts, 0, n, &out, &alt, stream)) !=
+      cudaSuccess)
+    return err;
+  const int* sorted_u = out;
+  tb_bounds_kernel<<<bblocks, 256, 0, stream>>>(out, u_i3, counts, 0, n, d.P3, s.bounds3);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
   const bool vec_g2 = d.K % 4 == 0 && tb_aligned16(g2);

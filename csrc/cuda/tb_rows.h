@@ -23,8 +23,8 @@ const char* tb_check_dims(const TbDims& d);
 
 // flowtt_tb_rows_fwd: rows [n, D] for the unique indices u < num_unique (rows past it are
 // left unwritten). Dims with r2 % 4 == 0 and q3 in {4, 8} take the sorted-tile kernel
-// (scratch: a radix sort of n (g_i2, g) pairs, about 16 bytes per plan entry, and the
-// bucket bounds of the g2 rows), others the chunked one (scratch: two counters).
+// (scratch: a radix sort of the group indices by g_i2, sized by n: about 9 bytes per plan
+// entry, and the bucket bounds of the g2 rows), others the chunked one (two counters).
 // `tiles` (profiling aid for the harness): false forces the chunked kernel.
 size_t tb_rows_fwd_scratch_bytes(const TbDims& d, int n);
 cudaError_t tb_rows_fwd(const TbDims& d, const float* g1, const float* g2, const float* g3,
@@ -33,9 +33,9 @@ cudaError_t tb_rows_fwd(const TbDims& d, const float* g1, const float* g2, const
                         void* scratch, cudaStream_t stream, bool tiles = true);
 
 // flowtt_tb_rows_bwd: dg1, dg2, dg3 (the packed cores' shapes), every element written, in
-// the contract's summation order (bitwise reproducible). Scratch: about 24 bytes per plan
-// entry (two radix sorts of n (key, value) pairs and the group of each unique index) plus
-// the bucket bounds of every packed core row.
+// the contract's summation order (bitwise reproducible). Scratch: about 17 bytes per plan
+// entry (radix sorts of the group indices by g_i2 and of the unique indices by u_i3, the
+// group of each unique index) plus the bucket bounds of every packed core row.
 // `stages` (profiling aid for the harness): bits 0, 1, 2 run the dg1, dg2, dg3 kernels (a
 // gradient whose bit is clear is left unwritten); the sorts and bucket bounds always run.
 constexpr unsigned kTbAllStages = 0x7;

@@ -1,8 +1,8 @@
 // The CUDA table-batched kernels (cuda/tb_rows_kernels.cuh) run on the CPU through the
 // emulation of cuda/tb_emu.h, against the float64 oracle (common/tb_testing.h): checks
 // the kernels' indexing, batching, barriers and shuffle trees where no GPU is at hand.
-// The launch sequence mirrors cuda/tb_rows.cu, with std::stable_sort in place of cub's
-// (stable) radix sorts. Build and run (repository root):
+// The launch sequence mirrors cuda/tb_rows.cu (a host exclusive scan in place of cub's);
+// the radix sort is also checked against std::stable_sort. Build and run (repository root):
 //   g++ -std=c++17 -O2 -Icsrc csrc/cuda/tb_rows_emu_test.cc -o tb_rows_emu_test
 //   ./tb_rows_emu_test     (add -fsanitize=address,undefined: invalid plans must not read
 //                           out of bounds)
@@ -10,6 +10,7 @@
 // again with the scalar paths. Prints PASS/FAIL lines; exit status 1 on any failure.
 #include "cuda/tb_emu.h"  // first: the CUDA built-ins
 #include "cuda/tb_rows_kernels.cuh"
+#include "cuda/tb_sort.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -58,30 +59,42 @@ void EmuFwd(const Inputs& in, bool vec, float* rows) {
 // Sorted-tile forward (when the dims take it): the group sort, then the tile kernel.
 void EmuFwdTile(const Inputs& in, const TbTileGeo& geo, float* rows);
 
-// (keys, vals) stably sorted by key, as cub::DeviceRadixSort::SortPairs.
-void StableSortPairs(std::vector<int>* keys, std::vector<int>* vals) {
-  std::vector<int> idx(keys->size());
-  std::iota(idx.begin(), idx.end(), 0);
-  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return (*keys)[a] < (*keys)[b]; });
-  std::vector<int> k(idx.size()), v(idx.size());
-  for (size_t i = 0; i < idx.size(); ++i) k[i] = (*keys)[idx[i]], v[i] = (*vals)[idx[i]];
-  *keys = k;
-  *vals = v;
+int tb_end_bits(int max_key) {  // as tb_rows.cu's tb_end_bit
+  int b = 1;
+  while (b < 31 && (1LL << b) <= max_key) ++b;
+  return b;
+}
+
+// tb_radix_sort: the indices [0, num_groups) (which == 1) / [0, num_unique) (which == 0)
+// stably sorted by key_src[i] clamped into [0, P).
+std::vector<int> EmuRadixSort(const int* key_src, int P, const int* counts, int which, int n) {
+  const int tiles = tb_sort_tiles(n);
+  std::vector<int> hist((size_t)kTbRadix * tiles), offsets(hist.size());
+  std::vector<int> out(n, -7), in;
+  for (int shift = 0; shift < tb_end_bits(P - 1); shift += kTbRadixBits) {
+    const int* vals = in.empty() ? nullptr : in.data();
+    tb_emu_launch(tiles, kTbThreads, 0, tb_radix_hist_kernel, vals, key_src, P - 1, counts,
+                  which, n, shift, tiles, hist.data());
+    int run = 0;
+    for (size_t i = 0; i < hist.size(); ++i) offsets[i] = run, run += hist[i];
+    tb_emu_launch(tiles, kTbThreads, 0, tb_radix_scatter_kernel, vals, key_src, P - 1, counts,
+                  which, n, shift, tiles, (const int*)offsets.data(), out.data());
+    in = out;
+  }
+  return in;
 }
 
 void EmuFwdTile(const Inputs& in, const TbTileGeo& geo, float* rows) {
   const TbDev& d = in.d;
   const int n = in.n;
-  std::vector<int> ctr(2, 0), keys(n), vals(n), bounds2(d.P2 + 1);
-  tb_emu_launch(kGrid, 256, 0, tb_prep_kernel, d, in.g_i2, in.goffs, in.counts, n, keys.data(),
-                vals.data(), (int*)nullptr);
-  StableSortPairs(&keys, &vals);
-  tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, (const int*)keys.data(), (const int*)nullptr,
-                in.counts, n, d.P2, bounds2.data());
+  std::vector<int> ctr(2, 0), bounds2(d.P2 + 1);
+  const std::vector<int> sorted = EmuRadixSort(in.g_i2, d.P2, in.counts, 1, n);
+  tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, sorted.data(), in.g_i2, in.counts, 1, n, d.P2,
+                bounds2.data());
   auto kernel = d.q3 == 4 ? &tb_fwd_tile_kernel<4> : &tb_fwd_tile_kernel<8>;
   tb_emu_launch(kGrid, kTbThreads, std::max(geo.smem, tb_warp_slices_bytes(d)), kernel, d, geo,
                 in.g1, in.g2, in.g3, in.u_i3, in.g_i1, in.g_i2, in.goffs, in.counts, n,
-                (const int*)bounds2.data(), (const int*)vals.data(), ctr.data(), rows);
+                (const int*)bounds2.data(), sorted.data(), ctr.data(), rows);
 }
 
 // tb_rows_bwd: dg1, dg2, dg3 (dg1 with the kernel's geometry dg1_geo).
@@ -90,21 +103,16 @@ void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, flo
   const TbDev& d = in.d;
   const int n = in.n;
   std::vector<int> ctrl(4, 0), bounds1(d.P1 + 1, 0), bounds2(d.P2 + 1), bounds3(d.P3 + 1);
-  std::vector<int> keys(n), vals(n), ug(n, -1);
-  tb_emu_launch(kGrid, 256, 0, tb_prep_kernel, d, in.g_i2, in.goffs, in.counts, n, keys.data(),
-                vals.data(), ug.data());
-  StableSortPairs(&keys, &vals);
-  const std::vector<int> sorted_groups = vals;
-  tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, (const int*)keys.data(), (const int*)nullptr,
-                in.counts, n, d.P2, bounds2.data());
-  tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, (const int*)nullptr, in.g_i1, in.counts, n,
+  std::vector<int> ug(n, -1);
+  tb_emu_launch(kGrid, 256, 0, tb_ug_kernel, in.goffs, in.counts, n, ug.data());
+  const std::vector<int> sorted_groups = EmuRadixSort(in.g_i2, d.P2, in.counts, 1, n);
+  tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, sorted_groups.data(), in.g_i2, in.counts, 1, n,
+                d.P2, bounds2.data());
+  tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, (const int*)nullptr, in.g_i1, in.counts, 1, n,
                 d.P1, bounds1.data());
-  tb_emu_launch(kGrid, 256, 0, tb_keys3_kernel, d, in.u_i3, in.counts, n, keys.data(),
-                vals.data());
-  StableSortPairs(&keys, &vals);
-  const std::vector<int> sorted_u = vals;
-  tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, (const int*)keys.data(), (const int*)nullptr,
-                in.counts, n, d.P3, bounds3.data());
+  const std::vector<int> sorted_u = EmuRadixSort(in.u_i3, d.P3, in.counts, 0, n);
+  tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, sorted_u.data(), in.u_i3, in.counts, 0, n, d.P3,
+                bounds3.data());
   const bool vec_g2 = vec && d.K % 4 == 0;
   auto k1 = vec_g2 ? TB_BY_Q1(tb_dg1_kernel, 4, d.q1) : TB_BY_Q1(tb_dg1_kernel, 1, d.q1);
   tb_emu_launch(kGrid, kTbThreads, dg1_geo.smem, k1, d, dg1_geo, in.g2, in.g3, in.d_rows,
@@ -118,6 +126,23 @@ void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, flo
   tb_emu_launch(kGrid, kTbThreads, tb_dg3_smem(d), k3, d, in.g1, in.g2, in.d_rows,
                 in.g_i1, in.g_i2, in.counts, n, (const int*)bounds3.data(), sorted_u.data(),
                 (const int*)ug.data(), &ctrl[2], dg3);
+}
+
+// The radix sort against std::stable_sort: n entries, the first `count` live, keys in
+// [0, P) (many ties; some outside, clamped like the kernels do).
+void CheckSort(int n, int count, int P, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int> keys(n);
+  for (int j = 0; j < n; ++j) keys[j] = (int)(rng() % (j % 5 == 0 ? 7 : P + 2)) - (j % 11 == 0);
+  std::vector<int> ref(count);
+  std::iota(ref.begin(), ref.end(), 0);
+  auto key = [&](int i) { return std::min(std::max(keys[i], 0), P - 1); };
+  std::stable_sort(ref.begin(), ref.end(), [&](int a, int b) { return key(a) < key(b); });
+  const std::vector<int> counts = {count, count};
+  const std::vector<int> got = EmuRadixSort(keys.data(), P, counts.data(), 0, n);
+  Report(std::equal(ref.begin(), ref.end(), got.begin()),
+         "radix sort: n=" + std::to_string(n) + " count=" + std::to_string(count) +
+             " P=" + std::to_string(P) + " equals std::stable_sort");
 }
 
 struct Run {
@@ -214,6 +239,10 @@ void InvalidPlans(int which) {
 }  // namespace
 
 int main() {
+  CheckSort(1, 1, 1, 1);
+  CheckSort(5000, 0, 300, 2);
+  CheckSort(9000, 4097, 1 << 20, 3);  // three passes, a partial last tile
+  CheckSort(30000, 29999, 3000, 4);
   for (const TbCase& c : TbStandardCases()) {
     const TbHostPlan p = TbMakePlan(c, kPad);
     RunCase(c, p, true);

@@ -16,10 +16,10 @@
 //     chunks (its P recomputed per chunk), so any skew balances.
 //
 // Backward (flowtt_tb_rows_bwd), in the contract's summation order, no float atomics:
-//   prep: sort keys (g_i2 of each group) and ug[u] (the group of each unique index);
-//   cub radix sort of (g_i2, g) and bucket bounds of each packed g2 row; bounds of each
-//   g1 row over g_i1 (non-decreasing in g); cub radix sort of (u_i3, u) and bounds of
-//   each g3 row. Then one persistent kernel per core, work stealing over its packed rows
+//   ug[u] (the group of each unique index); the groups radix-sorted by g_i2
+//   (cuda/tb_sort.cuh: its cost follows num_groups, not n) and the bucket bounds of each
+//   packed g2 row; the bounds of each g1 row over g_i1 (non-decreasing in g); the unique
+//   indices radix-sorted by u_i3 and the bounds of each g3 row. Then one persistent kernel per core, work stealing over its packed rows
 //   (a row no group touches is written 0):
 //   dg1[I]: blocks of consecutive g1 rows, their group lists merged by g_i2 (each g2
 //     row loaded once for every row of the block using it, each row's terms still in
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kTbThreads)
 }
 
 // The sorted-tile forward (r2 % 4 == 0, q3 = Q3 in {4, 8}; geometry tb_tile_geo), after
-// the groups are sorted by g_i2 (tb_prep_kernel, a radix sort, tb_bounds_kernel):
+// the groups are sorted by g_i2 (a radix sort, tb_bounds_kernel):
 // phase 1, blocks steal packed g2 rows I (ctr[0]); the g2 row goes to shared memory once
 // and serves every group of I, in batches of GB: the batch's g1 rows transposed, P of the
 // whole batch as one GEMM [GB*q1, r1] x [r1, K] (kTbRPT rows x 4 columns per thread),
@@ -240,49 +240,30 @@ __global__ void __launch_bounds__(kTbThreads)
 
 // ------------------------------- backward: sorts ------------------------------------
 
-// keys[g] = g_i2[g] (P2 past num_groups: sorted last), vals[g] = g; ug[u] = the group
-// of unique index u < num_unique (when ug is given).
-__global__ void tb_prep_kernel(TbDev d, const int* __restrict__ g_i2,
-                               const int* __restrict__ goffs, const int* __restrict__ counts,
-                               int n, int* __restrict__ keys, int* __restrict__ vals,
-                               int* __restrict__ ug) {
+// ug[u] = the group of unique index u < num_unique.
+__global__ void tb_ug_kernel(const int* __restrict__ goffs, const int* __restrict__ counts,
+                             int n, int* __restrict__ ug) {
   int U, G;
   tb_counts(counts, n, U, G);
-  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
-    keys[j] = j < G ? tb_clamp(g_i2[j], 0, d.P2 - 1) : d.P2;
-    vals[j] = j;
-    if (ug != nullptr && j < U) ug[j] = tb_find_group(goffs, G, j);
-  }
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < U; j += gridDim.x * blockDim.x)
+    ug[j] = tb_find_group(goffs, G, j);
 }
 
-// keys[u] = u_i3[u] (P3 past num_unique), vals[u] = u.
-__global__ void tb_keys3_kernel(TbDev d, const int* __restrict__ u_i3,
-                                const int* __restrict__ counts, int n, int* __restrict__ keys,
-                                int* __restrict__ vals) {
-  int U, G;
-  tb_counts(counts, n, U, G);
-  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
-    keys[j] = j < U ? tb_clamp(u_i3[j], 0, d.P3 - 1) : d.P3;
-    vals[j] = j;
-  }
-}
-
-// bounds[k] = the first j in [0, n) with key(j) >= k, for k in [0, P] (n if none), over
-// non-decreasing keys in [0, P]: position j writes the k in (key(j-1), key(j)], position
-// n those in (key(n-1), P]. key(j) = sorted[j] when given, else raw[j] clamped into
-// [0, P) for j < num_groups and P past it (g_i1: non-decreasing for a valid plan).
-__global__ void tb_bounds_kernel(const int* __restrict__ sorted, const int* __restrict__ raw,
-                                 const int* __restrict__ counts, int n, int P,
+// bounds[k] = the first j in [0, c) with key(j) >= k, for k in [0, P] (c if none), over
+// the c = num_groups (which == 1) or num_unique (which == 0) non-decreasing keys
+// key(j) = key_src[order[j]] (order null: the identity) clamped into [0, P): position j
+// writes the k in (key(j-1), key(j)], position c those in (key(c-1), P]. (g_i1 with the
+// identity: non-decreasing for a valid plan; g_i2 / u_i3 through a sorted order.)
+__global__ void tb_bounds_kernel(const int* __restrict__ order, const int* __restrict__ key_src,
+                                 const int* __restrict__ counts, int which, int n, int P,
                                  int* __restrict__ bounds) {
   int U, G;
   tb_counts(counts, n, U, G);
-  auto key = [&](int j) {
-    if (sorted != nullptr) return tb_clamp(sorted[j], 0, P);
-    return j < G ? tb_clamp(raw[j], 0, P - 1) : P;
-  };
-  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j <= n; j += gridDim.x * blockDim.x) {
+  const int c = which ? G : U;
+  auto key = [&](int j) { return tb_clamp(key_src[order != nullptr ? order[j] : j], 0, P - 1); };
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j <= c; j += gridDim.x * blockDim.x) {
     const int k0 = j == 0 ? -1 : key(j - 1);
-    const int k1 = j == n ? P : key(j);
+    const int k1 = j == c ? P : key(j);
     for (int k = k0 + 1; k <= k1; ++k) bounds[k] = j;
   }
 }
