@@ -87,14 +87,14 @@ inline TbTileGeo tb_tile_geo(const TbDev& d, size_t smem_cap,
 // The dg1 kernel (tb_dg1_kernel): a block takes R consecutive g1 rows; a super-step
 // holds up to S g2 rows and KMAX (>= R) groups. Shared memory: the g2 rows [S][R1K], the
 // rows' accumulators [R][q1*r1], dP of the listed groups [KMAX][PSZ]. The largest R, then
-// S, then KMAX within 100 KB, else within 200 KB; R = 0 if nothing fits.
+// S, then KMAX within 110 KB (two blocks per SM), else within 200 KB; R = 0 if none fits.
 constexpr int kTbDg1MaxRows = 32, kTbDg1MaxSteps = 4, kTbDg1MaxList = 64;
 struct TbDg1Geo {
   int R, S, KMAX;
   size_t smem;
 };
 inline TbDg1Geo tb_dg1_geo(const TbDev& d) {
-  for (size_t budget : {size_t{100} << 10, size_t{200} << 10}) {
+  for (size_t budget : {size_t{110} << 10, size_t{200} << 10}) {
     for (int R = kTbDg1MaxRows; R >= 8; R /= 2) {
       for (int S = kTbDg1MaxSteps; S >= 1; S /= 2) {
         const size_t fixed =
