@@ -10,9 +10,12 @@ gradients are summed over devices (an all-reduce, from ``shard_map``'s transpose
 - ``collection_data_parallel(layout, mesh)``: a collection (``CollectionLayout``) with
   replicated parameters; its ``apply(params, features)`` takes the batch split along dim
   0 (per-shard forms for CSR / segment inputs: ``shard_bags``, ``sharding_base``).
-- ``collection_table_wise(layout, mesh, placement)`` with ``place_tables``: every TT
-  table on one device, ids and pooled bags exchanged by ``all_to_all``
-  (``sharding_tablewise``); the same numbers as data parallel.
+- ``collection_table_wise(layout, mesh, placement)`` with ``place_tables(table_costs(...))``:
+  every TT table on one device, ids and pooled bags exchanged by ``all_to_all``
+  (``sharding_tablewise``, placement by ``sharding_placement``); the same numbers.
+- One shape group's packed batch (``tt_embedding_bag_group``, ``sharding_group``):
+  ``shard_packed``, ``GroupDataParallel``, ``GroupTableWise``; programs whose size does
+  not grow with the number of features (hundreds of tables).
 - Flax NNX (``sharding_nnx``, loaded on first access): ``shard_collection`` switches a
   model's ``TTEmbeddingCollection`` to either strategy, ``make_train_step`` /
   ``sharded_value_and_grad`` / ``sharded_call`` run a whole model per device.
@@ -47,8 +50,17 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .collection_layout import CollectionLayout
 from .sharding_base import local_features, run_sharded, shard_bags
-from .sharding_placement import PER_ID_COST, TableCost, TableWisePlacement, place_tables, table_costs
-from .sharding_tablewise import TableWiseLayout
+from .sharding_group import GroupDataParallel, GroupTableWise, shard_packed
+from .sharding_placement import (
+    PER_ID_COST,
+    TableCost,
+    TableWisePlacement,
+    group_costs,
+    place_tables,
+    table_cost,
+    table_costs,
+)
+from .sharding_tablewise import SplitGroup, TableWiseLayout
 
 __all__ = [
     "data_parallel",
@@ -60,9 +72,15 @@ __all__ = [
     "TableCost",
     "PER_ID_COST",
     "place_tables",
+    "table_cost",
     "table_costs",
+    "group_costs",
     "shard_bags",
     "local_features",
+    "shard_packed",
+    "GroupDataParallel",
+    "GroupTableWise",
+    "SplitGroup",
 ]
 
 #: Flax NNX helpers (``sharding_nnx``), loaded on first access so this module needs no Flax.
@@ -149,7 +167,7 @@ def collection_table_wise(
 
     Example::
 
-        placement = place_tables(layout, mesh.shape["data"], sample_features)
+        placement = place_tables(table_costs(layout, sample_features), mesh.shape["data"])
         tw = collection_table_wise(layout, mesh, placement)
         params = tw.shard_params(layout.init(key))
         out = jax.jit(tw.apply)(params, features)

@@ -12,8 +12,8 @@ Usage::
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     model = DLRM(...)
     shard_collection(model.embeddings, mesh)                       # data parallel, or:
-    shard_collection(model.embeddings, mesh, placement=place_tables(model.embeddings.layout,
-                                                                    mesh.shape["data"], sample))
+    costs = table_costs(model.embeddings.layout, sample)            # a sample batch, host
+    shard_collection(model.embeddings, mesh, placement=place_tables(costs, mesh.shape["data"]))
     optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
     state = place_state(state, mesh)
@@ -69,7 +69,7 @@ def shard_collection(
         layout = DataParallelLayout(tables, mesh, axis)
     else:
         layout = TableWiseLayout(tables, mesh, axis, placement)
-        values = layout.shard_params(values)
+        values = jax.jit(layout.shard_params)(values)  # one program, whatever the table count
     specs = layout.param_specs()
     for name, value in values.items():
         spec = specs[name]

@@ -4,9 +4,11 @@
 unique ids and unique (i1, i2) prefixes -- the quantities FlowTT's work is made of --
 rather than its size alone (OPER's point: with skewed, table-dependent access, placement
 that sees the input balances the step; a big table read by few, hot ids is cheap).
-``place_tables`` assigns the tables by greedy longest-processing-time over that estimate
-(heaviest first, each to the least loaded device), on the host, once: the result is a
-static ``TableWisePlacement`` for ``sharding_tablewise.TableWiseLayout``.
+``group_costs`` does the same for one shape group's packed batch. ``place_tables`` assigns
+the tables by greedy longest-processing-time over those estimates (heaviest first, each
+to the least loaded device), on the host, once: the result is a static
+``TableWisePlacement`` for ``TableWiseLayout`` (collections) or ``GroupTableWise``
+(packed shape groups).
 """
 
 from __future__ import annotations
@@ -17,9 +19,19 @@ from typing import Any
 
 import numpy as np
 
+from .batched_plan import GroupLayout
 from .collection_layout import CollectionLayout
+from .spec import TTSpec
 
-__all__ = ["PER_ID_COST", "TableCost", "TableWisePlacement", "place_tables", "table_costs"]
+__all__ = [
+    "PER_ID_COST",
+    "TableCost",
+    "TableWisePlacement",
+    "group_costs",
+    "place_tables",
+    "table_cost",
+    "table_costs",
+]
 
 #: Work per id beyond the arithmetic (plan sort, gathers, pooling traffic: about 40 bytes),
 #: in float32 FLOPs at an H200's FLOP-per-byte balance (about 12).
@@ -60,32 +72,62 @@ def _host_ids(value: Any, num_rows: int) -> np.ndarray:
     return ids[(ids >= 0) & (ids < num_rows)]
 
 
+def table_cost(name: str, spec: TTSpec, ids: np.ndarray, *, per_id: float = PER_ID_COST) -> TableCost:
+    """The ``TableCost`` of a TT table from the in-range ids [n] a step sends it (host):
+    nnz ids, u unique ids, g unique prefixes ``id // p3``, and
+    ``cost = 3 (2 g q1 q2 r1 r2 + 2 u D r2) + 2 nnz D + per_id nnz`` (FlowTT forward and
+    backward: a prefix product per prefix, a last-core product per unique id; pooling)."""
+    uniq = np.unique(ids)
+    prefixes = int(np.unique(uniq // spec.row_shape[-1]).size)
+    (q1, q2, _), (_, r1, r2, _) = spec.col_shape, spec.ranks
+    flops = 3 * (2.0 * prefixes * q1 * q2 * r1 * r2 + 2.0 * uniq.size * spec.embedding_dim * r2)
+    cost = flops + 2.0 * ids.size * spec.embedding_dim + per_id * ids.size
+    return TableCost(name, int(ids.size), int(uniq.size), prefixes, cost)
+
+
 def table_costs(
     layout: CollectionLayout, sample: Mapping[str, Any], *, per_id: float = PER_ID_COST
 ) -> tuple[TableCost, ...]:
-    """Estimated work of every TT table in a shape group, from a sample batch (host).
-
-    ``sample``: ``{feature: input}`` in any form a collection takes, of the size a step
-    sees (unique counts grow sublinearly with the batch). Per table t with ids from all
-    its features: nnz ids, u unique ids, g unique prefixes ``id // p3``;
-    ``cost = 3 (2 g q1 q2 r1 r2 + 2 u D r2) + 2 nnz D + per_id nnz`` (FlowTT forward and
-    backward: a prefix product per prefix, a last-core product per unique id; pooling).
-    """
+    """``table_cost`` of every TT table in a shape group of ``layout`` from a sample batch
+    ``{feature: input}`` (host; any input form a collection takes, global or per shard) of
+    the size a step sees (unique counts grow sublinearly with the batch); a table's ids
+    are those of all its features."""
     out = []
     for pack in layout.packs:
         if pack.kind != "tt":
             continue
         for t, cfg in enumerate(pack.tables):
-            spec = cfg.spec()
             parts = [_host_ids(sample[s.feature], cfg.num_embeddings) for s in pack.features if s.table == t]
             ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-            uniq = np.unique(ids)
-            prefixes = int(np.unique(uniq // spec.row_shape[-1]).size)
-            (q1, q2, _), (_, r1, r2, _) = spec.col_shape, spec.ranks
-            flops = 3 * (2.0 * prefixes * q1 * q2 * r1 * r2 + 2.0 * uniq.size * spec.embedding_dim * r2)
-            cost = flops + 2.0 * ids.size * spec.embedding_dim + per_id * ids.size
-            out.append(TableCost(cfg.name, int(ids.size), int(uniq.size), prefixes, cost))
+            out.append(table_cost(cfg.name, cfg.spec(), ids, per_id=per_id))
     return tuple(out)
+
+
+def group_costs(
+    layout: GroupLayout,
+    ids: np.ndarray,
+    offsets: np.ndarray,
+    feature_tables: Sequence[int],
+    *,
+    per_id: float = PER_ID_COST,
+) -> tuple[TableCost, ...]:
+    """``table_cost`` of every table of a shape group (named ``"0" .. "T-1"``) from a sample
+    in the packed form of ``tt_embedding_bag_group``: ids [n], feature-major CSR offsets
+    ``[F*B + 1]`` (global, or per shard ``[S, F*b + 1]`` with ids ``[S, C]``)."""
+    ids, offsets = np.asarray(ids), np.asarray(offsets)
+    rows, offs = ids.reshape(-1, ids.shape[-1]), offsets.reshape(-1, offsets.shape[-1])
+    num = len(feature_tables)
+    parts: list[list[np.ndarray]] = [[] for _ in layout.specs]
+    for r, o in zip(rows, offs):
+        bounds = o[:: (o.size - 1) // num]
+        for f, t in enumerate(feature_tables):
+            x = r[bounds[f] : bounds[f + 1]]
+            parts[t].append(x[(x >= 0) & (x < layout.specs[t].num_embeddings)])
+    empty = np.zeros(0, ids.dtype)
+    return tuple(
+        table_cost(str(t), spec, np.concatenate(p) if p else empty, per_id=per_id)
+        for t, (spec, p) in enumerate(zip(layout.specs, parts))
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,21 +164,12 @@ class TableWisePlacement:
         return max(loads) * len(loads) / max(sum(loads), 1e-30)
 
 
-def place_tables(
-    layout: CollectionLayout,
-    num_devices: int,
-    sample: Mapping[str, Any] | None = None,
-    *,
-    costs: Sequence[TableCost] | None = None,
-    per_id: float = PER_ID_COST,
-) -> TableWisePlacement:
-    """Greedy longest-processing-time placement of the TT tables over ``num_devices``:
-    tables by decreasing cost (``table_costs(layout, sample)`` unless ``costs`` are
-    given), each to the device with the least load so far (ties: lowest index)."""
-    if costs is None:
-        if sample is None:
-            raise ValueError("place_tables needs a sample batch or costs")
-        costs = table_costs(layout, sample, per_id=per_id)
+def place_tables(costs: Sequence[TableCost], num_devices: int) -> TableWisePlacement:
+    """Greedy longest-processing-time placement over ``num_devices``: tables by decreasing
+    cost, each to the device with the least load so far (ties: lowest index).
+
+    ``costs``: ``table_costs(layout, sample)`` (a collection) or ``group_costs(...)`` (one
+    packed shape group), or estimates of one's own."""
     costs = tuple(costs)
     loads = [0.0] * num_devices
     device = {}

@@ -40,13 +40,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .bag import prepare_bags
 from .batched import choose_impl, pooled_group
+from .batched_plan import GroupLayout
 from .collection import bag_kwargs
 from .collection_layout import CollectionLayout, FeatureSlot
 from .sharding_base import run_sharded
 from .sharding_placement import TableWisePlacement
 from .spec import TTSpec
 
-__all__ = ["DeviceGroupLayout", "TableWiseLayout"]
+__all__ = ["DeviceGroupLayout", "SplitGroup", "TableWiseLayout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +129,65 @@ def _unsplit(x: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class _PlacedPack:
-    """A shape group placed table-wise: per device its tables (indices in the pack, in slot
-    order), the split group layout, and per device the (feature, slot) pairs it pools."""
+class SplitGroup:
+    """A shape group's tables split over the devices of ``axis``: device d holds tables
+    ``slots[d]`` (indices in ``layout``, in decreasing size), packed as ``group`` says.
 
+    Its cores are stored stacked, core k ``[S, R_k, r_{k-1}, q_k, r_k]`` (``stack``), to be
+    sharded ``P(axis)``: device d's block is its own tables' packed cores, zero-padded."""
+
+    layout: GroupLayout
     slots: tuple[tuple[int, ...], ...]
-    group: DeviceGroupLayout
+    axis: str
+
+    @classmethod
+    def create(cls, layout: GroupLayout, devices: Sequence[int], num_devices: int, axis: str) -> SplitGroup:
+        """``devices[t]``: the device of table t."""
+        by_size = lambda t: -math.prod(layout.specs[t].row_shape)
+        slots = tuple(
+            tuple(sorted((t for t in range(layout.num_tables) if devices[t] == d), key=by_size))
+            for d in range(num_devices)
+        )
+        return cls(layout, slots, axis)
+
+    @functools.cached_property
+    def group(self) -> DeviceGroupLayout:
+        return DeviceGroupLayout(tuple(tuple(self.layout.specs[t] for t in s) for s in self.slots), self.axis)
+
+    def where(self, t: int) -> tuple[int, int]:
+        """(device, slot) of table t."""
+        return next((d, s.index(t)) for d, s in enumerate(self.slots) if t in s)
+
+    def stack(self, packed: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+        """Stacked cores from the group's packed ones (``GroupLayout.pack``'s layout)."""
+        shapes, out = self.group.packed_shapes(), []
+        for k, core in enumerate(packed):
+            blocks = []
+            for slots in self.slots:
+                parts = [self.layout.table_cores(packed, t)[k] for t in slots]
+                rows = jnp.concatenate(parts) if parts else jnp.zeros((0, *shapes[k][1:]), core.dtype)
+                blocks.append(jnp.pad(rows, [(0, shapes[k][0] - rows.shape[0])] + [(0, 0)] * 3))
+            out.append(jnp.stack(blocks))
+        return tuple(out)
+
+    def table_cores(self, stacked: Sequence[jax.Array], t: int) -> tuple[jax.Array, ...]:
+        """Table t's cores from stacked ones."""
+        d, j = self.where(t)
+        offs = self.group.device_offsets(d)
+        return tuple(_unsplit(c)[d, offs[k][j] : offs[k][j + 1]] for k, c in enumerate(stacked))
+
+    def unstack(self, stacked: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+        """The group's packed cores from stacked ones (the inverse of ``stack``)."""
+        tables = [self.table_cores(stacked, t) for t in range(self.layout.num_tables)]
+        return tuple(jnp.concatenate([c[k] for c in tables]) for k in range(3))
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlacedPack:
+    """A collection's shape group placed table-wise, and per device the (feature, slot)
+    pairs it pools."""
+
+    split: SplitGroup
     routes: tuple[tuple[tuple[FeatureSlot, int], ...], ...]
 
 
@@ -177,16 +231,13 @@ class TableWiseLayout(CollectionLayout):
         for p, pack in enumerate(self.packs):
             if pack.kind != "tt":
                 continue
-            slots = []
-            for d in range(n):
-                mine = [t for t, c in enumerate(pack.tables) if self.placement.device(c.name) == d]
-                slots.append(tuple(sorted(mine, key=lambda t: -math.prod(pack.layout.specs[t].row_shape))))
-            group = DeviceGroupLayout(tuple(tuple(pack.layout.specs[t] for t in s) for s in slots), self.axis)
+            devices = [self.placement.device(c.name) for c in pack.tables]
+            split = SplitGroup.create(pack.layout, devices, n, self.axis)
             routes = tuple(
-                tuple((f, slots[d].index(f.table)) for f in pack.features if f.table in slots[d])
+                tuple((f, split.slots[d].index(f.table)) for f in pack.features if f.table in split.slots[d])
                 for d in range(n)
             )
-            out[p] = _PlacedPack(tuple(slots), group, routes)
+            out[p] = _PlacedPack(split, routes)
         return out
 
     @functools.cached_property
@@ -214,47 +265,23 @@ class TableWiseLayout(CollectionLayout):
         """Table-wise parameters from ``CollectionLayout`` ones (same names)."""
         out = dict(params)
         for p, placed in self.placed.items():
-            layout, names = self.packs[p].layout, self.param_names(p)
-            arrays = tuple(params[n] for n in names)
-            shapes = placed.group.packed_shapes()
-            for k, name in enumerate(names):
-                stacked = []
-                for slots in placed.slots:
-                    parts = [layout.table_cores(arrays, t)[k] for t in slots]
-                    rows = (
-                        jnp.concatenate(parts) if parts else jnp.zeros((0, *shapes[k][1:]), arrays[k].dtype)
-                    )
-                    stacked.append(jnp.pad(rows, [(0, shapes[k][0] - rows.shape[0])] + [(0, 0)] * 3))
-                out[name] = jnp.stack(stacked)
+            names = self.param_names(p)
+            out.update(zip(names, placed.split.stack(tuple(params[n] for n in names))))
         return out
 
     def gather_params(self, params: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         """``CollectionLayout`` parameters from table-wise ones (the inverse of ``shard_params``)."""
         out = dict(params)
-        for p in self.placed:
+        for p, placed in self.placed.items():
             names = self.param_names(p)
-            for k, name in enumerate(names):
-                parts = [self._table_core(params, p, t, k) for t in range(len(self.packs[p].tables))]
-                out[name] = jnp.concatenate(parts)
+            out.update(zip(names, placed.split.unstack(tuple(params[n] for n in names))))
         return out
-
-    def _where(self, p: int, t: int) -> tuple[int, int]:
-        """(device, slot) of table t of pack p."""
-        for d, slots in enumerate(self.placed[p].slots):
-            if t in slots:
-                return d, slots.index(t)
-        raise AssertionError(f"table {t} of pack {p} is not placed")
-
-    def _table_core(self, params: Mapping[str, jax.Array], p: int, t: int, k: int) -> jax.Array:
-        d, j = self._where(p, t)
-        offs = self.placed[p].group.device_offsets(d)[k]
-        return _unsplit(params[self.param_names(p)[k]])[d, offs[j] : offs[j + 1]]
 
     def table_params(self, params: Mapping[str, jax.Array], name: str) -> tuple[jax.Array, ...]:
         p, t = self.locate(name)
         if p not in self.placed:
             return super().table_params(params, name)
-        return tuple(self._table_core(params, p, t, k) for k in range(3))
+        return self.placed[p].split.table_cores(tuple(params[n] for n in self.param_names(p)), t)
 
     def with_table(self, params: Mapping[str, jax.Array], name: str, values: Sequence[jax.Array]) -> dict:
         p, t = self.locate(name)
@@ -265,11 +292,12 @@ class TableWiseLayout(CollectionLayout):
             raise ValueError(
                 f"table {name!r}: shapes {[v.shape for v in values]} != {[o.shape for o in old]}"
             )
-        d, j = self._where(p, t)
+        split = self.placed[p].split
+        d, j = split.where(t)
+        offs = split.group.device_offsets(d)
         out = dict(params)
         for k, n in enumerate(self.param_names(p)):
-            offs = self.placed[p].group.device_offsets(d)[k]
-            out[n] = params[n].at[d, offs[j] : offs[j + 1]].set(values[k].astype(params[n].dtype))
+            out[n] = params[n].at[d, offs[k][j] : offs[k][j + 1]].set(values[k].astype(params[n].dtype))
         return out
 
     def apply(
@@ -303,7 +331,7 @@ class TableWiseLayout(CollectionLayout):
         pack, axis, n = self.packs[p], self.axis, self.placement.num_devices
         cores = tuple(params[name][0] for name in self.param_names(p))  # this device's [R_k, ...]
         out_dtype = cores[0].dtype if dtype is None else dtype
-        dim = placed.group.dim
+        dim = placed.split.group.dim
         bags, weighted = {}, False
         for slot in pack.features:
             if slot.feature not in features:
@@ -366,10 +394,10 @@ class TableWiseLayout(CollectionLayout):
                 slot_of_bag[d, lo : lo + num] = j
                 lo += num
         tables = jnp.asarray(slot_of_bag)[jax.lax.axis_index(axis)][bag_ids % nbags]
-        which = choose_impl(impl, placed.group, [c.dtype for c in cores])
+        which = choose_impl(impl, placed.split.group, [c.dtype for c in cores])
         pooled = pooled_group(
             cores,
-            placed.group,
+            placed.split.group,
             recv_ids.reshape(-1),
             tables,
             offsets,

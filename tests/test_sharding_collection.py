@@ -139,7 +139,9 @@ def _train(template, strategy: str | None, mesh, process_slice=lambda x: x) -> t
     shards = mesh.shape["data"] if mesh is not None else 1
     if strategy == "table":
         sample = _train_batch(0, shards)[0][1]
-        sh.shard_collection(model.emb, mesh, placement=sh.place_tables(model.emb.layout, shards, sample))
+        sh.shard_collection(
+            model.emb, mesh, placement=sh.place_tables(sh.table_costs(model.emb.layout, sample), shards)
+        )
     elif strategy == "data":
         sh.shard_collection(model.emb, mesh)
     optimizer = nnx.Optimizer(model, optax.adam(0.05), wrt=nnx.Param)
@@ -214,7 +216,7 @@ def _check_collection() -> None:
             out[lo:hi] = gw[s, : hi - lo]
         return out
 
-    placement = sh.place_tables(layout, 8, _with_num_bags(glob))
+    placement = sh.place_tables(sh.table_costs(layout, _with_num_bags(glob)), 8)
     dp = sh.collection_data_parallel(layout, mesh)
     tw = sh.collection_table_wise(layout, mesh, placement)
     w = batch["c1"]["weights"]
@@ -283,7 +285,81 @@ def _check_collection() -> None:
     sh.unshard_collection(model.emb)
     want = nnx.jit(lambda m, d, f: m(d, f))(model, dense, feats)
     np.testing.assert_allclose(np.asarray(pred), np.asarray(want), rtol=1e-5, atol=1e-6)
+    _check_packed_group(mesh)
     print("collection sharding OK")
+
+
+def _check_packed_group(mesh) -> None:
+    """One shape group's packed batch (20 tables, modes, weights, out-of-range ids): both
+    strategies' outputs and gradients equal ``tt_embedding_bag_group`` on one device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from benchmarks.workloads import MetaLikeCollection
+    from flowtt_jax import sharding as sh
+    from flowtt_jax.batched import tt_embedding_bag_group
+    from flowtt_jax.batched_plan import GroupLayout
+    from tests.helpers import rel_err
+
+    w = MetaLikeCollection.create(20, rows_range=(1e3, 1e5), dim=16, rank=8).draw(B)
+    layout, nf, tables = GroupLayout(w.specs), w.num_features, w.feature_table
+    packed = tuple(
+        0.3 * jax.random.normal(jax.random.key(k), s) for k, s in enumerate(layout.packed_shapes())
+    )
+    weights = np.random.default_rng(0).standard_normal(w.nnz).astype(np.float32)
+    ids = w.ids.copy()
+    ids[::97] = -5
+    modes = tuple(("sum", "mean", "sqrtn")[f % 3] for f in range(nf))
+
+    def loss(apply, p, *batch, weights):
+        out = apply(p, *batch, weights=weights, mode=modes)
+        return jnp.sum(jnp.sin(out) * jnp.linspace(0.0, 1.0, out.size).reshape(out.shape))
+
+    def one(p, ids, offsets, weights, mode):
+        return tt_embedding_bag_group(p, layout, ids, offsets, tables, weights=weights, mode=mode)
+
+    ref = one(packed, ids, w.offsets, weights, modes)
+    ref_g, ref_gw = jax.grad(lambda p, wt: loss(one, p, ids, w.offsets, weights=wt), argnums=(0, 1))(
+        packed, weights
+    )
+    split = sh.shard_packed(ids, w.offsets, nf, 8, weights=weights)
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+    batch = {k: put(v, P("data")) for k, v in split.items()}
+    positions = np.zeros(split["ids"].shape, np.int64)  # each per-shard slot's global position
+    per, o = B // 8, w.offsets
+    for s in range(8):
+        index = np.concatenate([np.arange(o[f * B + s * per], o[f * B + (s + 1) * per]) for f in range(nf)])
+        positions[s, : index.size] = index
+        assert index.size == split["offsets"][s, -1]
+    placement = sh.place_tables(sh.group_costs(layout, ids, w.offsets, tables), 8)
+    dp = sh.GroupDataParallel(layout, tables, mesh)
+    tw = sh.GroupTableWise(layout, tables, placement, mesh)
+    for name, obj, p in (
+        ("data", dp, put(packed, P())),
+        ("table", tw, put(tw.shard_params(packed), P("data"))),
+    ):
+        out = jax.jit(
+            lambda p, b, a=obj.apply: a(p, b["ids"], b["offsets"], weights=b["weights"], mode=modes)
+        )(p, batch)
+        assert out.shape == ref.shape and out.sharding.spec[1] == "data" and rel_err(out, ref) < 1e-6, name
+        grad = jax.jit(
+            jax.grad(
+                lambda p, wt, a=obj.apply: loss(a, p, batch["ids"], batch["offsets"], weights=wt), (0, 1)
+            )
+        )
+        g, gw = grad(p, batch["weights"])
+        g = tw.gather_params(g) if name == "table" else g
+        assert all(rel_err(a, b) < 1e-5 for a, b in zip(g, ref_g)), name
+        gw = np.asarray(gw)
+        for s in range(8):
+            n = split["offsets"][s, -1]
+            np.testing.assert_allclose(gw[s, :n], np.asarray(ref_gw)[positions[s, :n]], rtol=1e-4, atol=1e-6)
+        coll = _collectives(grad.lower(p, batch["weights"]).compile().as_text())
+        print("packed group", name, coll)
+        assert coll["all-gather"] == 0 and (coll["all-to-all"] > 0) == (name == "table"), coll
+        assert (coll["all-reduce"] > 0) == (name == "data"), coll
 
 
 def test_collection_over_eight_devices():
@@ -363,8 +439,8 @@ def test_train_step_across_two_processes():
 
 
 # ----------------------------------------------------------------------------- host side
-def test_shard_bags_splits_csr_and_segments():
-    from flowtt_jax.sharding import shard_bags
+def test_shard_bags_and_shard_packed_split_bags_per_shard():
+    from flowtt_jax.sharding import shard_bags, shard_packed
 
     ids = np.arange(10, dtype=np.int32) + 100
     offsets = np.array([1, 3, 3, 6, 9])  # position 0 and 9 in no bag
@@ -378,6 +454,10 @@ def test_shard_bags_splits_csr_and_segments():
     np.testing.assert_array_equal(by_seg["ids"], [[101, 104, 105, 0, 0, 0], [103, 109, 100, 106, 107, 0]])
     with pytest.raises(ValueError, match="capacity"):
         shard_bags(ids, offsets=offsets, num_shards=2, capacity=2)
+    # the packed form: F = 2 features x B = 4 bags, feature-major
+    packed = shard_packed(ids, np.array([0, 1, 3, 3, 4, 6, 7, 9, 10]), num_features=2, num_shards=2)
+    np.testing.assert_array_equal(packed["offsets"], [[0, 1, 3, 5, 6], [0, 0, 1, 3, 4]])
+    np.testing.assert_array_equal(packed["ids"] - 100, [[0, 1, 2, 4, 5, 6], [3, 7, 8, 9, -100, -100]])
     with pytest.raises(ValueError, match="equal shards"):
         shard_bags(ids, offsets=offsets, num_shards=3)
 
@@ -385,7 +465,7 @@ def test_shard_bags_splits_csr_and_segments():
 def test_costs_see_the_input_and_placement_balances_them():
     from flowtt_jax.collection import TableConfig
     from flowtt_jax.collection_layout import CollectionLayout
-    from flowtt_jax.sharding import TableCost, place_tables, table_costs
+    from flowtt_jax.sharding import TableCost, group_costs, place_tables, shard_packed, table_costs
 
     layout = CollectionLayout(tuple(TableConfig(f"t{i}", 10_000, 16, rank=8) for i in range(4)))
     rng = np.random.default_rng(0)
@@ -401,11 +481,20 @@ def test_costs_see_the_input_and_placement_balances_them():
     assert costs["t2"].nnz == 50
     # same table sizes and id counts, different reuse: the uniform table costs more
     assert costs["t1"].cost > 2 * costs["t0"].cost
-    placement = place_tables(layout, 2, sample)
+    placement = place_tables(costs.values(), 2)
     # t1 outweighs the other three together: alone on its device (by size: 2 and 2)
     assert placement.device("t1") not in {placement.device(t) for t in ("t0", "t2", "t3")}
     assert placement.imbalance < 1.5
     # LPT on given costs: 7 | 5 + 2 ... heaviest first, each to the least loaded device
     given = [TableCost(n, 0, 0, 0, c) for n, c in zip(("t0", "t1", "t2", "t3"), (5.0, 7.0, 2.0, 4.0))]
-    lpt = place_tables(layout, 2, costs=given)
+    lpt = place_tables(given, 2)
     assert lpt.devices == (1, 0, 0, 1) and lpt.loads == (9.0, 9.0) and lpt.imbalance == 1.0
+    # a packed shape group: the same estimates from the global batch and from its shards
+    group = layout.packs[0].layout
+    offsets = np.concatenate([[0], np.cumsum(rng.integers(0, 5, 3 * 8))])
+    ids = rng.integers(-2, 10_002, offsets[-1])  # a few out of range: not counted
+    whole = group_costs(group, ids, offsets, (2, 0, 2))
+    split = shard_packed(ids, offsets, 3, 4)
+    assert group_costs(group, split["ids"], split["offsets"], (2, 0, 2)) == whole
+    inside = (ids >= 0) & (ids < 10_000)
+    assert whole[2].nnz == inside[: offsets[8]].sum() + inside[offsets[16] :].sum() and whole[1].nnz == 0

@@ -1,0 +1,271 @@
+"""One shape group's packed batch (``tt_embedding_bag_group``) over a mesh axis.
+
+The packed form (design 3b: one flat ids array, feature-major offsets ``[F*B + 1]``, a
+static feature -> table map) keeps a step's program the same size whatever the number
+of features, where per-feature inputs grow it with F. Split over S devices, every
+feature's bags ``[s*B/S, (s+1)*B/S)`` go to device s: ``shard_packed`` makes the per-shard
+form on the host -- ids ``[S, C]`` and *local* feature-major offsets ``[S, F*B/S + 1]``
+(rebased to the shard's ids; ids past ``offsets[s, -1]`` are padding).
+
+- ``GroupDataParallel``: replicated packed cores; each device runs ``tt_embedding_bag_group``
+  on its shard; the cores' gradient is all-reduced.
+- ``GroupTableWise``: each table on one device (``SplitGroup``, stacked cores sharded
+  ``P(axis)``). Per device: its bags prepared as the op does (modes, out-of-range ids),
+  then every position is sent to its table's owner with one ``all_to_all`` each of ids,
+  weights and destination bag ([S, C]: a destination's part is padded to the shard's
+  whole capacity C, as one device may send it everything); the owner pools all it got
+  in one ``pooled_group`` call and the pooled bags return by ``all_to_all``. Vectorised:
+  no per-feature code.
+
+Both return ``[F, B, D]`` split along B (dim 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+from jax.sharding import Mesh, PartitionSpec
+
+from .bag import MODES, canonical_bags
+from .batched import choose_impl, pooled_group, tt_embedding_bag_group
+from .batched_plan import GroupLayout
+from .oob import OOB_POLICIES
+from .sharding_placement import TableWisePlacement
+from .sharding_tablewise import SplitGroup
+
+__all__ = ["shard_packed", "GroupDataParallel", "GroupTableWise"]
+
+
+def shard_packed(
+    ids: np.ndarray,
+    offsets: np.ndarray,
+    num_features: int,
+    num_shards: int,
+    *,
+    weights: np.ndarray | None = None,
+    capacity: int | None = None,
+) -> dict[str, np.ndarray]:
+    """A packed batch (ids [n], feature-major CSR ``offsets [F*B + 1]``) -> per shard (host):
+    ``{"ids": [S, C], "offsets": [S, F*B/S + 1], "weights": [S, C]}`` (weights when given).
+
+    Shard s holds bags ``[s*B/S, (s+1)*B/S)`` of every feature, feature-major, its offsets
+    rebased to its own ids. ``capacity``: C (default: the largest shard's ids, at least 1;
+    fix it to keep shapes -- and compiled steps -- from batch to batch and across
+    processes); ``ValueError`` if a shard has more ids.
+    """
+    ids, offsets = np.asarray(ids), np.asarray(offsets, np.int64)
+    if (offsets.size - 1) % num_features:
+        raise ValueError(f"offsets [{offsets.size}] is not [F*B + 1] for F = {num_features}")
+    batch = (offsets.size - 1) // num_features
+    if batch % num_shards:
+        raise ValueError(f"{batch} bags per feature do not split into {num_shards} equal shards")
+    per = batch // num_shards
+    starts, ends = offsets[:-1].reshape(num_features, batch), offsets[1:].reshape(num_features, batch)
+    shards = []
+    for s in range(num_shards):
+        lo, hi = starts[:, s * per], ends[:, (s + 1) * per - 1] if per else starts[:, s * per]
+        index = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)])
+        lengths = (ends - starts)[:, s * per : (s + 1) * per].reshape(-1)
+        shards.append((index, np.concatenate([[0], np.cumsum(lengths)])))
+    need = max(index.size for index, _ in shards)
+    cap = max(1, need) if capacity is None else int(capacity)
+    if need > cap:
+        raise ValueError(f"a shard has {need} ids, more than capacity {cap}")
+    out = {
+        "ids": np.zeros((num_shards, cap), ids.dtype),
+        "offsets": np.stack([o for _, o in shards]).astype(np.int32),
+    }
+    if weights is not None:
+        out["weights"] = np.zeros((num_shards, cap), np.asarray(weights).dtype)
+    for s, (index, _) in enumerate(shards):
+        out["ids"][s, : index.size] = ids[index]
+        if weights is not None:
+            out["weights"][s, : index.size] = np.asarray(weights)[index]
+    return out
+
+
+def _run(mesh: Mesh, axis: str, param_spec: PartitionSpec, local: Callable, params, ids, offsets, weights):
+    """``local(params, ids, offsets, weights)`` per device (inputs with a leading shard dim of
+    1), in a ``shard_map`` unless already inside one over ``axis``; ``[F, B, D]`` split on B."""
+    if axis in jax.sharding.get_abstract_mesh().manual_axes:
+        return local(params, ids, offsets, weights)
+    mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(param_spec, PartitionSpec(axis), PartitionSpec(axis), PartitionSpec(axis)),
+        out_specs=PartitionSpec(None, axis),
+        check_vma=False,
+    )
+    return mapped(params, ids, offsets, weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupDataParallel:
+    """``tt_embedding_bag_group`` data parallel over mesh axis ``axis`` (static, hashable)."""
+
+    layout: GroupLayout
+    feature_tables: tuple[int, ...]
+    mesh: Mesh
+    axis: str = "data"
+
+    def apply(
+        self,
+        packed: Sequence[jax.Array],
+        ids: jax.Array,
+        offsets: jax.Array,
+        *,
+        weights: jax.Array | None = None,
+        mode: str | Sequence[str] = "sum",
+        oob: str = "zero",
+        impl: str = "auto",
+        dtype: Any | None = None,
+    ) -> jax.Array:
+        """``[F, B, D]`` from replicated ``packed`` cores and per-shard ``ids [S, C]``,
+        ``offsets [S, F*B/S + 1]``, ``weights [S, C]`` (``shard_packed``)."""
+
+        def local(packed, ids, offsets, weights):
+            w = None if weights is None else weights[0]
+            kw = dict(weights=w, mode=mode, oob=oob, impl=impl, dtype=dtype)
+            return tt_embedding_bag_group(packed, self.layout, ids[0], offsets[0], self.feature_tables, **kw)
+
+        return _run(self.mesh, self.axis, PartitionSpec(), local, tuple(packed), ids, offsets, weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupTableWise:
+    """A shape group's tables placed over mesh axis ``axis`` by ``placement`` (tables named
+    ``"0" .. "T-1"``, as ``group_costs`` names them); cores stacked (``shard_params``)."""
+
+    layout: GroupLayout
+    feature_tables: tuple[int, ...]
+    placement: TableWisePlacement
+    mesh: Mesh
+    axis: str = "data"
+
+    @functools.cached_property
+    def split(self) -> SplitGroup:
+        devices = [self.placement.device(str(t)) for t in range(self.layout.num_tables)]
+        return SplitGroup.create(self.layout, devices, self.placement.num_devices, self.axis)
+
+    def shard_params(self, packed: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+        """Stacked cores ``[S, R_k, ...]`` from the group's packed ones (place them ``P(axis)``)."""
+        return self.split.stack(packed)
+
+    def gather_params(self, stacked: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+        """The group's packed cores from stacked ones."""
+        return self.split.unstack(stacked)
+
+    @functools.cached_property
+    def _routes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(owner of each feature [F], its rank k among its owner's features [F], the slot
+        of each (owner, k) [S, K])."""
+        n, tables = self.placement.num_devices, self.feature_tables
+        owner = np.array([self.split.where(t)[0] for t in tables], np.int32)
+        rank = np.array([int(np.sum(owner[:f] == owner[f])) for f in range(len(tables))], np.int32)
+        slot = np.zeros((n, max(1, int(np.bincount(owner, minlength=n).max()))), np.int32)
+        for f, t in enumerate(tables):
+            slot[owner[f], rank[f]] = self.split.where(t)[1]
+        return owner, rank, slot
+
+    def apply(
+        self,
+        stacked: Sequence[jax.Array],
+        ids: jax.Array,
+        offsets: jax.Array,
+        *,
+        weights: jax.Array | None = None,
+        mode: str | Sequence[str] = "sum",
+        oob: str = "zero",
+        impl: str = "auto",
+        dtype: Any | None = None,
+    ) -> jax.Array:
+        """``[F, B, D]`` from stacked cores and per-shard ``ids [S, C]``, ``offsets
+        [S, F*B/S + 1]``, ``weights [S, C]`` (``shard_packed``); same numbers as
+        ``tt_embedding_bag_group`` on the whole batch."""
+        modes = (mode,) * len(self.feature_tables) if isinstance(mode, str) else tuple(mode)
+        if len(modes) != len(self.feature_tables) or any(m not in MODES for m in modes):
+            raise ValueError(f"mode: one of {MODES}, or one per feature, got {mode!r}")
+        if oob not in OOB_POLICIES:
+            raise ValueError(f"oob must be one of {OOB_POLICIES}, got {oob!r}")
+        local = functools.partial(self._local, modes=modes, oob=oob, impl=impl, dtype=dtype)
+        return _run(
+            self.mesh, self.axis, PartitionSpec(self.axis), local, tuple(stacked), ids, offsets, weights
+        )
+
+    def _local(self, stacked, ids, offsets, weights, *, modes, oob, impl, dtype) -> jax.Array:
+        n, axis = self.placement.num_devices, self.axis
+        num = len(self.feature_tables)
+        owner, rank, slot = self._routes
+        kmax = slot.shape[1]
+        cores = tuple(c[0] for c in stacked)
+        ids, offsets = ids[0], offsets[0]
+        per = (offsets.shape[0] - 1) // num
+        cap, dim = ids.shape[0], self.layout.dim
+        # this device's bags, as tt_embedding_bag_group prepares them
+        bags = canonical_bags(
+            ids,
+            offsets=offsets,
+            segment_ids=None,
+            num_bags=None,
+            mask=None,
+            weights=None if weights is None else weights[0],
+            mode="sum",
+        )
+        feature = bags.bag_ids // per
+        limit = self.layout.table_arrays()["num_rows"][jnp.asarray(self.feature_tables, jnp.int32)[feature]]
+        valid = (bags.ids >= 0) & (bags.ids < limit)
+        if oob == "error":
+            checkify.check(jnp.all(valid), "ids out of range of their tables")
+        local_ids = jnp.clip(bags.ids, 0, limit - 1).astype(jnp.int32)
+        w = bags.weights.astype(jnp.float32)
+        if oob == "zero":
+            w = jnp.where(valid, w, 0.0)
+        if any(m != "sum" for m in modes):
+            lengths = jnp.maximum(jnp.diff(bags.offsets), 1).astype(w.dtype)
+            per_bag = np.repeat(np.asarray([MODES.index(m) for m in modes]), per)
+            scale = jnp.where(
+                per_bag == 1, 1.0 / lengths, jnp.where(per_bag == 2, jax.lax.rsqrt(lengths), 1.0)
+            )
+            w = w * scale[bags.bag_ids]
+        # 1. every position to its table's owner: row = destination, in position order
+        dest = jnp.asarray(owner)[feature]
+        k = jnp.asarray(rank)[feature]
+        rbag = k * per + bags.bag_ids - feature * per  # the bag's index on its owner
+        order = sum(jnp.where(dest == e, jnp.cumsum(dest == e) - 1, 0) for e in range(n))
+        send_ids = jnp.zeros((n, cap), jnp.int32).at[dest, order].set(local_ids, unique_indices=True)
+        send_w = jnp.zeros((n, cap), jnp.float32).at[dest, order].set(w, unique_indices=True)
+        send_bag = (
+            jnp.full((n, cap), kmax * per - 1, jnp.int32).at[dest, order].set(rbag, unique_indices=True)
+        )
+        recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0)  # row s: from device s
+        recv_w = jax.lax.all_to_all(send_w, axis, 0, 0)
+        recv_bag = jax.lax.all_to_all(send_bag, axis, 0, 0)
+        # 2. one CSR over all received positions (source-major, bags non-decreasing)
+        nbags = n * kmax * per
+        bag_ids = (jnp.arange(n, dtype=jnp.int32)[:, None] * (kmax * per) + recv_bag).reshape(-1)
+        counts = jnp.zeros((nbags,), jnp.int32).at[bag_ids].add(1)
+        csr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+        tables = jnp.asarray(slot)[jax.lax.axis_index(axis)][recv_bag // per].reshape(-1)
+        group = self.split.group
+        pooled = pooled_group(
+            cores,
+            group,
+            recv_ids.reshape(-1),
+            tables,
+            csr,
+            bag_ids,
+            recv_w.reshape(-1),
+            weighted=weights is not None,
+            impl=choose_impl(impl, group, [c.dtype for c in cores]),
+        )
+        # 3. pooled bags back; feature f's are row owner[f], block rank[f]
+        out_dtype = cores[0].dtype if dtype is None else dtype
+        back = jax.lax.all_to_all(pooled.reshape(n, kmax * per, dim).astype(out_dtype), axis, 0, 0)
+        return back.reshape(n, kmax, per, dim)[jnp.asarray(owner), jnp.asarray(rank)]
