@@ -12,7 +12,7 @@ overlap, and row r of a batch does not depend on the batch size.
 How the data is made (all documented knobs are ``SynthConfig`` fields):
 
 1. **Randomness.** ``hash32`` is murmur3's 32-bit hash of a few 32-bit words (its
-   block mix, then the ``fmix32`` finaliser); a uniform in (0, 1) is the top 24 bits of
+   block mix, then the ``fmix32`` finaliser); a uniform in (0, 1) is the top 23 bits of
    a hash, a normal is its inverse CDF (``ndtri``).
 2. **Ids.** For feature f with N_f rows, a popularity rank is drawn from a bounded
    power law (Zipf-like, exponent ``zipf_a``, inverse-CDF sampling of a continuous
@@ -116,8 +116,8 @@ def hash32(domain: int, *words) -> jax.Array:
 
 
 def _unit(bits: jax.Array) -> jax.Array:
-    """Uniform in (0, 1), float32, from the top 24 bits."""
-    return ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+    """Uniform in (0, 1), float32, from the top 23 bits (k + 0.5 is exact for k < 2^23)."""
+    return ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def affine_mod(a: np.ndarray, b: np.ndarray, x: jax.Array, n: np.ndarray) -> jax.Array:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -383,8 +384,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--check",
         action="store_true",
-        help="with --compare: exit 1 unless |dense AUC - TT AUC| <= --max-auc-gap and "
-        "the embedding memory ratio >= --min-memory-ratio",
+        help="with --compare: exit 1 unless |dense AUC - TT AUC| <= --max-auc-gap, "
+        "the embedding memory ratio >= --min-memory-ratio and both runs' losses are finite",
     )
     p.add_argument("--max-auc-gap", type=float, default=0.01)
     p.add_argument("--min-memory-ratio", type=float, default=100.0)
@@ -429,10 +430,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, RunResult]:
             f"(TT / dense {tt_eps / de_eps:.2f})"
         )
         gap, ratio = abs(de.auc - tt.auc), de.embedding_bytes / tt.embedding_bytes
-        ok = gap <= args.max_auc_gap and ratio >= args.min_memory_ratio
+        finite = all(math.isfinite(x) for r in (tt, de) for x in (r.final_loss, r.eval_loss))
+        ok = finite and gap <= args.max_auc_gap and ratio >= args.min_memory_ratio
         print(
-            f"target (|AUC gap| <= {args.max_auc_gap}, memory ratio >= {args.min_memory_ratio:g}x): "
-            f"{'met' if ok else 'MISSED'}"
+            f"target (|AUC gap| <= {args.max_auc_gap}, memory ratio >= {args.min_memory_ratio:g}x, "
+            f"finite losses): {'met' if ok else 'MISSED'}"
         )
         if args.check and not ok:
             raise SystemExit(1)

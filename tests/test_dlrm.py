@@ -2,11 +2,19 @@
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from examples import dlrm
-from examples.criteo_synth import CRITEO_KAGGLE_CARDINALITIES, SynthConfig, SynthCriteo, affine_mod, hash32
+from examples.criteo_synth import (
+    CRITEO_KAGGLE_CARDINALITIES,
+    SynthConfig,
+    SynthCriteo,
+    _unit,
+    affine_mod,
+    hash32,
+)
 
 TINY = [
     "--steps",
@@ -112,6 +120,9 @@ def test_affine_mod_and_hash32_are_exact():
     assert int(hash32(0, word)) == 0xBA6BD213
     assert int(hash32(0x9747B28C, word)) == 0x704B81DC
     assert int(hash32(0, 0)) == 0x2362F9DE
+    # uniforms stay strictly inside (0, 1) at the extreme bits (ndtri(1) = inf made NaNs)
+    u = np.asarray(_unit(jnp.array([0, 0xFFFFFFFF, 0xFFFFFF00], jnp.uint32)))
+    assert (u > 0).all() and (u < 1).all()
 
 
 def test_check_fails_when_targets_are_missed():
