@@ -19,14 +19,16 @@
 //   ug[u] (the group of each unique index); the groups radix-sorted by g_i2
 //   (cuda/tb_sort.cuh: its cost follows num_groups, not n) and the bucket bounds of each
 //   packed g2 row; the bounds of each g1 row over g_i1 (non-decreasing in g); the unique
-//   indices radix-sorted by u_i3 and the bounds of each g3 row. Then one persistent kernel per core, work stealing over its packed rows
-//   (a row no group touches is written 0):
+//   indices radix-sorted by u_i3 and the bounds of each g3 row. Then one persistent
+//   kernel per core, work stealing over its packed rows (a row no group touches is
+//   written 0); every gradient row is one block's, summed in a fixed order:
 //   dg1[I]: blocks of consecutive g1 rows, their group lists merged by g_i2 (each g2
 //     row loaded once for every row of the block using it, each row's terms still in
 //     ascending g): dP_g by the block (a thread per element, u ascending), then
 //     dP_g . g2[g_i2]^T (8 threads per output, fixed shuffle tree) added to the row;
-//   dg2[I]: the same over the groups sorted by g_i2 (stable: ascending g), adding
-//     g1[g_i1]^T . dP_g into the row kept in shared memory (4x4 tiles per thread);
+//   dg2[I]: a block per g2 row over its groups (sorted by g_i2, stable: ascending g), in
+//     batches of kTbBatch: dP_g as above, then g1[g_i1]^T . dP_g added into the row kept
+//     in shared memory (4x4 tiles per thread);
 //   dg3[I]: blocks of consecutive g3 rows, their id lists merged by group (each group's
 //     P formed once for every row of the block using it, each row's terms still in
 //     ascending u): a warp per group forms P, then each output element adds
