@@ -172,7 +172,7 @@ def canonical_bags(
     eff = jnp.ones((n,), jnp.float32) if w is None else w
     if keep is not None:
         eff = jnp.where(keep, eff, 0.0)
-    if mode != "sum":
+    if mode != "sum" and num > 0:  # no bags: nothing to scale (and no scale to gather)
         if keep is None:
             lengths = jnp.diff(offsets)
         else:
