@@ -12,10 +12,10 @@ form on the host -- ids ``[S, C]`` and *local* feature-major offsets ``[S, F*B/S
 - ``GroupTableWise``: each table on one device (``SplitGroup``, stacked cores sharded
   ``P(axis)``). Per device: its bags prepared as the op does (modes, out-of-range ids),
   then every position is sent to its table's owner with one ``all_to_all`` each of ids,
-  weights and destination bag ([S, C]: a destination's part is padded to the shard's
-  whole capacity C, as one device may send it everything); the owner pools all it got
-  in one ``pooled_group`` call and the pooled bags return by ``all_to_all``. Vectorised:
-  no per-feature code.
+  weights and destination bag (``[S, K]``: K positions per owner, by default the shard's
+  whole capacity C, as one device may send one owner everything; ``needed_capacity``
+  gives the exact K of a batch); the owner pools all it got in one ``pooled_group`` call
+  and the pooled bags return by ``all_to_all``. Vectorised: no per-feature code.
 
 Both return ``[F, B, D]`` split along B (dim 1).
 """
@@ -174,6 +174,15 @@ class GroupTableWise:
             slot[owner[f], rank[f]] = self.split.where(t)[1]
         return owner, rank, slot
 
+    def needed_capacity(self, offsets: np.ndarray) -> int:
+        """The most positions any shard sends one owner, from per-shard ``offsets
+        [S, F*B/S + 1]`` (host): the smallest ``capacity`` of ``apply`` for that batch."""
+        offsets = np.asarray(offsets).reshape(-1, np.shape(offsets)[-1])
+        per = (offsets.shape[1] - 1) // len(self.feature_tables)
+        owner = self._routes[0]
+        sizes = offsets[:, per::per] - offsets[:, :-1:per]  # [S, F] ids per feature
+        return int(max(sizes[:, owner == e].sum(axis=1).max() for e in range(self.placement.num_devices)))
+
     def apply(
         self,
         stacked: Sequence[jax.Array],
@@ -185,21 +194,30 @@ class GroupTableWise:
         oob: str = "zero",
         impl: str = "auto",
         dtype: Any | None = None,
+        capacity: int | None = None,
     ) -> jax.Array:
         """``[F, B, D]`` from stacked cores and per-shard ``ids [S, C]``, ``offsets
         [S, F*B/S + 1]``, ``weights [S, C]`` (``shard_packed``); same numbers as
-        ``tt_embedding_bag_group`` on the whole batch."""
+        ``tt_embedding_bag_group`` on the whole batch.
+
+        ``capacity`` (static): positions a device may send one owner (default C: never
+        exceeded). A smaller one shrinks the buffers and the owners' work (they process
+        S x capacity positions): take ``needed_capacity`` of a sample with a margin. A
+        device with more for an owner gets NaN for the bags it pooled there (a NaN loss,
+        never silently wrong numbers).
+        """
         modes = (mode,) * len(self.feature_tables) if isinstance(mode, str) else tuple(mode)
         if len(modes) != len(self.feature_tables) or any(m not in MODES for m in modes):
             raise ValueError(f"mode: one of {MODES}, or one per feature, got {mode!r}")
         if oob not in OOB_POLICIES:
             raise ValueError(f"oob must be one of {OOB_POLICIES}, got {oob!r}")
-        local = functools.partial(self._local, modes=modes, oob=oob, impl=impl, dtype=dtype)
+        kw = dict(modes=modes, oob=oob, impl=impl, dtype=dtype, capacity=capacity)
+        local = functools.partial(self._local, **kw)
         return _run(
             self.mesh, self.axis, PartitionSpec(self.axis), local, tuple(stacked), ids, offsets, weights
         )
 
-    def _local(self, stacked, ids, offsets, weights, *, modes, oob, impl, dtype) -> jax.Array:
+    def _local(self, stacked, ids, offsets, weights, *, modes, oob, impl, dtype, capacity) -> jax.Array:
         n, axis = self.placement.num_devices, self.axis
         num = len(self.feature_tables)
         owner, rank, slot = self._routes
@@ -207,7 +225,8 @@ class GroupTableWise:
         cores = tuple(c[0] for c in stacked)
         ids, offsets = ids[0], offsets[0]
         per = (offsets.shape[0] - 1) // num
-        cap, dim = ids.shape[0], self.layout.dim
+        rows = ids.shape[0] if capacity is None else int(capacity)
+        dim = self.layout.dim
         # this device's bags, as tt_embedding_bag_group prepares them
         bags = canonical_bags(
             ids,
@@ -234,16 +253,21 @@ class GroupTableWise:
                 per_bag == 1, 1.0 / lengths, jnp.where(per_bag == 2, jax.lax.rsqrt(lengths), 1.0)
             )
             w = w * scale[bags.bag_ids]
-        # 1. every position to its table's owner: row = destination, in position order
-        dest = jnp.asarray(owner)[feature]
-        k = jnp.asarray(rank)[feature]
-        rbag = k * per + bags.bag_ids - feature * per  # the bag's index on its owner
-        order = sum(jnp.where(dest == e, jnp.cumsum(dest == e) - 1, 0) for e in range(n))
-        send_ids = jnp.zeros((n, cap), jnp.int32).at[dest, order].set(local_ids, unique_indices=True)
-        send_w = jnp.zeros((n, cap), jnp.float32).at[dest, order].set(w, unique_indices=True)
-        send_bag = (
-            jnp.full((n, cap), kmax * per - 1, jnp.int32).at[dest, order].set(rbag, unique_indices=True)
-        )
+        # 1. every position in a bag to its table's owner: row = owner, in position order
+        pos = jnp.arange(ids.shape[0], dtype=jnp.int32)
+        inside = (pos >= bags.offsets[0]) & (pos < bags.offsets[-1])
+        dest = jnp.where(inside, jnp.asarray(owner)[feature], n)  # n: not sent
+        rbag = jnp.asarray(rank)[feature] * per + bags.bag_ids - feature * per  # its bag on the owner
+        ranks = [jnp.cumsum(dest == e, dtype=jnp.int32) for e in range(n)]
+        order = sum(jnp.where(dest == e, r - 1, 0) for e, r in enumerate(ranks))
+
+        def send(fill, dtype, values):  # positions past ``rows`` (overflow) or to n: dropped
+            buf = jnp.full((n, rows), fill, dtype)
+            return buf.at[dest, order].set(values.astype(dtype), mode="drop", unique_indices=True)
+
+        send_ids = send(0, jnp.int32, local_ids)
+        send_w = send(0, jnp.float32, w)
+        send_bag = send(kmax * per - 1, jnp.int32, rbag)
         recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0)  # row s: from device s
         recv_w = jax.lax.all_to_all(send_w, axis, 0, 0)
         recv_bag = jax.lax.all_to_all(send_bag, axis, 0, 0)
@@ -268,4 +292,8 @@ class GroupTableWise:
         # 3. pooled bags back; feature f's are row owner[f], block rank[f]
         out_dtype = cores[0].dtype if dtype is None else dtype
         back = jax.lax.all_to_all(pooled.reshape(n, kmax * per, dim).astype(out_dtype), axis, 0, 0)
-        return back.reshape(n, kmax, per, dim)[jnp.asarray(owner), jnp.asarray(rank)]
+        out = back.reshape(n, kmax, per, dim)[jnp.asarray(owner), jnp.asarray(rank)]
+        if capacity is None:
+            return out
+        overflow = jnp.stack([r[-1] > rows for r in ranks])  # this device sent an owner too much
+        return jnp.where(overflow[jnp.asarray(owner)][:, None, None], jnp.nan, out)

@@ -384,14 +384,14 @@ class Meta:
         feature_tables = tuple(range(self.coll.num_tables))
         if strategy == "single":
 
-            def grad_fn(params, ids, offsets):
+            def grad_fn(params, ids, offsets, _capacity):
                 out = tt_embedding_bag_group(params, self.layout, ids, offsets, feature_tables)
                 return self._loss(out)
 
-            fn = jax.jit(jax.value_and_grad(grad_fn))
+            fn = jax.jit(jax.value_and_grad(grad_fn), static_argnums=3)
             w = batches["timed"]
             dev = jax.devices()[0]
-            args = (self.packed, jax.device_put(w.ids, dev), jax.device_put(w.offsets, dev))
+            args = (self.packed, jax.device_put(w.ids, dev), jax.device_put(w.offsets, dev), None)
             prepared = self._compile(fn, args)
             prepared.reference = jax.device_get(prepared.step())
             return prepared
@@ -408,28 +408,38 @@ class Meta:
             params = sh_put(stacked, mesh, jax.sharding.PartitionSpec("data"))
             unstack = jax.jit(obj.gather_params)
 
-        def grad_fn(params, ids, offsets):
-            return self._loss(obj.apply(params, ids, offsets))
+        def grad_fn(params, ids, offsets, capacity):
+            kw = {} if strategy == "data" else {"capacity": capacity}
+            return self._loss(obj.apply(params, ids, offsets, **kw))
 
-        fn = jax.jit(jax.value_and_grad(grad_fn))
+        fn = jax.jit(jax.value_and_grad(grad_fn), static_argnums=3)
 
         def shard(w: Workload):
+            """Per-shard arrays on the mesh and (table-wise) the exact all_to_all capacity."""
             split = sh.shard_packed(w.ids, w.offsets, self.coll.num_tables, n)
-            return sh.shard_batch((split["ids"], split["offsets"]), mesh)
+            capacity = obj.needed_capacity(split["offsets"]) if strategy == "table" else None
+            return (*sh.shard_batch((split["ids"], split["offsets"]), mesh), capacity)
 
-        prepared = self._compile(fn, (params, *shard(batches["timed"])))
+        timed = shard(batches["timed"])
+        prepared = self._compile(fn, (params, *timed))
         loss, grads = fn(params, *shard(batches["check"]))
         prepared.check = jax.device_get((loss, unstack(grads)))
         if strategy == "table":
-            prepared.placement = {"devices": obj.placement.devices, "imbalance": obj.placement.imbalance}
+            prepared.placement = {
+                "devices": obj.placement.devices,
+                "imbalance": obj.placement.imbalance,
+                "capacity": timed[-1],
+                "shard_capacity": timed[0].shape[1],
+            }
         return prepared
 
     @staticmethod
     def _compile(fn, args) -> Prepared:
+        """``fn`` compiled for ``args`` (the last: static)."""
         t0 = time.perf_counter()
         compiled = fn.lower(*args).compile()
         compile_s = time.perf_counter() - t0
-        return Prepared(lambda: compiled(*args), compiled, compile_s)
+        return Prepared(lambda: compiled(*args[:-1]), compiled, compile_s)
 
     @staticmethod
     def compare(reference, check) -> dict:

@@ -360,6 +360,18 @@ def _check_packed_group(mesh) -> None:
         print("packed group", name, coll)
         assert coll["all-gather"] == 0 and (coll["all-to-all"] > 0) == (name == "table"), coll
         assert (coll["all-reduce"] > 0) == (name == "data"), coll
+    # table-wise buffers sized to the batch: the same numbers; one position short: NaN, not wrong
+    need = tw.needed_capacity(split["offsets"])
+    p = put(tw.shard_params(packed), P("data"))
+    fwd = jax.jit(
+        lambda p, b, capacity: tw.apply(
+            p, b["ids"], b["offsets"], weights=b["weights"], mode=modes, capacity=capacity
+        ),
+        static_argnums=2,
+    )
+    assert need < split["ids"].shape[1] and rel_err(fwd(p, batch, need), ref) < 1e-6
+    short = np.asarray(fwd(p, batch, need - 1))
+    assert np.isnan(short).any() and np.isfinite(short).any()
 
 
 def test_collection_over_eight_devices():
