@@ -305,8 +305,11 @@ def _ours_batched(w: Workload) -> Fwd:
                 )
             tables = tuple(feature_group[f][1] for f in feats)
             out = tt_embedding_bag_group(params[g], layout, g_ids, g_offsets, tables, impl="ffi")
-            for k, f in enumerate(feats):
-                outs[f] = out[k]
+            if len(groups) == 1:  # [F, B, D] -> [B, F*D]
+                return jnp.transpose(out, (1, 0, 2)).reshape(b, -1)
+            # split, not indexing: an index's transpose pads to the whole [F, B, D] (F^2 work)
+            for f, part in zip(feats, jnp.split(out, len(feats))):
+                outs[f] = part[0]
         return jnp.concatenate(outs, axis=1)
 
     return fwd

@@ -213,10 +213,10 @@ class CollectionLayout:
                 continue
             prepared = {s.feature: _prepare(features, s, pack, oob) for s in pack.features}
             for slots in _by_batch(pack.features, prepared):
-                pooled = _pool(pack, arrays, slots, prepared, impl)
-                batch = prepared[slots[0].feature][0].offsets.shape[0] - 1
-                for f, slot in enumerate(slots):
-                    out[slot.feature] = pooled[f * batch : (f + 1) * batch].astype(out_dtype)
+                # split, not slices: a slice's transpose pads to the whole [F*B, D] (F^2 work)
+                pooled = jnp.split(_pool(pack, arrays, slots, prepared, impl), len(slots))
+                for slot, part in zip(slots, pooled):
+                    out[slot.feature] = part.astype(out_dtype)
         return out
 
 
