@@ -7,6 +7,8 @@ bags are empty at random, ids hit each table's last row.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -337,3 +339,26 @@ def test_collection_packs_groups_and_matches_single_ops():
         ref = jax.grad(loss)(col.cores(name))
         for a, b in zip(col.layout.table_params(g, name), ref):
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS[1:])
+def test_program_size_does_not_grow_with_tables(impl):
+    """The forward + backward of 4 and of 64 tables lower to the same FFI calls."""
+
+    def calls(num_tables: int) -> list[str]:
+        specs = tuple(ftt.TTSpec.create(100 + 37 * t, 16, 4, col_shape=(2, 2, 4)) for t in range(num_tables))
+        layout = GroupLayout(specs)
+        packed = make_packed(0, layout)
+        feature_tables = tuple(range(num_tables))
+        ids = np.zeros(3 * num_tables, np.int32)
+        offsets = np.arange(3 * num_tables + 1, dtype=np.int32)
+
+        def loss(c):
+            out = tt_embedding_bag_group(c, layout, ids, offsets, feature_tables, impl=impl)
+            return jnp.sum(out * out)
+
+        text = jax.jit(jax.grad(loss)).lower(packed).as_text()
+        return sorted(re.findall(r"custom_call @(flowtt\w+)", text))
+
+    assert calls(4) == calls(64)
+    assert "flowtt_tb_rows_bwd" in calls(4)
