@@ -160,14 +160,29 @@ TbFwdScratch tb_fwd_layout(const TbDev& d, int n, char* base) {
   return s;
 }
 
+// Byte budget of the backward's P cache (tb_pcache_kernel -> tb_dg3_kernel): P_g
+// (q1*q2*r2 floats, 1 KB at q = (2, 4, *), r2 = 32) for the first `cap` groups, cap =
+// min(n, kTbPCacheBytes / sizeof P): 2M groups of 1 KB. Groups g >= cap (only when a
+// batch has more groups than that) are recomputed by dg3 as before, so any n works.
+constexpr size_t kTbPCacheBytes = size_t{2} << 30;
+
+// Groups the P cache holds for these dims (0: the dims do not take the tile GEMM, dg3
+// recomputes every P).
+int tb_pcache_groups(const TbDev& d, int n) {
+  if (tb_tile_geo(d, kTbTileSmemCap).GB == 0 || n <= 0) return 0;
+  return (int)std::min<size_t>((size_t)n, kTbPCacheBytes / (sizeof(float) * (size_t)d.PSZ));
+}
+
 // Backward scratch: ctrl [4] and bounds1 [P1+1] (one memset), the group sort, a third
 // index buffer (the unique index sort uses it and the one the group sort left free),
-// bounds3, ug.
+// bounds3, ug, the P cache [cap][PSZ].
 struct TbBwdScratch {
   int* zeroed;
   size_t zeroed_bytes;
   int *ctrl, *bounds1, *bounds3, *vc, *ug;
   TbGroupSort sort;
+  float* Pc;
+  int cap;
   size_t bytes;
 };
 
@@ -182,6 +197,8 @@ TbBwdScratch tb_bwd_layout(const TbDev& d, int n, char* base) {
   s.bounds3 = bp.take<int>((size_t)d.P3 + 1);
   s.vc = bp.take<int>(n);
   s.ug = bp.take<int>(n);
+  s.cap = tb_pcache_groups(d, n);
+  s.Pc = bp.take<float>((size_t)s.cap * d.PSZ);
   s.bytes = bp.off + 256;
   return s;
 }
@@ -282,10 +299,19 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
       return err;
   }
   if (stages & 4) {
+    // P of the first cap groups once (bitwise the P dg3 would form), then dg3
+    const int cap = tb_aligned16(g2) ? s.cap : 0;
+    if (cap > 0) {
+      const TbTileGeo geo = tb_tile_geo(d, kTbTileSmemCap);
+      if ((err = tb_launch(&tb_pcache_kernel, tb_pcache_smem(d, geo), stream, d, geo, g1, g2,
+                           g_i1, counts, n, (const int*)s.sort.bounds2, sorted_groups, cap,
+                           s.ctrl + 3, s.Pc)) != cudaSuccess)
+        return err;
+    }
     auto kernel = vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1);
-    if ((err = tb_launch(kernel, tb_dg3_smem(d), stream, d, g1, g2, d_rows, g_i1,
-                         g_i2, counts, n, (const int*)s.bounds3, sorted_u, (const int*)s.ug,
-                         s.ctrl + 2, dg3)) != cudaSuccess)
+    if ((err = tb_launch(kernel, tb_dg3_smem(d), stream, d, g1, g2, d_rows, g_i1, g_i2, counts,
+                         n, (const int*)s.bounds3, sorted_u, (const int*)s.ug,
+                         (const float*)s.Pc, cap, s.ctrl + 2, dg3)) != cudaSuccess)
       return err;
   }
   return cudaSuccess;

@@ -84,6 +84,12 @@ inline TbTileGeo tb_tile_geo(const TbDev& d, size_t smem_cap,
   return g;
 }
 
+// The P cache of the backward (tb_pcache_kernel, tb_tile_geo's GB and ldA): the g2 row
+// and the batch's g1 rows, no P tile (P goes straight to global memory).
+inline size_t tb_pcache_smem(const TbDev& d, const TbTileGeo& geo) {
+  return sizeof(float) * ((size_t)tb_align4(d.R1K) + (size_t)d.r1 * geo.ldA);
+}
+
 // The dg1 kernel (tb_dg1_kernel): a block takes R consecutive g1 rows; a super-step
 // holds up to S g2 rows and KMAX (>= R) groups. Shared memory: the g2 rows [S][R1K], the
 // rows' accumulators [R][q1*r1], dP of the listed groups [KMAX][PSZ]. The largest R, then

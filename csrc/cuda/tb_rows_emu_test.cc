@@ -97,9 +97,11 @@ void EmuFwdTile(const Inputs& in, const TbTileGeo& geo, float* rows) {
                 (const int*)bounds2.data(), sorted.data(), ctr.data(), rows);
 }
 
-// tb_rows_bwd: dg1, dg2, dg3 (dg1 with the kernel's geometry dg1_geo).
+// tb_rows_bwd: dg1, dg2, dg3 (dg1 with the kernel's geometry dg1_geo; dg3 reading the P
+// of the groups below `cap` from the P cache built by tb_pcache_kernel with geometry
+// pgeo, when the dims take it and vec, else recomputing every P).
 void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, float* dg2,
-            float* dg3) {
+            float* dg3, int cap = 0, TbTileGeo pgeo = {}) {
   const TbDev& d = in.d;
   const int n = in.n;
   std::vector<int> ctrl(4, 0), bounds1(d.P1 + 1, 0), bounds2(d.P2 + 1), bounds3(d.P3 + 1);
@@ -122,10 +124,16 @@ void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, flo
   tb_emu_launch(kGrid, kTbThreads, tb_dg2_smem(d), k2, d, in.g1, in.g3, in.d_rows, in.u_i3,
                 in.g_i1, in.goffs, in.counts, n, (const int*)bounds2.data(),
                 sorted_groups.data(), &ctrl[1], dg2);
+  if (!vec || pgeo.GB == 0) cap = 0;
+  std::vector<float> Pc((size_t)cap * d.PSZ, NAN);  // NaN: a P read but not written shows
+  if (cap > 0)
+    tb_emu_launch(kGrid, kTbThreads, tb_pcache_smem(d, pgeo), tb_pcache_kernel, d, pgeo, in.g1,
+                  in.g2, in.g_i1, in.counts, n, (const int*)bounds2.data(),
+                  sorted_groups.data(), cap, &ctrl[3], Pc.data());
   auto k3 = vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1);
   tb_emu_launch(kGrid, kTbThreads, tb_dg3_smem(d), k3, d, in.g1, in.g2, in.d_rows,
                 in.g_i1, in.g_i2, in.counts, n, (const int*)bounds3.data(), sorted_u.data(),
-                (const int*)ug.data(), &ctrl[2], dg3);
+                (const int*)ug.data(), (const float*)Pc.data(), cap, &ctrl[2], dg3);
 }
 
 // The radix sort against std::stable_sort: n entries, the first `count` live, keys in
@@ -187,20 +195,41 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
   }
   std::vector<double> r1, r2, r3;
   TbRefGrads(c, p, r.k, r.d_rows, &r1, &r2, &r3);
-  // the default dg1 geometry, and a small one (8 rows, one g2 row and 8 groups per step)
-  for (TbDg1Geo geo : {tb_dg1_geo(r.in.d), TbDg1Geo{8, 1, 8, 0}}) {
+  // the default dg1 geometry with every P cached (default P cache geometry), and a small
+  // one (8 rows, one g2 row and 8 groups per step) with the P of a third of the groups
+  // cached (batches of 4 groups); then no P cached: dg3 bitwise equal to the cached runs
+  const int n = (int)p.n;
+  const TbTileGeo pg_full = tb_tile_geo(r.in.d, 100 * 1024), pg_small = tb_tile_geo(r.in.d, 100 * 1024, 4);
+  struct Cfg { TbDg1Geo geo; int cap; TbTileGeo pgeo; };
+  std::vector<std::vector<float>> dg3s;
+  int caps[3];
+  int ci = 0;
+  for (Cfg cfg : {Cfg{tb_dg1_geo(r.in.d), n, pg_full}, Cfg{TbDg1Geo{8, 1, 8, 0}, p.G / 3, pg_small},
+                  Cfg{tb_dg1_geo(r.in.d), 0, TbTileGeo{}}}) {
+    TbDg1Geo geo = cfg.geo;
     if (geo.smem == 0)
       geo.smem = sizeof(float) * (tb_align4(r.in.d.R1K) + tb_align4(8 * r.in.d.Q1R1) +
                                   8 * (size_t)r.in.d.PSZ);
     std::vector<float> dg1(r.k.g1.size(), NAN), dg2(r.k.g2.size(), NAN),
         dg3(r.k.g3.size(), NAN);
-    EmuBwd(r.in, vec, geo, dg1.data(), dg2.data(), dg3.data());
+    const int cap = vec && cfg.pgeo.GB > 0 ? cfg.cap : 0;
+    caps[ci++] = cap;
+    EmuBwd(r.in, vec, geo, dg1.data(), dg2.data(), dg3.data(), cap, cfg.pgeo);
     const double e1 = TbRelErr(dg1.data(), r1.data(), r1.size());
     const double e2 = TbRelErr(dg2.data(), r2.data(), r2.size());
     const double e3 = TbRelErr(dg3.data(), r3.data(), r3.size());
-    std::snprintf(buf, sizeof buf, " bwd (dg1 %d rows x %d steps) rel err dg1 %.2e dg2 %.2e dg3 %.2e",
-                  geo.R, geo.S, e1, e2, e3);
+    std::snprintf(buf, sizeof buf,
+                  " bwd (dg1 %d rows x %d steps, P cache %d groups) rel err dg1 %.2e dg2 %.2e "
+                  "dg3 %.2e",
+                  geo.R, geo.S, cap, e1, e2, e3);
     Report(e1 < kTol && e2 < kTol && e3 < kTol, tag + buf);
+    dg3s.push_back(std::move(dg3));
+  }
+  if (caps[0] > 0 || caps[1] > 0) {
+    const bool same = std::memcmp(dg3s[0].data(), dg3s[2].data(), dg3s[0].size() * 4) == 0 &&
+                      std::memcmp(dg3s[1].data(), dg3s[2].data(), dg3s[0].size() * 4) == 0;
+    Report(same, tag + " dg3 with the P cache (all / a third of the groups) bitwise equal to "
+                       "dg3 recomputing P");
   }
 }
 
@@ -219,7 +248,8 @@ void InvalidPlans(int which) {
     EmuFwd(r.in, true, rows.data());
     const TbTileGeo geo = tb_tile_geo(r.in.d, 100 * 1024);
     if (geo.GB > 0) EmuFwdTile(r.in, geo, rows.data());
-    EmuBwd(r.in, true, tb_dg1_geo(r.in.d), dg1.data(), dg2.data(), dg3.data());
+    EmuBwd(r.in, true, tb_dg1_geo(r.in.d), dg1.data(), dg2.data(), dg3.data(), (int)p.n,
+           geo);
     Report(true, "invalid plan, finished: " + c.name + ", " + what);
   };
   run("u_i3 out of range", [&](TbHostPlan& p) {

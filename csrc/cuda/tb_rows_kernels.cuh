@@ -533,6 +533,110 @@ __global__ void __launch_bounds__(kTbThreads)
   }
 }
 
+// ------------------------------- backward: the P cache -------------------------------
+
+// Pc[g] = P_g = g1[g_i1[g]] . g2[g_i2[g]] as [q1][K] (= [M][r2]) for the groups g <
+// min(cap, num_groups), so that dg3 reads P_g (PSZ floats) instead of forming it per
+// block. Phase 1 of tb_fwd_tile_kernel without the rows (geometry tb_tile_geo, smem
+// tb_pcache_smem): blocks steal packed g2 rows I (ctr), the g2 row staged once for all
+// its groups (sorted_groups[bounds2[I] .. bounds2[I+1])), batches of up to geo.GB of
+// them (groups g >= cap dropped), P of a batch by one GEMM, stored straight from the
+// registers (float4, r2 % 4 == 0). Every element is fmaf(g1[x1][a], g2[a][j], acc) over
+// a ascending from 0, the chain of tb_warp_prefix: the stored P is bitwise the P that
+// tb_dg3_kernel forms when it recomputes.
+__global__ void __launch_bounds__(kTbThreads)
+    tb_pcache_kernel(TbDev d, TbTileGeo geo, const float* __restrict__ g1,
+                     const float* __restrict__ g2, const int* __restrict__ g_i1,
+                     const int* __restrict__ counts, int n, const int* __restrict__ bounds2,
+                     const int* __restrict__ sorted_groups, int cap, int* ctr,
+                     float* __restrict__ Pc) {
+  TB_DYNAMIC_SMEM(tb_smem4);
+  float* smem = reinterpret_cast<float*>(tb_smem4);
+  float* G2s = smem;                   // [r1][K]
+  float* As = G2s + tb_align4(d.R1K);  // [r1][ldA]
+  __shared__ int s_item, s_nb;
+  __shared__ int s_g[kTbTileGroups], s_i1[kTbTileGroups];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int U, G;
+  tb_counts(counts, n, U, G);
+  const int gmax = max(G - 1, 0);
+  const int lim = min(cap, G);
+  const int NC4 = d.K / 4;
+  for (;;) {
+    const int I = tb_claim(ctr, &s_item);
+    if (I >= d.P2) break;
+    const int lo = tb_clamp(bounds2[I], 0, n), hi = tb_clamp(bounds2[I + 1], lo, n);
+    bool staged = false;
+    for (int j0 = lo; j0 < hi; j0 += geo.GB) {
+      const int nc = min(geo.GB, hi - j0);
+      __syncthreads();  // the previous batch's As is read
+      if (warp == 0) {  // the batch's cached groups, compacted
+        int g = 0;
+        bool keep = false;
+        if (lane < nc) {
+          g = tb_clamp(__ldg(sorted_groups + j0 + lane), 0, gmax);
+          keep = g < lim;
+        }
+        const unsigned kept = __ballot_sync(0xffffffffu, keep);
+        if (keep) {
+          const int pos = __popc(kept & ((1u << lane) - 1u));
+          s_g[pos] = g;
+          s_i1[pos] = tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1);
+        }
+        if (lane == 0) s_nb = __popc(kept);
+      }
+      __syncthreads();
+      const int nb = s_nb;
+      if (nb == 0) continue;
+      if (!staged) {
+        const float4* src = reinterpret_cast<const float4*>(g2 + (size_t)I * d.R1K);
+        for (int i = tid; i < d.R1K / 4; i += kTbThreads)
+          reinterpret_cast<float4*>(G2s)[i] = __ldg(src + i);
+        staged = true;
+      }
+      const int nR = nb * d.q1;
+      for (int e = tid; e < nR * d.r1; e += kTbThreads) {  // As[a][row] = g1[i1_k][x1][a]
+        const int a = e / nR, row = e - a * nR;
+        const int k = row / d.q1, x1 = row - k * d.q1;
+        As[a * geo.ldA + row] = __ldg(g1 + (size_t)s_i1[k] * d.Q1R1 + x1 * d.r1 + a);
+      }
+      __syncthreads();
+      const int nRB = (nR + kTbRPT - 1) / kTbRPT;
+      for (int it = tid; it < nRB * NC4; it += kTbThreads) {  // P = As^T . G2s
+        const int rb = it / NC4, c4 = it - rb * NC4;
+        float acc[kTbRPT][4];
+#pragma unroll
+        for (int i = 0; i < kTbRPT; ++i)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
+        const float* ap = As + rb * kTbRPT;
+        const float* bp = G2s + 4 * c4;
+#pragma unroll 4
+        for (int a = 0; a < d.r1; ++a) {
+          const float4 a0 = *reinterpret_cast<const float4*>(ap + a * geo.ldA);
+          const float4 a1 = *reinterpret_cast<const float4*>(ap + a * geo.ldA + 4);
+          const float4 bv = *reinterpret_cast<const float4*>(bp + a * d.K);
+          const float av[kTbRPT] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+          const float bw[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+          for (int i = 0; i < kTbRPT; ++i)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(av[i], bw[c], acc[i][c]);
+        }
+#pragma unroll
+        for (int i = 0; i < kTbRPT; ++i) {
+          const int row = rb * kTbRPT + i;
+          if (row < nR) {
+            const int k = row / d.q1, x1 = row - k * d.q1;
+            *reinterpret_cast<float4*>(Pc + (size_t)s_g[k] * d.PSZ + x1 * d.K + 4 * c4) =
+                make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+          }
+        }
+      }
+    }
+  }
+}
+
 // ------------------------------- backward: dg3 --------------------------------------
 
 // dg3[I] = sum over the unique indices u of I in ascending u (sorted_u[bounds3[I] ..
@@ -550,7 +654,8 @@ __global__ void __launch_bounds__(kTbThreads)
                   const float* __restrict__ d_rows, const int* __restrict__ g_i1,
                   const int* __restrict__ g_i2, const int* __restrict__ counts, int n,
                   const int* __restrict__ bounds3, const int* __restrict__ sorted_u,
-                  const int* __restrict__ ug, int* ctr, float* __restrict__ dg3) {
+                  const int* __restrict__ ug, const float* __restrict__ Pc, int cap, int* ctr,
+                  float* __restrict__ dg3) {
   constexpr int kNoKey = 0x7fffffff;
   TB_DYNAMIC_SMEM(tb_smem4);
   float* smem = reinterpret_cast<float*>(tb_smem4);
@@ -565,6 +670,7 @@ __global__ void __launch_bounds__(kTbThreads)
   int U, G;
   tb_counts(counts, n, U, G);
   const int gmax = max(G - 1, 0);
+  const int lim = min(cap, G);  // P of the groups below it: Pc (tb_pcache_kernel)
   for (;;) {
     const int blk = tb_claim(ctr, &s_item);
     if ((long long)blk * kTbDg3Rows >= d.P3) break;
@@ -609,7 +715,15 @@ __global__ void __launch_bounds__(kTbThreads)
       __syncthreads();
       const int cnt = s_cnt;
       if (cnt == 0) break;
-      if (warp < s_steps) {  // P of the step's group
+      if (warp < s_steps && s_g[warp] < lim) {  // P of the step's group: from the cache
+        const float4* src = reinterpret_cast<const float4*>(Pc + (size_t)s_g[warp] * d.PSZ);
+        for (int e4 = lane; e4 < d.PSZ / 4; e4 += 32) {  // r2 % 4 == 0 when cap > 0
+          const float4 v = __ldg(src + e4);
+          const int m = (4 * e4) / d.r2, b = 4 * e4 - m * d.r2;
+          float* dst = Pw + m * d.ldP + b;
+          dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+        }
+      } else if (warp < s_steps) {  // or formed by the warp
         const int g = s_g[warp];
         tb_warp_load_g1(d, g1, tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1), G1s, lane);
         __syncwarp();
