@@ -408,11 +408,16 @@ class TableWiseLayout(CollectionLayout):
         )
         # 3. pooled bags back to the devices that asked
         back = jax.lax.all_to_all(pooled.reshape(n, nbags, dim).astype(out_dtype), axis, 0, 0)
-        out = {}
-        for e, route in enumerate(placed.routes):
-            lo = 0
+        # one split of all rows (per-feature slices would each transpose to the whole
+        # buffer: F^2 adds in the backward); row e's features, then its padding
+        names, sizes = [], []
+        for route in placed.routes:
+            used = 0
             for f, _ in route:
-                num = bags[f.feature].offsets.shape[0] - 1
-                out[f.feature] = back[e, lo : lo + num]
-                lo += num
-        return out
+                names.append(f.feature)
+                sizes.append(bags[f.feature].offsets.shape[0] - 1)
+                used += sizes[-1]
+            names.append(None)
+            sizes.append(nbags - used)
+        parts = jnp.split(back.reshape(n * nbags, dim), np.cumsum(sizes)[:-1])
+        return {name: part for name, part in zip(names, parts) if name is not None}
