@@ -249,3 +249,14 @@ class SynthCriteo:
         if not 0 <= stream < _PROBE_STREAM:
             raise ValueError(f"stream must be in [0, 2**32 - 1), got {stream}")
         return self._batch(np.uint32(stream), np.uint32(index), batch_size)
+
+    def batch_fn(self, sharding: jax.sharding.Sharding):
+        """``batch`` with every output placed by ``sharding`` (e.g. split over a mesh axis):
+        each device makes its own rows, each process only its own devices' (the same data
+        as ``batch``)."""
+        make = jax.jit(self._make_batch, static_argnums=2, out_shardings=sharding)
+
+        def batch(index: int, batch_size: int, stream: int = 0):
+            return make(np.uint32(stream), np.uint32(index), batch_size)
+
+        return batch

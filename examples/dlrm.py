@@ -3,6 +3,7 @@
     python examples/dlrm.py              # TT tables (default settings, a few minutes on 2 CPU cores)
     python examples/dlrm.py --dense      # the same model with dense tables
     python examples/dlrm.py --compare    # TT then dense on the same data; prints both AUCs
+    python examples/dlrm.py --mesh data=2 --sharding table   # 2 devices, TT tables placed table-wise
 
 Model (the DLRM of Naumov et al., scaled down for a CPU): bottom MLP over the 13
 dense features -> D; one embedding per sparse feature (26 features, Criteo Kaggle
@@ -24,7 +25,12 @@ identically to the TT and dense runs so they train on the same data. The default
 trainable in a few minutes on 2 CPU cores; ``--max-rows 0`` uses the full Criteo
 cardinalities (33.8M rows: 2.16 GB dense at D=16; TT is unaffected).
 
-Runs on the default JAX backend: CPU, or the GPU when one is present.
+Runs on the default JAX backend: CPU, or the GPU when one is present. ``--mesh data=N``
+trains data parallel over N devices (``data=all``: every device of every process) with
+the collection data parallel (``--sharding data``) or its TT tables placed table-wise
+(``--sharding table``), through ``flowtt_jax.sharding``; ``--distributed`` first calls
+``jax.distributed.initialize()`` (one process per host; ``--coordinator``,
+``--num-processes``, ``--process-id`` where the cluster does not say them).
 """
 
 from __future__ import annotations
@@ -42,8 +48,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from flowtt_jax import ffi
+from flowtt_jax import sharding as ftt_sharding
 from flowtt_jax.collection import TableConfig, make_table_configs
 from flowtt_jax.nnx import TTEmbeddingCollection
 
@@ -212,9 +221,28 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
         impl=args.impl,
         rngs=nnx.Rngs(args.seed),
     )
+    emb_bytes = embedding_bytes(model)  # before sharding (table-wise cores are stacked, padded)
+    mesh = make_mesh(args.mesh)
+    batch = data.batch
+    if mesh is not None:
+        if args.batch_size % mesh.size:
+            raise ValueError(f"--batch-size {args.batch_size} does not split over {mesh.size} devices")
+        placement = None
+        if args.sharding == "table":  # input-aware: costs from a batch of the step's size
+            sample = np.asarray(data.batch(0, args.batch_size, stream=0)[1])
+            costs = ftt_sharding.table_costs(
+                model.embeddings.layout, {t.name: sample[:, i] for i, t in enumerate(tables)}
+            )
+            placement = ftt_sharding.place_tables(costs, mesh.size)
+        ftt_sharding.shard_collection(model.embeddings, mesh, placement=placement)
+        batch = data.batch_fn(NamedSharding(mesh, PartitionSpec("data")))
+        log(
+            f"[{name}] mesh {dict(mesh.shape)} over {jax.process_count()} process(es), collection "
+            f"{args.sharding} parallel"
+            + (f" (placement imbalance {placement.imbalance:.3f})" if placement is not None else "")
+        )
     optimizer = nnx.Optimizer(model, build_optimizer(args.optimizer, args.lr), wrt=nnx.Param)
 
-    emb_bytes = embedding_bytes(model)
     dense_eq = sum(n * args.dim * 4 for n in data.cardinalities)
     full_dense = sum(n * args.dim * 4 for n in data.raw_cardinalities)
     n_tt = sum(t.kind == "tt" for t in tables)
@@ -238,16 +266,30 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
     # so the data are bitwise identical); nothing in the loop waits for the device except
     # the loss at log points.
     graphdef, state = nnx.split((model, optimizer))
+    if mesh is not None:
+        state = ftt_sharding.place_state(state, mesh)
     state, treedef = jax.tree.flatten(state)
     del model, optimizer
 
     def merge(leaves):
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
+    def loss_of(model, dense, sparse, labels):
+        return bce(model(dense, sparse), labels)
+
+    def forward(model, dense, sparse):
+        return model(dense, sparse)
+
+    if mesh is None:
+        value_and_grad = nnx.value_and_grad(loss_of)
+    else:  # the whole model per device; TT cores placed as the collection's strategy says
+        value_and_grad = ftt_sharding.sharded_value_and_grad(loss_of, mesh)
+        forward = ftt_sharding.sharded_call(forward, mesh)
+
     @functools.partial(jax.jit, donate_argnums=0)
     def train_step(leaves, dense, sparse, labels):
         model, optimizer = merge(leaves)
-        loss, grads = nnx.value_and_grad(lambda m: bce(m(dense, sparse), labels))(model)
+        loss, grads = value_and_grad(model, dense, sparse, labels)
         optimizer.update(model, grads)
         new, new_treedef = jax.tree.flatten(nnx.state((model, optimizer)))
         assert new_treedef == treedef, "the train step changed the state's structure"
@@ -255,7 +297,7 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
 
     @jax.jit
     def predict(leaves, dense, sparse):
-        return merge(leaves)[0](dense, sparse)
+        return forward(merge(leaves)[0], dense, sparse)
 
     # train_seconds counts everything (compile included); examples/s is measured after
     # the first (compiling) step
@@ -266,7 +308,7 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
     t_first = None
     losses = []
     for step in range(args.steps):
-        d, s, y, _ = data.batch(step, args.batch_size, stream=0)
+        d, s, y, _ = batch(step, args.batch_size, stream=0)
         state, loss = train_step(state, d, s, y)
         losses.append(loss)
         if step == 0:
@@ -294,11 +336,14 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
 
     scores, labels, logits = [], [], []
     for i in range(args.eval_batches):
-        d, s, y, lg = data.batch(i, args.batch_size, stream=1)
+        d, s, y, lg = batch(i, args.batch_size, stream=1)
         scores.append(predict(state, d, s))
         labels.append(y)
         logits.append(lg)
-    scores, labels, logits = (np.concatenate([np.asarray(a) for a in x]) for x in (scores, labels, logits))
+    fetch = (
+        np.asarray if mesh is None else lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    )
+    scores, labels, logits = (np.concatenate([fetch(a) for a in x]) for x in (scores, labels, logits))
     auc = roc_auc(labels, scores)
     bayes = roc_auc(labels, logits)
     eval_loss = float(bce(jnp.asarray(scores), jnp.asarray(labels)))
@@ -314,7 +359,7 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
 
     # Where a step's time goes, each part alone (after the evaluation: the extra steps
     # train the model further on one batch, which nothing uses any more).
-    d, s, y, _ = data.batch(0, args.batch_size, stream=0)
+    d, s, y, _ = batch(0, args.batch_size, stream=0)
 
     def one_step():
         nonlocal state
@@ -323,7 +368,7 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
 
     n = args.profile_steps
     times = StepTimes(
-        data=timed(lambda: data.batch(0, args.batch_size, stream=0), n),
+        data=timed(lambda: batch(0, args.batch_size, stream=0), n),
         forward=timed(lambda: predict(state, d, s), n),
         train_step=timed(one_step, n),
         loop=loop,
@@ -382,6 +427,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of tqdm")
     p.add_argument(
+        "--mesh",
+        default=None,
+        help="data=N: data parallel over N devices (data=all: every device of every process)",
+    )
+    p.add_argument(
+        "--sharding",
+        choices=("data", "table"),
+        default="data",
+        help="with --mesh: the embedding collection data parallel (replicated cores) or table-wise",
+    )
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() first (one process per host; cluster env or the flags below)",
+    )
+    p.add_argument("--coordinator", default=None, help="with --distributed: host:port of process 0")
+    p.add_argument("--num-processes", type=int, default=None)
+    p.add_argument("--process-id", type=int, default=None)
+    p.add_argument(
         "--check",
         action="store_true",
         help="with --compare: exit 1 unless |dense AUC - TT AUC| <= --max-auc-gap, "
@@ -392,11 +456,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.check and not args.compare:
         p.error("--check needs --compare")
+    if args.mesh is not None and not (
+        args.mesh.startswith("data=") and args.mesh[5:].replace("all", "0").isdigit()
+    ):
+        p.error(f"--mesh: data=N or data=all, got {args.mesh!r}")
     return args
+
+
+def make_mesh(spec: str | None) -> jax.sharding.Mesh | None:
+    """The 1-axis ``data`` mesh of ``--mesh data=N`` (the first N devices; all for ``all``)."""
+    if spec is None:
+        return None
+    n = spec.split("=", 1)[1]
+    n = jax.device_count() if n == "all" else int(n)
+    return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, RunResult]:
     args = parse_args(argv)
+    if args.distributed:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     print(
         f"DLRM on synthetic Criteo-format data: {args.steps} steps x batch {args.batch_size}, "
         f"{args.optimizer} lr {args.lr}, backend {jax.default_backend()} "
