@@ -1,21 +1,24 @@
 """The fuzz corpus on the GPU under compute-sanitizer, and under CUDA_LAUNCH_BLOCKING=1.
 
-    python scripts/fuzz_sanitize.py [--out DIR] [--cases N] [--tools memcheck,racecheck,initcheck,synccheck]
+    python scripts/fuzz_sanitize.py [--out DIR] [--cases N]
+        [--tools blocking,memcheck,racecheck,initcheck,synccheck]
 
 Runs the cases of ``tests/test_fuzz_corpus.py`` whose single-table or table-batched
 kernels the GPU takes (``impl="ffi"``: forward, no-gradient forward, the fused forward in
 chunks of 64 rows, gradients of cores and weights), in child processes:
 
 1. ``plain``: as is; every result checked against the float64 oracle;
-2. ``blocking``: with ``CUDA_LAUNCH_BLOCKING=1``; results must equal plain's bit for bit;
-3. one run per tool: ``compute-sanitizer --tool T --target-processes all --kernel-name
-   kns=flowtt`` (the flowtt kernels, as ``scripts/gpu_check.sh``); its ``ERROR SUMMARY``
-   must say 0 errors and its results must equal plain's bit for bit.
+2. ``blocking`` (in ``--tools``): with ``CUDA_LAUNCH_BLOCKING=1``; results must equal
+   plain's bit for bit;
+3. one run per compute-sanitizer tool T in ``--tools``: ``compute-sanitizer --tool T
+   --target-processes all --kernel-name kns=flowtt`` (the flowtt kernels, as
+   ``scripts/gpu_check.sh``); its ``ERROR SUMMARY`` must say 0 errors and its results must
+   equal plain's bit for bit.
 
 Writes ``DIR/<run>.log``, ``DIR/<run>.npz`` and ``DIR/summary.json`` (default DIR:
 ``$OUT/fuzz_sanitize``, else ``./fuzz_sanitize_out``); exits 1 on any error, mismatch or
-oracle failure, 2 without a GPU (``FLOWTT_FUZZ_ON_CPU=1 ... --tools ''``: a dry run of the
-plain and blocking steps on the CPU kernels). Needs the CUDA build (``FLOWTT_CUDA=ON pip install
+oracle failure, 2 without a GPU (``FLOWTT_FUZZ_ON_CPU=1 ... --tools blocking``: a dry run
+of the plain and blocking steps on the CPU kernels). Needs the CUDA build (``FLOWTT_CUDA=ON pip install
 --no-build-isolation --no-deps -e .``). racecheck is the slow one: ``--cases`` and
 ``--tools`` split the work across calls.
 """
@@ -34,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")  # compute-sanitizer's
 
 
 def _worker(out_path: Path, num_cases: int) -> int:
@@ -117,7 +120,9 @@ def main() -> int:
     )
     ap.add_argument("--cases", type=int, default=64, help="corpus cases (seeds 0..N-1)")
     ap.add_argument(
-        "--tools", default=",".join(TOOLS), help="comma-separated compute-sanitizer tools ('' for none)"
+        "--tools",
+        default=",".join(("blocking",) + TOOLS),
+        help="comma-separated runs after plain: blocking and compute-sanitizer tools",
     )
     ap.add_argument("--timeout", type=int, default=3000, help="seconds per child run")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -146,20 +151,15 @@ def main() -> int:
     print(f"plain: {ran} cases on the kernels, {len(report) - ran} skipped, oracle failures: {failures or 0}")
     status |= bool(failures)
 
-    runs = [("blocking", {"CUDA_LAUNCH_BLOCKING": "1"}, [])]
+    runs = []
     for tool in filter(None, args.tools.split(",")):
-        if tool not in TOOLS:
-            ap.error(f"unknown tool {tool!r}")
-        sanitizer = [
-            "compute-sanitizer",
-            "--tool",
-            tool,
-            "--target-processes",
-            "all",
-            "--kernel-name",
-            "kns=flowtt",
-        ]
-        runs.append((tool, {}, sanitizer))
+        if tool == "blocking":
+            runs.append((tool, {"CUDA_LAUNCH_BLOCKING": "1"}, []))
+        elif tool in TOOLS:
+            sanitizer = ["compute-sanitizer", "--tool", tool, "--target-processes", "all"]
+            runs.append((tool, {}, sanitizer + ["--kernel-name", "kns=flowtt"]))
+        else:
+            ap.error(f"unknown run {tool!r}")
     for name, extra_env, prefix in runs:
         t0 = time.perf_counter()
         log = out / f"{name}.log"
