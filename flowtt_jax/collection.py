@@ -23,8 +23,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import reference
 from .bag import MODES, prepare_bags
-from .oob import apply_oob
+from .oob import apply_oob, as_ids
 from .spec import TTSpec
 
 __all__ = [
@@ -204,13 +205,13 @@ def dense_embedding_bag(
     num = bags.offsets.shape[0] - 1
     rows = jnp.take(table, bags.ids, axis=0)
     rows = rows.astype(jnp.promote_types(rows.dtype, jnp.float32))
-    out = jax.ops.segment_sum(rows * bags.weights[:, None], bags.bag_ids, num_segments=num)
+    out = reference.pool(rows, bags.weights, bags.bag_ids, num)  # a weight of 0 adds nothing
     return out.astype(table.dtype if dtype is None else dtype)
 
 
 def dense_lookup(table: jax.Array, ids: jax.Array, *, oob: str = "zero") -> jax.Array:
     """Rows of a dense table with the library's out-of-range policy: ``[..., D]``."""
-    ids = jnp.asarray(ids)
+    ids = as_ids(ids, oob)
     flat, valid = apply_oob(ids.reshape(-1), table.shape[0], oob)
     rows = jnp.take(table, flat, axis=0)
     if valid is not None:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import reference
 from .bag import CanonicalBags, prepare_bags
 from .batched import choose_impl, pooled_group
 from .batched_plan import GroupLayout
@@ -275,7 +276,7 @@ def _pool(pack: TablePack, arrays, slots, prepared, impl: str) -> jax.Array:
         row_base = jnp.concatenate([jnp.full((m,), b, jnp.int32) for m, b in zip(sizes, bases)])
         rows = jnp.take(arrays[0], row_base + ids, axis=0)
         rows = rows.astype(jnp.promote_types(rows.dtype, jnp.float32))
-        return jax.ops.segment_sum(rows * weights[:, None], bag_ids, num_segments=len(slots) * batch)
+        return reference.pool(rows, weights, bag_ids, len(slots) * batch)  # a weight of 0 adds nothing
     tables = jnp.concatenate([jnp.full((m,), s.table, jnp.int32) for m, s in zip(sizes, slots)])
     weighted = any(prepared[s.feature][1] for s in slots)
     which = choose_impl(impl, pack.layout, [a.dtype for a in arrays])

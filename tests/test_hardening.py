@@ -381,3 +381,16 @@ def test_float16_cores_take_the_kernels_as_documented():
     ids = jnp.array([1, 2, 999])
     rows = {impl: ftt.tt_lookup(cores, ids, impl=impl, dtype=jnp.float32) for impl in IMPLS}
     assert np.allclose(_np(rows["ffi"]), _np(rows["reference"]), atol=1e-6)
+
+
+def test_dense_tables_follow_the_same_policies():
+    """The dense bag and lookup (and the collection's dense packs): host int64 ids past
+    int32 are out of range, not wrapped; a dropped position adds nothing, even next to
+    an inf row."""
+    from flowtt_jax.collection import dense_embedding_bag, dense_lookup
+
+    table = jnp.arange(12.0).reshape(6, 2).at[0].set(jnp.inf)
+    rows = dense_lookup(table, np.array([2**32 + 1, 1], np.int64))
+    np.testing.assert_array_equal(rows, [[0.0, 0.0], [2.0, 3.0]])
+    bag = dense_embedding_bag(table, jnp.array([[0, 1]]), mask=jnp.array([[False, True]]))
+    np.testing.assert_array_equal(bag, [[2.0, 3.0]])
