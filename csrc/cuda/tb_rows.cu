@@ -1,13 +1,14 @@
 // Table-batched rows ops on CUDA: the launchers of cuda/tb_rows.h (scratch layouts, the
 // radix sorts, path choice, launch configuration). The kernels and their design:
-// cuda/tb_rows_kernels.cuh.
+// cuda/tb_fwd_kernels.cuh, cuda/tb_bwd_kernels.cuh.
 #include <cub/cub.cuh>
 
 #include <algorithm>
 #include <cstdint>
 
 #include "cuda/tb_rows.h"
-#include "cuda/tb_rows_kernels.cuh"
+#include "cuda/tb_bwd_kernels.cuh"
+#include "cuda/tb_fwd_kernels.cuh"
 #include "cuda/tb_sort.cuh"
 
 namespace flowtt::tb {

@@ -1,4 +1,5 @@
-// Device helpers of the table-batched rows kernels (cuda/tb_rows_kernels.cuh). Every
+// Device helpers of the table-batched rows kernels (cuda/tb_fwd_kernels.cuh,
+// cuda/tb_bwd_kernels.cuh). Every
 // plan index read is clamped into its core or range: a bad plan gives wrong numbers,
 // never an out-of-bounds access. No CUDA header included (nvcc provides the built-ins;
 // cuda/tb_emu.h provides them for the CPU emulation test).
@@ -281,3 +282,11 @@ __device__ __forceinline__ void tb_block_dP(const TbDev& d, int nb, const int* s
 }
 
 }  // namespace flowtt::tb
+
+// The kernel instance for q1 (register blocking over q1 when q1 is 1, 2, 4 or 8).
+#define TB_BY_Q1(KERNEL, VEC, q1)    \
+  ((q1) == 1   ? &KERNEL<1, VEC>     \
+   : (q1) == 2 ? &KERNEL<2, VEC>     \
+   : (q1) == 4 ? &KERNEL<4, VEC>     \
+   : (q1) == 8 ? &KERNEL<8, VEC>     \
+               : &KERNEL<0, VEC>)

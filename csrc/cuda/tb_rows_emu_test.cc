@@ -1,4 +1,5 @@
-// The CUDA table-batched kernels (cuda/tb_rows_kernels.cuh) run on the CPU through the
+// The CUDA table-batched kernels (cuda/tb_fwd_kernels.cuh, cuda/tb_bwd_kernels.cuh) run on
+// the CPU through the
 // emulation of cuda/tb_emu.h, against the float64 oracle (common/tb_testing.h): checks
 // the kernels' indexing, batching, barriers and shuffle trees where no GPU is at hand.
 // The launch sequence mirrors cuda/tb_rows.cu (a host exclusive scan in place of cub's);
@@ -9,7 +10,8 @@
 // Each standard case runs with the vectorised (float4) paths where the dims allow and
 // again with the scalar paths. Prints PASS/FAIL lines; exit status 1 on any failure.
 #include "cuda/tb_emu.h"  // first: the CUDA built-ins
-#include "cuda/tb_rows_kernels.cuh"
+#include "cuda/tb_bwd_kernels.cuh"
+#include "cuda/tb_fwd_kernels.cuh"
 #include "cuda/tb_sort.cuh"
 
 #include <algorithm>

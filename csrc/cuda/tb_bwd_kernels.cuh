@@ -1,19 +1,7 @@
-// Table-batched rows kernels (sm_90), docs/batched_contract.md, launched by
+// Table-batched rows kernels, backward (sm_90), docs/batched_contract.md, launched by
 // cuda/tb_rows.cu (and on the CPU by the emulation test cuda/tb_rows_emu_test.cc). The
 // kernels see packed core rows only (u_i3, g_i1, g_i2 from the plan), never tables: one
 // launch per stage serves every table of a shape group.
-//
-// Forward (flowtt_tb_rows_fwd), two designs, each one persistent kernel:
-//   tb_fwd_tile_kernel (r2 % 4 == 0, q3 4 or 8): the groups sorted by g_i2 (radix sort),
-//     a block per packed g2 row keeps it in shared memory for all its groups (the groups
-//     sharing a g2 row are the same table's (i1, i2) for every i1), P of up to 32 groups
-//     at a time by one GEMM; groups longer than kTbChunk ids finish in a chunk phase;
-//   tb_fwd_kernel (any supported dims): warps steal chunks of kTbChunk consecutive unique
-//     indices from an atomic counter; a warp walks the groups overlapping its chunk (the
-//     first by binary search in group_offsets), forms each group's prefix product
-//     P = g1[g_i1] . g2[g_i2] in its shared-memory slice and writes the rows of the
-//     chunk's unique indices of that group. A group longer than a chunk is split across
-//     chunks (its P recomputed per chunk), so any skew balances.
 //
 // Backward (flowtt_tb_rows_bwd), in the contract's summation order, no float atomics:
 //   ug[u] (the group of each unique index); the groups radix-sorted by g_i2
@@ -34,211 +22,12 @@
 //     ascending u): a warp per group forms P, then each output element adds
 //     P^T . d_rows[u] in u order.
 #pragma once
+#pragma once
 
 #include "cuda/tb_rows.cuh"
 
 namespace flowtt::tb {
 namespace {  // internal linkage: one copy per including file
-
-// ------------------------------- forward -------------------------------------------
-
-template <int Q1C, int VEC>
-__global__ void __launch_bounds__(kTbThreads)
-    tb_fwd_kernel(TbDev d, const float* __restrict__ g1, const float* __restrict__ g2,
-                  const float* __restrict__ g3, const int* __restrict__ u_i3,
-                  const int* __restrict__ g_i1, const int* __restrict__ g_i2,
-                  const int* __restrict__ goffs, const int* __restrict__ counts, int n,
-                  int* ctr, float* __restrict__ rows) {
-  TB_DYNAMIC_SMEM(tb_smem4);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float* G1s = reinterpret_cast<float*>(tb_smem4) +
-               warp * (tb_align4(d.Q1R1) + tb_align4(d.M * d.ldP));
-  float* Pw = G1s + tb_align4(d.Q1R1);
-  int U, G;
-  tb_counts(counts, n, U, G);
-  for (;;) {
-    int c = 0;
-    if (lane == 0) c = atomicAdd(ctr, 1);
-    c = __shfl_sync(0xffffffffu, c, 0);
-    if ((long long)c * kTbChunk >= U) break;
-    const int u0 = c * kTbChunk, u1 = min(u0 + kTbChunk, U);
-    for (int g = tb_find_group(goffs, G, u0); g < G; ++g) {
-      int gs, ge;
-      tb_group_range(goffs, g, U, gs, ge);
-      if (gs >= u1) break;
-      const int a = max(gs, u0), b = min(ge, u1);
-      if (a >= b) continue;
-      tb_warp_load_g1(d, g1, tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1), G1s, lane);
-      __syncwarp();
-      tb_warp_prefix<Q1C, VEC>(d, G1s,
-                               g2 + (size_t)tb_clamp(__ldg(g_i2 + g), 0, d.P2 - 1) * d.R1K,
-                               Pw, lane);
-      __syncwarp();
-      tb_warp_apply(d, Pw, g3, u_i3, a, b, rows, lane);
-      __syncwarp();
-    }
-  }
-}
-
-// The sorted-tile forward (r2 % 4 == 0, q3 = Q3 in {4, 8}; geometry tb_tile_geo), after
-// the groups are sorted by g_i2 (a radix sort, tb_bounds_kernel):
-// phase 1, blocks steal packed g2 rows I (ctr[0]); the g2 row goes to shared memory once
-// and serves every group of I, in batches of GB: the batch's g1 rows transposed, P of the
-// whole batch as one GEMM [GB*q1, r1] x [r1, K] (kTbRPT rows x 4 columns per thread),
-// then a thread per (unique index, m) writes row[m][0..Q3) for the first kTbChunk unique
-// indices of each group. Phase 2, warps steal chunks of kTbChunk unique indices (ctr[1]):
-// the only work left in chunk [u0, u0 + kTbChunk) is the tail of the group holding u0
-// past its first kTbChunk ids, done as in tb_fwd_kernel (P recomputed by the warp).
-template <int Q3>
-__global__ void __launch_bounds__(kTbThreads)
-    tb_fwd_tile_kernel(TbDev d, TbTileGeo geo, const float* __restrict__ g1,
-                       const float* __restrict__ g2, const float* __restrict__ g3,
-                       const int* __restrict__ u_i3, const int* __restrict__ g_i1,
-                       const int* __restrict__ g_i2, const int* __restrict__ goffs,
-                       const int* __restrict__ counts, int n, const int* __restrict__ bounds2,
-                       const int* __restrict__ sorted_groups, int* ctr,
-                       float* __restrict__ rows) {
-  TB_DYNAMIC_SMEM(tb_smem4);
-  float* smem = reinterpret_cast<float*>(tb_smem4);
-  float* G2s = smem;                       // [r1][K]
-  float* As = G2s + tb_align4(d.R1K);      // [r1][ldA]
-  float* Ps = As + d.r1 * geo.ldA;         // [GB][r2][ldm]
-  __shared__ int s_item, s_w;
-  __shared__ int s_gs[kTbTileGroups], s_pref[kTbTileGroups], s_i1[kTbTileGroups];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  int U, G;
-  tb_counts(counts, n, U, G);
-  const int gmax = max(G - 1, 0);
-  const int NC4 = d.K / 4;
-  for (;;) {  // phase 1
-    const int I = tb_claim(ctr, &s_item);
-    if (I >= d.P2) break;
-    const int lo = tb_clamp(bounds2[I], 0, n), hi = tb_clamp(bounds2[I + 1], lo, n);
-    if (lo == hi) continue;
-    {
-      const float4* src = reinterpret_cast<const float4*>(g2 + (size_t)I * d.R1K);
-      for (int i = tid; i < d.R1K / 4; i += kTbThreads)
-        reinterpret_cast<float4*>(G2s)[i] = __ldg(src + i);
-    }
-    for (int j0 = lo; j0 < hi; j0 += geo.GB) {
-      const int nb = min(geo.GB, hi - j0);
-      __syncthreads();  // the previous batch's As / Ps are read
-      if (warp == 0) {  // the batch's groups, their first kTbChunk ids, a scan of the counts
-        int cnt = 0;
-        if (lane < nb) {
-          const int g = tb_clamp(__ldg(sorted_groups + j0 + lane), 0, gmax);
-          int gs, ge;
-          tb_group_range(goffs, g, U, gs, ge);
-          cnt = min(ge - gs, kTbChunk);
-          s_gs[lane] = gs;
-          s_i1[lane] = tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1);
-        }
-        int incl = cnt;
-        for (int off = 1; off < 32; off <<= 1) {
-          const int v = __shfl_up_sync(0xffffffffu, incl, off);
-          if (lane >= off) incl += v;
-        }
-        if (lane < nb) s_pref[lane] = incl - cnt;
-        if (lane == 31) s_w = incl;
-      }
-      __syncthreads();
-      const int nR = nb * d.q1;
-      for (int e = tid; e < nR * d.r1; e += kTbThreads) {  // As[a][row] = g1[i1_k][x1][a]
-        const int a = e / nR, row = e - a * nR;
-        const int k = row / d.q1, x1 = row - k * d.q1;
-        As[a * geo.ldA + row] = __ldg(g1 + (size_t)s_i1[k] * d.Q1R1 + x1 * d.r1 + a);
-      }
-      __syncthreads();
-      const int nRB = (nR + kTbRPT - 1) / kTbRPT;
-      for (int it = tid; it < nRB * NC4; it += kTbThreads) {  // P = As^T . G2s
-        const int rb = it / NC4, c4 = it - rb * NC4;
-        float acc[kTbRPT][4];
-#pragma unroll
-        for (int i = 0; i < kTbRPT; ++i)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
-        const float* ap = As + rb * kTbRPT;
-        const float* bp = G2s + 4 * c4;
-#pragma unroll 4
-        for (int a = 0; a < d.r1; ++a) {
-          const float4 a0 = *reinterpret_cast<const float4*>(ap + a * geo.ldA);
-          const float4 a1 = *reinterpret_cast<const float4*>(ap + a * geo.ldA + 4);
-          const float4 bv = *reinterpret_cast<const float4*>(bp + a * d.K);
-          const float av[kTbRPT] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-          const float bw[4] = {bv.x, bv.y, bv.z, bv.w};
-#pragma unroll
-          for (int i = 0; i < kTbRPT; ++i)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(av[i], bw[c], acc[i][c]);
-        }
-        const int x2 = (4 * c4) / d.r2, b0 = 4 * c4 - x2 * d.r2;  // r2 % 4 == 0
-#pragma unroll
-        for (int i = 0; i < kTbRPT; ++i) {
-          const int row = rb * kTbRPT + i;
-          if (row < nR) {
-            const int k = row / d.q1, m = (row - k * d.q1) * d.q2 + x2;
-#pragma unroll
-            for (int c = 0; c < 4; ++c) Ps[k * geo.PT + (b0 + c) * geo.ldm + m] = acc[i][c];
-          }
-        }
-      }
-      __syncthreads();
-      const int W = s_w;
-      for (int it = tid; it < W * d.M; it += kTbThreads) {  // row[m][0..Q3) of one id
-        const int uq = it / d.M, m = it - uq * d.M;
-        int k = 0;  // the last group of the batch with s_pref[k] <= uq
-        for (int step = kTbTileGroups / 2; step > 0; step >>= 1)
-          if (k + step < nb && s_pref[k + step] <= uq) k += step;
-        const int u = s_gs[k] + (uq - s_pref[k]);
-        const int i3 = tb_clamp(__ldg(u_i3 + u), 0, d.P3 - 1);
-        const float* P = Ps + k * geo.PT + m;
-        const float4* c = reinterpret_cast<const float4*>(g3 + (size_t)i3 * d.S3);
-        float acc[Q3];
-#pragma unroll
-        for (int z = 0; z < Q3; ++z) acc[z] = 0.f;
-#pragma unroll 4
-        for (int b = 0; b < d.r2; ++b) {
-          const float pv = P[b * geo.ldm];
-#pragma unroll
-          for (int h = 0; h < Q3 / 4; ++h) {
-            const float4 cv = __ldg(c + b * (Q3 / 4) + h);
-            acc[4 * h] = fmaf(pv, cv.x, acc[4 * h]);
-            acc[4 * h + 1] = fmaf(pv, cv.y, acc[4 * h + 1]);
-            acc[4 * h + 2] = fmaf(pv, cv.z, acc[4 * h + 2]);
-            acc[4 * h + 3] = fmaf(pv, cv.w, acc[4 * h + 3]);
-          }
-        }
-        float4* out = reinterpret_cast<float4*>(rows + (size_t)u * d.D + m * Q3);
-#pragma unroll
-        for (int h = 0; h < Q3 / 4; ++h)
-          out[h] = make_float4(acc[4 * h], acc[4 * h + 1], acc[4 * h + 2], acc[4 * h + 3]);
-      }
-    }
-  }
-  // phase 2: the tails; the block's shared memory is free (tb_claim synchronised it)
-  float* G1s = smem + warp * (tb_align4(d.Q1R1) + tb_align4(d.M * d.ldP));
-  float* Pw = G1s + tb_align4(d.Q1R1);
-  for (;;) {
-    int c = 0;
-    if (lane == 0) c = atomicAdd(ctr + 1, 1);
-    c = __shfl_sync(0xffffffffu, c, 0);
-    if ((long long)c * kTbChunk >= U) break;
-    const int u0 = c * kTbChunk, u1 = min(u0 + kTbChunk, U);
-    const int g = tb_find_group(goffs, G, u0);
-    if (g >= G) continue;
-    int gs, ge;
-    tb_group_range(goffs, g, U, gs, ge);
-    const int a = max(u0, gs + kTbChunk), b = min(ge, u1);
-    if (a >= b) continue;
-    tb_warp_load_g1(d, g1, tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1), G1s, lane);
-    __syncwarp();
-    tb_warp_prefix<0, 4>(d, G1s, g2 + (size_t)tb_clamp(__ldg(g_i2 + g), 0, d.P2 - 1) * d.R1K,
-                         Pw, lane);
-    __syncwarp();
-    tb_warp_apply(d, Pw, g3, u_i3, a, b, rows, lane);
-    __syncwarp();
-  }
-}
 
 // ------------------------------- backward: sorts ------------------------------------
 
@@ -751,11 +540,3 @@ __global__ void __launch_bounds__(kTbThreads)
 
 }  // namespace
 }  // namespace flowtt::tb
-
-// The kernel instance for q1 (register blocking over q1 when q1 is 1, 2, 4 or 8).
-#define TB_BY_Q1(KERNEL, VEC, q1)    \
-  ((q1) == 1   ? &KERNEL<1, VEC>     \
-   : (q1) == 2 ? &KERNEL<2, VEC>     \
-   : (q1) == 4 ? &KERNEL<4, VEC>     \
-   : (q1) == 8 ? &KERNEL<8, VEC>     \
-               : &KERNEL<0, VEC>)
