@@ -1,31 +1,62 @@
-"""Device-time breakdown of the fused ops on a GPU (profiler trace per kernel).
+"""Device-time breakdown of our ops on a GPU: a profiler trace per kernel.
 
-Usage (on the GPU machine): python scripts/profile_breakdown.py S1[,D128_r64_B4096,...]
-Prints, for weighted and unweighted bags, forward and forward+backward, the JSON of
-benchmarks/bench_single_table.device_profile (busy ms, per-part and per-kernel ms),
-then the pure-JAX plan (make_plan) alone for comparison.
+Usage (on the GPU machine):
+    python scripts/profile_breakdown.py meta240_B4096[,D32_r32_B32768_zipf1.05,...] [--top 40]
+
+A case is a collection ``meta<T>_B<batch>`` (``ours_batched``: the table-batched op) or a
+single table ``D<dim>_r<rank>_B<batch>_<dist>`` (``ours``), drawn exactly as
+``python -m benchmarks`` draws it. Prints, for the forward and the forward + backward (core
+gradients), the JSON of ``benchmarks.timing.device_profile``: busy ms, ms per part and per
+kernel.
 """
-import sys, json
-sys.path.insert(0, "benchmarks")
-import jax, jax.numpy as jnp
-import bench_single_table as b
-import flowtt_jax as ftt
-from flowtt_jax.plan import make_plan
-for name in sys.argv[1].split(","):
-    N, row_shape, D, col_shape, rank, bags, dist = b.CONFIGS[name]
-    spec = ftt.TTSpec.create(N, D, rank, row_shape=row_shape, col_shape=col_shape)
-    cores = tuple(ftt.init_cores(jax.random.key(1), spec))
-    ids, offsets, bag_ids, w = map(jnp.asarray, b.make_workload(N, bags, dist))
-    cot = jax.random.normal(jax.random.key(2), (bags, D), jnp.float32)
-    for weighted in (True, False):
-        def fwd(c, i, o, ww):
-            return ftt.tt_embedding_bag(c, i, offsets=o, weights=ww if weighted else None, impl="ffi")
-        def fb(c, i, o, ww):
-            out, vjp = jax.vjp(lambda cc: fwd(cc, i, o, ww), c)
-            return out, vjp(cot)
-        args = (cores, ids, offsets, w)
-        for lab, f in (("fwd", fwd), ("fwd_bwd", fb)):
-            r = b.device_profile(jax.jit(f), args, iters=20, top=40)
-            print(name, "weighted" if weighted else "unweighted", lab, json.dumps(r, indent=1), flush=True)
-    r = b.device_profile(jax.jit(make_plan, static_argnums=1), (ids, row_shape[-1]), iters=20, top=40)
-    print(name, "plan", json.dumps(r, indent=1))
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import impls, timing
+from benchmarks.__main__ import FULL, QUICK
+from benchmarks.workloads import MetaLikeCollection, single_table
+
+
+def workload(case: str, s: dict):
+    if m := re.fullmatch(r"meta(\d+)_B(\d+)", case):
+        coll = MetaLikeCollection.create(int(m[1]), 0, rows_range=s["rows_range"], rank=s["collection_rank"])
+        return coll.draw(int(m[2])), "ours_batched"
+    if m := re.fullmatch(r"D(\d+)_r(\d+)_B(\d+)_(\w[\w.]*)", case):
+        kw = dict(num_embeddings=s["num_embeddings"], dim=int(m[1]), rank=int(m[2]), batch=int(m[3]))
+        return single_table(**kw, dist=m[4], seed=0, row_shape=s["row_shape"]), "ours"
+    raise SystemExit(f"unknown case {case!r}: meta<T>_B<batch> or D<dim>_r<rank>_B<batch>_<dist>")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cases", help="comma-separated case names")
+    ap.add_argument("--top", type=int, default=40, help="kernels listed per profile")
+    ap.add_argument("--quick", action="store_true", help="the benchmark's --quick sizes")
+    a = ap.parse_args()
+    for case in a.cases.split(","):
+        w, name = workload(case, QUICK if a.quick else FULL)
+        impl = impls.REGISTRY[name]
+        params = impl.init(w, impls.tt_cores(w))
+        fwd = impl.build(w)
+        ids, offsets = jax.device_put(w.ids), jax.device_put(w.offsets)
+        dim = sum(w.specs[f].embedding_dim for f in w.feature_table)
+        cot = jax.random.normal(jax.random.key(2), (w.batch, dim), jnp.float32)
+
+        def fwd_bwd(p, i, o, c):
+            out, vjp = jax.vjp(lambda pp: fwd(pp, i, o), p)
+            return out, vjp(c)[0]
+
+        for mode, f, args in (("fwd", fwd, (params, ids, offsets)), ("fwd_bwd", fwd_bwd, (params, ids, offsets, cot))):
+            prof = timing.device_profile(jax.jit(f), args, iters=10, top=a.top)
+            print(case, name, mode, json.dumps(prof, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()
