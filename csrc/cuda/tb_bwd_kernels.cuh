@@ -70,14 +70,17 @@ __global__ void tb_bounds_kernel(const int* __restrict__ order, const int* __res
 // listed group (tb_block_dP), then the groups in list order: threads (a, kp), output
 // column a = tid / 8 (+ 32 per pass), kp = tid % 8 splitting the K = q2*r2 terms (float4
 // quads kp, kp+8, ...); the 8 partials of each (q1, a) combined by a fixed xor tree and
-// added to the row's accumulator, owned by thread kp == 0 of column a.
+// added to the row's accumulator, owned by thread kp == 0 of column a (tb_dg1_term).
+// The fallback of the dg1 terms path (tb_dg1_reduce_kernel): it returns at once when that
+// path ran, i.e. when 0 <= num_groups <= e_cap.
 template <int Q1C, int VEC>
 __global__ void __launch_bounds__(kTbThreads)
     tb_dg1_kernel(TbDev d, TbDg1Geo geo, const float* __restrict__ g2,
                   const float* __restrict__ g3, const float* __restrict__ d_rows,
                   const int* __restrict__ u_i3, const int* __restrict__ g_i2,
                   const int* __restrict__ goffs, const int* __restrict__ counts, int n,
-                  const int* __restrict__ bounds1, int* ctr, float* __restrict__ dg1) {
+                  const int* __restrict__ bounds1, int e_cap, int* ctr,
+                  float* __restrict__ dg1) {
   constexpr int NQ1 = Q1C ? Q1C : kTbQ1Max;
   constexpr int KP = 8;
   constexpr int kNoKey = 0x7fffffff;
@@ -92,6 +95,7 @@ __global__ void __launch_bounds__(kTbThreads)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, kp = tid % KP;
   int U, G;
   tb_counts(counts, n, U, G);
+  if (G <= e_cap) return;
   for (;;) {
     const int blk = tb_claim(ctr, &s_item);
     if ((long long)blk * geo.R >= d.P1) break;
@@ -150,50 +154,15 @@ __global__ void __launch_bounds__(kTbThreads)
       tb_block_dP(d, cnt, s_gs, s_ge, u_i3, g3, d_rows, dPs);
       __syncthreads();
       for (int k = 0; k < cnt; ++k) {
-        const float* dp = dPs + k * d.PSZ;
-        const float* g2s = G2s + s_step[k] * ld2;
         float* acc_row = acc + s_row[k] * d.Q1R1;
-#pragma unroll
-        for (int pass = 0; pass < 2; ++pass) {
-          if (pass * 32 >= d.r1) break;
+        for (int pass = 0; pass * 32 < d.r1; ++pass) {
           const int a = pass * 32 + tid / KP;
           float part[NQ1];
+          tb_dg1_term<Q1C, VEC>(d, dPs + k * d.PSZ, G2s + s_step[k] * ld2, a, kp, part);
+          if (kp == 0 && a < d.r1)
 #pragma unroll
-          for (int x1 = 0; x1 < NQ1; ++x1) part[x1] = 0.f;
-          if (a < d.r1) {
-            const float* gr = g2s + a * d.K;
-            if (VEC == 4) {
-              for (int q = kp; q < d.K / 4; q += KP) {
-                const float4 gv = reinterpret_cast<const float4*>(gr)[q];
-#pragma unroll
-                for (int x1 = 0; x1 < NQ1; ++x1) {
-                  if (Q1C || x1 < d.q1) {
-                    const float4 dv = reinterpret_cast<const float4*>(dp + x1 * d.K)[q];
-                    float t = fmaf(dv.x, gv.x, part[x1]);
-                    t = fmaf(dv.y, gv.y, t);
-                    t = fmaf(dv.z, gv.z, t);
-                    part[x1] = fmaf(dv.w, gv.w, t);
-                  }
-                }
-              }
-            } else {
-              for (int j = kp; j < d.K; j += KP) {
-                const float gv = gr[j];
-#pragma unroll
-                for (int x1 = 0; x1 < NQ1; ++x1)
-                  if (Q1C || x1 < d.q1) part[x1] = fmaf(dp[x1 * d.K + j], gv, part[x1]);
-              }
-            }
-          }
-#pragma unroll
-          for (int x1 = 0; x1 < NQ1; ++x1) {
-            if (Q1C || x1 < d.q1) {
-#pragma unroll
-              for (int off = KP / 2; off > 0; off >>= 1)
-                part[x1] += __shfl_xor_sync(0xffffffffu, part[x1], off);
-              if (kp == 0 && a < d.r1) acc_row[x1 * d.r1 + a] += part[x1];
-            }
-          }
+            for (int x1 = 0; x1 < NQ1; ++x1)
+              if (Q1C || x1 < d.q1) acc_row[x1 * d.r1 + a] += part[x1];
         }
       }
     }
@@ -212,24 +181,31 @@ __global__ void __launch_bounds__(kTbThreads)
 // bounds2[I+1]), a stable sort by g_i2) of g1[g_i1[g]]^T . dP_g. The row [r1][K] is
 // accumulated in shared memory, each element owned by one thread: VEC == 4 (r1 and K
 // multiples of 4) 4x4 tiles (a0..a0+3, j0..j0+3) per thread, else single elements.
+// With E (when 0 <= num_groups <= e_cap) the block also writes each group's dg1 term
+// E[g] = dP_g . g2[I]^T ([q1][r1], tb_dg1_term with VEC = e_vec ? 4 : 1, the g2 row I
+// staged in shared memory once), summed per g1 row by tb_dg1_reduce_kernel.
 template <int VEC>
 __global__ void __launch_bounds__(kTbThreads)
-    tb_dg2_kernel(TbDev d, const float* __restrict__ g1, const float* __restrict__ g3,
-                  const float* __restrict__ d_rows, const int* __restrict__ u_i3,
-                  const int* __restrict__ g_i1, const int* __restrict__ goffs,
-                  const int* __restrict__ counts, int n, const int* __restrict__ bounds2,
-                  const int* __restrict__ sorted_groups, int* ctr, float* __restrict__ dg2) {
+    tb_dg2_kernel(TbDev d, const float* __restrict__ g1, const float* __restrict__ g2,
+                  const float* __restrict__ g3, const float* __restrict__ d_rows,
+                  const int* __restrict__ u_i3, const int* __restrict__ g_i1,
+                  const int* __restrict__ goffs, const int* __restrict__ counts, int n,
+                  const int* __restrict__ bounds2, const int* __restrict__ sorted_groups,
+                  int e_vec, int e_cap, int* ctr, float* __restrict__ dg2,
+                  float* __restrict__ E) {
   TB_DYNAMIC_SMEM(tb_smem4);
   const int ld1 = tb_align4(d.Q1R1);
-  float* acc = reinterpret_cast<float*>(tb_smem4);  // [r1][K]
-  float* G1b = acc + tb_align4(d.R1K);              // [kTbBatch][ld1]
-  float* dPs = G1b + kTbBatch * ld1;                // [kTbBatch][PSZ]
-  __shared__ int s_item, s_gs[kTbBatch], s_ge[kTbBatch], s_i1[kTbBatch];
+  int U, G;
+  tb_counts(counts, n, U, G);
+  const bool with_e = E != nullptr && G <= e_cap;
+  float* acc = reinterpret_cast<float*>(tb_smem4);         // [r1][K]
+  float* G2s = acc + tb_align4(d.R1K);                     // [r1][K] (with_e)
+  float* G1b = G2s + (with_e ? tb_align4(d.R1K) : 0);      // [kTbBatch][ld1]
+  float* dPs = G1b + kTbBatch * ld1;                       // [kTbBatch][PSZ]
+  __shared__ int s_item, s_gs[kTbBatch], s_ge[kTbBatch], s_i1[kTbBatch], s_g[kTbBatch];
   const int tid = threadIdx.x;
   const int K4 = d.K / 4;
   const int owned = VEC == 4 ? (d.r1 / 4) * K4 : d.R1K;  // tiles or elements
-  int U, G;
-  tb_counts(counts, n, U, G);
   const int gmax = max(G - 1, 0);
   for (;;) {
     const int I = tb_claim(ctr, &s_item);
@@ -245,6 +221,8 @@ __global__ void __launch_bounds__(kTbThreads)
         acc[t] = 0.f;
       }
     }
+    if (with_e && lo < hi)
+      for (int i = tid; i < d.R1K; i += kTbThreads) G2s[i] = __ldg(g2 + (size_t)I * d.R1K + i);
     for (int j0 = lo; j0 < hi; j0 += kTbBatch) {
       const int nb = min(kTbBatch, hi - j0);
       __syncthreads();  // the previous batch's G1b / dPs are read
@@ -252,6 +230,7 @@ __global__ void __launch_bounds__(kTbThreads)
         const int g = tb_clamp(__ldg(sorted_groups + j0 + tid), 0, gmax);
         tb_group_range(goffs, g, U, s_gs[tid], s_ge[tid]);
         s_i1[tid] = tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1);
+        s_g[tid] = g;
       }
       __syncthreads();
       for (int e = tid; e < nb * d.Q1R1; e += kTbThreads) {
@@ -304,6 +283,21 @@ __global__ void __launch_bounds__(kTbThreads)
             v += term;
           }
           acc[t] = v;
+        }
+      }
+      if (with_e) {  // the batch's dg1 terms (dPs and G2s are read-only until the next batch)
+        for (int k = 0; k < nb; ++k) {
+          for (int pass = 0; pass * 32 < d.r1; ++pass) {
+            const int a = pass * 32 + tid / 8, kp = tid % 8;
+            float part[kTbQ1Max];
+            if (e_vec)
+              tb_dg1_term<0, 4>(d, dPs + k * d.PSZ, G2s, a, kp, part);
+            else
+              tb_dg1_term<0, 1>(d, dPs + k * d.PSZ, G2s, a, kp, part);
+            if (kp == 0 && a < d.r1)
+              for (int x1 = 0; x1 < d.q1; ++x1)
+                E[(size_t)s_g[k] * d.Q1R1 + x1 * d.r1 + a] = part[x1];
+          }
         }
       }
     }
@@ -426,17 +420,40 @@ __global__ void __launch_bounds__(kTbThreads)
   }
 }
 
+// ------------------------------- backward: dg1 from E ------------------------------
+
+// dg1[I] = sum over the groups g of I (bounds1: g in [bounds1[I], bounds1[I+1]),
+// consecutive since g_i1 is non-decreasing in g), ascending, of E[g] (the terms
+// tb_dg2_kernel wrote): a thread per output element. The same terms in the same order as
+// tb_dg1_kernel, so bitwise its result. Runs when 0 <= num_groups <= e_cap, else returns
+// at once (tb_dg1_kernel does the work).
+__global__ void tb_dg1_reduce_kernel(TbDev d, const float* __restrict__ E, int e_cap,
+                                     const int* __restrict__ counts, int n,
+                                     const int* __restrict__ bounds1, float* __restrict__ dg1) {
+  int U, G;
+  tb_counts(counts, n, U, G);
+  if (G > e_cap) return;
+  const long long total = (long long)d.P1 * d.Q1R1;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+       i += (long long)gridDim.x * blockDim.x) {
+    const int I = (int)(i / d.Q1R1), e = (int)(i - (long long)I * d.Q1R1);
+    const int lo = tb_clamp(bounds1[I], 0, G), hi = tb_clamp(bounds1[I + 1], lo, G);
+    float acc = 0.f;
+#pragma unroll 4
+    for (int g = lo; g < hi; ++g) acc += __ldg(E + (size_t)g * d.Q1R1 + e);
+    dg1[i] = acc;
+  }
+}
+
 // ------------------------------- backward: dg3 --------------------------------------
 
 // dg3[I] = sum over the unique indices u of I in ascending u (sorted_u[bounds3[I] ..
-// bounds3[I+1]), a stable sort by u_i3) of P_{g(u)}^T . d_rows[u]. A block takes up to
-// kTbDg3Rows consecutive g3 rows and merges their id lists by group (warp 0 keeps a head
-// per row; a step is the smallest head group and the rows whose head id is in it): within
-// a row the group rises with u, so every row still receives its terms in ascending u,
-// while a group's P is formed once for all the rows of the block that use it. Per
-// super-step (up to 8 steps, kTbDg3MaxList ids): a warp per step forms P of its group in
-// its slice; then the listed ids in order, each output element (b, z) (thread tid,
-// tid + 256) adding its term (a sum over m ascending) to the id's row.
+// bounds3[I+1]), a stable sort by u_i3) of P_{g(u)}^T . d_rows[u]. A warp per g3 row
+// (work stealing by warps): the row's ids in chunks of tb_dg3_chunk(d); per chunk the
+// lanes read the ids and their groups, then stage each id's d_rows row and P (from the P
+// cache Pc for groups below cap, float4 loads all in flight; else formed by the warp,
+// tb_warp_prefix) in the warp's slice; then the ids in order, lane b (and b + 32) owning
+// the outputs (b, z): each term a sum over m ascending, added to the accumulator.
 template <int Q1C, int VEC>
 __global__ void __launch_bounds__(kTbThreads)
     tb_dg3_kernel(TbDev d, const float* __restrict__ g1, const float* __restrict__ g2,
@@ -445,96 +462,89 @@ __global__ void __launch_bounds__(kTbThreads)
                   const int* __restrict__ bounds3, const int* __restrict__ sorted_u,
                   const int* __restrict__ ug, const float* __restrict__ Pc, int cap, int* ctr,
                   float* __restrict__ dg3) {
-  constexpr int kNoKey = 0x7fffffff;
   TB_DYNAMIC_SMEM(tb_smem4);
-  float* smem = reinterpret_cast<float*>(tb_smem4);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wsz = tb_align4(d.Q1R1) + tb_align4(d.M * d.ldP);  // per warp: g1 row, P
-  float* G1s = smem + warp * wsz;
-  float* Pw = G1s + tb_align4(d.Q1R1);
-  float* acc = smem + kTbWarps * wsz;  // [kTbDg3Rows][S3]
-  __shared__ int s_item, s_cnt, s_steps;
-  __shared__ int s_u[kTbDg3MaxList], s_row[kTbDg3MaxList], s_step[kTbDg3MaxList];
-  __shared__ int s_g[kTbWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int CH = tb_dg3_chunk(d), slot = tb_dg3_slot(d), poff = tb_align4(d.M * d.ldP);
+  float* G1s = reinterpret_cast<float*>(tb_smem4) + warp * tb_dg3_slice(d);
+  float* S = G1s + tb_align4(d.Q1R1);  // [CH][slot]: P [M][ldP], then the d_rows row [D]
+  __shared__ int s_u[kTbWarps][kTbDg3MaxChunk], s_g[kTbWarps][kTbDg3MaxChunk];
   int U, G;
   tb_counts(counts, n, U, G);
   const int gmax = max(G - 1, 0);
   const int lim = min(cap, G);  // P of the groups below it: Pc (tb_pcache_kernel)
+  const int P4 = d.PSZ / 4;     // float4s of a cached P (r2 % 4 == 0 when cap > 0)
   for (;;) {
-    const int blk = tb_claim(ctr, &s_item);
-    if ((long long)blk * kTbDg3Rows >= d.P3) break;
-    const int I0 = blk * kTbDg3Rows, nrows = min(kTbDg3Rows, d.P3 - I0);
-    for (int e = tid; e < d.S3; e += kTbThreads)
-      for (int r = 0; r < nrows; ++r) acc[r * d.S3 + e] = 0.f;
-    int h = 0, hend = 0;  // warp 0, lane r: the next and the end position of row I0 + r
-    if (warp == 0 && lane < nrows) {
-      h = tb_clamp(bounds3[I0 + lane], 0, n);
-      hend = tb_clamp(bounds3[I0 + lane + 1], h, n);
-    }
-    for (;;) {
-      __syncthreads();  // the previous super-step is done
-      if (warp == 0) {  // the next steps of the merge
-        int cnt = 0, steps = 0;
-        while (steps < kTbWarps) {
-          int u = 0, key = kNoKey;
-          if (h < hend) {
-            u = tb_clamp(__ldg(sorted_u + h), 0, n - 1);
-            key = tb_clamp(__ldg(ug + u), 0, gmax);
-          }
-          const int m = __reduce_min_sync(0xffffffffu, key);
-          if (m == kNoKey) break;
-          const unsigned members = __ballot_sync(0xffffffffu, key == m);
-          if (cnt + __popc(members) > kTbDg3MaxList) break;
-          if (key == m) {
-            const int pos = cnt + __popc(members & ((1u << lane) - 1u));
-            s_u[pos] = u;
-            s_row[pos] = lane;
-            s_step[pos] = steps;
-            ++h;
-          }
-          if (lane == 0) s_g[steps] = m;
-          cnt += __popc(members);
-          ++steps;
-        }
-        if (lane == 0) {
-          s_cnt = cnt;
-          s_steps = steps;
-        }
+    const int I = tb_warp_claim(ctr, lane);
+    if (I >= d.P3) break;
+    const int lo = tb_clamp(bounds3[I], 0, n), hi = tb_clamp(bounds3[I + 1], lo, n);
+    float acc[2][kTbQ3Max];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int z = 0; z < kTbQ3Max; ++z) acc[i][z] = 0.f;
+    for (int h0 = lo; h0 < hi; h0 += CH) {
+      const int nc = min(CH, hi - h0);
+      if (lane < nc) {
+        const int u = tb_clamp(__ldg(sorted_u + h0 + lane), 0, n - 1);
+        s_u[warp][lane] = u;
+        s_g[warp][lane] = tb_clamp(__ldg(ug + u), 0, gmax);
       }
-      __syncthreads();
-      const int cnt = s_cnt;
-      if (cnt == 0) break;
-      if (warp < s_steps && s_g[warp] < lim) {  // P of the step's group: from the cache
-        const float4* src = reinterpret_cast<const float4*>(Pc + (size_t)s_g[warp] * d.PSZ);
-        for (int e4 = lane; e4 < d.PSZ / 4; e4 += 32) {  // r2 % 4 == 0 when cap > 0
-          const float4 v = __ldg(src + e4);
-          const int m = (4 * e4) / d.r2, b = 4 * e4 - m * d.r2;
-          float* dst = Pw + m * d.ldP + b;
+      __syncwarp();
+#pragma unroll 4
+      for (int e = lane; e < nc * d.D; e += 32) {  // the d_rows rows
+        const int k = e / d.D, o = e - k * d.D;
+        S[k * slot + poff + o] = __ldg(d_rows + (size_t)s_u[warp][k] * d.D + o);
+      }
+#pragma unroll 4
+      for (int e4 = lane; e4 < nc * P4; e4 += 32) {  // the cached P
+        const int k = e4 / P4, q = e4 - k * P4;
+        const int g = s_g[warp][k];
+        if (g < lim) {
+          const float4 v = __ldg(reinterpret_cast<const float4*>(Pc + (size_t)g * d.PSZ) + q);
+          const int m = (4 * q) / d.r2, b = 4 * q - m * d.r2;
+          float* dst = S + k * slot + m * d.ldP + b;
           dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
         }
-      } else if (warp < s_steps) {  // or formed by the warp
-        const int g = s_g[warp];
+      }
+      for (int k = 0; k < nc; ++k) {  // the P not cached, formed by the warp
+        const int g = s_g[warp][k];
+        if (g < lim) continue;
+        __syncwarp();
         tb_warp_load_g1(d, g1, tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1), G1s, lane);
         __syncwarp();
         tb_warp_prefix<Q1C, VEC>(d, G1s,
                                  g2 + (size_t)tb_clamp(__ldg(g_i2 + g), 0, d.P2 - 1) * d.R1K,
-                                 Pw, lane);
+                                 S + k * slot, lane);
       }
-      __syncthreads();
-      for (int k = 0; k < cnt; ++k) {
-        const float* P = smem + s_step[k] * wsz + tb_align4(d.Q1R1);
-        const float* dr = d_rows + (size_t)s_u[k] * d.D;
-        float* acc_row = acc + s_row[k] * d.S3;
-        for (int e = tid; e < d.S3; e += kTbThreads) {
-          const int b = e / d.q3, z = e - b * d.q3;
-          float c = 0.f;
-          for (int m = 0; m < d.M; ++m) c = fmaf(P[m * d.ldP + b], __ldg(dr + m * d.q3 + z), c);
-          acc_row[e] += c;
+      __syncwarp();
+      for (int k = 0; k < nc; ++k) {
+        const float* P = S + k * slot;
+        const float* dr = P + poff;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int b = lane + 32 * i;
+          if (b < d.r2) {
+#pragma unroll
+            for (int z = 0; z < kTbQ3Max; ++z) {
+              if (z < d.q3) {
+                float c = 0.f;
+                for (int m = 0; m < d.M; ++m) c = fmaf(P[m * d.ldP + b], dr[m * d.q3 + z], c);
+                acc[i][z] += c;
+              }
+            }
+          }
         }
       }
+      __syncwarp();  // the chunk's slots are read
     }
-    for (int e = tid; e < d.S3; e += kTbThreads)
-      for (int r = 0; r < nrows; ++r) dg3[(size_t)(I0 + r) * d.S3 + e] = acc[r * d.S3 + e];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int b = lane + 32 * i;
+      if (b < d.r2)
+#pragma unroll
+        for (int z = 0; z < kTbQ3Max; ++z)
+          if (z < d.q3) dg3[(size_t)I * d.S3 + b * d.q3 + z] = acc[i][z];
+    }
   }
 }
 

@@ -161,10 +161,11 @@ TbFwdScratch tb_fwd_layout(const TbDev& d, int n, char* base) {
   return s;
 }
 
-// Byte budget of the backward's P cache (tb_pcache_kernel -> tb_dg3_kernel): P_g
-// (q1*q2*r2 floats, 1 KB at q = (2, 4, *), r2 = 32) for the first `cap` groups, cap =
-// min(n, kTbPCacheBytes / sizeof P): 2M groups of 1 KB. Groups g >= cap (only when a
-// batch has more groups than that) are recomputed by dg3 as before, so any n works.
+// Byte budget of the backward's cache buffer, used twice: first for the dg1 terms E
+// (tb_dg2_kernel -> tb_dg1_reduce_kernel, q1*r1 floats per group), then for the P cache
+// (tb_pcache_kernel -> tb_dg3_kernel, P_g: q1*q2*r2 floats, 1 KB at q = (2, 4, *), r2 =
+// 32). E covers every group when num_groups <= e_cap (else tb_dg1_kernel merges per g1
+// row as before); the P cache the first `cap` groups (dg3 forms the others' P itself).
 constexpr size_t kTbPCacheBytes = size_t{2} << 30;
 
 // Groups the P cache holds for these dims (0: the dims do not take the tile GEMM, dg3
@@ -174,16 +175,25 @@ int tb_pcache_groups(const TbDev& d, int n) {
   return (int)std::min<size_t>((size_t)n, kTbPCacheBytes / (sizeof(float) * (size_t)d.PSZ));
 }
 
+// Shared memory cap of the dg2 kernel (with the staged g2 row when it writes E).
+constexpr size_t kTbDg2SmemCap = 200 * 1024;
+
+// Groups the dg1 terms E may hold (-1: the dims do not take that path).
+int tb_e_groups(const TbDev& d, int n) {
+  if (tb_dg2_smem(d, true) > kTbDg2SmemCap) return -1;
+  return (int)std::min<size_t>((size_t)n, kTbPCacheBytes / (sizeof(float) * (size_t)d.Q1R1));
+}
+
 // Backward scratch: ctrl [4] and bounds1 [P1+1] (one memset), the group sort, a third
 // index buffer (the unique index sort uses it and the one the group sort left free),
-// bounds3, ug, the P cache [cap][PSZ].
+// bounds3, ug, the cache buffer (E [e_cap][q1*r1], then P [cap][PSZ]).
 struct TbBwdScratch {
   int* zeroed;
   size_t zeroed_bytes;
   int *ctrl, *bounds1, *bounds3, *vc, *ug;
   TbGroupSort sort;
   float* Pc;
-  int cap;
+  int cap, e_cap;
   size_t bytes;
 };
 
@@ -199,7 +209,8 @@ TbBwdScratch tb_bwd_layout(const TbDev& d, int n, char* base) {
   s.vc = bp.take<int>(n);
   s.ug = bp.take<int>(n);
   s.cap = tb_pcache_groups(d, n);
-  s.Pc = bp.take<float>((size_t)s.cap * d.PSZ);
+  s.e_cap = tb_e_groups(d, n);
+  s.Pc = bp.take<float>(std::max((size_t)s.cap * d.PSZ, (size_t)std::max(s.e_cap, 0) * d.Q1R1));
   s.bytes = bp.off + 256;
   return s;
 }
@@ -215,7 +226,7 @@ const char* tb_check_dims(const TbDims& t) {
     return "flowtt_tb CUDA: unsupported core shape (need q1 <= 8, q1*q2 <= 16, q3 <= 8, "
            "r1 <= 64, r2 <= 64); use impl='reference'";
   const TbDev d = tb_dev(t);
-  if (d.R1K > kTbMaxG2Row || tb_dg2_smem(d) > 200 * 1024 || tb_dg1_geo(d).R == 0)
+  if (d.R1K > kTbMaxG2Row || tb_dg2_smem(d) > kTbDg2SmemCap || tb_dg1_geo(d).R == 0)
     return "flowtt_tb CUDA: g2 rows too large for the kernels' shared memory (need "
            "r1*q2*r2 <= 24576); use impl='reference'";
   return nullptr;
@@ -282,21 +293,32 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
   tb_bounds_kernel<<<bblocks, 256, 0, stream>>>(out, u_i3, counts, 0, n, d.P3, s.bounds3);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
+  // dg2, and with it the dg1 terms E of every group (when they fit), then dg1: the sums
+  // of E per g1 row, or the merge kernel (each returns at once when the other runs)
   const bool vec_g2 = d.K % 4 == 0 && tb_aligned16(g2);
+  if (stages & 3) {
+    const bool vec = d.K % 4 == 0 && d.r1 % 4 == 0 && tb_aligned16(dg2);
+    auto kernel = vec ? &tb_dg2_kernel<4> : &tb_dg2_kernel<1>;
+    if ((err = tb_launch(kernel, tb_dg2_smem(d, s.e_cap >= 0), stream, d, g1, g2, g3, d_rows,
+                         u_i3, g_i1, group_offsets, counts, n, (const int*)s.sort.bounds2,
+                         sorted_groups, (int)vec_g2, s.e_cap, s.ctrl + 1, dg2,
+                         s.e_cap >= 0 ? s.Pc : nullptr)) != cudaSuccess)
+      return err;
+  }
   if (stages & 1) {
+    if (s.e_cap >= 0) {
+      const long long total = (long long)d.P1 * d.Q1R1;
+      const int blocks = (int)std::max<long long>(
+          1, std::min<long long>(total / 256 + 1, (long long)tb_num_sms() * 8));
+      tb_dg1_reduce_kernel<<<blocks, 256, 0, stream>>>(d, (const float*)s.Pc, s.e_cap, counts,
+                                                       n, (const int*)s.bounds1, dg1);
+      if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    }
     const TbDg1Geo geo = tb_dg1_geo(d);
     auto kernel = vec_g2 ? TB_BY_Q1(tb_dg1_kernel, 4, d.q1) : TB_BY_Q1(tb_dg1_kernel, 1, d.q1);
     if ((err = tb_launch(kernel, geo.smem, stream, d, geo, g2, g3, d_rows, u_i3, g_i2,
-                         group_offsets, counts, n, (const int*)s.bounds1, s.ctrl + 0, dg1)) !=
-        cudaSuccess)
-      return err;
-  }
-  if (stages & 2) {
-    const bool vec = d.K % 4 == 0 && d.r1 % 4 == 0 && tb_aligned16(dg2);
-    auto kernel = vec ? &tb_dg2_kernel<4> : &tb_dg2_kernel<1>;
-    if ((err = tb_launch(kernel, tb_dg2_smem(d), stream, d, g1, g3, d_rows, u_i3, g_i1,
-                         group_offsets, counts, n, (const int*)s.sort.bounds2, sorted_groups,
-                         s.ctrl + 1, dg2)) != cudaSuccess)
+                         group_offsets, counts, n, (const int*)s.bounds1, s.e_cap, s.ctrl + 0,
+                         dg1)) != cudaSuccess)
       return err;
   }
   if (stages & 4) {

@@ -116,21 +116,34 @@ inline TbDg1Geo tb_dg1_geo(const TbDev& d) {
   return {0, 0, 0, 0};
 }
 
-// The dg3 kernel (tb_dg3_kernel): g3 rows per block, listed ids per super-step.
-constexpr int kTbDg3Rows = 32, kTbDg3MaxList = 64;
+// The dg3 kernel (tb_dg3_kernel): a warp per g3 row takes the row's ids in chunks of
+// tb_dg3_chunk(d), staging each id's P (row stride ldP) and d_rows row in its slice of
+// shared memory: [align4(q1*r1)] (a g1 row, for a P recomputed) then per id
+// tb_dg3_slot(d) floats, at most kTbDg3SliceFloats per warp (up to 8 ids).
+constexpr int kTbDg3SliceFloats = 2432, kTbDg3MaxChunk = 8;
+__host__ __device__ inline int tb_dg3_slot(const TbDev& d) {
+  return tb_align4(d.M * d.ldP) + tb_align4(d.D);
+}
+__host__ __device__ inline int tb_dg3_chunk(const TbDev& d) {
+  const int room = (kTbDg3SliceFloats - tb_align4(d.Q1R1)) / tb_dg3_slot(d);
+  return room < 1 ? 1 : (room > kTbDg3MaxChunk ? kTbDg3MaxChunk : room);
+}
+__host__ __device__ inline int tb_dg3_slice(const TbDev& d) {
+  return tb_align4(d.Q1R1) + tb_dg3_chunk(d) * tb_dg3_slot(d);
+}
 
 // Dynamic shared memory of the kernels: the per-warp slices (g1 row, P) of the forward
-// kernels; those and the accumulators of kTbDg3Rows g3 rows (dg3); the g2 row, g1 rows
-// and dP of a batch (dg2).
+// kernels; the per-warp slices of dg3; the dg2 accumulator row, the g2 row (when dg2
+// also writes the dg1 terms, `with_e`), the g1 rows and dP of a batch (dg2).
 inline size_t tb_warp_slices_bytes(const TbDev& d) {
   return sizeof(float) * kTbWarps * (size_t)(tb_align4(d.Q1R1) + tb_align4(d.M * d.ldP));
 }
 inline size_t tb_dg3_smem(const TbDev& d) {
-  return tb_warp_slices_bytes(d) + sizeof(float) * (size_t)kTbDg3Rows * d.S3;
+  return sizeof(float) * kTbWarps * (size_t)tb_dg3_slice(d);
 }
-inline size_t tb_dg2_smem(const TbDev& d) {
-  return sizeof(float) *
-         ((size_t)tb_align4(d.R1K) + (size_t)kTbBatch * (tb_align4(d.Q1R1) + d.PSZ));
+inline size_t tb_dg2_smem(const TbDev& d, bool with_e = false) {
+  return sizeof(float) * ((size_t)tb_align4(d.R1K) * (with_e ? 2 : 1) +
+                          (size_t)kTbBatch * (tb_align4(d.Q1R1) + d.PSZ));
 }
 
 __device__ __forceinline__ int tb_clamp(int v, int lo, int hi) {
@@ -168,6 +181,62 @@ __device__ __forceinline__ int tb_claim(int* ctr, int* s_item) {
   if (threadIdx.x == 0) *s_item = atomicAdd(ctr, 1);
   __syncthreads();
   return *s_item;
+}
+
+// Work stealing by a warp: its next item from *ctr (every lane gets it).
+__device__ __forceinline__ int tb_warp_claim(int* ctr, int lane) {
+  int item = 0;
+  if (lane == 0) item = atomicAdd(ctr, 1);
+  return __shfl_sync(0xffffffffu, item, 0);
+}
+
+// One group's dg1 term dP_g . g2r^T for output column a (a < r1), as the 8 threads
+// (a, kp = 0..7) of one column compute it: thread kp sums the K = q2*r2 products of its
+// slice (float4 quads kp, kp+8, ... when VEC == 4, else elements kp, kp+8, ...), then a
+// fixed xor tree combines the 8 partials; every thread of the column returns the total in
+// part[x1]. dp: dP_g [q1][K]; g2r: the g2 row [r1][K] (shared memory, 16-byte aligned
+// rows when VEC == 4). Threads with a >= r1 add nothing but take part in the shuffles.
+template <int Q1C, int VEC>
+__device__ __forceinline__ void tb_dg1_term(const TbDev& d, const float* dp, const float* g2r,
+                                            int a, int kp,
+                                            float (&part)[Q1C ? Q1C : kTbQ1Max]) {
+  constexpr int NQ1 = Q1C ? Q1C : kTbQ1Max;
+  constexpr int KP = 8;
+#pragma unroll
+  for (int x1 = 0; x1 < NQ1; ++x1) part[x1] = 0.f;
+  if (a < d.r1) {
+    const float* gr = g2r + a * d.K;
+    if (VEC == 4) {
+      for (int q = kp; q < d.K / 4; q += KP) {
+        const float4 gv = reinterpret_cast<const float4*>(gr)[q];
+#pragma unroll
+        for (int x1 = 0; x1 < NQ1; ++x1) {
+          if (Q1C || x1 < d.q1) {
+            const float4 dv = reinterpret_cast<const float4*>(dp + x1 * d.K)[q];
+            float t = fmaf(dv.x, gv.x, part[x1]);
+            t = fmaf(dv.y, gv.y, t);
+            t = fmaf(dv.z, gv.z, t);
+            part[x1] = fmaf(dv.w, gv.w, t);
+          }
+        }
+      }
+    } else {
+      for (int j = kp; j < d.K; j += KP) {
+        const float gv = gr[j];
+#pragma unroll
+        for (int x1 = 0; x1 < NQ1; ++x1)
+          if (Q1C || x1 < d.q1) part[x1] = fmaf(dp[x1 * d.K + j], gv, part[x1]);
+      }
+    }
+  }
+#pragma unroll
+  for (int x1 = 0; x1 < NQ1; ++x1) {
+    if (Q1C || x1 < d.q1) {
+#pragma unroll
+      for (int off = KP / 2; off > 0; off >>= 1)
+        part[x1] += __shfl_xor_sync(0xffffffffu, part[x1], off);
+    }
+  }
 }
 
 // One warp forms the prefix product of a group, P[x1][j] = sum_a G1s[x1][a] g2r[a][j]

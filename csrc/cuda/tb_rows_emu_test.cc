@@ -99,11 +99,12 @@ void EmuFwdTile(const Inputs& in, const TbTileGeo& geo, float* rows) {
                 (const int*)bounds2.data(), sorted.data(), ctr.data(), rows);
 }
 
-// tb_rows_bwd: dg1, dg2, dg3 (dg1 with the kernel's geometry dg1_geo; dg3 reading the P
-// of the groups below `cap` from the P cache built by tb_pcache_kernel with geometry
-// pgeo, when the dims take it and vec, else recomputing every P).
+// tb_rows_bwd: dg2 (and the dg1 terms E when e_cap >= 0), dg1 (the sums of E when
+// num_groups <= e_cap, else the merge kernel with geometry dg1_geo), dg3 (the P of the
+// groups below `cap` from the P cache built by tb_pcache_kernel with geometry pgeo, when
+// the dims take it and vec, else formed by dg3). E and the P cache share one buffer.
 void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, float* dg2,
-            float* dg3, int cap = 0, TbTileGeo pgeo = {}) {
+            float* dg3, int cap = 0, TbTileGeo pgeo = {}, int e_cap = -1) {
   const TbDev& d = in.d;
   const int n = in.n;
   std::vector<int> ctrl(4, 0), bounds1(d.P1 + 1, 0), bounds2(d.P2 + 1), bounds3(d.P3 + 1);
@@ -117,25 +118,31 @@ void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, flo
   const std::vector<int> sorted_u = EmuRadixSort(in.u_i3, d.P3, in.counts, 0, n);
   tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, sorted_u.data(), in.u_i3, in.counts, 0, n, d.P3,
                 bounds3.data());
+  if (!vec || pgeo.GB == 0) cap = 0;
+  // NaN: an E or a P read but not written shows
+  std::vector<float> cache(std::max((size_t)cap * d.PSZ, (size_t)std::max(e_cap, 0) * d.Q1R1), NAN);
   const bool vec_g2 = vec && d.K % 4 == 0;
+  auto k2 = vec && d.K % 4 == 0 && d.r1 % 4 == 0 ? &tb_dg2_kernel<4> : &tb_dg2_kernel<1>;
+  tb_emu_launch(kGrid, kTbThreads, tb_dg2_smem(d, e_cap >= 0), k2, d, in.g1, in.g2, in.g3,
+                in.d_rows, in.u_i3, in.g_i1, in.goffs, in.counts, n, (const int*)bounds2.data(),
+                sorted_groups.data(), (int)vec_g2, e_cap, &ctrl[1], dg2,
+                e_cap >= 0 ? cache.data() : nullptr);
+  if (e_cap >= 0)
+    tb_emu_launch(kGrid, 256, 0, tb_dg1_reduce_kernel, d, (const float*)cache.data(), e_cap,
+                  in.counts, n, (const int*)bounds1.data(), dg1);
   auto k1 = vec_g2 ? TB_BY_Q1(tb_dg1_kernel, 4, d.q1) : TB_BY_Q1(tb_dg1_kernel, 1, d.q1);
   tb_emu_launch(kGrid, kTbThreads, dg1_geo.smem, k1, d, dg1_geo, in.g2, in.g3, in.d_rows,
-                in.u_i3, in.g_i2, in.goffs, in.counts, n, (const int*)bounds1.data(), &ctrl[0],
-                dg1);
-  auto k2 = vec && d.K % 4 == 0 && d.r1 % 4 == 0 ? &tb_dg2_kernel<4> : &tb_dg2_kernel<1>;
-  tb_emu_launch(kGrid, kTbThreads, tb_dg2_smem(d), k2, d, in.g1, in.g3, in.d_rows, in.u_i3,
-                in.g_i1, in.goffs, in.counts, n, (const int*)bounds2.data(),
-                sorted_groups.data(), &ctrl[1], dg2);
-  if (!vec || pgeo.GB == 0) cap = 0;
-  std::vector<float> Pc((size_t)cap * d.PSZ, NAN);  // NaN: a P read but not written shows
+                in.u_i3, in.g_i2, in.goffs, in.counts, n, (const int*)bounds1.data(), e_cap,
+                &ctrl[0], dg1);
+  std::fill(cache.begin(), cache.end(), NAN);
   if (cap > 0)
     tb_emu_launch(kGrid, kTbThreads, tb_pcache_smem(d, pgeo), tb_pcache_kernel, d, pgeo, in.g1,
                   in.g2, in.g_i1, in.counts, n, (const int*)bounds2.data(),
-                  sorted_groups.data(), cap, &ctrl[3], Pc.data());
+                  sorted_groups.data(), cap, &ctrl[3], cache.data());
   auto k3 = vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1);
   tb_emu_launch(kGrid, kTbThreads, tb_dg3_smem(d), k3, d, in.g1, in.g2, in.d_rows,
                 in.g_i1, in.g_i2, in.counts, n, (const int*)bounds3.data(), sorted_u.data(),
-                (const int*)ug.data(), (const float*)Pc.data(), cap, &ctrl[2], dg3);
+                (const int*)ug.data(), (const float*)cache.data(), cap, &ctrl[2], dg3);
 }
 
 // The radix sort against std::stable_sort: n entries, the first `count` live, keys in
@@ -197,17 +204,19 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
   }
   std::vector<double> r1, r2, r3;
   TbRefGrads(c, p, r.k, r.d_rows, &r1, &r2, &r3);
-  // the default dg1 geometry with every P cached (default P cache geometry), and a small
-  // one (8 rows, one g2 row and 8 groups per step) with the P of a third of the groups
-  // cached (batches of 4 groups); then no P cached: dg3 bitwise equal to the cached runs
+  // the default dg1 geometry with every P cached (default P cache geometry) and the dg1
+  // terms path; a small merge geometry (8 rows, one g2 row and 8 groups per step) with the
+  // P of a third of the groups cached (batches of 4 groups) and E too small (the merge
+  // kernel runs); then no P cached and no E: dg1 and dg3 bitwise equal across the runs
   const int n = (int)p.n;
   const TbTileGeo pg_full = tb_tile_geo(r.in.d, 100 * 1024), pg_small = tb_tile_geo(r.in.d, 100 * 1024, 4);
-  struct Cfg { TbDg1Geo geo; int cap; TbTileGeo pgeo; };
-  std::vector<std::vector<float>> dg3s;
+  struct Cfg { TbDg1Geo geo; int cap; TbTileGeo pgeo; int e_cap; };
+  std::vector<std::vector<float>> dg1s, dg3s;
   int caps[3];
   int ci = 0;
-  for (Cfg cfg : {Cfg{tb_dg1_geo(r.in.d), n, pg_full}, Cfg{TbDg1Geo{8, 1, 8, 0}, p.G / 3, pg_small},
-                  Cfg{tb_dg1_geo(r.in.d), 0, TbTileGeo{}}}) {
+  for (Cfg cfg : {Cfg{tb_dg1_geo(r.in.d), n, pg_full, n},
+                  Cfg{TbDg1Geo{8, 1, 8, 0}, p.G / 3, pg_small, p.G - 1},
+                  Cfg{tb_dg1_geo(r.in.d), 0, TbTileGeo{}, -1}}) {
     TbDg1Geo geo = cfg.geo;
     if (geo.smem == 0)
       geo.smem = sizeof(float) * (tb_align4(r.in.d.R1K) + tb_align4(8 * r.in.d.Q1R1) +
@@ -216,23 +225,26 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
         dg3(r.k.g3.size(), NAN);
     const int cap = vec && cfg.pgeo.GB > 0 ? cfg.cap : 0;
     caps[ci++] = cap;
-    EmuBwd(r.in, vec, geo, dg1.data(), dg2.data(), dg3.data(), cap, cfg.pgeo);
+    EmuBwd(r.in, vec, geo, dg1.data(), dg2.data(), dg3.data(), cap, cfg.pgeo, cfg.e_cap);
     const double e1 = TbRelErr(dg1.data(), r1.data(), r1.size());
     const double e2 = TbRelErr(dg2.data(), r2.data(), r2.size());
     const double e3 = TbRelErr(dg3.data(), r3.data(), r3.size());
     std::snprintf(buf, sizeof buf,
-                  " bwd (dg1 %d rows x %d steps, P cache %d groups) rel err dg1 %.2e dg2 %.2e "
-                  "dg3 %.2e",
-                  geo.R, geo.S, cap, e1, e2, e3);
+                  " bwd (dg1 %s, P cache %d groups) rel err dg1 %.2e dg2 %.2e dg3 %.2e",
+                  p.G <= cfg.e_cap ? "terms" : "merge", cap, e1, e2, e3);
     Report(e1 < kTol && e2 < kTol && e3 < kTol, tag + buf);
+    dg1s.push_back(std::move(dg1));
     dg3s.push_back(std::move(dg3));
   }
-  if (caps[0] > 0 || caps[1] > 0) {
-    const bool same = std::memcmp(dg3s[0].data(), dg3s[2].data(), dg3s[0].size() * 4) == 0 &&
-                      std::memcmp(dg3s[1].data(), dg3s[2].data(), dg3s[0].size() * 4) == 0;
-    Report(same, tag + " dg3 with the P cache (all / a third of the groups) bitwise equal to "
-                       "dg3 recomputing P");
-  }
+  auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  };
+  Report(same(dg1s[0], dg1s[2]) && same(dg1s[1], dg1s[2]),
+         tag + " dg1 from the terms E bitwise equal to the merge kernel's");
+  if (caps[0] > 0 || caps[1] > 0)
+    Report(same(dg3s[0], dg3s[2]) && same(dg3s[1], dg3s[2]),
+           tag + " dg3 with the P cache (all / a third of the groups) bitwise equal to "
+                 "dg3 recomputing P");
 }
 
 // Invalid plans: the kernels finish and (under the address sanitizer) read nothing out of
@@ -251,7 +263,7 @@ void InvalidPlans(int which) {
     const TbTileGeo geo = tb_tile_geo(r.in.d, 100 * 1024);
     if (geo.GB > 0) EmuFwdTile(r.in, geo, rows.data());
     EmuBwd(r.in, true, tb_dg1_geo(r.in.d), dg1.data(), dg2.data(), dg3.data(), (int)p.n,
-           geo);
+           geo, (int)p.n);
     Report(true, "invalid plan, finished: " + c.name + ", " + what);
   };
   run("u_i3 out of range", [&](TbHostPlan& p) {
