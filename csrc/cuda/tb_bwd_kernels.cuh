@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kTbThreads)
                   const int* __restrict__ u_i3, const int* __restrict__ g_i1,
                   const int* __restrict__ goffs, const int* __restrict__ counts, int n,
                   const int* __restrict__ bounds2, const int* __restrict__ sorted_groups,
-                  int e_vec, int e_cap, int* ctr, float* __restrict__ dg2,
+                  int e_vec, int e_cap, int stage_vec, int* ctr, float* __restrict__ dg2,
                   float* __restrict__ E) {
   TB_DYNAMIC_SMEM(tb_smem4);
   const int ld1 = tb_align4(d.Q1R1);
@@ -202,7 +202,9 @@ __global__ void __launch_bounds__(kTbThreads)
   float* G2s = acc + tb_align4(d.R1K);                     // [r1][K] (with_e)
   float* G1b = G2s + (with_e ? tb_align4(d.R1K) : 0);      // [kTbBatch][ld1]
   float* dPs = G1b + kTbBatch * ld1;                       // [kTbBatch][PSZ]
+  float* Stg = dPs + kTbBatch * tb_align4(d.PSZ);          // tb_block_dP_staged's
   __shared__ int s_item, s_gs[kTbBatch], s_ge[kTbBatch], s_i1[kTbBatch], s_g[kTbBatch];
+  __shared__ int s_pre[kTbBatch + 1], s_u[kTbStageMaxIds], s_i3[kTbStageMaxIds];
   const int tid = threadIdx.x;
   const int K4 = d.K / 4;
   const int owned = VEC == 4 ? (d.r1 / 4) * K4 : d.R1K;  // tiles or elements
@@ -237,8 +239,8 @@ __global__ void __launch_bounds__(kTbThreads)
         const int k = e / d.Q1R1, r = e - k * d.Q1R1;
         G1b[k * ld1 + r] = __ldg(g1 + (size_t)s_i1[k] * d.Q1R1 + r);
       }
-      tb_block_dP(d, nb, s_gs, s_ge, u_i3, g3, d_rows, dPs);
-      __syncthreads();
+      tb_block_dP_staged(d, nb, s_gs, s_ge, s_pre, s_u, s_i3, Stg, stage_vec != 0, u_i3, g3,
+                         d_rows, dPs);
       for (int t = tid; t < owned; t += kTbThreads) {
         if (VEC == 4) {
           const int a0 = 4 * (t / K4), c0 = 4 * (t % K4);
@@ -447,20 +449,32 @@ __global__ void tb_dg1_reduce_kernel(TbDev d, const float* __restrict__ E, int e
 
 // ------------------------------- backward: dg3 --------------------------------------
 
+// sg[h] = the group of the unique index sorted_u[h] (h < num_unique), for dg3.
+__global__ void tb_sorted_groups_kernel(const int* __restrict__ sorted_u,
+                                        const int* __restrict__ ug,
+                                        const int* __restrict__ counts, int n,
+                                        int* __restrict__ sg) {
+  int U, G;
+  tb_counts(counts, n, U, G);
+  for (int h = blockIdx.x * blockDim.x + threadIdx.x; h < U; h += gridDim.x * blockDim.x)
+    sg[h] = __ldg(ug + tb_clamp(__ldg(sorted_u + h), 0, n - 1));
+}
+
 // dg3[I] = sum over the unique indices u of I in ascending u (sorted_u[bounds3[I] ..
 // bounds3[I+1]), a stable sort by u_i3) of P_{g(u)}^T . d_rows[u]. A warp per g3 row
-// (work stealing by warps): the row's ids in chunks of tb_dg3_chunk(d); per chunk the
-// lanes read the ids and their groups, then stage each id's d_rows row and P (from the P
-// cache Pc for groups below cap, float4 loads all in flight; else formed by the warp,
-// tb_warp_prefix) in the warp's slice; then the ids in order, lane b (and b + 32) owning
-// the outputs (b, z): each term a sum over m ascending, added to the accumulator.
+// (work stealing by warps): the row's ids in chunks of tb_dg3_chunk(d), the next chunk's
+// ids and groups (sg, tb_sorted_groups_kernel) read ahead; per chunk each id's d_rows row
+// and P (from the P cache Pc for groups below cap, float4 loads in flight together; else
+// formed by the warp, tb_warp_prefix) are staged in the warp's slice; then the ids in
+// order, lane b (and b + 32) owning the outputs (b, z): each term a sum over m ascending,
+// added to the accumulator.
 template <int Q1C, int VEC>
 __global__ void __launch_bounds__(kTbThreads)
     tb_dg3_kernel(TbDev d, const float* __restrict__ g1, const float* __restrict__ g2,
                   const float* __restrict__ d_rows, const int* __restrict__ g_i1,
                   const int* __restrict__ g_i2, const int* __restrict__ counts, int n,
                   const int* __restrict__ bounds3, const int* __restrict__ sorted_u,
-                  const int* __restrict__ ug, const float* __restrict__ Pc, int cap, int* ctr,
+                  const int* __restrict__ sg, const float* __restrict__ Pc, int cap, int* ctr,
                   float* __restrict__ dg3) {
   TB_DYNAMIC_SMEM(tb_smem4);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -482,12 +496,20 @@ __global__ void __launch_bounds__(kTbThreads)
     for (int i = 0; i < 2; ++i)
 #pragma unroll
       for (int z = 0; z < kTbQ3Max; ++z) acc[i][z] = 0.f;
+    int un = 0, gn = 0;  // lane < CH: the next chunk's id and group
+    if (lane < min(CH, hi - lo)) {
+      un = __ldg(sorted_u + lo + lane);
+      gn = __ldg(sg + lo + lane);
+    }
     for (int h0 = lo; h0 < hi; h0 += CH) {
       const int nc = min(CH, hi - h0);
       if (lane < nc) {
-        const int u = tb_clamp(__ldg(sorted_u + h0 + lane), 0, n - 1);
-        s_u[warp][lane] = u;
-        s_g[warp][lane] = tb_clamp(__ldg(ug + u), 0, gmax);
+        s_u[warp][lane] = tb_clamp(un, 0, n - 1);
+        s_g[warp][lane] = tb_clamp(gn, 0, gmax);
+      }
+      if (lane < min(CH, hi - h0 - CH)) {
+        un = __ldg(sorted_u + h0 + CH + lane);
+        gn = __ldg(sg + h0 + CH + lane);
       }
       __syncwarp();
 #pragma unroll 4
@@ -495,15 +517,24 @@ __global__ void __launch_bounds__(kTbThreads)
         const int k = e / d.D, o = e - k * d.D;
         S[k * slot + poff + o] = __ldg(d_rows + (size_t)s_u[warp][k] * d.D + o);
       }
-#pragma unroll 4
-      for (int e4 = lane; e4 < nc * P4; e4 += 32) {  // the cached P
-        const int k = e4 / P4, q = e4 - k * P4;
-        const int g = s_g[warp][k];
-        if (g < lim) {
-          const float4 v = __ldg(reinterpret_cast<const float4*>(Pc + (size_t)g * d.PSZ) + q);
-          const int m = (4 * q) / d.r2, b = 4 * q - m * d.r2;
-          float* dst = S + k * slot + m * d.ldP + b;
-          dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+      for (int base = lane; base < nc * P4; base += 4 * 32) {  // the cached P
+        float4 v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int e4 = base + 32 * j;
+          const int k = e4 / P4, g = e4 < nc * P4 ? s_g[warp][k] : lim;
+          if (g < lim)
+            v[j] = __ldg(reinterpret_cast<const float4*>(Pc + (size_t)g * d.PSZ) + (e4 - k * P4));
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int e4 = base + 32 * j;
+          const int k = e4 / P4, q = e4 - k * P4;
+          if (e4 < nc * P4 && s_g[warp][k] < lim) {
+            const int m = (4 * q) / d.r2, b = 4 * q - m * d.r2;
+            float* dst = S + k * slot + m * d.ldP + b;
+            dst[0] = v[j].x; dst[1] = v[j].y; dst[2] = v[j].z; dst[3] = v[j].w;
+          }
         }
       }
       for (int k = 0; k < nc; ++k) {  // the P not cached, formed by the warp

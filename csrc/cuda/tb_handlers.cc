@@ -48,12 +48,10 @@ ffi::Error TbRowsFwdCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                              TbF32Out rows) {
   TbShape s;
   int64_t n;
-  if (std::string e = TbCheckFwd(g1.dimensions(), g2.dimensions(), g3.dimensions(),
-                                 u_i3.dimensions(), g_i1.dimensions(), g_i2.dimensions(),
-                                 group_offsets.dimensions(), counts.dimensions(),
-                                 rows->dimensions(), &s, &n);
-      !e.empty()) {
-    return TbError(e);
+  if (ffi::Error e =
+          TbCheckFwdBuffers(g1, g2, g3, u_i3, g_i1, g_i2, group_offsets, counts, *rows, &s, &n);
+      e.failure()) {
+    return e;
   }
   TbDims t;
   if (ffi::Error e = TbKernelDims(s, &t); e.failure()) return e;
@@ -74,13 +72,10 @@ ffi::Error TbRowsBwdCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                              TbF32Out dg1, TbF32Out dg2, TbF32Out dg3) {
   TbShape s;
   int64_t n;
-  if (std::string e = TbCheckBwd(g1.dimensions(), g2.dimensions(), g3.dimensions(),
-                                 d_rows.dimensions(), u_i3.dimensions(), g_i1.dimensions(),
-                                 g_i2.dimensions(), group_offsets.dimensions(),
-                                 counts.dimensions(), dg1->dimensions(), dg2->dimensions(),
-                                 dg3->dimensions(), &s, &n);
-      !e.empty()) {
-    return TbError(e);
+  if (ffi::Error e = TbCheckBwdBuffers(g1, g2, g3, d_rows, u_i3, g_i1, g_i2, group_offsets, counts,
+                                       *dg1, *dg2, *dg3, &s, &n);
+      e.failure()) {
+    return e;
   }
   TbDims t;
   if (ffi::Error e = TbKernelDims(s, &t); e.failure()) return e;

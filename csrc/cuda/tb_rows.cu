@@ -290,7 +290,9 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
       cudaSuccess)
     return err;
   const int* sorted_u = out;
+  int* sg = alt;  // free after the sort: the group of each sorted unique index
   tb_bounds_kernel<<<bblocks, 256, 0, stream>>>(out, u_i3, counts, 0, n, d.P3, s.bounds3);
+  tb_sorted_groups_kernel<<<bblocks, 256, 0, stream>>>(sorted_u, s.ug, counts, n, sg);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
   // dg2, and with it the dg1 terms E of every group (when they fit), then dg1: the sums
@@ -301,7 +303,10 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
     auto kernel = vec ? &tb_dg2_kernel<4> : &tb_dg2_kernel<1>;
     if ((err = tb_launch(kernel, tb_dg2_smem(d, s.e_cap >= 0), stream, d, g1, g2, g3, d_rows,
                          u_i3, g_i1, group_offsets, counts, n, (const int*)s.sort.bounds2,
-                         sorted_groups, (int)vec_g2, s.e_cap, s.ctrl + 1, dg2,
+                         sorted_groups, (int)vec_g2, s.e_cap,
+                         (int)(d.D % 4 == 0 && d.S3 % 4 == 0 && tb_aligned16(d_rows) &&
+                               tb_aligned16(g3)),
+                         s.ctrl + 1, dg2,
                          s.e_cap >= 0 ? s.Pc : nullptr)) != cudaSuccess)
       return err;
   }
@@ -333,7 +338,7 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
     }
     auto kernel = vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1);
     if ((err = tb_launch(kernel, tb_dg3_smem(d), stream, d, g1, g2, d_rows, g_i1, g_i2, counts,
-                         n, (const int*)s.bounds3, sorted_u, (const int*)s.ug,
+                         n, (const int*)s.bounds3, sorted_u, (const int*)sg,
                          (const float*)s.Pc, cap, s.ctrl + 2, dg3)) != cudaSuccess)
       return err;
   }

@@ -141,9 +141,11 @@ inline size_t tb_warp_slices_bytes(const TbDev& d) {
 inline size_t tb_dg3_smem(const TbDev& d) {
   return sizeof(float) * kTbWarps * (size_t)tb_dg3_slice(d);
 }
+inline size_t tb_stage_bytes(const TbDev& d);
 inline size_t tb_dg2_smem(const TbDev& d, bool with_e = false) {
   return sizeof(float) * ((size_t)tb_align4(d.R1K) * (with_e ? 2 : 1) +
-                          (size_t)kTbBatch * (tb_align4(d.Q1R1) + d.PSZ));
+                          (size_t)kTbBatch * (tb_align4(d.Q1R1) + tb_align4(d.PSZ))) +
+         tb_stage_bytes(d);
 }
 
 __device__ __forceinline__ int tb_clamp(int v, int lo, int hi) {
@@ -347,6 +349,106 @@ __device__ __forceinline__ void tb_block_dP(const TbDev& d, int nb, const int* s
       acc += t;
     }
     dPs[e] = acc;
+  }
+}
+
+// Staging of tb_block_dP_staged: the d_rows row and the g3 row of up to tb_stage_ids(d)
+// ids ([ids][tb_stage_ld(d)] floats, kTbStageFloats at most) per round.
+constexpr int kTbStageFloats = 5120, kTbStageMaxIds = 64;
+__host__ __device__ inline int tb_stage_ld(const TbDev& d) {
+  return tb_align4(d.D) + tb_align4(d.S3);
+}
+__host__ __device__ inline int tb_stage_ids(const TbDev& d) {
+  const int k = kTbStageFloats / tb_stage_ld(d);
+  return k < 1 ? 1 : (k > kTbStageMaxIds ? kTbStageMaxIds : k);
+}
+inline size_t tb_stage_bytes(const TbDev& d) {
+  return sizeof(float) * (size_t)tb_stage_ids(d) * tb_stage_ld(d);
+}
+
+// tb_block_dP with every load of a round in flight at once: the nb (<= 32) groups' ids,
+// taken group after group, in rounds of tb_stage_ids(d): the ids' g3 rows (u_i3, one
+// load each), then their d_rows and g3 rows into Stg (float4 when vec: D and S3
+// multiples of 4, both arrays 16-byte aligned), then each element of dPs adds the round's
+// terms of its group in ascending u. Bitwise tb_block_dP (the same sums in the same
+// order). s_pre [nb + 1], s_u, s_i3 [kTbStageMaxIds]: shared scratch of the caller.
+__device__ __forceinline__ void tb_block_dP_staged(
+    const TbDev& d, int nb, const int* s_gs, const int* s_ge, int* s_pre, int* s_u, int* s_i3,
+    float* Stg, bool vec, const int* __restrict__ u_i3, const float* __restrict__ g3,
+    const float* __restrict__ d_rows, float* dPs) {
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const int NU = tb_stage_ids(d), ld = tb_stage_ld(d), ldD = tb_align4(d.D);
+  if (tid == 0) {
+    int p = 0;
+    for (int k = 0; k < nb; ++k) {
+      s_pre[k] = p;
+      p += s_ge[k] - s_gs[k];
+    }
+    s_pre[nb] = p;
+  }
+  for (int e = tid; e < nb * d.PSZ; e += nt) dPs[e] = 0.f;
+  __syncthreads();
+  const int total = s_pre[nb];
+  for (int p0 = 0; p0 < total; p0 += NU) {
+    const int nr = min(NU, total - p0);
+    if (tid < nr) {
+      const int p = p0 + tid;
+      int k = 0;
+      while (s_pre[k + 1] <= p) ++k;
+      const int u = s_gs[k] + (p - s_pre[k]);
+      s_u[tid] = u;
+      s_i3[tid] = tb_clamp(__ldg(u_i3 + u), 0, d.P3 - 1);
+    }
+    __syncthreads();
+    if (vec) {  // float4s: D/4 of the d_rows row, then S3/4 of the g3 row, per id
+      const int D4 = d.D / 4, W4 = D4 + d.S3 / 4, n4 = nr * W4;
+      for (int base = tid; base < n4; base += 4 * nt) {
+        float4 v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int e4 = base + j * nt;
+          if (e4 < n4) {
+            const int i = e4 / W4, q = e4 - i * W4;
+            v[j] = q < D4 ? __ldg(reinterpret_cast<const float4*>(d_rows + (size_t)s_u[i] * d.D) + q)
+                          : __ldg(reinterpret_cast<const float4*>(g3 + (size_t)s_i3[i] * d.S3) +
+                                  (q - D4));
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int e4 = base + j * nt;
+          if (e4 < n4) {
+            const int i = e4 / W4, q = e4 - i * W4;
+            *reinterpret_cast<float4*>(Stg + i * ld + 4 * q) = v[j];
+          }
+        }
+      }
+    } else {
+      const int W = d.D + d.S3;
+      for (int e = tid; e < nr * W; e += nt) {
+        const int i = e / W, q = e - i * W;
+        Stg[i * ld + (q < d.D ? q : ldD + q - d.D)] =
+            q < d.D ? __ldg(d_rows + (size_t)s_u[i] * d.D + q)
+                    : __ldg(g3 + (size_t)s_i3[i] * d.S3 + (q - d.D));
+      }
+    }
+    __syncthreads();
+    for (int e = tid; e < nb * d.PSZ; e += nt) {
+      const int k = e / d.PSZ, r = e - k * d.PSZ;
+      const int lo = max(s_pre[k], p0) - p0, hi = min(s_pre[k + 1], p0 + nr) - p0;
+      if (lo >= hi) continue;
+      const int m = r / d.r2, b = r - m * d.r2;
+      float acc = dPs[e];
+      for (int i = lo; i < hi; ++i) {
+        const float* dr = Stg + i * ld + m * d.q3;
+        const float* c = Stg + i * ld + ldD + b * d.q3;
+        float t = 0.f;
+        for (int z = 0; z < d.q3; ++z) t = fmaf(dr[z], c[z], t);
+        acc += t;
+      }
+      dPs[e] = acc;
+    }
+    __syncthreads();  // the round's staging is read
   }
 }
 
