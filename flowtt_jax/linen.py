@@ -20,17 +20,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .collection import TableConfig, dense_embedding_bag, dense_lookup
+from .collection import BagCall, DenseBagMethods, TableConfig, TTTableMethods
 from .collection_layout import CollectionLayout
-from .cores import CoreInit, check_cores, resolve_init, to_dense
+from .cores import CoreInit, check_cores, resolve_init
 from .cores import from_dense as _tt_svd
-from .ops import tt_embedding_bag, tt_lookup
 from .spec import TTSpec
 
 __all__ = ["TTEmbed", "TTEmbedBag", "EmbedBag", "TTEmbeddingCollection", "TableConfig"]
 
 
-class _TTTable(nn.Module):
+class _TTTable(TTTableMethods, nn.Module):
     num_embeddings: int
     features: int
     rank: int | tuple[int, ...] = 32
@@ -54,10 +53,6 @@ class _TTTable(nn.Module):
             col_shape=self.col_shape,
         )
 
-    @property
-    def out_dtype(self) -> Any:
-        return self.dtype if self.dtype is not None else self.param_dtype
-
     def _cores(self) -> tuple[jax.Array, ...]:
         spec = self.spec
         init = resolve_init(self.embedding_init)
@@ -73,15 +68,9 @@ class _TTTable(nn.Module):
     def setup(self) -> None:
         self.cores = self._cores()
 
-    def to_dense(self) -> jax.Array:
-        """Materialised ``[N, D]`` table (``N * D`` memory; for export and tests)."""
-        c32 = tuple(c.astype(jnp.float32) for c in self.cores)
-        return to_dense(c32, self.num_embeddings).astype(self.out_dtype)
-
-    def attend(self, query: jax.Array) -> jax.Array:
-        """``query @ table.T`` (materialises the table: ``N * D`` memory, ``~2 N D r`` FLOPs)."""
-        table = self.to_dense().astype(jnp.float32)
-        return jnp.dot(jnp.asarray(query).astype(jnp.float32), table.T).astype(self.out_dtype)
+    # linen wraps only the methods a module class defines itself
+    to_dense = TTTableMethods.to_dense
+    attend = TTTableMethods.attend
 
     @classmethod
     def params_from_dense(
@@ -108,49 +97,18 @@ class TTEmbed(_TTTable):
     """
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return tt_lookup(
-            self.cores,
-            ids,
-            num_embeddings=self.num_embeddings,
-            oob=self.oob,
-            impl=self.impl,
-            dtype=self.out_dtype,
-        )
+        return self._lookup(ids)
 
 
-class TTEmbedBag(_TTTable):
+class TTEmbedBag(BagCall, _TTTable):
     """Pooled TT embedding bags; call as ``flowtt_jax.nnx.TTEmbedBag``."""
 
     mode: str = "sum"
 
-    def __call__(
-        self,
-        ids: jax.Array,
-        *,
-        offsets: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-        num_bags: int | None = None,
-        mask: jax.Array | None = None,
-        weights: jax.Array | None = None,
-        mode: str | None = None,
-    ) -> jax.Array:
-        return tt_embedding_bag(
-            self.cores,
-            ids,
-            offsets=offsets,
-            segment_ids=segment_ids,
-            num_bags=num_bags,
-            mask=mask,
-            weights=weights,
-            mode=mode or self.mode,
-            num_embeddings=self.num_embeddings,
-            oob=self.oob,
-            impl=self.impl,
-            dtype=self.out_dtype,
-        )
+    __call__ = BagCall.__call__  # linen wraps only the methods a module class defines itself
 
 
-class EmbedBag(nn.Module):
+class EmbedBag(DenseBagMethods, nn.Module):
     """Bags over a plain dense ``[N, D]`` table (param ``embedding``)."""
 
     num_embeddings: int
@@ -168,35 +126,12 @@ class EmbedBag(nn.Module):
         self.embedding = self.param("embedding", init, (self.num_embeddings, self.features), self.param_dtype)
 
     @property
-    def out_dtype(self) -> Any:
-        return self.dtype if self.dtype is not None else self.param_dtype
+    def _table(self) -> jax.Array:
+        return self.embedding
 
-    def __call__(
-        self,
-        ids: jax.Array,
-        *,
-        offsets: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-        num_bags: int | None = None,
-        mask: jax.Array | None = None,
-        weights: jax.Array | None = None,
-        mode: str | None = None,
-    ) -> jax.Array:
-        return dense_embedding_bag(
-            self.embedding,
-            ids,
-            offsets=offsets,
-            segment_ids=segment_ids,
-            num_bags=num_bags,
-            mask=mask,
-            weights=weights,
-            mode=mode or self.mode,
-            oob=self.oob,
-            dtype=self.out_dtype,
-        )
-
-    def lookup(self, ids: jax.Array) -> jax.Array:
-        return dense_lookup(self.embedding, ids, oob=self.oob).astype(self.out_dtype)
+    # linen wraps only the methods a module class defines itself
+    __call__ = BagCall.__call__
+    lookup = DenseBagMethods.lookup
 
 
 class TTEmbeddingCollection(nn.Module):

@@ -31,17 +31,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .collection import TableConfig, dense_embedding_bag, dense_lookup
+from .collection import BagCall, DenseBagMethods, TableConfig, TTTableMethods
 from .collection_layout import CollectionLayout
-from .cores import CoreInit, check_cores, resolve_init, to_dense
+from .cores import CoreInit, check_cores, resolve_init
 from .cores import from_dense as _tt_svd
-from .ops import tt_embedding_bag, tt_lookup
 from .spec import TTSpec
 
 __all__ = ["TTEmbed", "TTEmbedBag", "EmbedBag", "TTEmbeddingCollection", "TableConfig", "resolve_init"]
 
 
-class _TTTable(nnx.Module):
+class _TTTable(TTTableMethods, nnx.Module):
     """Shared parameter handling of ``TTEmbed`` and ``TTEmbedBag``."""
 
     def __init__(
@@ -85,29 +84,6 @@ class _TTTable(nnx.Module):
         """The current core values (``[p_k, r_{k-1}, q_k, r_k]`` each)."""
         return tuple(getattr(self, f"core_{k}")[...] for k in range(self.num_cores))
 
-    @property
-    def out_dtype(self) -> Any:
-        return self.dtype if self.dtype is not None else self.param_dtype
-
-    def to_dense(self) -> jax.Array:
-        """Materialised ``[num_embeddings, features]`` table (fp32 accumulation, ``dtype`` out).
-
-        Costs ``N * D`` memory and about ``2 * N * D * r`` FLOPs: for export and tests.
-        """
-        c32 = tuple(c.astype(jnp.float32) for c in self.cores)
-        return to_dense(c32, self.num_embeddings).astype(self.out_dtype)
-
-    def attend(self, query: jax.Array) -> jax.Array:
-        """``query @ table.T``: ``[..., features] -> [..., num_embeddings]``, like ``nnx.Embed.attend``.
-
-        Materialises the full table with ``to_dense`` (``N * D`` floats and about
-        ``2 N D r`` FLOPs per call, plus the ``[..., N]`` output): fine for vocabularies
-        of language-model size, not for 10^7-row recommender tables.
-        """
-        table = self.to_dense().astype(jnp.float32)
-        out = jnp.dot(jnp.asarray(query).astype(jnp.float32), table.T)
-        return out.astype(self.out_dtype)
-
     @classmethod
     def from_dense(
         cls,
@@ -146,17 +122,10 @@ class TTEmbed(_TTTable):
     """
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return tt_lookup(
-            self.cores,
-            ids,
-            num_embeddings=self.num_embeddings,
-            oob=self.oob,
-            impl=self.impl,
-            dtype=self.out_dtype,
-        )
+        return self._lookup(ids)
 
 
-class TTEmbedBag(_TTTable):
+class TTEmbedBag(BagCall, _TTTable):
     """Pooled TT embedding bags (``torch.nn.EmbeddingBag`` over a TT table).
 
     Same constructor as ``TTEmbed`` plus ``mode`` (the default pooling). Call with
@@ -169,34 +138,8 @@ class TTEmbedBag(_TTTable):
         super().__init__(num_embeddings, features, **kwargs)
         self.mode = mode
 
-    def __call__(
-        self,
-        ids: jax.Array,
-        *,
-        offsets: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-        num_bags: int | None = None,
-        mask: jax.Array | None = None,
-        weights: jax.Array | None = None,
-        mode: str | None = None,
-    ) -> jax.Array:
-        return tt_embedding_bag(
-            self.cores,
-            ids,
-            offsets=offsets,
-            segment_ids=segment_ids,
-            num_bags=num_bags,
-            mask=mask,
-            weights=weights,
-            mode=mode or self.mode,
-            num_embeddings=self.num_embeddings,
-            oob=self.oob,
-            impl=self.impl,
-            dtype=self.out_dtype,
-        )
 
-
-class EmbedBag(nnx.Module):
+class EmbedBag(DenseBagMethods, nnx.Module):
     """Bags over a plain dense ``[N, D]`` table (param ``embedding``); same call as ``TTEmbedBag``.
 
     ``embedding_init``: None (normal, std ``1/sqrt(features)``), a float std, or a Flax
@@ -231,38 +174,11 @@ class EmbedBag(nnx.Module):
         self.embedding = nnx.Param(jnp.asarray(table, param_dtype))
 
     @property
-    def out_dtype(self) -> Any:
-        return self.dtype if self.dtype is not None else self.param_dtype
+    def _table(self) -> jax.Array:
+        return self.embedding[...]
 
     def to_dense(self) -> jax.Array:
-        return self.embedding[...].astype(self.out_dtype)
-
-    def lookup(self, ids: jax.Array) -> jax.Array:
-        return dense_lookup(self.embedding[...], ids, oob=self.oob).astype(self.out_dtype)
-
-    def __call__(
-        self,
-        ids: jax.Array,
-        *,
-        offsets: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-        num_bags: int | None = None,
-        mask: jax.Array | None = None,
-        weights: jax.Array | None = None,
-        mode: str | None = None,
-    ) -> jax.Array:
-        return dense_embedding_bag(
-            self.embedding[...],
-            ids,
-            offsets=offsets,
-            segment_ids=segment_ids,
-            num_bags=num_bags,
-            mask=mask,
-            weights=weights,
-            mode=mode or self.mode,
-            oob=self.oob,
-            dtype=self.out_dtype,
-        )
+        return self._table.astype(self.out_dtype)
 
 
 class TTEmbeddingCollection(nnx.Module):

@@ -5,6 +5,7 @@
 // alias each output to one of them, filled with NaN, to prove every element is written.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -21,6 +22,28 @@ using TbF32Out = ffi::ResultBuffer<ffi::F32>;
 
 inline ffi::Error TbError(const std::string& message) {
   return message.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(message);
+}
+
+// TbCheckFwd on a handler's buffers: sets the checked shapes `s` and plan length `n`.
+inline ffi::Error TbCheckFwdBuffers(const TbF32& g1, const TbF32& g2, const TbF32& g3,
+                                    const TbS32& u_i3, const TbS32& g_i1, const TbS32& g_i2,
+                                    const TbS32& group_offsets, const TbS32& counts,
+                                    const TbF32& rows, TbShape* s, int64_t* n) {
+  return TbError(TbCheckFwd(g1.dimensions(), g2.dimensions(), g3.dimensions(), u_i3.dimensions(),
+                            g_i1.dimensions(), g_i2.dimensions(), group_offsets.dimensions(),
+                            counts.dimensions(), rows.dimensions(), s, n));
+}
+
+// TbCheckBwd on a handler's buffers: sets the checked shapes `s` and plan length `n`.
+inline ffi::Error TbCheckBwdBuffers(const TbF32& g1, const TbF32& g2, const TbF32& g3,
+                                    const TbF32& d_rows, const TbS32& u_i3, const TbS32& g_i1,
+                                    const TbS32& g_i2, const TbS32& group_offsets,
+                                    const TbS32& counts, const TbF32& dg1, const TbF32& dg2,
+                                    const TbF32& dg3, TbShape* s, int64_t* n) {
+  return TbError(TbCheckBwd(g1.dimensions(), g2.dimensions(), g3.dimensions(), d_rows.dimensions(),
+                            u_i3.dimensions(), g_i1.dimensions(), g_i2.dimensions(),
+                            group_offsets.dimensions(), counts.dimensions(), dg1.dimensions(),
+                            dg2.dimensions(), dg3.dimensions(), s, n));
 }
 
 template <typename Binding>

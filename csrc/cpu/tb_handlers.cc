@@ -4,7 +4,6 @@
 #include "cpu/tb_handlers.h"
 
 #include <cstdint>
-#include <string>
 
 #include "common/tb_contract.h"
 #include "common/tb_ffi.h"
@@ -25,12 +24,10 @@ ffi::Error TbRowsFwdCpuImpl(TbF32 g1, TbF32 g2, TbF32 g3, TbS32 u_i3, TbS32 g_i1
                             TbF32Out rows) {
   TbShape s;
   int64_t n;
-  if (std::string e = TbCheckFwd(g1.dimensions(), g2.dimensions(), g3.dimensions(),
-                                 u_i3.dimensions(), g_i1.dimensions(), g_i2.dimensions(),
-                                 group_offsets.dimensions(), counts.dimensions(),
-                                 rows->dimensions(), &s, &n);
-      !e.empty()) {
-    return TbError(e);
+  if (ffi::Error e =
+          TbCheckFwdBuffers(g1, g2, g3, u_i3, g_i1, g_i2, group_offsets, counts, *rows, &s, &n);
+      e.failure()) {
+    return e;
   }
   return TbError(cpu::TbRowsFwd(s, g1.typed_data(), g2.typed_data(), g3.typed_data(),
                                 MakePlan(u_i3, g_i1, g_i2, group_offsets, counts, n),
@@ -42,13 +39,10 @@ ffi::Error TbRowsBwdCpuImpl(TbF32 g1, TbF32 g2, TbF32 g3, TbF32 d_rows, TbS32 u_
                             ffi::RemainingArgs, TbF32Out dg1, TbF32Out dg2, TbF32Out dg3) {
   TbShape s;
   int64_t n;
-  if (std::string e = TbCheckBwd(g1.dimensions(), g2.dimensions(), g3.dimensions(),
-                                 d_rows.dimensions(), u_i3.dimensions(), g_i1.dimensions(),
-                                 g_i2.dimensions(), group_offsets.dimensions(),
-                                 counts.dimensions(), dg1->dimensions(), dg2->dimensions(),
-                                 dg3->dimensions(), &s, &n);
-      !e.empty()) {
-    return TbError(e);
+  if (ffi::Error e = TbCheckBwdBuffers(g1, g2, g3, d_rows, u_i3, g_i1, g_i2, group_offsets, counts,
+                                       *dg1, *dg2, *dg3, &s, &n);
+      e.failure()) {
+    return e;
   }
   return TbError(cpu::TbRowsBwd(s, g1.typed_data(), g2.typed_data(), g3.typed_data(),
                                 d_rows.typed_data(),
