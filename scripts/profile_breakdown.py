@@ -39,6 +39,12 @@ def main() -> None:
     ap.add_argument("cases", help="comma-separated case names")
     ap.add_argument("--top", type=int, default=40, help="kernels listed per profile")
     ap.add_argument("--quick", action="store_true", help="the benchmark's --quick sizes")
+    ap.add_argument(
+        "--calls",
+        type=int,
+        default=0,
+        help="no profiler trace: compile and call each step this many times (to run under ncu)",
+    )
     a = ap.parse_args()
     for case in a.cases.split(","):
         w, name = workload(case, QUICK if a.quick else FULL)
@@ -54,6 +60,11 @@ def main() -> None:
             return out, vjp(c)[0]
 
         for mode, f, args in (("fwd", fwd, (params, ids, offsets)), ("fwd_bwd", fwd_bwd, (params, ids, offsets, cot))):
+            if a.calls:
+                step = jax.jit(f)
+                for _ in range(a.calls):
+                    jax.block_until_ready(step(*args))
+                continue
             prof = timing.device_profile(jax.jit(f), args, iters=10, top=a.top)
             print(case, name, mode, json.dumps(prof, indent=1), flush=True)
 
