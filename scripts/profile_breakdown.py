@@ -55,11 +55,12 @@ def main() -> None:
         dim = sum(w.specs[f].embedding_dim for f in w.feature_table)
         cot = jax.random.normal(jax.random.key(2), (w.batch, dim), jnp.float32)
 
-        def fwd_bwd(p, i, o, c):
+        def fwd_bwd(p, i, o, c, fwd=fwd):
             out, vjp = jax.vjp(lambda pp: fwd(pp, i, o), p)
             return out, vjp(c)[0]
 
-        for mode, f, args in (("fwd", fwd, (params, ids, offsets)), ("fwd_bwd", fwd_bwd, (params, ids, offsets, cot))):
+        steps = (("fwd", fwd, (params, ids, offsets)), ("fwd_bwd", fwd_bwd, (params, ids, offsets, cot)))
+        for mode, f, args in steps:
             if a.calls:
                 step = jax.jit(f)
                 for _ in range(a.calls):
