@@ -2,7 +2,7 @@
 // JAX, no XLA. Build (repository root; sm_90, never native):
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Icsrc csrc/cuda/tb_rows_harness.cu csrc/cuda/tb_rows.cu \
 //        -o tb_rows_harness
-// Run: ./tb_rows_harness [--no-meta] [--meta-only] [--meta-check] [--reps N]
+// Run: ./tb_rows_harness [--no-meta] [--meta-only] [--meta-check] [--meta-hashed] [--reps N]
 //   1. the standard cases of common/tb_testing.h (several tables of different row shapes,
 //      hot prefixes, ids at each table's last row, tables sharing g2 rows, one group
 //      holding every id, n = 1, no unique ids): outputs poisoned with NaN, plan padding
@@ -15,7 +15,7 @@
 //      ids; generator below): rows checked on a sample (all gradients too with
 //      --meta-check, float64 on the host, slow), the backward twice bitwise, and
 //      device-side timing (CUDA events, median of --reps) of the forward, the backward
-//      and its stages.
+//      and its stages; --meta-hashed: the benchmark's ids (hashed ranks, sparse groups).
 // Prints PASS/FAIL lines; exit status 1 on any failure.
 #include <cuda_runtime.h>
 
@@ -261,8 +261,11 @@ void InvalidPlans() {
 // Meta-like group: 240 tables, N log-uniform in 10^[4, 7.6], row shapes near-balanced
 // (p3 = ceil(N^(1/3)), p2 = ceil(sqrt(N/p3)), p1 = ceil(N/(p2 p3))), 4096 * 13.6 ids per
 // table: 93% Pareto ranks with alpha = 2 (id = rank - 1: hot ids share prefixes), 7%
-// uniform. Gives n = 13.4M, about 1.0M unique rows and 0.6M groups.
-TbCase MetaCase() {
+// uniform. Gives n = 13.4M, about 1.0M unique rows and 0.6M groups. hashed: the
+// benchmark's draw instead (benchmarks/workloads.py): bounded Zipf-like ranks (exponent
+// 1.1) hashed over the table, id = rank * 2654435761 mod N (hot ids spread over prefixes,
+// most groups of one or two ids): about 3M unique rows and 1.3M groups.
+TbCase MetaCase(bool hashed) {
   std::mt19937_64 rng(5);
   std::uniform_real_distribution<double> x(0, 1);
   std::vector<std::vector<int64_t>> shapes;
@@ -277,9 +280,15 @@ TbCase MetaCase() {
   for (int t = 0; t < 240; ++t) {
     const int64_t N = c.tables[t].N;
     for (int k = 0; k < 4096 * 136 / 10; ++k) {
-      const double r = 1.0 / (1.0 - x(rng));  // Pareto(alpha = 2) rank >= 1
-      int64_t id = std::min<int64_t>((int64_t)r - 1, N - 1);
-      if (x(rng) < 0.07) id = std::min<int64_t>((int64_t)(x(rng) * N), N - 1);
+      int64_t id;
+      if (hashed) {  // bounded Pareto(a = 0.1) rank in [1, N], hashed
+        const double a = 0.1, r = std::pow(1.0 - x(rng) * (1.0 - std::pow((double)N, -a)), -1.0 / a);
+        id = (int64_t)(((uint64_t)std::min<double>(r, (double)N) * 2654435761ull) % (uint64_t)N);
+      } else {
+        const double r = 1.0 / (1.0 - x(rng));  // Pareto(alpha = 2) rank >= 1
+        id = std::min<int64_t>((int64_t)r - 1, N - 1);
+        if (x(rng) < 0.07) id = std::min<int64_t>((int64_t)(x(rng) * N), N - 1);
+      }
       TbAddId(&c, t, id);
     }
   }
@@ -308,9 +317,9 @@ double MedianMs(int reps, F&& launch) {
   return ms[ms.size() / 2];
 }
 
-void Meta(bool full_check, int reps) {
+void Meta(bool full_check, bool hashed, int reps) {
   const auto t0 = std::chrono::steady_clock::now();
-  const TbCase c = MetaCase();
+  const TbCase c = MetaCase(hashed);
   const TbHostPlan p = TbMakePlan(c, 0);
   const TbCores k = {TbRandom(c.s.P1 * 2 * 32, 1, 0.5f), TbRandom(c.s.P2 * 32 * 4 * 32, 2, 0.2f),
                      TbRandom(c.s.P3 * 32 * 4, 3, 0.2f)};
@@ -339,16 +348,17 @@ void Meta(bool full_check, int reps) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool meta = true, standard = true, meta_check = false;
+  bool meta = true, standard = true, meta_check = false, hashed = false;
   int reps = 20;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--no-meta") meta = false;
     else if (a == "--meta-only") standard = false;
     else if (a == "--meta-check") meta_check = true;
+    else if (a == "--meta-hashed") hashed = true;
     else if (a == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     else {
-      std::fprintf(stderr, "usage: %s [--no-meta] [--meta-only] [--meta-check] [--reps N]\n",
+      std::fprintf(stderr, "usage: %s [--no-meta] [--meta-only] [--meta-check] [--meta-hashed] [--reps N]\n",
                    argv[0]);
       return 2;
     }
@@ -360,7 +370,7 @@ int main(int argc, char** argv) {
     StandardCases();
     InvalidPlans();
   }
-  if (meta) Meta(meta_check, reps);
+  if (meta) Meta(meta_check, hashed, reps);
   std::printf("%s: %d failure(s)\n", g_failures ? "FAIL" : "PASS", g_failures);
   return g_failures ? 1 : 0;
 }
