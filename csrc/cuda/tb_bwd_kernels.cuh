@@ -181,11 +181,11 @@ __global__ void __launch_bounds__(kTbThreads)
 // bounds2[I+1]), a stable sort by g_i2) of g1[g_i1[g]]^T . dP_g. The row [r1][K] is
 // accumulated in shared memory, each element owned by one thread: VEC == 4 (r1 and K
 // multiples of 4) 4x4 tiles (a0..a0+3, j0..j0+3) per thread, else single elements.
-// With E (when 0 <= num_groups <= e_cap) the block also writes each group's dg1 term
+// Q1C: q1 when 1, 2, 4 or 8 (the dg1 terms' registers), else 0. With E (when 0 <= num_groups <= e_cap) the block also writes each group's dg1 term
 // E[g] = dP_g . g2[I]^T ([q1][r1], tb_dg1_term with VEC = e_vec ? 4 : 1, the g2 row I
 // staged in shared memory once), summed per g1 row by tb_dg1_reduce_kernel.
-template <int VEC>
-__global__ void __launch_bounds__(kTbThreads)
+template <int Q1C, int VEC>
+__global__ void __launch_bounds__(kTbThreads, 3)
     tb_dg2_kernel(TbDev d, const float* __restrict__ g1, const float* __restrict__ g2,
                   const float* __restrict__ g3, const float* __restrict__ d_rows,
                   const int* __restrict__ u_i3, const int* __restrict__ g_i1,
@@ -291,14 +291,15 @@ __global__ void __launch_bounds__(kTbThreads)
         for (int k = 0; k < nb; ++k) {
           for (int pass = 0; pass * 32 < d.r1; ++pass) {
             const int a = pass * 32 + tid / 8, kp = tid % 8;
-            float part[kTbQ1Max];
+            float part[Q1C ? Q1C : kTbQ1Max];
             if (e_vec)
-              tb_dg1_term<0, 4>(d, dPs + k * d.PSZ, G2s, a, kp, part);
+              tb_dg1_term<Q1C, 4>(d, dPs + k * d.PSZ, G2s, a, kp, part);
             else
-              tb_dg1_term<0, 1>(d, dPs + k * d.PSZ, G2s, a, kp, part);
+              tb_dg1_term<Q1C, 1>(d, dPs + k * d.PSZ, G2s, a, kp, part);
             if (kp == 0 && a < d.r1)
-              for (int x1 = 0; x1 < d.q1; ++x1)
-                E[(size_t)s_g[k] * d.Q1R1 + x1 * d.r1 + a] = part[x1];
+#pragma unroll
+              for (int x1 = 0; x1 < (Q1C ? Q1C : kTbQ1Max); ++x1)
+                if (Q1C || x1 < d.q1) E[(size_t)s_g[k] * d.Q1R1 + x1 * d.r1 + a] = part[x1];
           }
         }
       }
@@ -460,6 +461,49 @@ __global__ void tb_sorted_groups_kernel(const int* __restrict__ sorted_u,
     sg[h] = __ldg(ug + tb_clamp(__ldg(sorted_u + h), 0, n - 1));
 }
 
+// The terms of a chunk's nc staged ids (slots of `slot` floats: P [M][ldP] then the d_rows
+// row at poff) in order, added to lane b's accumulators acc[i][z] (b = lane + 32 i): each
+// term sum_m P[m][b] d[m][z] over m ascending. Q3C: q3 when 4 or 8 (float4 reads of the
+// d_rows row), else 0 (any q3).
+template <int Q3C>
+__device__ __forceinline__ void tb_dg3_chunk_terms(const TbDev& d, const float* S, int slot,
+                                                   int poff, int nc, int lane,
+                                                   float (&acc)[2][kTbQ3Max]) {
+  constexpr int NZ = Q3C ? Q3C : kTbQ3Max;
+  for (int k = 0; k < nc; ++k) {
+    const float* P = S + k * slot;
+    const float* dr = P + poff;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int b = lane + 32 * i;
+      if (b >= d.r2) continue;
+      float c[NZ];
+#pragma unroll
+      for (int z = 0; z < NZ; ++z) c[z] = 0.f;
+      for (int m = 0; m < d.M; ++m) {
+        const float p = P[m * d.ldP + b];
+        if (Q3C > 0) {
+#pragma unroll
+          for (int z4 = 0; z4 < NZ; z4 += 4) {
+            const float4 v = *reinterpret_cast<const float4*>(dr + m * Q3C + z4);
+            c[z4] = fmaf(p, v.x, c[z4]);
+            c[z4 + 1] = fmaf(p, v.y, c[z4 + 1]);
+            c[z4 + 2] = fmaf(p, v.z, c[z4 + 2]);
+            c[z4 + 3] = fmaf(p, v.w, c[z4 + 3]);
+          }
+        } else {
+#pragma unroll
+          for (int z = 0; z < NZ; ++z)
+            if (z < d.q3) c[z] = fmaf(p, dr[m * d.q3 + z], c[z]);
+        }
+      }
+#pragma unroll
+      for (int z = 0; z < NZ; ++z)
+        if (Q3C || z < d.q3) acc[i][z] += c[z];
+    }
+  }
+}
+
 // dg3[I] = sum over the unique indices u of I in ascending u (sorted_u[bounds3[I] ..
 // bounds3[I+1]), a stable sort by u_i3) of P_{g(u)}^T . d_rows[u]. A warp per g3 row
 // (work stealing by warps): the row's ids in chunks of tb_dg3_chunk(d), the next chunk's
@@ -474,8 +518,8 @@ __global__ void __launch_bounds__(kTbThreads)
                   const float* __restrict__ d_rows, const int* __restrict__ g_i1,
                   const int* __restrict__ g_i2, const int* __restrict__ counts, int n,
                   const int* __restrict__ bounds3, const int* __restrict__ sorted_u,
-                  const int* __restrict__ sg, const float* __restrict__ Pc, int cap, int* ctr,
-                  float* __restrict__ dg3) {
+                  const int* __restrict__ sg, const float* __restrict__ Pc, int cap, int dvec,
+                  int* ctr, float* __restrict__ dg3) {
   TB_DYNAMIC_SMEM(tb_smem4);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int CH = tb_dg3_chunk(d), slot = tb_dg3_slot(d), poff = tb_align4(d.M * d.ldP);
@@ -512,29 +556,43 @@ __global__ void __launch_bounds__(kTbThreads)
         gn = __ldg(sg + h0 + CH + lane);
       }
       __syncwarp();
-#pragma unroll 4
-      for (int e = lane; e < nc * d.D; e += 32) {  // the d_rows rows
-        const int k = e / d.D, o = e - k * d.D;
-        S[k * slot + poff + o] = __ldg(d_rows + (size_t)s_u[warp][k] * d.D + o);
-      }
-      for (int base = lane; base < nc * P4; base += 4 * 32) {  // the cached P
-        float4 v[4];
+      // the cached P (float4 items [0, nc*P4)) and, when dvec, the d_rows rows (float4
+      // items after them), eight loads in flight per lane
+      const int nP = nc * P4, nI = nP + (dvec ? nc * (d.D / 4) : 0);
+      for (int base = lane; base < nI; base += 8 * 32) {
+        float4 v[8];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < 8; ++j) {
           const int e4 = base + 32 * j;
-          const int k = e4 / P4, g = e4 < nc * P4 ? s_g[warp][k] : lim;
-          if (g < lim)
-            v[j] = __ldg(reinterpret_cast<const float4*>(Pc + (size_t)g * d.PSZ) + (e4 - k * P4));
+          if (e4 < nP) {
+            const int k = e4 / P4, g = s_g[warp][k];
+            if (g < lim)
+              v[j] = __ldg(reinterpret_cast<const float4*>(Pc + (size_t)g * d.PSZ) + (e4 - k * P4));
+          } else if (e4 < nI) {
+            const int k = (e4 - nP) / (d.D / 4), q = e4 - nP - k * (d.D / 4);
+            v[j] = __ldg(reinterpret_cast<const float4*>(d_rows + (size_t)s_u[warp][k] * d.D) + q);
+          }
         }
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < 8; ++j) {
           const int e4 = base + 32 * j;
-          const int k = e4 / P4, q = e4 - k * P4;
-          if (e4 < nc * P4 && s_g[warp][k] < lim) {
-            const int m = (4 * q) / d.r2, b = 4 * q - m * d.r2;
-            float* dst = S + k * slot + m * d.ldP + b;
-            dst[0] = v[j].x; dst[1] = v[j].y; dst[2] = v[j].z; dst[3] = v[j].w;
+          if (e4 < nP) {
+            const int k = e4 / P4, q = e4 - k * P4;
+            if (s_g[warp][k] < lim) {
+              const int m = (4 * q) / d.r2, b = 4 * q - m * d.r2;
+              float* dst = S + k * slot + m * d.ldP + b;
+              dst[0] = v[j].x; dst[1] = v[j].y; dst[2] = v[j].z; dst[3] = v[j].w;
+            }
+          } else if (e4 < nI) {
+            const int k = (e4 - nP) / (d.D / 4), q = e4 - nP - k * (d.D / 4);
+            *reinterpret_cast<float4*>(S + k * slot + poff + 4 * q) = v[j];
           }
+        }
+      }
+      if (!dvec) {
+        for (int e = lane; e < nc * d.D; e += 32) {  // the d_rows rows, one float at a time
+          const int k = e / d.D, o = e - k * d.D;
+          S[k * slot + poff + o] = __ldg(d_rows + (size_t)s_u[warp][k] * d.D + o);
         }
       }
       for (int k = 0; k < nc; ++k) {  // the P not cached, formed by the warp
@@ -548,24 +606,12 @@ __global__ void __launch_bounds__(kTbThreads)
                                  S + k * slot, lane);
       }
       __syncwarp();
-      for (int k = 0; k < nc; ++k) {
-        const float* P = S + k * slot;
-        const float* dr = P + poff;
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int b = lane + 32 * i;
-          if (b < d.r2) {
-#pragma unroll
-            for (int z = 0; z < kTbQ3Max; ++z) {
-              if (z < d.q3) {
-                float c = 0.f;
-                for (int m = 0; m < d.M; ++m) c = fmaf(P[m * d.ldP + b], dr[m * d.q3 + z], c);
-                acc[i][z] += c;
-              }
-            }
-          }
-        }
-      }
+      if (d.q3 == 4)
+        tb_dg3_chunk_terms<4>(d, S, slot, poff, nc, lane, acc);
+      else if (d.q3 == 8)
+        tb_dg3_chunk_terms<8>(d, S, slot, poff, nc, lane, acc);
+      else
+        tb_dg3_chunk_terms<0>(d, S, slot, poff, nc, lane, acc);
       __syncwarp();  // the chunk's slots are read
     }
 #pragma unroll

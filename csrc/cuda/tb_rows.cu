@@ -300,7 +300,7 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
   const bool vec_g2 = d.K % 4 == 0 && tb_aligned16(g2);
   if (stages & 3) {
     const bool vec = d.K % 4 == 0 && d.r1 % 4 == 0 && tb_aligned16(dg2);
-    auto kernel = vec ? &tb_dg2_kernel<4> : &tb_dg2_kernel<1>;
+    auto kernel = vec ? TB_BY_Q1(tb_dg2_kernel, 4, d.q1) : TB_BY_Q1(tb_dg2_kernel, 1, d.q1);
     if ((err = tb_launch(kernel, tb_dg2_smem(d, s.e_cap >= 0), stream, d, g1, g2, g3, d_rows,
                          u_i3, g_i1, group_offsets, counts, n, (const int*)s.sort.bounds2,
                          sorted_groups, (int)vec_g2, s.e_cap,
@@ -339,7 +339,8 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
     auto kernel = vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1);
     if ((err = tb_launch(kernel, tb_dg3_smem(d), stream, d, g1, g2, d_rows, g_i1, g_i2, counts,
                          n, (const int*)s.bounds3, sorted_u, (const int*)sg,
-                         (const float*)s.Pc, cap, s.ctrl + 2, dg3)) != cudaSuccess)
+                         (const float*)s.Pc, cap, (int)(d.D % 4 == 0 && tb_aligned16(d_rows)),
+                         s.ctrl + 2, dg3)) != cudaSuccess)
       return err;
   }
   return cudaSuccess;

@@ -366,6 +366,43 @@ inline size_t tb_stage_bytes(const TbDev& d) {
   return sizeof(float) * (size_t)tb_stage_ids(d) * tb_stage_ld(d);
 }
 
+// One round of tb_block_dP_staged: each element of dPs adds the terms of the round's ids
+// of its group (ids [lo, hi) of the round), each term a sum over z ascending. Q3C: q3 when
+// 4 or 8 (float4 reads of the staged rows), else 0 (any q3).
+template <int Q3C>
+__device__ __forceinline__ void tb_stage_dP_round(const TbDev& d, int nb, int p0, int nr,
+                                                  const int* s_pre, const float* Stg,
+                                                  float* dPs) {
+  const int ld = tb_stage_ld(d), ldD = tb_align4(d.D);
+  for (int e = threadIdx.x; e < nb * d.PSZ; e += blockDim.x) {
+    const int k = e / d.PSZ, r = e - k * d.PSZ;
+    const int lo = max(s_pre[k], p0) - p0, hi = min(s_pre[k + 1], p0 + nr) - p0;
+    if (lo >= hi) continue;
+    const int m = r / d.r2, b = r - m * d.r2;
+    float acc = dPs[e];
+    for (int i = lo; i < hi; ++i) {
+      const float* dr = Stg + i * ld + m * d.q3;
+      const float* c = Stg + i * ld + ldD + b * d.q3;
+      float t = 0.f;
+      if (Q3C > 0) {
+#pragma unroll
+        for (int z4 = 0; z4 < Q3C; z4 += 4) {
+          const float4 dv = *reinterpret_cast<const float4*>(dr + z4);
+          const float4 cv = *reinterpret_cast<const float4*>(c + z4);
+          t = fmaf(dv.x, cv.x, t);
+          t = fmaf(dv.y, cv.y, t);
+          t = fmaf(dv.z, cv.z, t);
+          t = fmaf(dv.w, cv.w, t);
+        }
+      } else {
+        for (int z = 0; z < d.q3; ++z) t = fmaf(dr[z], c[z], t);
+      }
+      acc += t;
+    }
+    dPs[e] = acc;
+  }
+}
+
 // tb_block_dP with every load of a round in flight at once: the nb (<= 32) groups' ids,
 // taken group after group, in rounds of tb_stage_ids(d): the ids' g3 rows (u_i3, one
 // load each), then their d_rows and g3 rows into Stg (float4 when vec: D and S3
@@ -433,21 +470,12 @@ __device__ __forceinline__ void tb_block_dP_staged(
       }
     }
     __syncthreads();
-    for (int e = tid; e < nb * d.PSZ; e += nt) {
-      const int k = e / d.PSZ, r = e - k * d.PSZ;
-      const int lo = max(s_pre[k], p0) - p0, hi = min(s_pre[k + 1], p0 + nr) - p0;
-      if (lo >= hi) continue;
-      const int m = r / d.r2, b = r - m * d.r2;
-      float acc = dPs[e];
-      for (int i = lo; i < hi; ++i) {
-        const float* dr = Stg + i * ld + m * d.q3;
-        const float* c = Stg + i * ld + ldD + b * d.q3;
-        float t = 0.f;
-        for (int z = 0; z < d.q3; ++z) t = fmaf(dr[z], c[z], t);
-        acc += t;
-      }
-      dPs[e] = acc;
-    }
+    if (d.q3 == 4)
+      tb_stage_dP_round<4>(d, nb, p0, nr, s_pre, Stg, dPs);
+    else if (d.q3 == 8)
+      tb_stage_dP_round<8>(d, nb, p0, nr, s_pre, Stg, dPs);
+    else
+      tb_stage_dP_round<0>(d, nb, p0, nr, s_pre, Stg, dPs);
     __syncthreads();  // the round's staging is read
   }
 }

@@ -125,7 +125,8 @@ void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, flo
   // NaN: an E or a P read but not written shows
   std::vector<float> cache(std::max((size_t)cap * d.PSZ, (size_t)std::max(e_cap, 0) * d.Q1R1), NAN);
   const bool vec_g2 = vec && d.K % 4 == 0;
-  auto k2 = vec && d.K % 4 == 0 && d.r1 % 4 == 0 ? &tb_dg2_kernel<4> : &tb_dg2_kernel<1>;
+  auto k2 = vec && d.K % 4 == 0 && d.r1 % 4 == 0 ? TB_BY_Q1(tb_dg2_kernel, 4, d.q1)
+                                                 : TB_BY_Q1(tb_dg2_kernel, 1, d.q1);
   tb_emu_launch(kGrid, kTbThreads, tb_dg2_smem(d, e_cap >= 0), k2, d, in.g1, in.g2, in.g3,
                 in.d_rows, in.u_i3, in.g_i1, in.goffs, in.counts, n, (const int*)bounds2.data(),
                 sorted_groups.data(), (int)vec_g2, e_cap, (int)(vec && d.D % 4 == 0 && d.S3 % 4 == 0),
@@ -146,7 +147,8 @@ void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, flo
   auto k3 = vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1);
   tb_emu_launch(kGrid, kTbThreads, tb_dg3_smem(d), k3, d, in.g1, in.g2, in.d_rows,
                 in.g_i1, in.g_i2, in.counts, n, (const int*)bounds3.data(), sorted_u.data(),
-                (const int*)sg.data(), (const float*)cache.data(), cap, &ctrl[2], dg3);
+                (const int*)sg.data(), (const float*)cache.data(), cap, (int)(vec && d.D % 4 == 0),
+                &ctrl[2], dg3);
 }
 
 // The radix sort against std::stable_sort: n entries, the first `count` live, keys in
