@@ -12,8 +12,8 @@ chunks of 64 rows, gradients of cores and weights), in child processes:
    plain's bit for bit;
 3. one run per compute-sanitizer tool T in ``--tools``: ``compute-sanitizer --tool T
    --target-processes all --kernel-name kns=flowtt`` (the flowtt kernels, as
-   ``scripts/gpu_check.sh``); its ``ERROR SUMMARY`` must say 0 errors and its results must
-   equal plain's bit for bit.
+   ``scripts/gpu_check.sh``); its ``ERROR SUMMARY`` (racecheck: ``RACECHECK SUMMARY``)
+   must say 0 errors and its results must equal plain's bit for bit.
 
 Writes ``DIR/<run>.log``, ``DIR/<run>.npz`` and ``DIR/summary.json`` (default DIR:
 ``$OUT/fuzz_sanitize``, else ``./fuzz_sanitize_out``); exits 1 on any error, mismatch or
@@ -165,7 +165,12 @@ def main() -> int:
         log = out / f"{name}.log"
         rc = _child(prefix + me + [str(out / f"{name}.npz")], {**env, **extra_env}, log, args.timeout)
         text = log.read_text(errors="replace")
+        # memcheck, initcheck, synccheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK
+        # SUMMARY: H hazards displayed (E errors, W warnings)"
         errors = [int(m) for m in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
+        errors += [
+            int(m) for m in re.findall(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error", text)
+        ]
         result = {"rc": rc, "seconds": round(time.perf_counter() - t0, 1)}
         if prefix:
             result["sanitizer_errors"] = sum(errors) if errors else None
