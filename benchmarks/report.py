@@ -5,7 +5,7 @@ Usage:
       every run in full (default: every results JSON but ``--quick`` ones, oldest first)
   python -m benchmarks.report --readme README.md [--plots-dir DIR] [FILE.json ...]
       rewrites the README's ``bench`` block (single table) and, where the README has one,
-      its ``bench-collection`` block from the newest run of each stage, and draws the plots
+      its ``bench-collection`` block (each case and implementation from its newest run), and draws the plots
       (default ``benchmarks/results/plots/``) that the blocks link to. Without runs of the
       suite (``python -m benchmarks``) the ``bench`` block shows the newest
       ``single_table_*.json`` of the earlier single-table script, as before.
@@ -127,24 +127,25 @@ def suite_files(results: str = RESULTS) -> list[str]:
     return sorted(glob.glob(os.path.join(results, "bench_*.json")))
 
 
-def newest_per_stage(docs: list[dict]) -> list[dict]:
-    """The newest non-quick run of each stage, newest first."""
-    best: dict[str, dict] = {}
-    for d in docs:
-        if d.get("quick"):
-            continue
-        if d["stage"] not in best or d["date"] > best[d["stage"]]["date"]:
-            best[d["stage"]] = d
-    return sorted(best.values(), key=lambda d: d["date"], reverse=True)
+def newest_first(docs: list[dict]) -> list[dict]:
+    """The non-quick runs, newest first (a later run of a case overrides an earlier one)."""
+    return sorted((d for d in docs if not d.get("quick")), key=lambda d: d["date"], reverse=True)
 
 
 def cases_of(docs: list[dict], suite: str) -> list[dict]:
-    """Cases of ``suite``, the first run's where several runs have the same case."""
+    """Cases of ``suite`` over runs given newest first: each case's newest run, with the
+    implementations only older runs measured (e.g. a slow baseline not re-run) added from
+    the newest of those."""
     out: dict[str, dict] = {}
     for d in docs:
         for c in d["cases"]:
-            if c["suite"] == suite and c["case"] not in out:
-                out[c["case"]] = {**c, "_doc": d}
+            if c["suite"] != suite:
+                continue
+            if c["case"] not in out:
+                out[c["case"]] = {**c, "impls": dict(c["impls"]), "_doc": d}
+            else:
+                for name, rec in c["impls"].items():
+                    out[c["case"]]["impls"].setdefault(name, rec)
     return list(out.values())
 
 
@@ -376,9 +377,10 @@ def captured(fn, *args) -> str:
 
 
 def update_readme(readme: str, paths: list[str], plots_dir: str) -> None:
-    """The ``bench`` and ``bench-collection`` blocks and their plots from the newest runs."""
+    """The ``bench`` and ``bench-collection`` blocks and their plots from the runs, newest
+    first per case and implementation."""
     given = load(paths or suite_files())
-    docs = newest_per_stage([d for d in given if "schema" in d])
+    docs = newest_first([d for d in given if "schema" in d])
     link_root = Path(readme).resolve().parent
     plots = draw_all(docs, plots_dir) if docs else {}
     plots = {k: v if v.startswith("skipped") else str(Path(v).resolve()) for k, v in plots.items()}
