@@ -134,9 +134,8 @@ def _sorted_unique(layout: GroupLayout, ids: jax.Array, tables: jax.Array, sort_
         keys = jnp.asarray(base[:-1], jnp.int32)[tables] + ids
         p = sort_plan(keys, base[-1])
         num_unique = p.counts[0]
-        ut = jnp.searchsorted(
-            jnp.asarray(base[1:-1], jnp.int32), p.unique_ids, side="right", method="scan_unrolled"
-        ).astype(jnp.int32)
+        # the table of unique u: that of its first occurrence (past num_unique: masked later)
+        ut = tables[p.perm[jnp.minimum(p.run_offsets[:n], n - 1)]]
         uid = p.unique_ids - jnp.asarray(base[:-1], jnp.int32)[ut]
         return p.perm, p.inverse, p.run_offsets, num_unique, ut, uid
     iota = jnp.arange(n, dtype=jnp.int32)

@@ -374,32 +374,33 @@ __device__ __forceinline__ void tb_stage_dP_round(const TbDev& d, int nb, int p0
                                                   const int* s_pre, const float* Stg,
                                                   float* dPs) {
   const int ld = tb_stage_ld(d), ldD = tb_align4(d.D);
-  for (int e = threadIdx.x; e < nb * d.PSZ; e += blockDim.x) {
-    const int k = e / d.PSZ, r = e - k * d.PSZ;
-    const int lo = max(s_pre[k], p0) - p0, hi = min(s_pre[k + 1], p0 + nr) - p0;
-    if (lo >= hi) continue;
+  for (int r = threadIdx.x; r < d.PSZ; r += blockDim.x) {  // element r of every group's dP
     const int m = r / d.r2, b = r - m * d.r2;
-    float acc = dPs[e];
-    for (int i = lo; i < hi; ++i) {
-      const float* dr = Stg + i * ld + m * d.q3;
-      const float* c = Stg + i * ld + ldD + b * d.q3;
-      float t = 0.f;
-      if (Q3C > 0) {
+    for (int k = 0; k < nb; ++k) {
+      const int lo = max(s_pre[k], p0) - p0, hi = min(s_pre[k + 1], p0 + nr) - p0;
+      if (lo >= hi) continue;
+      float acc = dPs[k * d.PSZ + r];
+      for (int i = lo; i < hi; ++i) {
+        const float* dr = Stg + i * ld + m * d.q3;
+        const float* c = Stg + i * ld + ldD + b * d.q3;
+        float t = 0.f;
+        if (Q3C > 0) {
 #pragma unroll
-        for (int z4 = 0; z4 < Q3C; z4 += 4) {
-          const float4 dv = *reinterpret_cast<const float4*>(dr + z4);
-          const float4 cv = *reinterpret_cast<const float4*>(c + z4);
-          t = fmaf(dv.x, cv.x, t);
-          t = fmaf(dv.y, cv.y, t);
-          t = fmaf(dv.z, cv.z, t);
-          t = fmaf(dv.w, cv.w, t);
+          for (int z4 = 0; z4 < Q3C; z4 += 4) {
+            const float4 dv = *reinterpret_cast<const float4*>(dr + z4);
+            const float4 cv = *reinterpret_cast<const float4*>(c + z4);
+            t = fmaf(dv.x, cv.x, t);
+            t = fmaf(dv.y, cv.y, t);
+            t = fmaf(dv.z, cv.z, t);
+            t = fmaf(dv.w, cv.w, t);
+          }
+        } else {
+          for (int z = 0; z < d.q3; ++z) t = fmaf(dr[z], c[z], t);
         }
-      } else {
-        for (int z = 0; z < d.q3; ++z) t = fmaf(dr[z], c[z], t);
+        acc += t;
       }
-      acc += t;
+      dPs[k * d.PSZ + r] = acc;
     }
-    dPs[e] = acc;
   }
 }
 
