@@ -15,7 +15,7 @@
 //     ascending g): dP_g by the block (a thread per element, u ascending), then
 //     dP_g . g2[g_i2]^T (8 threads per output, fixed shuffle tree) added to the row;
 //   dg2[I]: a block per g2 row over its groups (sorted by g_i2, stable: ascending g), in
-//     batches of kTbBatch: dP_g as above, then g1[g_i1]^T . dP_g added into the row kept
+//     batches of up to kTbBatch (tb_dg2_batch): dP_g as above, then g1[g_i1]^T . dP_g added into the row kept
 //     in shared memory (4x4 tiles per thread);
 //   dg3[I]: blocks of consecutive g3 rows, their id lists merged by group (each group's
 //     P formed once for every row of the block using it, each row's terms still in
@@ -191,8 +191,8 @@ __global__ void __launch_bounds__(kTbThreads, 3)
                   const int* __restrict__ u_i3, const int* __restrict__ g_i1,
                   const int* __restrict__ goffs, const int* __restrict__ counts, int n,
                   const int* __restrict__ bounds2, const int* __restrict__ sorted_groups,
-                  int e_vec, int e_cap, int stage_vec, int* ctr, float* __restrict__ dg2,
-                  float* __restrict__ E) {
+                  int e_vec, int e_cap, int stage_vec, int nbatch, int* ctr,
+                  float* __restrict__ dg2, float* __restrict__ E) {
   TB_DYNAMIC_SMEM(tb_smem4);
   const int ld1 = tb_align4(d.Q1R1);
   int U, G;
@@ -200,9 +200,9 @@ __global__ void __launch_bounds__(kTbThreads, 3)
   const bool with_e = E != nullptr && G <= e_cap;
   float* acc = reinterpret_cast<float*>(tb_smem4);         // [r1][K]
   float* G2s = acc + tb_align4(d.R1K);                     // [r1][K] (with_e)
-  float* G1b = G2s + (with_e ? tb_align4(d.R1K) : 0);      // [kTbBatch][ld1]
-  float* dPs = G1b + kTbBatch * ld1;                       // [kTbBatch][PSZ]
-  float* Stg = dPs + kTbBatch * tb_align4(d.PSZ);          // tb_block_dP_staged's
+  float* G1b = G2s + (with_e ? tb_align4(d.R1K) : 0);      // [nbatch][ld1]
+  float* dPs = G1b + nbatch * ld1;                         // [nbatch][PSZ]
+  float* Stg = dPs + nbatch * tb_align4(d.PSZ);            // tb_block_dP_staged's
   __shared__ int s_item, s_gs[kTbBatch], s_ge[kTbBatch], s_i1[kTbBatch], s_g[kTbBatch];
   __shared__ int s_pre[kTbBatch + 1], s_u[kTbStageMaxIds], s_i3[kTbStageMaxIds];
   const int tid = threadIdx.x;
@@ -225,8 +225,8 @@ __global__ void __launch_bounds__(kTbThreads, 3)
     }
     if (with_e && lo < hi)
       for (int i = tid; i < d.R1K; i += kTbThreads) G2s[i] = __ldg(g2 + (size_t)I * d.R1K + i);
-    for (int j0 = lo; j0 < hi; j0 += kTbBatch) {
-      const int nb = min(kTbBatch, hi - j0);
+    for (int j0 = lo; j0 < hi; j0 += nbatch) {
+      const int nb = min(nbatch, hi - j0);
       __syncthreads();  // the previous batch's G1b / dPs are read
       if (tid < nb) {
         const int g = tb_clamp(__ldg(sorted_groups + j0 + tid), 0, gmax);

@@ -180,7 +180,7 @@ constexpr size_t kTbDg2SmemCap = 200 * 1024;
 
 // Groups the dg1 terms E may hold (-1: the dims do not take that path).
 int tb_e_groups(const TbDev& d, int n) {
-  if (tb_dg2_smem(d, true) > kTbDg2SmemCap) return -1;
+  if (tb_dg2_smem(d, true, tb_dg2_batch(d, true)) > kTbDg2SmemCap) return -1;
   return (int)std::min<size_t>((size_t)n, kTbPCacheBytes / (sizeof(float) * (size_t)d.Q1R1));
 }
 
@@ -301,12 +301,13 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
   if (stages & 3) {
     const bool vec = d.K % 4 == 0 && d.r1 % 4 == 0 && tb_aligned16(dg2);
     auto kernel = vec ? TB_BY_Q1(tb_dg2_kernel, 4, d.q1) : TB_BY_Q1(tb_dg2_kernel, 1, d.q1);
-    if ((err = tb_launch(kernel, tb_dg2_smem(d, s.e_cap >= 0), stream, d, g1, g2, g3, d_rows,
+    const int nbatch = tb_dg2_batch(d, s.e_cap >= 0);
+    if ((err = tb_launch(kernel, tb_dg2_smem(d, s.e_cap >= 0, nbatch), stream, d, g1, g2, g3, d_rows,
                          u_i3, g_i1, group_offsets, counts, n, (const int*)s.sort.bounds2,
                          sorted_groups, (int)vec_g2, s.e_cap,
                          (int)(d.D % 4 == 0 && d.S3 % 4 == 0 && tb_aligned16(d_rows) &&
                                tb_aligned16(g3)),
-                         s.ctrl + 1, dg2,
+                         nbatch, s.ctrl + 1, dg2,
                          s.e_cap >= 0 ? s.Pc : nullptr)) != cudaSuccess)
       return err;
   }

@@ -19,7 +19,7 @@ namespace flowtt::tb {
 constexpr int kTbThreads = 256;  // every kernel: 8 warps
 constexpr int kTbWarps = kTbThreads / 32;
 constexpr int kTbChunk = 64;     // unique indices per forward work item
-constexpr int kTbBatch = 8;      // groups per shared-memory batch of the dg2 kernel
+constexpr int kTbBatch = 16;     // groups per shared-memory batch of the dg2 kernel, at most
 constexpr int kTbQ1Max = 8, kTbMMax = 16, kTbQ3Max = 8, kTbRMax = 64;
 constexpr int kTbMaxG2Row = 24576;  // r1*q2*r2 bound (g2 rows staged in shared memory)
 constexpr int kTbTileGroups = 32;  // max groups per batch of the sorted-tile forward
@@ -142,10 +142,15 @@ inline size_t tb_dg3_smem(const TbDev& d) {
   return sizeof(float) * kTbWarps * (size_t)tb_dg3_slice(d);
 }
 inline size_t tb_stage_bytes(const TbDev& d);
-inline size_t tb_dg2_smem(const TbDev& d, bool with_e = false) {
+inline size_t tb_dg2_smem(const TbDev& d, bool with_e = false, int batch = 8) {
   return sizeof(float) * ((size_t)tb_align4(d.R1K) * (with_e ? 2 : 1) +
-                          (size_t)kTbBatch * (tb_align4(d.Q1R1) + tb_align4(d.PSZ))) +
+                          (size_t)batch * (tb_align4(d.Q1R1) + tb_align4(d.PSZ))) +
          tb_stage_bytes(d);
+}
+// Groups per batch of the dg2 kernel: kTbBatch when that still leaves room for three
+// blocks per SM (74 KB), else 8.
+inline int tb_dg2_batch(const TbDev& d, bool with_e) {
+  return tb_dg2_smem(d, with_e, kTbBatch) <= size_t{74} * 1024 ? kTbBatch : 8;
 }
 
 __device__ __forceinline__ int tb_clamp(int v, int lo, int hi) {

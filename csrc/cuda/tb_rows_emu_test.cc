@@ -104,7 +104,7 @@ void EmuFwdTile(const Inputs& in, const TbTileGeo& geo, float* rows) {
 // groups below `cap` from the P cache built by tb_pcache_kernel with geometry pgeo, when
 // the dims take it and vec, else formed by dg3). E and the P cache share one buffer.
 void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, float* dg2,
-            float* dg3, int cap = 0, TbTileGeo pgeo = {}, int e_cap = -1) {
+            float* dg3, int cap = 0, TbTileGeo pgeo = {}, int e_cap = -1, int nbatch = 8) {
   const TbDev& d = in.d;
   const int n = in.n;
   std::vector<int> ctrl(4, 0), bounds1(d.P1 + 1, 0), bounds2(d.P2 + 1), bounds3(d.P3 + 1);
@@ -127,10 +127,10 @@ void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, flo
   const bool vec_g2 = vec && d.K % 4 == 0;
   auto k2 = vec && d.K % 4 == 0 && d.r1 % 4 == 0 ? TB_BY_Q1(tb_dg2_kernel, 4, d.q1)
                                                  : TB_BY_Q1(tb_dg2_kernel, 1, d.q1);
-  tb_emu_launch(kGrid, kTbThreads, tb_dg2_smem(d, e_cap >= 0), k2, d, in.g1, in.g2, in.g3,
+  tb_emu_launch(kGrid, kTbThreads, tb_dg2_smem(d, e_cap >= 0, nbatch), k2, d, in.g1, in.g2, in.g3,
                 in.d_rows, in.u_i3, in.g_i1, in.goffs, in.counts, n, (const int*)bounds2.data(),
                 sorted_groups.data(), (int)vec_g2, e_cap, (int)(vec && d.D % 4 == 0 && d.S3 % 4 == 0),
-                &ctrl[1], dg2,
+                nbatch, &ctrl[1], dg2,
                 e_cap >= 0 ? cache.data() : nullptr);
   if (e_cap >= 0)
     tb_emu_launch(kGrid, 256, 0, tb_dg1_reduce_kernel, d, (const float*)cache.data(), e_cap,
@@ -216,13 +216,13 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
   // kernel runs); then no P cached and no E: dg1 and dg3 bitwise equal across the runs
   const int n = (int)p.n;
   const TbTileGeo pg_full = tb_tile_geo(r.in.d, 100 * 1024), pg_small = tb_tile_geo(r.in.d, 100 * 1024, 4);
-  struct Cfg { TbDg1Geo geo; int cap; TbTileGeo pgeo; int e_cap; };
-  std::vector<std::vector<float>> dg1s, dg3s;
+  struct Cfg { TbDg1Geo geo; int cap; TbTileGeo pgeo; int e_cap; int nbatch; };
+  std::vector<std::vector<float>> dg1s, dg2s, dg3s;
   int caps[3];
   int ci = 0;
-  for (Cfg cfg : {Cfg{tb_dg1_geo(r.in.d), n, pg_full, n},
-                  Cfg{TbDg1Geo{8, 1, 8, 0}, p.G / 3, pg_small, p.G - 1},
-                  Cfg{tb_dg1_geo(r.in.d), 0, TbTileGeo{}, -1}}) {
+  for (Cfg cfg : {Cfg{tb_dg1_geo(r.in.d), n, pg_full, n, tb_dg2_batch(r.in.d, true)},
+                  Cfg{TbDg1Geo{8, 1, 8, 0}, p.G / 3, pg_small, p.G - 1, 8},
+                  Cfg{tb_dg1_geo(r.in.d), 0, TbTileGeo{}, -1, kTbBatch}}) {
     TbDg1Geo geo = cfg.geo;
     if (geo.smem == 0)
       geo.smem = sizeof(float) * (tb_align4(r.in.d.R1K) + tb_align4(8 * r.in.d.Q1R1) +
@@ -231,15 +231,18 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
         dg3(r.k.g3.size(), NAN);
     const int cap = vec && cfg.pgeo.GB > 0 ? cfg.cap : 0;
     caps[ci++] = cap;
-    EmuBwd(r.in, vec, geo, dg1.data(), dg2.data(), dg3.data(), cap, cfg.pgeo, cfg.e_cap);
+    EmuBwd(r.in, vec, geo, dg1.data(), dg2.data(), dg3.data(), cap, cfg.pgeo, cfg.e_cap,
+           cfg.nbatch);
     const double e1 = TbRelErr(dg1.data(), r1.data(), r1.size());
     const double e2 = TbRelErr(dg2.data(), r2.data(), r2.size());
     const double e3 = TbRelErr(dg3.data(), r3.data(), r3.size());
     std::snprintf(buf, sizeof buf,
-                  " bwd (dg1 %s, P cache %d groups) rel err dg1 %.2e dg2 %.2e dg3 %.2e",
-                  p.G <= cfg.e_cap ? "terms" : "merge", cap, e1, e2, e3);
+                  " bwd (dg1 %s, dg2 batches of %d, P cache %d groups) rel err dg1 %.2e dg2 "
+                  "%.2e dg3 %.2e",
+                  p.G <= cfg.e_cap ? "terms" : "merge", cfg.nbatch, cap, e1, e2, e3);
     Report(e1 < kTol && e2 < kTol && e3 < kTol, tag + buf);
     dg1s.push_back(std::move(dg1));
+    dg2s.push_back(std::move(dg2));
     dg3s.push_back(std::move(dg3));
   }
   auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
@@ -247,6 +250,8 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
   };
   Report(same(dg1s[0], dg1s[2]) && same(dg1s[1], dg1s[2]),
          tag + " dg1 from the terms E bitwise equal to the merge kernel's");
+  Report(same(dg2s[0], dg2s[2]) && same(dg2s[1], dg2s[2]),
+         tag + " dg2 bitwise equal across batch sizes (8, 16)");
   if (caps[0] > 0 || caps[1] > 0)
     Report(same(dg3s[0], dg3s[2]) && same(dg3s[1], dg3s[2]),
            tag + " dg3 with the P cache (all / a third of the groups) bitwise equal to "
@@ -269,7 +274,7 @@ void InvalidPlans(int which) {
     const TbTileGeo geo = tb_tile_geo(r.in.d, 100 * 1024);
     if (geo.GB > 0) EmuFwdTile(r.in, geo, rows.data());
     EmuBwd(r.in, true, tb_dg1_geo(r.in.d), dg1.data(), dg2.data(), dg3.data(), (int)p.n,
-           geo, (int)p.n);
+           geo, (int)p.n, kTbBatch);
     Report(true, "invalid plan, finished: " + c.name + ", " + what);
   };
   run("u_i3 out of range", [&](TbHostPlan& p) {
