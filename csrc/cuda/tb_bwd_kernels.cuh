@@ -7,20 +7,25 @@
 //   ug[u] (the group of each unique index); the groups radix-sorted by g_i2
 //   (cuda/tb_sort.cuh: its cost follows num_groups, not n) and the bucket bounds of each
 //   packed g2 row; the bounds of each g1 row over g_i1 (non-decreasing in g); the unique
-//   indices radix-sorted by u_i3 and the bounds of each g3 row. Then one persistent
-//   kernel per core, work stealing over its packed rows (a row no group touches is
-//   written 0); every gradient row is one block's, summed in a fixed order:
-//   dg1[I]: blocks of consecutive g1 rows, their group lists merged by g_i2 (each g2
-//     row loaded once for every row of the block using it, each row's terms still in
-//     ascending g): dP_g by the block (a thread per element, u ascending), then
-//     dP_g . g2[g_i2]^T (8 threads per output, fixed shuffle tree) added to the row;
+//   indices radix-sorted by u_i3, the bounds of each g3 row and the group of each sorted
+//   index (sg). Then, work stealing over packed rows (a row no group touches is written
+//   0), every gradient row summed in a fixed order:
 //   dg2[I]: a block per g2 row over its groups (sorted by g_i2, stable: ascending g), in
-//     batches of up to kTbBatch (tb_dg2_batch): dP_g as above, then g1[g_i1]^T . dP_g added into the row kept
-//     in shared memory (4x4 tiles per thread);
-//   dg3[I]: blocks of consecutive g3 rows, their id lists merged by group (each group's
-//     P formed once for every row of the block using it, each row's terms still in
-//     ascending u): a warp per group forms P, then each output element adds
-//     P^T . d_rows[u] in u order.
+//     batches of up to kTbBatch (tb_dg2_batch): dP_g (tb_block_dP_staged: the batch's
+//     ids' d_rows and g3 rows staged in shared memory, a thread per element, u
+//     ascending), then g1[g_i1]^T . dP_g added into the row kept in shared memory (4x4
+//     tiles per thread); and, when every group fits the cache buffer (num_groups <=
+//     e_cap), each group's dg1 term E[g] = dP_g . g2[I]^T (tb_dg1_term: 8 threads per
+//     output, fixed shuffle tree) from the g2 row staged once;
+//   dg1[I]: the sum of E[g] over the groups of I, ascending g (tb_dg1_reduce_kernel, a
+//     thread per element; the groups of a g1 row are consecutive); past e_cap the merge
+//     kernel tb_dg1_kernel instead (blocks of consecutive g1 rows, their group lists
+//     merged by g_i2, dP_g and the same tb_dg1_term): the same terms in the same order,
+//     so bitwise the same dg1;
+//   dg3[I]: a warp per g3 row over its ids in ascending u, in chunks: each id's P (from
+//     the P cache tb_pcache_kernel filled, or formed by the warp past its cap) and
+//     d_rows row staged in the warp's slice, then P^T . d_rows[u] (a sum over m
+//     ascending) added per output element in u order.
 #pragma once
 #pragma once
 
