@@ -65,16 +65,20 @@ def checkout(rev: str | None, dest: Path) -> Path:
 
 
 def kernel_sources(root: Path, exclude: list[str]) -> tuple[list[Path], list[Path]]:
-    """(.cu files that define a __global__ function, include dirs: the source roots and
-    every directory holding a header)."""
+    """(.cu files that define a __global__ function or include a header that does, include
+    dirs: the source roots and every directory holding a header)."""
     files, include_dirs = [], {root / d for d in SOURCE_DIRS if (root / d).is_dir()}
-    for d in SOURCE_DIRS:
-        for p in sorted((root / d).rglob("*")):
-            if p.suffix in (".h", ".cuh"):
-                include_dirs.add(p.parent)
-            if (p.suffix == ".cu" and "__global__" in p.read_text()
-                    and not any(fnmatch.fnmatch(p.name, g) for g in exclude)):
-                files.append(p)
+    paths = [p for d in SOURCE_DIRS for p in sorted((root / d).rglob("*"))]
+    kernel_headers = {p.name for p in paths if p.suffix == ".cuh" and "__global__" in p.read_text()}
+    for p in paths:
+        if p.suffix in (".h", ".cuh"):
+            include_dirs.add(p.parent)
+        if p.suffix != ".cu" or any(fnmatch.fnmatch(p.name, g) for g in exclude):
+            continue
+        text = p.read_text()
+        included = {Path(m).name for m in re.findall(r'#include\s+"([^"]+)"', text)}
+        if "__global__" in text or included & kernel_headers:
+            files.append(p)
     return files, sorted(include_dirs)
 
 

@@ -611,12 +611,7 @@ __global__ void __launch_bounds__(kTbThreads)
                                  S + k * slot, lane);
       }
       __syncwarp();
-      if (d.q3 == 4)
-        tb_dg3_chunk_terms<4>(d, S, slot, poff, nc, lane, acc);
-      else if (d.q3 == 8)
-        tb_dg3_chunk_terms<8>(d, S, slot, poff, nc, lane, acc);
-      else
-        tb_dg3_chunk_terms<0>(d, S, slot, poff, nc, lane, acc);
+      TB_BY_Q3(d.q3, tb_dg3_chunk_terms, d, S, slot, poff, nc, lane, acc);
       __syncwarp();  // the chunk's slots are read
     }
 #pragma unroll

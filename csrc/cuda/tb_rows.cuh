@@ -371,6 +371,10 @@ inline size_t tb_stage_bytes(const TbDev& d) {
   return sizeof(float) * (size_t)tb_stage_ids(d) * tb_stage_ld(d);
 }
 
+// F<Q3C>(args...) with Q3C = q3 when it is 4 or 8 (float4 paths), else F<0> (any q3).
+#define TB_BY_Q3(q3, F, ...) \
+  ((q3) == 4 ? F<4>(__VA_ARGS__) : (q3) == 8 ? F<8>(__VA_ARGS__) : F<0>(__VA_ARGS__))
+
 // One round of tb_block_dP_staged: each element of dPs adds the terms of the round's ids
 // of its group (ids [lo, hi) of the round), each term a sum over z ascending. Q3C: q3 when
 // 4 or 8 (float4 reads of the staged rows), else 0 (any q3).
@@ -476,12 +480,7 @@ __device__ __forceinline__ void tb_block_dP_staged(
       }
     }
     __syncthreads();
-    if (d.q3 == 4)
-      tb_stage_dP_round<4>(d, nb, p0, nr, s_pre, Stg, dPs);
-    else if (d.q3 == 8)
-      tb_stage_dP_round<8>(d, nb, p0, nr, s_pre, Stg, dPs);
-    else
-      tb_stage_dP_round<0>(d, nb, p0, nr, s_pre, Stg, dPs);
+    TB_BY_Q3(d.q3, tb_stage_dP_round, d, nb, p0, nr, s_pre, Stg, dPs);
     __syncthreads();  // the round's staging is read
   }
 }
