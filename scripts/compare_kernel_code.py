@@ -183,7 +183,7 @@ def kernels(paths: list[Path], mode: str) -> tuple[dict[str, list[str]], dict[st
                                        if f.split(":")[0] in ("REG", "STACK", "SHARED", "LOCAL"))
         else:
             raw.update(split_ptx(p.read_text()))
-    names = demangle(list(raw) + re.findall(r"_Z\w+", "\n".join(l for b in raw.values() for l in b))
+    names = demangle(list(raw) + re.findall(r"_Z\w+", "\n".join(ln for b in raw.values() for ln in b))
                      if mode == "ptx" else list(raw))
     code, res = {}, {}
     for mangled, body in raw.items():
@@ -234,8 +234,8 @@ def main() -> int:
         elif base[key] == new[key]:
             status = "identical"
         else:
-            n_diff = sum(1 for l in difflib.unified_diff(base[key], new[key], n=0)
-                         if l[:1] in "+-" and l[:3] not in ("+++", "---"))
+            n_diff = sum(1 for ln in difflib.unified_diff(base[key], new[key], n=0)
+                         if ln[:1] in "+-" and ln[:3] not in ("+++", "---"))
             status = f"DIFFERS ({n_diff} lines)"
         res = new_res.get(key) or base_res.get(key, "")
         if base_res.get(key) and new_res.get(key) and base_res[key] != new_res[key]:
@@ -245,7 +245,7 @@ def main() -> int:
             bad += 1
             if status.startswith("DIFFERS") and diffs_shown < args.diff:
                 diffs_shown += 1
-                sys.stdout.writelines(l + "\n" for l in difflib.unified_diff(
+                sys.stdout.writelines(ln + "\n" for ln in difflib.unified_diff(
                     base[key], new[key], "base", "new", n=2))
     added = len(set(new) - set(base))
     print(f"{len(base) - bad} of {len(base)} kernels of the base identical"
