@@ -79,7 +79,7 @@ def _group_bags_fwd(layout, weighted, packed, weights, ids, tables, offsets, bag
     plan = make_group_plan(layout, ids, tables, _sort_plan)
     rows = _rows_fwd(packed, plan, layout.dim)
     out = ffi.pool_fwd(rows, plan.inverse, weights, offsets)
-    return out, (packed, weights, bag_ids, plan, rows)
+    return out, (packed, weights, bag_ids, plan, ffi.rows_residual(rows, weighted))
 
 
 def _group_bags_bwd(layout, weighted, res, dout):

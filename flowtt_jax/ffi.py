@@ -247,9 +247,11 @@ def pool_bwd(dout, rows, weights, bag_ids, plan: Plan, with_d_weights: bool = Tr
     """(d_rows [n, D], d_weights [n] or None) of the pooling, reduced in sorted order;
     d_rows past num_unique are unspecified.
 
-    ``with_d_weights=False`` skips the weight gradient (the kernel gets a [0] result).
+    ``with_d_weights=False`` skips the weight gradient (the kernel gets a [0] result); only
+    that gradient reads ``rows``, so without it ``rows`` may be ``[0, D]``
+    (``rows_residual``), and the forward's rows need not live until the backward.
     """
-    outs = (_f32(rows.shape), _f32(weights.shape if with_d_weights else (0,)))
+    outs = (_f32((weights.shape[0], dout.shape[1])), _f32(weights.shape if with_d_weights else (0,)))
     d_rows, d_weights = _call(
         "flowtt_bag_pool_bwd",
         outs,
@@ -263,6 +265,12 @@ def pool_bwd(dout, rows, weights, bag_ids, plan: Plan, with_d_weights: bool = Tr
         plan.counts,
     )
     return d_rows, (d_weights if with_d_weights else None)
+
+
+def rows_residual(rows: jax.Array, with_d_weights: bool) -> jax.Array:
+    """What the backward keeps of the forward's rows [n, D] for ``pool_bwd``: all of them
+    for the weight gradient, else an empty ``[0, D]`` (their buffer is freed after pooling)."""
+    return rows if with_d_weights else rows[:0]
 
 
 _register()  # at import: a deserialized jax.export module finds the targets

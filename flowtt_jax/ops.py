@@ -5,7 +5,8 @@ unique-row kernel -> fixed-order pooling, under one ``jax.custom_vjp`` whose
 backward gives gradients for every core and for per-id weights. Without a
 gradient the rows and the pooling are one op (``flowtt_bag_fwd``) that computes
 the unique rows in chunks of at most ``ROWS_CHUNK_BYTES``; the training forward
-keeps all [n, D] rows, the backward's residual.
+computes all [n, D] rows and keeps them for the backward only when the weights'
+gradient needs them (weighted bags).
 
 ``impl``: ``"auto"`` (the FFI kernels when the extension is built and the table
 has 3 cores of float32, bfloat16 or float16 (computed in float32) that the platform's
@@ -70,7 +71,7 @@ def _fused_bag_fwd(weighted, cores, weights, ids, offsets, bag_ids):
     plan = _plan(cores, ids)
     rows = ffi.rows_fwd(cores, plan)
     out = ffi.pool_fwd(rows, plan.inverse, weights, offsets)
-    return out, (cores, weights, bag_ids, plan, rows)
+    return out, (cores, weights, bag_ids, plan, ffi.rows_residual(rows, weighted))
 
 
 def _fused_bag_bwd(weighted, res, dout):

@@ -143,8 +143,9 @@ def target_pool_fwd(call, rows, plan, weights, offsets):
 
 
 def target_pool_bwd(call, dout, rows, weights, plan, bag_ids, with_d_weights: bool = True):
-    """flowtt_bag_pool_bwd: ``(d_rows [n, D], d_weights [n] or [0])`` float32."""
-    n, dim = rows.shape
+    """flowtt_bag_pool_bwd: ``(d_rows [n, D], d_weights [n] or [0])`` float32 (``rows`` may
+    be ``[0, D]`` without the weight gradient)."""
+    n, dim = weights.shape[0], dout.shape[1]
     outs = [f32((n, dim)), f32((n if with_d_weights else 0,))]
     args = (plan.inverse, bag_ids, plan.perm, plan.run_offsets, plan.counts)
     return call("flowtt_bag_pool_bwd", outs, dout, rows, weights, *args)

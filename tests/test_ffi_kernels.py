@@ -75,6 +75,13 @@ def test_all_targets_write_every_output(kind):
     )
     assert d_w0.shape == (0,)
     np.testing.assert_array_equal(d_rows_only[:nu], d_rows[:nu])
+    # without it the rows are never read: an empty [0, D] placeholder gives the same d_rows
+    d_rows_empty, _ = target_pool_bwd(
+        poisoned_call, dout, rows[:0], weights, plan, bag_ids, with_d_weights=False
+    )
+    np.testing.assert_array_equal(d_rows_empty[:nu], d_rows[:nu])
+    with pytest.raises(Exception, match="rows must be"):  # the weight gradient needs them
+        jax.block_until_ready(target_pool_bwd(poisoned_call, dout, rows[:0], weights, plan, bag_ids))
 
     grads = target_rows_bwd(poisoned_call, cores, d_rows, plan)
     with jax.enable_x64(True):

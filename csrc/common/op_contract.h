@@ -128,7 +128,8 @@ ffi::Error CheckPoolFwd(const FBuf& rows, const IBuf& inverse, const FBuf& weigh
   return CheckMatrix(rows, *n, *dim, "rows");
 }
 
-// flowtt_bag_pool_bwd: dout [B, dim], rows [n, dim], weights, inverse, bag_ids, perm [n],
+// flowtt_bag_pool_bwd: dout [B, dim], rows [n, dim] (or [0, dim] without the weight
+// gradient: only d_weights reads the rows), weights, inverse, bag_ids, perm [n],
 // run_offsets [n+1], counts [2], d_rows [n, dim], d_weights [n] or [0] (no weight
 // gradient); sets n, dim and num_bags = B.
 template <typename FBuf, typename IBuf, typename OBuf>
@@ -137,7 +138,7 @@ ffi::Error CheckPoolBwd(const FBuf& dout, const FBuf& rows, const FBuf& weights,
                         const IBuf& run_offsets, const IBuf& counts, const OBuf& d_rows,
                         const OBuf& d_weights, int64_t* n, int64_t* dim, int64_t* num_bags) {
   *n = Length(inverse);
-  *dim = rows.dimensions().size() == 2 ? rows.dimensions()[1] : -1;
+  *dim = dout.dimensions().size() == 2 ? dout.dimensions()[1] : -1;
   *num_bags = dout.dimensions().size() == 2 ? dout.dimensions()[0] : -1;
   if (*n < 1 || Length(weights) != *n || Length(bag_ids) != *n || Length(perm) != *n ||
       Length(run_offsets) != *n + 1 || Length(counts) != 2 ||
@@ -146,7 +147,9 @@ ffi::Error CheckPoolBwd(const FBuf& dout, const FBuf& rows, const FBuf& weights,
         "need weights, inverse, bag_ids, perm [n], d_weights [n] or [0], run_offsets [n+1], "
         "counts [2]");
   }
-  if (ffi::Error e = CheckMatrix(rows, *n, *dim, "rows"); e.failure()) return e;
+  const bool rows_unused =
+      Length(d_weights) == 0 && rows.dimensions().size() == 2 && rows.dimensions()[0] == 0;
+  if (ffi::Error e = CheckMatrix(rows, rows_unused ? 0 : *n, *dim, "rows"); e.failure()) return e;
   if (ffi::Error e = CheckMatrix(dout, *num_bags, *dim, "dout"); e.failure()) return e;
   return CheckMatrix(d_rows, *n, *dim, "d_rows");
 }

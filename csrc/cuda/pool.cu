@@ -309,8 +309,10 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows, const float* weig
                          const int* run_offsets, const int* counts, int n, int B, int D,
                          float* d_rows, float* d_weights, void* scratch, cudaStream_t stream) {
   float* part = static_cast<float*>(scratch);
+  // rows is read only for d_weights (without it, it may be an empty placeholder)
+  const uintptr_t rows_addr = d_weights != nullptr ? reinterpret_cast<uintptr_t>(rows) : 0;
   const bool v4 =
-      (D % 4) == 0 && ((reinterpret_cast<uintptr_t>(dout) | reinterpret_cast<uintptr_t>(rows) |
+      (D % 4) == 0 && ((reinterpret_cast<uintptr_t>(dout) | rows_addr |
                         reinterpret_cast<uintptr_t>(d_rows) | reinterpret_cast<uintptr_t>(part)) %
                        16) == 0;
   const int DV = v4 ? D / 4 : D;
