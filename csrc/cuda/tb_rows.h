@@ -35,13 +35,15 @@ cudaError_t tb_rows_fwd(const TbDims& d, const float* g1, const float* g2, const
 // flowtt_tb_rows_bwd: dg1, dg2, dg3 (the packed cores' shapes), every element written, in
 // the contract's summation order (bitwise reproducible). Scratch: about 17 bytes per plan
 // entry (radix sorts of the group indices by g_i2 and of the unique indices by u_i3, the
-// group of each unique index) plus the bucket bounds of every packed core row, plus, for
-// dims of the sorted-tile forward, the P cache: P_g (q1*q2*r2 floats) of the first
-// min(n, cap) groups, at most 2 GiB (kTbPCacheBytes in tb_rows.cu: 2M groups of 1 KB),
-// formed once so that dg3 reads it; dg3 recomputes P of the groups past the cap.
-// `stages` (profiling aid for the harness): bits 0, 1, 2 run the dg1, dg2, dg3 kernels (a
-// gradient whose bit is clear is left unwritten; the P cache runs with dg3); the sorts and
-// bucket bounds always run.
+// group of each unique index, then of each sorted one in a free sort buffer) plus the
+// bucket bounds of every packed core row, plus one cache buffer of at most 2 GiB (kTbPCacheBytes in tb_rows.cu)
+// used twice: first for the dg1 terms E of every group (q1*r1 floats each; when they do
+// not all fit, dg1 runs the merge kernel instead), then, for dims of the sorted-tile
+// forward, the P cache: P_g (q1*q2*r2 floats) of the first min(n, cap) groups (2M groups
+// of 1 KB), formed once so that dg3 reads it; dg3 forms P of the groups past the cap.
+// `stages` (profiling aid for the harness): bits 0, 1, 2 run dg1, dg2, dg3 (a gradient
+// whose bit is clear is left unwritten; the dg2 kernel runs for dg1 too, since it writes
+// E; the P cache runs with dg3); the sorts and bucket bounds always run.
 constexpr unsigned kTbAllStages = 0x7;
 size_t tb_rows_bwd_scratch_bytes(const TbDims& d, int n);
 cudaError_t tb_rows_bwd(const TbDims& d, const float* g1, const float* g2, const float* g3,
