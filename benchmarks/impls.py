@@ -11,8 +11,9 @@ features' sum-pooled bags side by side); the runner times ``fwd`` and its vjp wi
   (static size nnz), TT rows of the unique ids, gathered back and pooled.
 - ``ours`` (single table) / ``ours_per_table_loop`` (collections): ``tt_embedding_bag``
   (impl="ffi", the fused kernels) per table, in one jitted loop over the tables.
-- ``ours_batched`` (collections): ``tt_embedding_bag_group`` (impl="ffi"), the table-batched
-  op: one plan and one launch per stage for every table of a shape group (packed cores).
+- ``ours_batched``: ``tt_embedding_bag_group`` (impl="ffi"), the table-batched op: one plan
+  and one launch per stage for every table of a shape group (packed cores); on a single
+  table it is the T = 1 case, to compare with ``ours``.
 
 Adding one (e.g. the table-batched op) is one decorated builder::
 
@@ -276,7 +277,7 @@ def _pack_groups(w: Workload, cores: TTCores) -> tuple[tuple[jax.Array, ...], ..
 
 @register(
     "ours_batched",
-    suites=("collection",),
+    suites=("single", "collection"),
     ours=True,
     init=_pack_groups,
     description="tt_embedding_bag_group impl='ffi': one plan and one launch per stage for all "
