@@ -13,6 +13,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -93,23 +94,29 @@ inline dim3 blockIdx, blockDim, gridDim;
 inline void __syncthreads() { tb_emu::wait(tb_emu::g_block_bar); }
 inline void __syncwarp(unsigned = 0xffffffffu) { tb_emu::wait(tb_emu::g_warps[threadIdx.x / 32].bar); }
 
+// Every warp operation below: each lane publishes its 32-bit value, then reads the warp's
+// 32 values (two warp barriers around the read).
 template <typename T>
-T __shfl_sync(unsigned, T v, int src) {
-  static_assert(sizeof(T) == 4, "32-bit shuffles only");
+std::array<T, 32> tb_emu_exchange(T v) {
+  static_assert(sizeof(T) == 4, "32-bit warp operations only");
   tb_emu::Warp& w = tb_emu::g_warps[threadIdx.x / 32];
   std::memcpy(&w.buf[threadIdx.x % 32], &v, 4);
   tb_emu::wait(w.bar);
-  T r;
-  std::memcpy(&r, &w.buf[src & 31], 4);
+  std::array<T, 32> all;
+  std::memcpy(all.data(), w.buf, sizeof w.buf);
   tb_emu::wait(w.bar);
-  return r;
+  return all;
+}
+
+template <typename T>
+T __shfl_sync(unsigned, T v, int src) {
+  return tb_emu_exchange(v)[src & 31];
 }
 
 template <typename T>
 T __shfl_up_sync(unsigned mask, T v, unsigned delta) {
   const int lane = (int)(threadIdx.x % 32);
-  const T r = __shfl_sync(mask, v, lane >= (int)delta ? lane - (int)delta : lane);
-  return r;
+  return __shfl_sync(mask, v, lane >= (int)delta ? lane - (int)delta : lane);
 }
 
 template <typename T>
@@ -119,41 +126,22 @@ T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
 
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 
-// Warp votes and reductions: every lane publishes its value, then reads all 32.
+// Warp votes and reductions.
 inline unsigned __ballot_sync(unsigned, int pred) {
-  tb_emu::Warp& w = tb_emu::g_warps[threadIdx.x / 32];
-  w.buf[threadIdx.x % 32] = pred != 0;
-  tb_emu::wait(w.bar);
+  const std::array<int, 32> all = tb_emu_exchange(pred != 0 ? 1 : 0);
   unsigned bits = 0;
-  for (int l = 0; l < 32; ++l) bits |= (w.buf[l] ? 1u : 0u) << l;
-  tb_emu::wait(w.bar);
+  for (int l = 0; l < 32; ++l) bits |= (all[l] ? 1u : 0u) << l;
   return bits;
 }
 inline unsigned __match_any_sync(unsigned, int v) {
-  tb_emu::Warp& w = tb_emu::g_warps[threadIdx.x / 32];
-  std::memcpy(&w.buf[threadIdx.x % 32], &v, 4);
-  tb_emu::wait(w.bar);
+  const std::array<int, 32> all = tb_emu_exchange(v);
   unsigned bits = 0;
-  for (int l = 0; l < 32; ++l) {
-    int x;
-    std::memcpy(&x, &w.buf[l], 4);
-    bits |= (x == v ? 1u : 0u) << l;
-  }
-  tb_emu::wait(w.bar);
+  for (int l = 0; l < 32; ++l) bits |= (all[l] == v ? 1u : 0u) << l;
   return bits;
 }
 inline int __reduce_min_sync(unsigned, int v) {
-  tb_emu::Warp& w = tb_emu::g_warps[threadIdx.x / 32];
-  std::memcpy(&w.buf[threadIdx.x % 32], &v, 4);
-  tb_emu::wait(w.bar);
-  int m = v;
-  for (int l = 0; l < 32; ++l) {
-    int x;
-    std::memcpy(&x, &w.buf[l], 4);
-    m = std::min(m, x);
-  }
-  tb_emu::wait(w.bar);
-  return m;
+  const std::array<int, 32> all = tb_emu_exchange(v);
+  return *std::min_element(all.begin(), all.end());
 }
 
 inline int atomicAdd(int* p, int v) {
