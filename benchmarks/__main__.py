@@ -84,6 +84,25 @@ class Interrupted(BaseException):
     error handlers let it through."""
 
 
+def single_kwargs(sizes: dict, dim: int, rank: int, batch: int, dist: str, seed: int) -> dict:
+    """``workloads.single_table`` arguments of a single-table case at ``sizes`` (FULL/QUICK)."""
+    return dict(
+        num_embeddings=sizes["num_embeddings"],
+        dim=dim,
+        rank=rank,
+        batch=batch,
+        dist=dist,
+        seed=seed,
+        row_shape=sizes["row_shape"],
+    )
+
+
+def meta_collection(sizes: dict, tables: int, seed: int) -> MetaLikeCollection:
+    """The Meta-like collection of ``tables`` tables at ``sizes`` (FULL/QUICK)."""
+    rows_range, rank = sizes["rows_range"], sizes["collection_rank"]
+    return MetaLikeCollection.create(tables, seed, rows_range=rows_range, rank=rank)
+
+
 def _on_signal(signum: int, frame: Any) -> None:
     raise Interrupted(signal.Signals(signum).name)
 
@@ -223,15 +242,7 @@ class Runner:
                 for rank in a.ranks or s["ranks"]:
                     for batch in a.batches or s["single_batches"]:
                         for dist in a.dists or s["dists"]:
-                            kw = dict(
-                                num_embeddings=s["num_embeddings"],
-                                dim=dim,
-                                rank=rank,
-                                batch=batch,
-                                dist=dist,
-                                seed=a.seed,
-                                row_shape=s["row_shape"],
-                            )
+                            kw = single_kwargs(s, dim, rank, batch, dist, a.seed)
                             name = f"D{dim}_r{rank}_B{batch}_{dist}"
                             entry = {
                                 "suite": "single",
@@ -253,9 +264,7 @@ class Runner:
             cases = []
             for batch in a.batches or s["collection_batches"]:
                 for tables in a.tables or s["tables"]:
-                    coll = MetaLikeCollection.create(
-                        tables, a.seed, rows_range=s["rows_range"], rank=s["collection_rank"]
-                    )
+                    coll = meta_collection(s, tables, a.seed)
                     tt_bytes = sum(sp.num_params for sp in coll.specs) * 4
                     stats = {
                         "tables": tables,

@@ -20,17 +20,15 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import impls, timing
-from benchmarks.__main__ import FULL, QUICK
-from benchmarks.workloads import MetaLikeCollection, single_table
+from benchmarks.__main__ import FULL, QUICK, meta_collection, single_kwargs
+from benchmarks.workloads import single_table
 
 
 def workload(case: str, s: dict):
     if m := re.fullmatch(r"meta(\d+)_B(\d+)", case):
-        coll = MetaLikeCollection.create(int(m[1]), 0, rows_range=s["rows_range"], rank=s["collection_rank"])
-        return coll.draw(int(m[2])), "ours_batched"
+        return meta_collection(s, int(m[1]), 0).draw(int(m[2])), "ours_batched"
     if m := re.fullmatch(r"D(\d+)_r(\d+)_B(\d+)_(\w[\w.]*)", case):
-        kw = dict(num_embeddings=s["num_embeddings"], dim=int(m[1]), rank=int(m[2]), batch=int(m[3]))
-        return single_table(**kw, dist=m[4], seed=0, row_shape=s["row_shape"]), "ours"
+        return single_table(**single_kwargs(s, int(m[1]), int(m[2]), int(m[3]), m[4], 0)), "ours"
     raise SystemExit(f"unknown case {case!r}: meta<T>_B<batch> or D<dim>_r<rank>_B<batch>_<dist>")
 
 
