@@ -1,22 +1,47 @@
 // Test support for the table-batched rows ops (host only, no XLA): test cases of several
 // tables packed per core index, the plan of docs/batched_contract.md built on the host
 // (as flowtt_jax.batched_plan.make_group_plan), and a float64 oracle that works from each
-// unique row's (table, id), not from the plan's indices. Used by cpu/tb_rows_test.cc and
+// unique row's (table, id), not from the plan's indices; the cases and plans every check
+// runs, and its PASS/FAIL lines. Used by cpu/tb_rows_test.cc, cuda/tb_rows_emu_test.cc and
 // cuda/tb_rows_harness.cu.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/tb_contract.h"
 
 namespace flowtt::tb::testing {
+
+constexpr double kTbTol = 2e-5;         // relative L2 error allowed against the oracle
+constexpr int32_t kTbPad = 0x7fffffff;  // plan padding the ops must never read
+
+// The failures reported so far.
+inline int& TbFailures() {
+  static int failures = 0;
+  return failures;
+}
+
+// One "PASS what" / "FAIL what" line (flushed: a crash later leaves it printed).
+inline void TbReport(bool ok, const std::string& what) {
+  std::printf("%s %s\n", ok ? "PASS" : "FAIL", what.c_str());
+  std::fflush(stdout);
+  if (!ok) ++TbFailures();
+}
+
+// The last line ("PASS: 0 failure(s)" or "FAIL: k failure(s)"); main's exit status.
+inline int TbExitStatus() {
+  std::printf("%s: %d failure(s)\n", TbFailures() ? "FAIL" : "PASS", TbFailures());
+  return TbFailures() ? 1 : 0;
+}
 
 // One table: N rows, row shape (p1, p2, p3), its first row in each packed core.
 struct TbTable {
@@ -285,6 +310,47 @@ inline std::vector<TbCase> TbStandardCases() {
     cases.push_back(c);
   }
   return cases;
+}
+
+// Standard case 1 under a plan with num_unique = num_groups = 0 (group_offsets all 0, the
+// index arrays all `pad`): rows and gradients all zero, nothing read.
+inline std::pair<TbCase, TbHostPlan> TbNoUniqueIdsCase(int32_t pad) {
+  TbCase c = TbStandardCases()[1];
+  c.name = "no_unique_ids";
+  TbHostPlan p = TbMakePlan(c, pad);
+  std::fill(p.group_offsets.begin(), p.group_offsets.end(), 0);
+  std::fill(p.u_i3.begin(), p.u_i3.end(), pad);
+  std::fill(p.g_i1.begin(), p.g_i1.end(), pad);
+  std::fill(p.g_i2.begin(), p.g_i2.end(), pad);
+  p.U = p.G = 0;
+  p.counts = {0, 0};
+  return {c, p};
+}
+
+// The invalid plans the kernels must run to completion without a fault (indices outside
+// their cores, g_i1 unsorted, counts past n or negative, garbage group_offsets): for each,
+// `good` edited and check(what, plan). `pad` is the out-of-range index used.
+template <typename Check>
+void TbForEachInvalidPlan(const TbHostPlan& good, int32_t pad, Check&& check) {
+  std::mt19937_64 rng(9);
+  auto run = [&](const std::string& what, auto edit) {
+    TbHostPlan p = good;
+    edit(p);
+    check(what, p);
+  };
+  run("u_i3 out of range", [&](TbHostPlan& p) {
+    for (int u = 0; u < p.U; u += 7) p.u_i3[u] = (u % 2) ? -1000 : pad;
+  });
+  run("g_i1, g_i2 out of range", [&](TbHostPlan& p) {
+    for (int g = 0; g < p.G; g += 5) p.g_i1[g] = -3, p.g_i2[g] = pad;
+  });
+  run("g_i1 not sorted",
+      [&](TbHostPlan& p) { std::shuffle(p.g_i1.begin(), p.g_i1.begin() + p.G, rng); });
+  run("counts past n", [&](TbHostPlan& p) { p.counts = {(int32_t)p.n + 9, pad}; });
+  run("counts negative", [&](TbHostPlan& p) { p.counts = {-4, -9}; });
+  run("garbage group_offsets", [&](TbHostPlan& p) {
+    for (int32_t& o : p.group_offsets) o = (int32_t)(rng() % (3 * p.n)) - (int32_t)p.n;
+  });
 }
 
 }  // namespace flowtt::tb::testing

@@ -22,16 +22,6 @@ namespace {
 using namespace flowtt::tb;
 using namespace flowtt::tb::testing;
 
-int g_failures = 0;
-
-void Report(bool ok, const std::string& what) {
-  std::printf("%s %s\n", ok ? "PASS" : "FAIL", what.c_str());
-  if (!ok) ++g_failures;
-}
-
-constexpr double kTol = 2e-5;
-constexpr int32_t kPad = 0x7fffffff;  // plan padding: never read
-
 cpu::TbPlan View(const TbHostPlan& p) {
   return {p.u_i3.data(), p.g_i1.data(), p.g_i2.data(), p.group_offsets.data(), p.n,
           p.counts[0], p.counts[1]};
@@ -54,7 +44,7 @@ void RunCase(const TbCase& c, const TbHostPlan& p) {
   std::vector<float> rows(p.n * D, NAN);
   std::string err = cpu::TbRowsFwd(s, k.g1.data(), k.g2.data(), k.g3.data(), View(p), rows.data());
   if (!err.empty()) {
-    Report(false, tag + " fwd: " + err);
+    TbReport(false, tag + " fwd: " + err);
     return;
   }
   const std::vector<double> ref = TbRefRows(c, p, k);
@@ -64,7 +54,7 @@ void RunCase(const TbCase& c, const TbHostPlan& p) {
   char buf[160];
   std::snprintf(buf, sizeof buf, " fwd rel err %.2e, rows past U zero: %s", e_rows,
                 tail_zero ? "yes" : "no");
-  Report(e_rows < kTol && tail_zero, tag + buf);
+  TbReport(e_rows < kTbTol && tail_zero, tag + buf);
   // backward, twice
   const std::vector<float> d_rows = DRows(p, D, 23);
   std::vector<float> dg[2][3];
@@ -75,7 +65,7 @@ void RunCase(const TbCase& c, const TbHostPlan& p) {
     err = cpu::TbRowsBwd(s, k.g1.data(), k.g2.data(), k.g3.data(), d_rows.data(), View(p),
                          dg[run][0].data(), dg[run][1].data(), dg[run][2].data());
     if (!err.empty()) {
-      Report(false, tag + " bwd: " + err);
+      TbReport(false, tag + " bwd: " + err);
       return;
     }
   }
@@ -90,7 +80,7 @@ void RunCase(const TbCase& c, const TbHostPlan& p) {
   }
   std::snprintf(buf, sizeof buf, " bwd rel err dg1 %.2e dg2 %.2e dg3 %.2e, two runs bitwise equal: %s",
                 e1, e2, e3, same ? "yes" : "no");
-  Report(e1 < kTol && e2 < kTol && e3 < kTol && same, tag + buf);
+  TbReport(e1 < kTbTol && e2 < kTbTol && e3 < kTbTol && same, tag + buf);
 }
 
 // An invalid plan must give an error from both ops (never a crash or a read out of bounds).
@@ -102,7 +92,7 @@ void ExpectPlanError(const TbCase& c, const TbHostPlan& p, const std::string& wh
   const std::string ef = cpu::TbRowsFwd(s, k.g1.data(), k.g2.data(), k.g3.data(), View(p), rows.data());
   const std::string eb = cpu::TbRowsBwd(s, k.g1.data(), k.g2.data(), k.g3.data(), d_rows.data(),
                                         View(p), d1.data(), d2.data(), d3.data());
-  Report(!ef.empty() && !eb.empty(), "invalid plan rejected: " + what + " [" + ef + "]");
+  TbReport(!ef.empty() && !eb.empty(), "invalid plan rejected: " + what + " [" + ef + "]");
 }
 
 void PlanValidation() {
@@ -131,13 +121,13 @@ void ShapeValidation() {
   const V g1{10, 1, 2, 8}, g2{12, 8, 4, 6}, g3{14, 6, 4, 1}, v{5}, go{6}, cnt{2}, rows{5, 32};
   TbShape s;
   int64_t n;
-  Report(TbCheckFwd(g1, g2, g3, v, v, v, go, cnt, rows, &s, &n).empty() && n == 5 &&
-             s.P2 == 12 && s.r2 == 6,
-         "shape check accepts a valid forward");
-  Report(TbCheckBwd(g1, g2, g3, rows, v, v, v, go, cnt, g1, g2, g3, &s, &n).empty(),
-         "shape check accepts a valid backward");
+  TbReport(TbCheckFwd(g1, g2, g3, v, v, v, go, cnt, rows, &s, &n).empty() && n == 5 && s.P2 == 12 &&
+               s.r2 == 6,
+           "shape check accepts a valid forward");
+  TbReport(TbCheckBwd(g1, g2, g3, rows, v, v, v, go, cnt, g1, g2, g3, &s, &n).empty(),
+           "shape check accepts a valid backward");
   auto rejects = [&](const std::string& e, const char* what) {
-    Report(!e.empty(), std::string("shape check rejects ") + what + " [" + e + "]");
+    TbReport(!e.empty(), std::string("shape check rejects ") + what + " [" + e + "]");
   };
   rejects(TbCheckFwd(V{10, 2, 8}, g2, g3, v, v, v, go, cnt, rows, &s, &n), "a 3-D core");
   rejects(TbCheckFwd(g1, V{12, 7, 4, 6}, g3, v, v, v, go, cnt, rows, &s, &n), "unchained ranks");
@@ -157,21 +147,12 @@ void ShapeValidation() {
 }  // namespace
 
 int main() {
-  for (const TbCase& c : TbStandardCases()) RunCase(c, TbMakePlan(c, kPad));
+  for (const TbCase& c : TbStandardCases()) RunCase(c, TbMakePlan(c, kTbPad));
   {  // num_unique = 0: rows and gradients all zero, nothing read
-    TbCase c = TbStandardCases()[1];
-    TbHostPlan p = TbMakePlan(c, kPad);
-    std::fill(p.group_offsets.begin(), p.group_offsets.end(), 0);
-    std::fill(p.u_i3.begin(), p.u_i3.end(), kPad);
-    std::fill(p.g_i1.begin(), p.g_i1.end(), kPad);
-    std::fill(p.g_i2.begin(), p.g_i2.end(), kPad);
-    p.U = p.G = 0;
-    p.counts = {0, 0};
-    c.name = "no_unique_ids";
+    const auto [c, p] = TbNoUniqueIdsCase(kTbPad);
     RunCase(c, p);
   }
   PlanValidation();
   ShapeValidation();
-  std::printf("%s: %d failure(s)\n", g_failures ? "FAIL" : "PASS", g_failures);
-  return g_failures ? 1 : 0;
+  return TbExitStatus();
 }

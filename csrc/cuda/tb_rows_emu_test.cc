@@ -29,16 +29,6 @@ namespace {
 using namespace flowtt::tb;
 using namespace flowtt::tb::testing;
 
-int g_failures = 0;
-
-void Report(bool ok, const std::string& what) {
-  std::printf("%s %s\n", ok ? "PASS" : "FAIL", what.c_str());
-  std::fflush(stdout);
-  if (!ok) ++g_failures;
-}
-
-constexpr double kTol = 2e-5;
-constexpr int32_t kPad = 0x7fffffff;
 constexpr int kGrid = 2;  // persistent kernels: block 0 steals every item, block 1 none
 
 struct Inputs {
@@ -163,9 +153,9 @@ void CheckSort(int n, int count, int P, uint64_t seed) {
   std::stable_sort(ref.begin(), ref.end(), [&](int a, int b) { return key(a) < key(b); });
   const std::vector<int> counts = {count, count};
   const std::vector<int> got = EmuRadixSort(keys.data(), P, counts.data(), 0, n);
-  Report(std::equal(ref.begin(), ref.end(), got.begin()),
-         "radix sort: n=" + std::to_string(n) + " count=" + std::to_string(count) +
-             " P=" + std::to_string(P) + " equals std::stable_sort");
+  TbReport(std::equal(ref.begin(), ref.end(), got.begin()),
+           "radix sort: n=" + std::to_string(n) + " count=" + std::to_string(count) +
+               " P=" + std::to_string(P) + " equals std::stable_sort");
 }
 
 struct Run {
@@ -196,7 +186,7 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
   const double e_rows = TbRelErr(rows.data(), ref.data(), ref.size());
   char buf[160];
   std::snprintf(buf, sizeof buf, " fwd (chunks) rel err %.2e", e_rows);
-  Report(e_rows < kTol, tag + buf);
+  TbReport(e_rows < kTbTol, tag + buf);
   // the sorted-tile forward: its default geometry, and batches of 4 groups (runs longer
   // than a batch)
   for (int max_groups : {kTbTileGroups, 4}) {
@@ -206,7 +196,7 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
     EmuFwdTile(r.in, geo, rows.data());
     const double e = TbRelErr(rows.data(), ref.data(), ref.size());
     std::snprintf(buf, sizeof buf, " fwd (tiles of %d groups) rel err %.2e", geo.GB, e);
-    Report(e < kTol, tag + buf);
+    TbReport(e < kTbTol, tag + buf);
   }
   std::vector<double> r1, r2, r3;
   TbRefGrads(c, p, r.k, r.d_rows, &r1, &r2, &r3);
@@ -240,7 +230,7 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
                   " bwd (dg1 %s, dg2 batches of %d, P cache %d groups) rel err dg1 %.2e dg2 "
                   "%.2e dg3 %.2e",
                   p.G <= cfg.e_cap ? "terms" : "merge", cfg.nbatch, cap, e1, e2, e3);
-    Report(e1 < kTol && e2 < kTol && e3 < kTol, tag + buf);
+    TbReport(e1 < kTbTol && e2 < kTbTol && e3 < kTbTol, tag + buf);
     dg1s.push_back(std::move(dg1));
     dg2s.push_back(std::move(dg2));
     dg3s.push_back(std::move(dg3));
@@ -248,25 +238,21 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
   auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
     return std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
   };
-  Report(same(dg1s[0], dg1s[2]) && same(dg1s[1], dg1s[2]),
-         tag + " dg1 from the terms E bitwise equal to the merge kernel's");
-  Report(same(dg2s[0], dg2s[2]) && same(dg2s[1], dg2s[2]),
-         tag + " dg2 bitwise equal across batch sizes (8, 16)");
+  TbReport(same(dg1s[0], dg1s[2]) && same(dg1s[1], dg1s[2]),
+           tag + " dg1 from the terms E bitwise equal to the merge kernel's");
+  TbReport(same(dg2s[0], dg2s[2]) && same(dg2s[1], dg2s[2]),
+           tag + " dg2 bitwise equal across batch sizes (8, 16)");
   if (caps[0] > 0 || caps[1] > 0)
-    Report(same(dg3s[0], dg3s[2]) && same(dg3s[1], dg3s[2]),
-           tag + " dg3 with the P cache (all / a third of the groups) bitwise equal to "
-                 "dg3 recomputing P");
+    TbReport(same(dg3s[0], dg3s[2]) && same(dg3s[1], dg3s[2]),
+             tag + " dg3 with the P cache (all / a third of the groups) bitwise equal to "
+                   "dg3 recomputing P");
 }
 
 // Invalid plans: the kernels finish and (under the address sanitizer) read nothing out of
 // bounds. On small cases (the emulated barriers are slow): `which` of the standard ones.
 void InvalidPlans(int which) {
   const TbCase c = TbStandardCases()[which];
-  const TbHostPlan good = TbMakePlan(c, kPad);
-  std::mt19937_64 rng(9);
-  auto run = [&](const std::string& what, auto edit) {
-    TbHostPlan p = good;
-    edit(p);
+  auto check = [&](const std::string& what, const TbHostPlan& p) {
     Run r = MakeRun(c, p, 5);
     std::vector<float> rows(p.n * c.s.dim()), dg1(r.k.g1.size()), dg2(r.k.g2.size()),
         dg3(r.k.g3.size());
@@ -275,20 +261,9 @@ void InvalidPlans(int which) {
     if (geo.GB > 0) EmuFwdTile(r.in, geo, rows.data());
     EmuBwd(r.in, true, tb_dg1_geo(r.in.d), dg1.data(), dg2.data(), dg3.data(), (int)p.n,
            geo, (int)p.n, kTbBatch);
-    Report(true, "invalid plan, finished: " + c.name + ", " + what);
+    TbReport(true, "invalid plan, finished: " + c.name + ", " + what);
   };
-  run("u_i3 out of range", [&](TbHostPlan& p) {
-    for (int u = 0; u < p.U; u += 7) p.u_i3[u] = (u % 2) ? -1000 : kPad;
-  });
-  run("g_i1, g_i2 out of range", [&](TbHostPlan& p) {
-    for (int g = 0; g < p.G; g += 5) p.g_i1[g] = -3, p.g_i2[g] = kPad;
-  });
-  run("g_i1 not sorted", [&](TbHostPlan& p) { std::shuffle(p.g_i1.begin(), p.g_i1.begin() + p.G, rng); });
-  run("counts past n", [&](TbHostPlan& p) { p.counts = {(int32_t)p.n + 9, kPad}; });
-  run("counts negative", [&](TbHostPlan& p) { p.counts = {-4, -9}; });
-  run("garbage group_offsets", [&](TbHostPlan& p) {
-    for (int32_t& o : p.group_offsets) o = (int32_t)(rng() % (3 * p.n)) - (int32_t)p.n;
-  });
+  TbForEachInvalidPlan(TbMakePlan(c, kTbPad), kTbPad, check);
 }
 
 }  // namespace
@@ -299,24 +274,15 @@ int main() {
   CheckSort(9000, 4097, 1 << 20, 3);  // three passes, a partial last tile
   CheckSort(30000, 29999, 3000, 4);
   for (const TbCase& c : TbStandardCases()) {
-    const TbHostPlan p = TbMakePlan(c, kPad);
+    const TbHostPlan p = TbMakePlan(c, kTbPad);
     RunCase(c, p, true);
     RunCase(c, p, false);
   }
   {  // num_unique = 0
-    TbCase c = TbStandardCases()[1];
-    c.name = "no_unique_ids";
-    TbHostPlan p = TbMakePlan(c, kPad);
-    std::fill(p.group_offsets.begin(), p.group_offsets.end(), 0);
-    std::fill(p.u_i3.begin(), p.u_i3.end(), kPad);
-    std::fill(p.g_i1.begin(), p.g_i1.end(), kPad);
-    std::fill(p.g_i2.begin(), p.g_i2.end(), kPad);
-    p.U = p.G = 0;
-    p.counts = {0, 0};
+    const auto [c, p] = TbNoUniqueIdsCase(kTbPad);
     RunCase(c, p, true);
   }
   InvalidPlans(2);  // the scalar paths
   InvalidPlans(4);  // the vector paths and the sorted-tile forward
-  std::printf("%s: %d failure(s)\n", g_failures ? "FAIL" : "PASS", g_failures);
-  return g_failures ? 1 : 0;
+  return TbExitStatus();
 }

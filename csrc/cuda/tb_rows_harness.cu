@@ -48,17 +48,6 @@ using namespace flowtt::tb::testing;
 
 namespace {
 
-int g_failures = 0;
-
-void Report(bool ok, const std::string& what) {
-  std::printf("%s %s\n", ok ? "PASS" : "FAIL", what.c_str());
-  std::fflush(stdout);
-  if (!ok) ++g_failures;
-}
-
-constexpr double kTol = 2e-5;
-constexpr int32_t kPad = 0x7fffffff;
-
 template <typename T>
 struct Dev {
   T* p = nullptr;
@@ -158,7 +147,7 @@ void CheckForward(const TbCase& c, const TbHostPlan& p, const TbCores& k, GpuCas
   char buf[96];
   std::snprintf(buf, sizeof buf, " fwd%s rel err %.2e%s", tiles ? "" : " (chunked kernel)", err,
                 sample > 0 ? " (sampled)" : "");
-  Report(err < kTol, Tag(c, p) + buf);
+  TbReport(err < kTbTol, Tag(c, p) + buf);
 }
 
 // Backward twice (outputs poisoned before each run): bitwise equal; against the oracle
@@ -186,7 +175,7 @@ void CheckBackward(const TbCase& c, const TbHostPlan& p, const TbCores& k, GpuCa
       for (float v : out[0][i]) finite &= std::isfinite(v);
     std::snprintf(buf, sizeof buf, " bwd all written and finite: %s, two runs bitwise equal: %s",
                   finite ? "yes" : "no", same ? "yes" : "no");
-    Report(finite && same, Tag(c, p) + buf);
+    TbReport(finite && same, Tag(c, p) + buf);
     return;
   }
   const std::vector<float> dr = g.d_rows.get((size_t)p.U * c.s.dim());
@@ -198,27 +187,16 @@ void CheckBackward(const TbCase& c, const TbHostPlan& p, const TbCores& k, GpuCa
   std::snprintf(buf, sizeof buf,
                 " bwd rel err dg1 %.2e dg2 %.2e dg3 %.2e, two runs bitwise equal: %s", e1, e2,
                 e3, same ? "yes" : "no");
-  Report(e1 < kTol && e2 < kTol && e3 < kTol && same, Tag(c, p) + buf);
+  TbReport(e1 < kTbTol && e2 < kTbTol && e3 < kTbTol && same, Tag(c, p) + buf);
 }
 
 void StandardCases() {
   std::vector<std::pair<TbCase, TbHostPlan>> runs;
-  for (const TbCase& c : TbStandardCases()) runs.push_back({c, TbMakePlan(c, kPad)});
-  {  // num_unique = 0
-    TbCase c = TbStandardCases()[1];
-    c.name = "no_unique_ids";
-    TbHostPlan p = TbMakePlan(c, kPad);
-    std::fill(p.group_offsets.begin(), p.group_offsets.end(), 0);
-    std::fill(p.u_i3.begin(), p.u_i3.end(), kPad);
-    std::fill(p.g_i1.begin(), p.g_i1.end(), kPad);
-    std::fill(p.g_i2.begin(), p.g_i2.end(), kPad);
-    p.U = p.G = 0;
-    p.counts = {0, 0};
-    runs.push_back({c, p});
-  }
+  for (const TbCase& c : TbStandardCases()) runs.push_back({c, TbMakePlan(c, kTbPad)});
+  runs.push_back(TbNoUniqueIdsCase(kTbPad));  // num_unique = 0
   for (auto& [c, p] : runs) {
     if (const char* why = tb_check_dims(Dims(c.s))) {
-      Report(false, Tag(c, p) + ": " + why);
+      TbReport(false, Tag(c, p) + ": " + why);
       continue;
     }
     const TbCores k = TbRandomCores(c.s, 11);
@@ -232,30 +210,15 @@ void StandardCases() {
 // Invalid plans: no CUDA error (and, under compute-sanitizer, no invalid access).
 void InvalidPlans() {
   const TbCase c = TbStandardCases()[0];
-  const TbHostPlan good = TbMakePlan(c, kPad);
   const TbCores k = TbRandomCores(c.s, 5);
-  auto run = [&](const std::string& what, auto edit) {
-    TbHostPlan p = good;
-    edit(p);
+  auto check = [&](const std::string& what, const TbHostPlan& p) {
     GpuCase g(c, p, k);
     cudaError_t e1 = g.fwd(), e2 = g.bwd();
     cudaError_t e3 = cudaDeviceSynchronize();
-    Report(e1 == cudaSuccess && e2 == cudaSuccess && e3 == cudaSuccess,
-           "invalid plan, no fault: " + what);
+    TbReport(e1 == cudaSuccess && e2 == cudaSuccess && e3 == cudaSuccess,
+             "invalid plan, no fault: " + what);
   };
-  std::mt19937_64 rng(9);
-  run("u_i3 out of range", [&](TbHostPlan& p) {
-    for (int u = 0; u < p.U; u += 7) p.u_i3[u] = (u % 2) ? -1000 : kPad;
-  });
-  run("g_i1, g_i2 out of range", [&](TbHostPlan& p) {
-    for (int g = 0; g < p.G; g += 5) p.g_i1[g] = -3, p.g_i2[g] = kPad;
-  });
-  run("g_i1 not sorted", [&](TbHostPlan& p) { std::shuffle(p.g_i1.begin(), p.g_i1.begin() + p.G, rng); });
-  run("counts past n", [&](TbHostPlan& p) { p.counts = {(int32_t)p.n + 9, kPad}; });
-  run("counts negative", [&](TbHostPlan& p) { p.counts = {-4, -9}; });
-  run("garbage group_offsets", [&](TbHostPlan& p) {
-    for (int32_t& o : p.group_offsets) o = (int32_t)(rng() % (3 * p.n)) - (int32_t)p.n;
-  });
+  TbForEachInvalidPlan(TbMakePlan(c, kTbPad), kTbPad, check);
 }
 
 // Meta-like group: 240 tables, N log-uniform in 10^[4, 7.6], row shapes near-balanced
@@ -371,6 +334,5 @@ int main(int argc, char** argv) {
     InvalidPlans();
   }
   if (meta) Meta(meta_check, hashed, reps);
-  std::printf("%s: %d failure(s)\n", g_failures ? "FAIL" : "PASS", g_failures);
-  return g_failures ? 1 : 0;
+  return TbExitStatus();
 }
