@@ -202,96 +202,76 @@ ffi::Error CheckPlan(const Buf& ids, const Buf& perm, const Buf& inverse, const 
 // Trailing operands past the contract's are accepted and ignored (RemainingArgs).
 using F32Buffer = ffi::Buffer<ffi::F32>;
 using S32Buffer = ffi::Buffer<ffi::S32>;
+using S32Out = ffi::ResultBuffer<ffi::S32>;
+
+// b.Arg<T>().Arg<Rest>()... (kRet false) or b.Ret<T>().Ret<Rest>()... (kRet true). A
+// Binding is never copied or moved: each step makes the next.
+template <bool kRet, typename T, typename... Rest, typename Binding>
+auto BindEach(Binding&& b) {
+  if constexpr (sizeof...(Rest) > 0) {
+    return BindEach<kRet, Rest...>(BindEach<kRet, T>(std::move(b)));
+  } else if constexpr (kRet) {
+    return std::move(b).template Ret<T>();
+  } else {
+    return std::move(b).template Arg<T>();
+  }
+}
+
+// A list of buffer types, for BindBuffers.
+template <typename... T>
+struct Buffers {};
+
+// b.Arg<A>()... .RemainingArgs() .Ret<R>()...
+template <typename Binding, typename... A, typename... R>
+auto BindBuffers(Binding&& b, Buffers<A...>, Buffers<R...>) {
+  return BindEach<true, R...>(BindEach<false, A...>(std::move(b)).RemainingArgs());
+}
 
 template <typename Binding>
 auto BindRowsFwd(Binding b) {  // g1 g2 g3 unique_ids group_offsets counts -> rows
-  return std::move(b)
-      .template Arg<F32Buffer>()
-      .template Arg<F32Buffer>()
-      .template Arg<F32Buffer>()
-      .template Arg<S32Buffer>()
-      .template Arg<S32Buffer>()
-      .template Arg<S32Buffer>()
-      .RemainingArgs()
-      .template Ret<F32Buffer>();
+  return BindBuffers(std::move(b),
+                     Buffers<F32Buffer, F32Buffer, F32Buffer, S32Buffer, S32Buffer, S32Buffer>{},
+                     Buffers<F32Buffer>{});
 }
 
 template <typename Binding>
 auto BindRowsBwd(Binding b) {  // g1 g2 g3 d_rows unique_ids group_offsets counts -> dg1 dg2 dg3
-  return std::move(b)
-      .template Arg<F32Buffer>()
-      .template Arg<F32Buffer>()
-      .template Arg<F32Buffer>()
-      .template Arg<F32Buffer>()
-      .template Arg<S32Buffer>()
-      .template Arg<S32Buffer>()
-      .template Arg<S32Buffer>()
-      .RemainingArgs()
-      .template Ret<F32Buffer>()
-      .template Ret<F32Buffer>()
-      .template Ret<F32Buffer>();
+  return BindBuffers(
+      std::move(b),
+      Buffers<F32Buffer, F32Buffer, F32Buffer, F32Buffer, S32Buffer, S32Buffer, S32Buffer>{},
+      Buffers<F32Buffer, F32Buffer, F32Buffer>{});
 }
 
 template <typename Binding>
 auto BindPoolFwd(Binding b) {  // rows inverse weights offsets -> out
-  return std::move(b)
-      .template Arg<F32Buffer>()
-      .template Arg<S32Buffer>()
-      .template Arg<F32Buffer>()
-      .template Arg<S32Buffer>()
-      .RemainingArgs()
-      .template Ret<F32Buffer>();
+  return BindBuffers(std::move(b), Buffers<F32Buffer, S32Buffer, F32Buffer, S32Buffer>{},
+                     Buffers<F32Buffer>{});
 }
 
 template <typename Binding>
 auto BindPoolBwd(Binding b) {
   // dout rows weights inverse bag_ids perm run_offsets counts -> d_rows d_weights
-  return std::move(b)
-      .template Arg<F32Buffer>()
-      .template Arg<F32Buffer>()
-      .template Arg<F32Buffer>()
-      .template Arg<S32Buffer>()
-      .template Arg<S32Buffer>()
-      .template Arg<S32Buffer>()
-      .template Arg<S32Buffer>()
-      .template Arg<S32Buffer>()
-      .RemainingArgs()
-      .template Ret<F32Buffer>()
-      .template Ret<F32Buffer>();
+  return BindBuffers(std::move(b),
+                     Buffers<F32Buffer, F32Buffer, F32Buffer, S32Buffer, S32Buffer, S32Buffer,
+                             S32Buffer, S32Buffer>{},
+                     Buffers<F32Buffer, F32Buffer>{});
 }
 
 template <typename Binding>
 auto BindBagFwd(Binding b) {
   // g1 g2 g3 unique_ids group_offsets counts inverse weights offsets -> out; attr chunk_rows
-  return std::move(b)
-      .template Arg<F32Buffer>()
-      .template Arg<F32Buffer>()
-      .template Arg<F32Buffer>()
-      .template Arg<S32Buffer>()
-      .template Arg<S32Buffer>()
-      .template Arg<S32Buffer>()
-      .template Arg<S32Buffer>()
-      .template Arg<F32Buffer>()
-      .template Arg<S32Buffer>()
-      .RemainingArgs()
-      .template Ret<F32Buffer>()
+  return BindBuffers(std::move(b),
+                     Buffers<F32Buffer, F32Buffer, F32Buffer, S32Buffer, S32Buffer, S32Buffer,
+                             S32Buffer, F32Buffer, S32Buffer>{},
+                     Buffers<F32Buffer>{})
       .template Attr<int64_t>("chunk_rows");
 }
-
-using S32Out = ffi::ResultBuffer<ffi::S32>;
 
 template <typename Binding>
 auto BindPlan(Binding b) {
   // ids -> perm inverse unique_ids run_offsets group_offsets counts; attrs last_extent, num_rows
-  return std::move(b)
-      .template Arg<S32Buffer>()
-      .RemainingArgs()
-      .template Ret<S32Buffer>()
-      .template Ret<S32Buffer>()
-      .template Ret<S32Buffer>()
-      .template Ret<S32Buffer>()
-      .template Ret<S32Buffer>()
-      .template Ret<S32Buffer>()
+  return BindBuffers(std::move(b), Buffers<S32Buffer>{},
+                     Buffers<S32Buffer, S32Buffer, S32Buffer, S32Buffer, S32Buffer, S32Buffer>{})
       .template Attr<int64_t>("last_extent")
       .template Attr<int64_t>("num_rows");
 }
