@@ -248,9 +248,15 @@ def pool_bwd(dout, rows, weights, bag_ids, plan: Plan, with_d_weights: bool = Tr
     d_rows past num_unique are unspecified.
 
     ``with_d_weights=False`` skips the weight gradient (the kernel gets a [0] result); only
-    that gradient reads ``rows``, so without it ``rows`` may be ``[0, D]``
-    (``rows_residual``), and the forward's rows need not live until the backward.
+    that gradient reads ``rows``, so without it ``rows`` may be None (the kernel gets a
+    [0, D] placeholder made here) and the forward's rows need not live until the backward.
     """
+    if rows is None:
+        if with_d_weights:
+            raise ValueError("pool_bwd: the weight gradient needs the forward's rows")
+        # made in the backward, never a residual: a zero-size array passed between the two
+        # shard_map bodies of a sharded step crashes XLA's GPU SPMD partitioner (jax 0.11.2)
+        rows = jnp.zeros((0, dout.shape[1]), jnp.float32)
     outs = (_f32((weights.shape[0], dout.shape[1])), _f32(weights.shape if with_d_weights else (0,)))
     d_rows, d_weights = _call(
         "flowtt_bag_pool_bwd",
@@ -267,10 +273,10 @@ def pool_bwd(dout, rows, weights, bag_ids, plan: Plan, with_d_weights: bool = Tr
     return d_rows, (d_weights if with_d_weights else None)
 
 
-def rows_residual(rows: jax.Array, with_d_weights: bool) -> jax.Array:
+def rows_residual(rows: jax.Array, with_d_weights: bool) -> jax.Array | None:
     """What the backward keeps of the forward's rows [n, D] for ``pool_bwd``: all of them
-    for the weight gradient, else an empty ``[0, D]`` (their buffer is freed after pooling)."""
-    return rows if with_d_weights else rows[:0]
+    for the weight gradient, else None (their buffer is freed after pooling)."""
+    return rows if with_d_weights else None
 
 
 _register()  # at import: a deserialized jax.export module finds the targets
