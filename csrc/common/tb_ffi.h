@@ -24,26 +24,44 @@ inline ffi::Error TbError(const std::string& message) {
   return message.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(message);
 }
 
-// TbCheckFwd on a handler's buffers: sets the checked shapes `s` and plan length `n`.
-inline ffi::Error TbCheckFwdBuffers(const TbF32& g1, const TbF32& g2, const TbF32& g3,
-                                    const TbS32& u_i3, const TbS32& g_i1, const TbS32& g_i2,
-                                    const TbS32& group_offsets, const TbS32& counts,
-                                    const TbF32& rows, TbShape* s, int64_t* n) {
-  return TbError(TbCheckFwd(g1.dimensions(), g2.dimensions(), g3.dimensions(), u_i3.dimensions(),
-                            g_i1.dimensions(), g_i2.dimensions(), group_offsets.dimensions(),
-                            counts.dimensions(), rows.dimensions(), s, n));
+// What a handler's shape checks give: the packed cores' shapes and the plan length n.
+struct TbChecked {
+  TbShape s;
+  int64_t n;
+};
+
+// `c` when `message` (a check's result) is empty, else the InvalidArgument error.
+inline ffi::ErrorOr<TbChecked> TbCheckedOr(const std::string& message, const TbChecked& c) {
+  if (!message.empty()) return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(message));
+  return c;
 }
 
-// TbCheckBwd on a handler's buffers: sets the checked shapes `s` and plan length `n`.
-inline ffi::Error TbCheckBwdBuffers(const TbF32& g1, const TbF32& g2, const TbF32& g3,
-                                    const TbF32& d_rows, const TbS32& u_i3, const TbS32& g_i1,
-                                    const TbS32& g_i2, const TbS32& group_offsets,
-                                    const TbS32& counts, const TbF32& dg1, const TbF32& dg2,
-                                    const TbF32& dg3, TbShape* s, int64_t* n) {
-  return TbError(TbCheckBwd(g1.dimensions(), g2.dimensions(), g3.dimensions(), d_rows.dimensions(),
-                            u_i3.dimensions(), g_i1.dimensions(), g_i2.dimensions(),
-                            group_offsets.dimensions(), counts.dimensions(), dg1.dimensions(),
-                            dg2.dimensions(), dg3.dimensions(), s, n));
+// TbCheckFwd on a handler's buffers.
+inline ffi::ErrorOr<TbChecked> TbCheckFwdBuffers(const TbF32& g1, const TbF32& g2, const TbF32& g3,
+                                                 const TbS32& u_i3, const TbS32& g_i1,
+                                                 const TbS32& g_i2, const TbS32& group_offsets,
+                                                 const TbS32& counts, const TbF32& rows) {
+  TbChecked c{};
+  const std::string e =
+      TbCheckFwd(g1.dimensions(), g2.dimensions(), g3.dimensions(), u_i3.dimensions(),
+                 g_i1.dimensions(), g_i2.dimensions(), group_offsets.dimensions(),
+                 counts.dimensions(), rows.dimensions(), &c.s, &c.n);
+  return TbCheckedOr(e, c);
+}
+
+// TbCheckBwd on a handler's buffers.
+inline ffi::ErrorOr<TbChecked> TbCheckBwdBuffers(const TbF32& g1, const TbF32& g2, const TbF32& g3,
+                                                 const TbF32& d_rows, const TbS32& u_i3,
+                                                 const TbS32& g_i1, const TbS32& g_i2,
+                                                 const TbS32& group_offsets, const TbS32& counts,
+                                                 const TbF32& dg1, const TbF32& dg2,
+                                                 const TbF32& dg3) {
+  TbChecked c{};
+  const std::string e = TbCheckBwd(
+      g1.dimensions(), g2.dimensions(), g3.dimensions(), d_rows.dimensions(), u_i3.dimensions(),
+      g_i1.dimensions(), g_i2.dimensions(), group_offsets.dimensions(), counts.dimensions(),
+      dg1.dimensions(), dg2.dimensions(), dg3.dimensions(), &c.s, &c.n);
+  return TbCheckedOr(e, c);
 }
 
 template <typename Binding>

@@ -22,31 +22,23 @@ cpu::TbPlan MakePlan(const TbS32& u_i3, const TbS32& g_i1, const TbS32& g_i2,
 ffi::Error TbRowsFwdCpuImpl(TbF32 g1, TbF32 g2, TbF32 g3, TbS32 u_i3, TbS32 g_i1, TbS32 g_i2,
                             TbS32 group_offsets, TbS32 counts, ffi::RemainingArgs,
                             TbF32Out rows) {
-  TbShape s;
-  int64_t n;
-  if (ffi::Error e =
-          TbCheckFwdBuffers(g1, g2, g3, u_i3, g_i1, g_i2, group_offsets, counts, *rows, &s, &n);
-      e.failure()) {
-    return e;
-  }
-  return TbError(cpu::TbRowsFwd(s, g1.typed_data(), g2.typed_data(), g3.typed_data(),
-                                MakePlan(u_i3, g_i1, g_i2, group_offsets, counts, n),
+  ffi::ErrorOr<TbChecked> c =
+      TbCheckFwdBuffers(g1, g2, g3, u_i3, g_i1, g_i2, group_offsets, counts, *rows);
+  if (c.has_error()) return c.error();
+  return TbError(cpu::TbRowsFwd(c->s, g1.typed_data(), g2.typed_data(), g3.typed_data(),
+                                MakePlan(u_i3, g_i1, g_i2, group_offsets, counts, c->n),
                                 rows->typed_data()));
 }
 
 ffi::Error TbRowsBwdCpuImpl(TbF32 g1, TbF32 g2, TbF32 g3, TbF32 d_rows, TbS32 u_i3,
                             TbS32 g_i1, TbS32 g_i2, TbS32 group_offsets, TbS32 counts,
                             ffi::RemainingArgs, TbF32Out dg1, TbF32Out dg2, TbF32Out dg3) {
-  TbShape s;
-  int64_t n;
-  if (ffi::Error e = TbCheckBwdBuffers(g1, g2, g3, d_rows, u_i3, g_i1, g_i2, group_offsets, counts,
-                                       *dg1, *dg2, *dg3, &s, &n);
-      e.failure()) {
-    return e;
-  }
-  return TbError(cpu::TbRowsBwd(s, g1.typed_data(), g2.typed_data(), g3.typed_data(),
+  ffi::ErrorOr<TbChecked> c = TbCheckBwdBuffers(g1, g2, g3, d_rows, u_i3, g_i1, g_i2, group_offsets,
+                                                counts, *dg1, *dg2, *dg3);
+  if (c.has_error()) return c.error();
+  return TbError(cpu::TbRowsBwd(c->s, g1.typed_data(), g2.typed_data(), g3.typed_data(),
                                 d_rows.typed_data(),
-                                MakePlan(u_i3, g_i1, g_i2, group_offsets, counts, n),
+                                MakePlan(u_i3, g_i1, g_i2, group_offsets, counts, c->n),
                                 dg1->typed_data(), dg2->typed_data(), dg3->typed_data()));
 }
 

@@ -42,53 +42,57 @@ ffi::Error TbKernelDims(const TbShape& s, TbDims* t) {
   return ffi::Error::Success();
 }
 
+// What a launch takes: the kernels' dims of the checked shapes, n, and bytes(dims, n) of
+// XLA scratch; else the first error (of the shape checks, the dims, the allocation).
+struct TbLaunch {
+  TbDims t;
+  int n;
+  void* ws;
+};
+
+ffi::ErrorOr<TbLaunch> TbPrepareLaunch(const ffi::ErrorOr<TbChecked>& c,
+                                       size_t (*bytes)(const TbDims&, int),
+                                       ffi::ScratchAllocator& scratch) {
+  if (c.has_error()) return ffi::Unexpected<ffi::Error>(c.error());
+  TbLaunch l{};
+  l.n = (int)c->n;
+  if (ffi::Error e = TbKernelDims(c->s, &l.t); e.failure()) return ffi::Unexpected<ffi::Error>(e);
+  if (ffi::Error e = TbScratch(scratch, bytes(l.t, l.n), &l.ws); e.failure()) {
+    return ffi::Unexpected<ffi::Error>(e);
+  }
+  return l;
+}
+
 ffi::Error TbRowsFwdCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, TbF32 g1,
                              TbF32 g2, TbF32 g3, TbS32 u_i3, TbS32 g_i1, TbS32 g_i2,
                              TbS32 group_offsets, TbS32 counts, ffi::RemainingArgs,
                              TbF32Out rows) {
-  TbShape s;
-  int64_t n;
-  if (ffi::Error e =
-          TbCheckFwdBuffers(g1, g2, g3, u_i3, g_i1, g_i2, group_offsets, counts, *rows, &s, &n);
-      e.failure()) {
-    return e;
-  }
-  TbDims t;
-  if (ffi::Error e = TbKernelDims(s, &t); e.failure()) return e;
-  void* ws;
-  if (ffi::Error e = TbScratch(scratch, tb_rows_fwd_scratch_bytes(t, (int)n), &ws); e.failure()) {
-    return e;
-  }
-  return TbCudaError(tb_rows_fwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(),
-                                 u_i3.typed_data(), g_i1.typed_data(), g_i2.typed_data(),
-                                 group_offsets.typed_data(), counts.typed_data(), (int)n,
-                                 rows->typed_data(), ws, stream),
-                     "tb_rows_fwd");
+  const ffi::ErrorOr<TbLaunch> l =
+      TbPrepareLaunch(TbCheckFwdBuffers(g1, g2, g3, u_i3, g_i1, g_i2, group_offsets, counts, *rows),
+                      tb_rows_fwd_scratch_bytes, scratch);
+  if (l.has_error()) return l.error();
+  return TbCudaError(
+      tb_rows_fwd(l->t, g1.typed_data(), g2.typed_data(), g3.typed_data(), u_i3.typed_data(),
+                  g_i1.typed_data(), g_i2.typed_data(), group_offsets.typed_data(),
+                  counts.typed_data(), l->n, rows->typed_data(), l->ws, stream),
+      "tb_rows_fwd");
 }
 
 ffi::Error TbRowsBwdCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, TbF32 g1,
                              TbF32 g2, TbF32 g3, TbF32 d_rows, TbS32 u_i3, TbS32 g_i1,
                              TbS32 g_i2, TbS32 group_offsets, TbS32 counts, ffi::RemainingArgs,
                              TbF32Out dg1, TbF32Out dg2, TbF32Out dg3) {
-  TbShape s;
-  int64_t n;
-  if (ffi::Error e = TbCheckBwdBuffers(g1, g2, g3, d_rows, u_i3, g_i1, g_i2, group_offsets, counts,
-                                       *dg1, *dg2, *dg3, &s, &n);
-      e.failure()) {
-    return e;
-  }
-  TbDims t;
-  if (ffi::Error e = TbKernelDims(s, &t); e.failure()) return e;
-  void* ws;
-  if (ffi::Error e = TbScratch(scratch, tb_rows_bwd_scratch_bytes(t, (int)n), &ws); e.failure()) {
-    return e;
-  }
-  return TbCudaError(tb_rows_bwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(),
-                                 d_rows.typed_data(), u_i3.typed_data(), g_i1.typed_data(),
-                                 g_i2.typed_data(), group_offsets.typed_data(),
-                                 counts.typed_data(), (int)n, dg1->typed_data(),
-                                 dg2->typed_data(), dg3->typed_data(), ws, stream),
-                     "tb_rows_bwd");
+  const ffi::ErrorOr<TbLaunch> l =
+      TbPrepareLaunch(TbCheckBwdBuffers(g1, g2, g3, d_rows, u_i3, g_i1, g_i2, group_offsets, counts,
+                                        *dg1, *dg2, *dg3),
+                      tb_rows_bwd_scratch_bytes, scratch);
+  if (l.has_error()) return l.error();
+  return TbCudaError(
+      tb_rows_bwd(l->t, g1.typed_data(), g2.typed_data(), g3.typed_data(), d_rows.typed_data(),
+                  u_i3.typed_data(), g_i1.typed_data(), g_i2.typed_data(),
+                  group_offsets.typed_data(), counts.typed_data(), l->n, dg1->typed_data(),
+                  dg2->typed_data(), dg3->typed_data(), l->ws, stream),
+      "tb_rows_bwd");
 }
 
 }  // namespace
