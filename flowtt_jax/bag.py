@@ -24,7 +24,7 @@ then the out-of-range policy (``flowtt_jax.oob``) on its ids and weights.
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,11 +93,11 @@ def bag_of_positions(offsets: jax.Array, n: int) -> jax.Array:
 def canonical_bags(
     ids: jax.Array,
     *,
-    offsets: jax.Array | None,
-    segment_ids: jax.Array | None,
-    num_bags: int | None,
-    mask: jax.Array | None,
-    weights: jax.Array | None,
+    offsets: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    num_bags: int | None = None,
+    mask: jax.Array | None = None,
+    weights: jax.Array | None = None,
     mode: str,
     check_offsets: bool = False,
 ) -> CanonicalBags:
@@ -191,19 +191,9 @@ def canonical_bags(
     return CanonicalBags(ids, eff, offsets, bag_ids, keep)
 
 
-def prepare_bags(
-    ids: jax.Array,
-    *,
-    num_embeddings: int,
-    oob: str,
-    offsets: jax.Array | None,
-    segment_ids: jax.Array | None,
-    num_bags: int | None,
-    mask: jax.Array | None,
-    weights: jax.Array | None,
-    mode: str,
-) -> CanonicalBags:
-    """``canonical_bags``, then the ``oob`` policy for a table of ``num_embeddings`` rows.
+def prepare_bags(ids: jax.Array, *, num_embeddings: int, oob: str, **form: Any) -> CanonicalBags:
+    """``canonical_bags(ids, **form)`` (``form``: its bag form keywords, ``weights`` and
+    ``mode``), then the ``oob`` policy for a table of ``num_embeddings`` rows.
 
     Returns ``CanonicalBags`` whose ids are int32 in ``[0, num_embeddings)`` and whose
     weights are 0 for the ids ``oob="zero"`` drops (they still count towards a bag's
@@ -211,16 +201,7 @@ def prepare_bags(
     (masked, in no bag, out of range under ``"zero"``), whose id is parked on a kept
     one (``park_dropped``). ``oob="error"`` also checks traced offsets.
     """
-    bags = canonical_bags(
-        as_ids(ids, oob),
-        offsets=offsets,
-        segment_ids=segment_ids,
-        num_bags=num_bags,
-        mask=mask,
-        weights=weights,
-        mode=mode,
-        check_offsets=oob == "error",
-    )
+    bags = canonical_bags(as_ids(ids, oob), **form, check_offsets=oob == "error")
     flat, valid = apply_oob(bags.ids, num_embeddings, oob)
     w = bags.weights if valid is None else jnp.where(valid, bags.weights, 0.0)
     live = bags.keep if valid is None else (valid if bags.keep is None else valid & bags.keep)

@@ -221,16 +221,7 @@ def tt_embedding_bag_group(
     if ids.shape[0] == 0 or batch == 0:
         return jnp.zeros((num_features, batch, dim), out_dtype)
 
-    bags = canonical_bags(
-        ids,
-        offsets=offsets,
-        segment_ids=None,
-        num_bags=None,
-        mask=None,
-        weights=weights,
-        mode="sum",
-        check_offsets=oob == "error",
-    )
+    bags = canonical_bags(ids, offsets=offsets, weights=weights, mode="sum", check_offsets=oob == "error")
     feature = bags.bag_ids // batch
     tables = jnp.asarray(feature_tables, jnp.int32)[feature]
     flat, valid = _apply_table_oob(bags.ids, tables, layout.table_arrays()["num_rows"], oob)

@@ -194,17 +194,8 @@ def dense_embedding_bag(
 
     Output in ``dtype`` (default: the table's dtype).
     """
-    bags = prepare_bags(
-        ids,
-        num_embeddings=table.shape[0],
-        oob=oob,
-        offsets=offsets,
-        segment_ids=segment_ids,
-        num_bags=num_bags,
-        mask=mask,
-        weights=weights,
-        mode=mode,
-    )
+    form = dict(offsets=offsets, segment_ids=segment_ids, num_bags=num_bags, mask=mask, weights=weights)
+    bags = prepare_bags(ids, num_embeddings=table.shape[0], oob=oob, mode=mode, **form)
     num = bags.offsets.shape[0] - 1
     rows = jnp.take(table, bags.ids, axis=0)
     rows = rows.astype(jnp.promote_types(rows.dtype, jnp.float32))

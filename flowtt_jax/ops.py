@@ -160,17 +160,8 @@ def tt_embedding_bag(
     cores = as_cores(cores)
     impl = _choose_impl(impl, cores)
     n_rows = TTSpec.from_cores(cores, num_embeddings).num_embeddings
-    bags = prepare_bags(
-        ids,
-        num_embeddings=n_rows,
-        oob=oob,
-        offsets=offsets,
-        segment_ids=segment_ids,
-        num_bags=num_bags,
-        mask=mask,
-        weights=weights,
-        mode=mode,
-    )
+    form = dict(offsets=offsets, segment_ids=segment_ids, num_bags=num_bags, mask=mask, weights=weights)
+    bags = prepare_bags(ids, num_embeddings=n_rows, oob=oob, mode=mode, **form)
     return _bag(
         cores,
         bags.ids,

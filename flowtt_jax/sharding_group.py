@@ -228,15 +228,8 @@ class GroupTableWise:
         rows = ids.shape[0] if capacity is None else int(capacity)
         dim = self.layout.dim
         # this device's bags, as tt_embedding_bag_group prepares them
-        bags = canonical_bags(
-            ids,
-            offsets=offsets,
-            segment_ids=None,
-            num_bags=None,
-            mask=None,
-            weights=None if weights is None else weights[0],
-            mode="sum",
-        )
+        local_weights = None if weights is None else weights[0]
+        bags = canonical_bags(ids, offsets=offsets, weights=local_weights, mode="sum")
         feature = bags.bag_ids // per
         limit = self.layout.table_arrays()["num_rows"][jnp.asarray(self.feature_tables, jnp.int32)[feature]]
         valid = (bags.ids >= 0) & (bags.ids < limit)
