@@ -212,7 +212,7 @@ class CollectionLayout:
                         dtype=out_dtype,
                     )
                 continue
-            prepared = {s.feature: _prepare(features, s, pack, oob) for s in pack.features}
+            prepared = {s.feature: prepare_feature(features, s, pack, oob) for s in pack.features}
             for slots in _by_batch(pack.features, prepared):
                 # split, not slices: a slice's transpose pads to the whole [F*B, D] (F^2 work)
                 pooled = jnp.split(_pool(pack, arrays, slots, prepared, impl), len(slots))
@@ -227,20 +227,14 @@ def _feature(features: Mapping[str, Any], slot: FeatureSlot, pack: TablePack) ->
     return bag_kwargs(features[slot.feature])
 
 
-def _prepare(features, slot: FeatureSlot, pack: TablePack, oob: str) -> tuple[CanonicalBags, bool]:
+def prepare_feature(
+    features: Mapping[str, Any], slot: FeatureSlot, pack: TablePack, oob: str
+) -> tuple[CanonicalBags, bool]:
     """The feature's canonical bags (mode folded into the weights, ids in range) and
-    whether it has user weights."""
+    whether it has user weights; ``KeyError`` if ``features`` lacks it."""
     ids, kw = _feature(features, slot, pack)
     bags = prepare_bags(
-        ids,
-        num_embeddings=pack.tables[slot.table].num_embeddings,
-        oob=oob,
-        mode=slot.mode,
-        offsets=kw.get("offsets"),
-        segment_ids=kw.get("segment_ids"),
-        num_bags=kw.get("num_bags"),
-        mask=kw.get("mask"),
-        weights=kw.get("weights"),
+        ids, num_embeddings=pack.tables[slot.table].num_embeddings, oob=oob, mode=slot.mode, **kw
     )
     return bags, kw.get("weights") is not None
 

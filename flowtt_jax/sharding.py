@@ -40,7 +40,6 @@ replicated cores before the op.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -49,7 +48,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from .collection_layout import CollectionLayout
-from .sharding_base import local_features, run_sharded, shard_bags
+from .sharding_base import ShardedLayout, local_features, shard_bags
 from .sharding_group import GroupDataParallel, GroupTableWise, shard_packed
 from .sharding_placement import (
     PER_ID_COST,
@@ -122,30 +121,23 @@ def data_parallel(fn: Callable[..., Any], mesh: Mesh, axis: str = "data") -> Cal
 
 
 @dataclasses.dataclass(frozen=True)
-class DataParallelLayout(CollectionLayout):
+class DataParallelLayout(ShardedLayout):
     """A ``CollectionLayout`` run data parallel over mesh axis ``axis``: the same
     (replicated) parameters; ``apply`` takes the batch split along dim 0 and returns
     ``{feature: [B, D]}`` split the same way, each device pooling its own bags (one
     ``shard_map``, or directly when already inside one over ``axis``)."""
 
-    mesh: Mesh
     axis: str = "data"
 
     def param_specs(self) -> dict[str, PartitionSpec]:
         """Every parameter replicated: ``P()``."""
         return {n: PartitionSpec() for p in range(len(self.packs)) for n in self.param_names(p)}
 
-    def apply(
-        self,
-        params: Mapping[str, jax.Array],
-        features: Mapping[str, Any],
-        *,
-        oob: str = "zero",
-        impl: str = "auto",
-        dtype: Any | None = None,
+    def local_apply(
+        self, params: Mapping[str, jax.Array], features: Mapping[str, Any], *, oob: str, impl: str, dtype: Any
     ) -> dict[str, jax.Array]:
-        local = functools.partial(CollectionLayout.apply, self, oob=oob, impl=impl, dtype=dtype)
-        return run_sharded(self.mesh, self.axis, self.param_specs(), local, params, features)
+        """``CollectionLayout.apply`` on this device's bags."""
+        return CollectionLayout.apply(self, params, features, oob=oob, impl=impl, dtype=dtype)
 
 
 def collection_data_parallel(layout: CollectionLayout, mesh: Mesh, axis: str = "data") -> DataParallelLayout:

@@ -1,5 +1,6 @@
-"""A collection's batch split over a mesh axis: per-shard bag inputs and the ``shard_map``
-around a layout's per-device code (used by ``sharding`` and ``sharding_tablewise``).
+"""A collection's batch split over a mesh axis: per-shard bag inputs, the ``shard_map``
+around a layout's per-device code, and ``ShardedLayout``, the base of the sharded layouts
+(of ``sharding`` and ``sharding_tablewise``).
 
 Every feature's input is split along its first dimension into ``S`` equal parts, ``S``
 the size of the mesh axis; each device gets one. Padded forms (``[B]``, ``[B, L]`` ids,
@@ -20,6 +21,9 @@ its own ids): no collective touches the ids.
 
 from __future__ import annotations
 
+import abc
+import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,7 +31,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-__all__ = ["shard_bags", "local_features", "run_sharded"]
+from .collection_layout import CollectionLayout
+
+__all__ = ["shard_bags", "local_features", "run_sharded", "ShardedLayout"]
 
 _PER_SHARD_KEYS = ("ids", "offsets", "segment_ids", "weights")
 
@@ -188,3 +194,37 @@ def run_sharded(
         body, mesh=mesh, in_specs=(specs, PartitionSpec(axis)), out_specs=PartitionSpec(axis), check_vma=False
     )
     return mapped(dict(params), arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedLayout(CollectionLayout, abc.ABC):
+    """A ``CollectionLayout`` run per device over mesh axis ``axis``: subclasses place the
+    parameters (``param_specs``) and say what a device computes (``local_apply``)."""
+
+    mesh: Mesh
+    axis: str
+
+    @abc.abstractmethod
+    def param_specs(self) -> dict[str, PartitionSpec]:
+        """``PartitionSpec`` of every parameter."""
+
+    @abc.abstractmethod
+    def local_apply(
+        self, params: Mapping[str, jax.Array], features: Mapping[str, Any], *, oob: str, impl: str, dtype: Any
+    ) -> dict[str, jax.Array]:
+        """One device's ``{feature: [B/S, D]}`` from its parameters and its slice of the batch."""
+
+    def apply(
+        self,
+        params: Mapping[str, jax.Array],
+        features: Mapping[str, Any],
+        *,
+        oob: str = "zero",
+        impl: str = "auto",
+        dtype: Any | None = None,
+    ) -> dict[str, jax.Array]:
+        """``{feature: [B, D]}`` from parameters placed as ``param_specs`` says and a batch split
+        along dim 0 over ``axis``, split the same way; runs in its own ``shard_map`` unless
+        called inside one over ``axis``."""
+        local = functools.partial(self.local_apply, oob=oob, impl=impl, dtype=dtype)
+        return run_sharded(self.mesh, self.axis, self.param_specs(), local, params, features)

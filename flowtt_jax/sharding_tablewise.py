@@ -36,14 +36,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from .bag import prepare_bags
 from .batched import choose_impl, pooled_group
 from .batched_plan import GroupLayout
-from .collection import bag_kwargs
-from .collection_layout import CollectionLayout, FeatureSlot
-from .sharding_base import run_sharded
+from .collection_layout import CollectionLayout, FeatureSlot, prepare_feature
+from .sharding_base import ShardedLayout
 from .sharding_placement import TableWisePlacement
 from .spec import TTSpec
 
@@ -192,7 +190,7 @@ class _PlacedPack:
 
 
 @dataclasses.dataclass(frozen=True)
-class TableWiseLayout(CollectionLayout):
+class TableWiseLayout(ShardedLayout):
     """A ``CollectionLayout`` whose TT tables are placed table-wise over mesh axis ``axis``
     (see the module docstring); dense packs and tables of other core counts are replicated.
 
@@ -202,8 +200,6 @@ class TableWiseLayout(CollectionLayout):
     split along dim 0, per-shard forms for offsets / segment ids: ``sharding_base``).
     """
 
-    mesh: Mesh
-    axis: str
     placement: TableWisePlacement
 
     def __post_init__(self) -> None:
@@ -300,21 +296,11 @@ class TableWiseLayout(CollectionLayout):
             out[n] = params[n].at[d, offs[k][j] : offs[k][j + 1]].set(values[k].astype(params[n].dtype))
         return out
 
-    def apply(
-        self,
-        params: Mapping[str, jax.Array],
-        features: Mapping[str, Any],
-        *,
-        oob: str = "zero",
-        impl: str = "auto",
-        dtype: Any | None = None,
+    def local_apply(
+        self, params: Mapping[str, jax.Array], features: Mapping[str, Any], *, oob: str, impl: str, dtype: Any
     ) -> dict[str, jax.Array]:
-        """``{feature: [B, D]}`` from table-wise ``params`` (``shard_params``) and a batch split
-        over ``axis``; runs in its own ``shard_map`` unless called inside one over ``axis``."""
-        local = functools.partial(self._local_apply, oob=oob, impl=impl, dtype=dtype)
-        return run_sharded(self.mesh, self.axis, self.param_specs(), local, params, features)
-
-    def _local_apply(self, params, features, *, oob: str, impl: str, dtype: Any) -> dict[str, jax.Array]:
+        """This device's bags from table-wise ``params`` (``shard_params``): the replicated
+        tables' as ``CollectionLayout`` pools them, the placed groups' by ``all_to_all``."""
         sub, names = self._replicated
         out = {}
         if sub is not None:
@@ -334,23 +320,8 @@ class TableWiseLayout(CollectionLayout):
         dim = placed.split.group.dim
         bags, weighted = {}, False
         for slot in pack.features:
-            if slot.feature not in features:
-                raise KeyError(
-                    f"missing input for feature {slot.feature!r} (table {pack.tables[slot.table].name!r})"
-                )
-            ids, kw = bag_kwargs(features[slot.feature])
-            weighted |= kw.get("weights") is not None
-            bags[slot.feature] = prepare_bags(
-                ids,
-                num_embeddings=pack.tables[slot.table].num_embeddings,
-                oob=oob,
-                mode=slot.mode,
-                offsets=kw.get("offsets"),
-                segment_ids=kw.get("segment_ids"),
-                num_bags=kw.get("num_bags"),
-                mask=kw.get("mask"),
-                weights=kw.get("weights"),
-            )
+            bags[slot.feature], has_weights = prepare_feature(features, slot, pack, oob)
+            weighted |= has_weights
         # 1. what goes to each device: its features' ids, weights and per-bag counts
         send = []
         for route in placed.routes:
