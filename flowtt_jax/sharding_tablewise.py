@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -259,18 +259,20 @@ class TableWiseLayout(ShardedLayout):
 
     def shard_params(self, params: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         """Table-wise parameters from ``CollectionLayout`` ones (same names)."""
-        out = dict(params)
-        for p, placed in self.placed.items():
-            names = self.param_names(p)
-            out.update(zip(names, placed.split.stack(tuple(params[n] for n in names))))
-        return out
+        return self._convert_placed(params, SplitGroup.stack)
 
     def gather_params(self, params: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         """``CollectionLayout`` parameters from table-wise ones (the inverse of ``shard_params``)."""
+        return self._convert_placed(params, SplitGroup.unstack)
+
+    def _convert_placed(
+        self, params: Mapping[str, jax.Array], convert: Callable[[SplitGroup, tuple], tuple]
+    ) -> dict[str, jax.Array]:
+        """``params`` with every placed group's cores replaced by ``convert(its split, cores)``."""
         out = dict(params)
         for p, placed in self.placed.items():
             names = self.param_names(p)
-            out.update(zip(names, placed.split.unstack(tuple(params[n] for n in names))))
+            out.update(zip(names, convert(placed.split, tuple(params[n] for n in names))))
         return out
 
     def table_params(self, params: Mapping[str, jax.Array], name: str) -> tuple[jax.Array, ...]:
