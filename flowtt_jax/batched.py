@@ -31,7 +31,13 @@ from .batched_plan import GroupLayout, GroupPlan, make_group_plan
 from .oob import OOB_POLICIES, as_ids, park_dropped, saturate_int32
 from .plan import Plan
 
-__all__ = ["tt_embedding_bag_group", "pooled_group", "choose_impl", "kernels_unsupported_reason"]
+__all__ = [
+    "tt_embedding_bag_group",
+    "pooled_group",
+    "choose_impl",
+    "scale_by_modes",
+    "kernels_unsupported_reason",
+]
 
 IMPLS = ("auto", "ffi", "reference")
 _TARGETS = ("flowtt_tb_rows_fwd", "flowtt_tb_rows_bwd")
@@ -117,6 +123,20 @@ def _modes(mode: str | Sequence[str], num_features: int) -> tuple[str, ...]:
         if m not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {m!r}")
     return modes
+
+
+def scale_by_modes(
+    weights: jax.Array, offsets: jax.Array, bag_ids: jax.Array, modes: Sequence[str], batch: int
+) -> jax.Array:
+    """Per-position ``weights`` times their bag's pooling scale: ``1/len`` (``"mean"``) or
+    ``1/sqrt(len)`` (``"sqrtn"``), bag b of the feature-major CSR ``offsets`` pooled by
+    ``modes[b // batch]``; ``weights`` as they are when every mode is ``"sum"``."""
+    if all(m == "sum" for m in modes):
+        return weights
+    lengths = jnp.maximum(jnp.diff(offsets), 1).astype(weights.dtype)
+    per_bag = np.repeat(np.asarray([MODES.index(m) for m in modes]), batch)
+    scale = jnp.where(per_bag == 1, 1.0 / lengths, jnp.where(per_bag == 2, jax.lax.rsqrt(lengths), 1.0))
+    return weights * scale[bag_ids]
 
 
 def _apply_table_oob(ids, tables, num_rows, policy: str):
@@ -228,11 +248,7 @@ def tt_embedding_bag_group(
     w = bags.weights if valid is None else jnp.where(valid, bags.weights, 0.0)
     live = bags.keep if valid is None else (valid if bags.keep is None else valid & bags.keep)
     flat, tables = park_dropped(flat, live, tables)  # dropped positions add no rows of their own
-    if any(m != "sum" for m in modes):
-        lengths = jnp.maximum(jnp.diff(bags.offsets), 1).astype(w.dtype)
-        per_bag = np.repeat(np.asarray([MODES.index(m) for m in modes]), batch)
-        scale = jnp.where(per_bag == 1, 1.0 / lengths, jnp.where(per_bag == 2, jax.lax.rsqrt(lengths), 1.0))
-        w = w * scale[bags.bag_ids]
+    w = scale_by_modes(w, bags.offsets, bags.bag_ids, modes, batch)
 
     out = pooled_group(
         packed, layout, flat, tables, bags.offsets, bags.bag_ids, w, weighted=weights is not None, impl=impl

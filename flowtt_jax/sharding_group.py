@@ -34,7 +34,7 @@ from jax.experimental import checkify
 from jax.sharding import Mesh, PartitionSpec
 
 from .bag import MODES, canonical_bags
-from .batched import choose_impl, pooled_group, tt_embedding_bag_group
+from .batched import choose_impl, pooled_group, scale_by_modes, tt_embedding_bag_group
 from .batched_plan import GroupLayout
 from .oob import OOB_POLICIES
 from .sharding_placement import TableWisePlacement
@@ -239,13 +239,7 @@ class GroupTableWise:
         w = bags.weights.astype(jnp.float32)
         if oob == "zero":
             w = jnp.where(valid, w, 0.0)
-        if any(m != "sum" for m in modes):
-            lengths = jnp.maximum(jnp.diff(bags.offsets), 1).astype(w.dtype)
-            per_bag = np.repeat(np.asarray([MODES.index(m) for m in modes]), per)
-            scale = jnp.where(
-                per_bag == 1, 1.0 / lengths, jnp.where(per_bag == 2, jax.lax.rsqrt(lengths), 1.0)
-            )
-            w = w * scale[bags.bag_ids]
+        w = scale_by_modes(w, bags.offsets, bags.bag_ids, modes, per)
         # 1. every position in a bag to its table's owner: row = owner, in position order
         pos = jnp.arange(ids.shape[0], dtype=jnp.int32)
         inside = (pos >= bags.offsets[0]) & (pos < bags.offsets[-1])
