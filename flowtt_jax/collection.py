@@ -43,6 +43,19 @@ __all__ = [
 KINDS = ("tt", "dense")
 
 
+def spec_of(table: Any) -> TTSpec:
+    """``TTSpec.create`` of ``table``'s fields ``num_embeddings``, ``features``, ``rank``,
+    ``num_cores``, ``row_shape``, ``col_shape`` (a ``TableConfig``, a linen TT layer)."""
+    return TTSpec.create(
+        table.num_embeddings,
+        table.features,
+        table.rank,
+        num_cores=table.num_cores,
+        row_shape=table.row_shape,
+        col_shape=table.col_shape,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class TableConfig:
     """One embedding table of a collection.
@@ -92,14 +105,7 @@ class TableConfig:
 
     def spec(self) -> TTSpec:
         """The TT spec of a TT table."""
-        return TTSpec.create(
-            self.num_embeddings,
-            self.features,
-            self.rank,
-            num_cores=self.num_cores,
-            row_shape=self.row_shape,
-            col_shape=self.col_shape,
-        )
+        return spec_of(self)
 
     @property
     def num_params(self) -> int:

@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .collection import BagCall, DenseBagMethods, TableConfig, TTTableMethods
+from .collection import BagCall, DenseBagMethods, TableConfig, TTTableMethods, spec_of
 from .collection_layout import CollectionLayout
 from .cores import CoreInit, check_cores, resolve_init
 from .cores import from_dense as _tt_svd
@@ -44,14 +44,7 @@ class _TTTable(TTTableMethods, nn.Module):
 
     @property
     def spec(self) -> TTSpec:
-        return TTSpec.create(
-            self.num_embeddings,
-            self.features,
-            self.rank,
-            num_cores=self.num_cores,
-            row_shape=self.row_shape,
-            col_shape=self.col_shape,
-        )
+        return spec_of(self)
 
     def _cores(self) -> tuple[jax.Array, ...]:
         spec = self.spec
