@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -78,18 +79,25 @@ def _check_data_parallel() -> None:
     print("data parallel OK")
 
 
-def _multiprocess_worker(process_id: int, port: int) -> None:
-    """One of 2 processes x 2 CPU devices: a global batch split over 4 devices."""
+def _start_distributed(process_id: int, num_processes: int, port: int) -> None:
+    """Joins this worker to ``jax.distributed`` as process ``process_id`` of ``num_processes``
+    (2 CPU devices each, gloo collectives), the coordinator on loopback ``port``."""
     import jax
 
     jax.config.update("jax_num_cpu_devices", 2)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}",
-        num_processes=2,
+        num_processes=num_processes,
         process_id=process_id,
         initialization_timeout=120,
     )
+
+
+def _multiprocess_worker(process_id: int, port: int) -> None:
+    """One of 2 processes x 2 CPU devices: a global batch split over 4 devices."""
+    _start_distributed(process_id, 2, port)
+    import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding
@@ -136,42 +144,44 @@ def _cpu_env(cpu_devices: int | None = None) -> dict:
     return env
 
 
-def test_data_parallel_over_four_devices():
-    proc = subprocess.run(
-        [sys.executable, "-c", "from tests import test_sharding; test_sharding._check_data_parallel()"],
-        cwd=REPO,
-        env=_cpu_env(cpu_devices=4),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "data parallel OK" in proc.stdout
-
-
-def test_data_parallel_across_two_processes():
-    with socket.socket() as s:  # a free loopback port for the coordinator
+def _free_port() -> int:
+    """A free loopback port (for the ``jax.distributed`` coordinator)."""
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def _run_workers(workers: Sequence[tuple[str, dict]], timeout: float) -> list[tuple[int, str]]:
+    """Runs ``python -c code`` with environment ``env`` for every ``(code, env)`` at once,
+    from the repository root; each one's exit code and output (stdout and stderr)."""
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                f"from tests import test_sharding; test_sharding._multiprocess_worker({i}, {port})",
-            ],
+            [sys.executable, "-c", code],
             cwd=REPO,
-            env=_cpu_env(),
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for i in range(2)
+        for code, env in workers
     ]
     try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
-    for i, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0 and f"process {i} OK" in out, out[-3000:]
+    return [(p.returncode, out) for p, out in zip(procs, outputs)]
+
+
+def test_data_parallel_over_four_devices():
+    code = "from tests import test_sharding; test_sharding._check_data_parallel()"
+    [(returncode, out)] = _run_workers([(code, _cpu_env(cpu_devices=4))], timeout=300)
+    assert returncode == 0 and "data parallel OK" in out, out
+
+
+def test_data_parallel_across_two_processes():
+    port = _free_port()
+    code = "from tests import test_sharding; test_sharding._multiprocess_worker({}, {})"
+    results = _run_workers([(code.format(i, port), _cpu_env()) for i in range(2)], timeout=300)
+    for i, (returncode, out) in enumerate(results):
+        assert returncode == 0 and f"process {i} OK" in out, out[-3000:]

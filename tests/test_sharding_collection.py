@@ -8,14 +8,11 @@ import importlib.util
 import json
 import math
 import re
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.test_sharding import REPO, _cpu_env
+from tests.test_sharding import _cpu_env, _free_port, _run_workers, _start_distributed
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("flowtt_jax._flowtt_cpu") is None, reason="compiled extension not built"
@@ -398,16 +395,9 @@ def _check_packed_group(mesh) -> None:
 
 
 def test_collection_over_eight_devices():
-    proc = subprocess.run(
-        [sys.executable, "-c", "from tests import test_sharding_collection as t; t._check_collection()"],
-        cwd=REPO,
-        env=_cpu_env(cpu_devices=8),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
-    assert "collection sharding OK" in proc.stdout
+    code = "from tests import test_sharding_collection as t; t._check_collection()"
+    [(returncode, out)] = _run_workers([(code, _cpu_env(cpu_devices=8))], timeout=900)
+    assert returncode == 0 and "collection sharding OK" in out, out[-10000:]
 
 
 def _train_worker(process_id: int, num_processes: int, port: int) -> None:
@@ -419,14 +409,7 @@ def _train_worker(process_id: int, num_processes: int, port: int) -> None:
     if num_processes == 1:
         print("LOSSES " + json.dumps({"single": _train(nnx.split(_model(nnx.Rngs(0))), None, None)[0]}))
         return
-    jax.config.update("jax_num_cpu_devices", 2)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=num_processes,
-        process_id=process_id,
-        initialization_timeout=120,
-    )
+    _start_distributed(process_id, num_processes, port)
     assert jax.process_count() == 2 and jax.device_count() == 4
     mesh = jax.make_mesh((4,), ("data",))
     half = lambda x: np.split(x, 2)[process_id]  # this process's dim-0 half of every leaf
@@ -437,34 +420,14 @@ def _train_worker(process_id: int, num_processes: int, port: int) -> None:
 
 
 def test_train_step_across_two_processes():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
+    code = "from tests import test_sharding_collection as t; t._train_worker({}, {}, {})"
     runs = [(i, 2) for i in range(2)] + [(0, 1)]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                f"from tests import test_sharding_collection as t; t._train_worker({i}, {n}, {port})",
-            ],
-            cwd=REPO,
-            env=_cpu_env(cpu_devices=1 if n == 1 else None),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i, n in runs
-    ]
-    try:
-        outputs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    workers = [(code.format(i, n, port), _cpu_env(cpu_devices=1 if n == 1 else None)) for i, n in runs]
     losses = []
-    for p, out in zip(procs, outputs):
+    for returncode, out in _run_workers(workers, timeout=600):
         lines = [line for line in out.splitlines() if line.startswith("LOSSES ")]
-        assert p.returncode == 0 and lines, out[-3000:]
+        assert returncode == 0 and lines, out[-3000:]
         losses.append(json.loads(lines[-1][7:]))
     single = losses[2]["single"]
     assert len(single) == STEPS
