@@ -245,22 +245,23 @@ register(
     description="EcoRec's algorithm in XLA ops: unique ids (static size nnz), TT rows, "
     "gather back, pool; per table",
 )(_per_table(_dedup_bag))
-register(
-    "ours",
-    suites=("single",),
-    per_table_loop=True,
-    ours=True,
-    scratch=ffi_scratch_bytes,
-    description="tt_embedding_bag impl='ffi' (the fused kernels)",
-)(_per_table(_tt_bag("ffi")))
-register(
-    "ours_per_table_loop",
-    suites=("collection",),
-    per_table_loop=True,
-    ours=True,
-    scratch=ffi_scratch_bytes,
-    description="tt_embedding_bag impl='ffi' called per table in one jitted loop (not the table-batched op)",
-)(_per_table(_tt_bag("ffi")))
+# the fused kernels per table, under one name per suite
+for _name, _suite, _description in (
+    ("ours", "single", "tt_embedding_bag impl='ffi' (the fused kernels)"),
+    (
+        "ours_per_table_loop",
+        "collection",
+        "tt_embedding_bag impl='ffi' called per table in one jitted loop (not the table-batched op)",
+    ),
+):
+    register(
+        _name,
+        suites=(_suite,),
+        per_table_loop=True,
+        ours=True,
+        scratch=ffi_scratch_bytes,
+        description=_description,
+    )(_per_table(_tt_bag("ffi")))
 
 
 def _shape_groups(w: Workload) -> list[tuple[GroupLayout, tuple[int, ...]]]:

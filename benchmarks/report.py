@@ -232,6 +232,18 @@ def detail_table(cases: list[dict], names: list[str]) -> None:
     print()
 
 
+def notes_and_plots(
+    cases: list[dict], names: list[str], plots: dict[str, str], plot_names: tuple[str, ...], link_root: Path
+) -> None:
+    """A section's end: the notes on its cases, then the plots ``plot_names`` that were drawn."""
+    for line in notes(cases, names):
+        print(line)
+    print()
+    for name in plot_names:
+        if not str(plots.get(name, "")).startswith("skipped"):
+            print(f"![{name.replace('_', ' ')}]({os.path.relpath(plots[name], link_root)})\n")
+
+
 def single_section(docs: list[dict], plots: dict[str, str], link_root: Path) -> None:
     cases = sorted(
         cases_of(docs, "single"),
@@ -281,12 +293,7 @@ def single_section(docs: list[dict], plots: dict[str, str], link_root: Path) -> 
         f, b = measured(ours, "fwd"), measured(ours, "fwd_bwd")
         if f and b and "profile" in f and "profile" in b:
             breakdown(c.get("alias") or c["case"], f["profile"], b["profile"])
-    for line in notes(cases, names):
-        print(line)
-    print()
-    for name in ("latency_vs_batch", "memory_single"):
-        if not str(plots.get(name, "")).startswith("skipped"):
-            print(f"![{name.replace('_', ' ')}]({os.path.relpath(plots[name], link_root)})\n")
+    notes_and_plots(cases, names, plots, ("latency_vs_batch", "memory_single"), link_root)
 
 
 def collection_section(docs: list[dict], plots: dict[str, str], link_root: Path) -> None:
@@ -331,12 +338,7 @@ def collection_section(docs: list[dict], plots: dict[str, str], link_root: Path)
         )
     print()
     detail_table([c for c in cases if any(measured(r, "fwd") for r in c["impls"].values())], names)
-    for line in notes(cases, names):
-        print(line)
-    print()
-    for name in ("latency_vs_tables", "memory_collection"):
-        if not str(plots.get(name, "")).startswith("skipped"):
-            print(f"![{name.replace('_', ' ')}]({os.path.relpath(plots[name], link_root)})\n")
+    notes_and_plots(cases, names, plots, ("latency_vs_tables", "memory_collection"), link_root)
 
 
 def full_markdown(d: dict) -> None:
