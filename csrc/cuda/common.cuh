@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "cuda/ops.h"
+#include "cuda/tile_fma.cuh"
 
 namespace flowtt {
 
@@ -20,7 +21,7 @@ constexpr int kGT = 256;       // threads of the GEMM tile kernels
 constexpr int kT1F = 32;       // i1 values per forward tile
 constexpr int kT1B = 32;       // i1 values per backward tile
 constexpr int kCH = 64;        // unique ids per chunk (split threshold of a prefix group)
-constexpr int kRPT = 8;        // GEMM rows per thread (tile_gemm_P)
+constexpr int kRPT = 8;        // GEMM rows per thread (tile_gemm_P, tile_fma_8x4)
 constexpr int kPL = 32;        // sorted positions per chunk of the pooling backward
 #ifndef FLOWTT_DG3_PARTS
 #define FLOWTT_DG3_PARTS 8

@@ -138,10 +138,7 @@ __global__ void __launch_bounds__(kThreads)
   const int per = (bhi - blo + kS3 - 1) / kS3;
   const int lo = min(bhi, blo + part * per), hi = min(bhi, lo + per);
   float acc[4][Q3];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int q = 0; q < Q3; ++q) acc[i][q] = 0.f;
+  zero_fill(acc);
   if (sub < subs) {
     // (u, group) of the next id loaded one step ahead
     int j = lo + sub;

@@ -20,10 +20,7 @@ __device__ __forceinline__ void warp_compute_P(const Dev& d, const float* G1w, c
   for (int j0 = 0; j0 < Q2R2; j0 += 32 * kJ) {
     constexpr int NQ1 = Q1C ? Q1C : kQ1Max;
     float acc[kJ][NQ1];
-#pragma unroll
-    for (int jj = 0; jj < kJ; ++jj)
-#pragma unroll
-      for (int q1 = 0; q1 < NQ1; ++q1) acc[jj][q1] = 0.f;
+    zero_fill(acc);
 #pragma unroll 2
     for (int a = 0; a < d.r1; ++a) {
       float g2v[kJ];
@@ -80,24 +77,7 @@ __device__ __forceinline__ void tile_gemm_P(const Dev& d, const float* As, int l
   for (int it = threadIdx.x; it < NC4 * nRB; it += kGT) {
     const int rb = it / NC4, c4 = it - rb * NC4;
     float acc[kRPT][4];
-#pragma unroll
-    for (int i = 0; i < kRPT; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
-    const float* ap = As + rb * kRPT;
-    const float* bp = G2s + c4 * 4;
-#pragma unroll 4
-    for (int a = 0; a < d.r1; ++a) {
-      const float4 a0 = *reinterpret_cast<const float4*>(ap + a * ldA);
-      const float4 a1 = *reinterpret_cast<const float4*>(ap + a * ldA + 4);
-      const float4 bv = *reinterpret_cast<const float4*>(bp + a * ldB);
-      const float av[kRPT] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-      const float bw[4] = {bv.x, bv.y, bv.z, bv.w};
-#pragma unroll
-      for (int i = 0; i < kRPT; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bw[j], acc[i][j]);
-    }
+    tile_fma_8x4(As + rb * kRPT, ldA, G2s + c4 * 4, ldB, d.r1, acc);
     const int q2 = (c4 * 4) / d.r2, b0 = c4 * 4 - q2 * d.r2;  // r2 % 4 == 0
 #pragma unroll
     for (int i = 0; i < kRPT; ++i) {

@@ -119,10 +119,7 @@ __global__ void __launch_bounds__(kThreads)
       constexpr int NQ3 = Q3C ? Q3C : kQ3Max;
       constexpr int NQ1 = Q1C ? Q1C : kQ1Max;
       float acc[NBB][NM];
-#pragma unroll
-      for (int bb = 0; bb < NBB; ++bb)
-#pragma unroll
-        for (int m = 0; m < NM; ++m) acc[bb][m] = 0.f;
+      zero_fill(acc);
       for (int u = gs; u < ge; ++u) {
         int i1x, i2x, i3;
         split_id(d, __ldg(uids + u), i1x, i2x, i3);
@@ -383,10 +380,7 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
           const int mb = rest / R24, b0 = 4 * (rest - mb * R24);
           const int m0 = mb * MB2;
           float acc[MB2][4];
-#pragma unroll
-          for (int i = 0; i < MB2; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+          zero_fill(acc);
           const int gs = s_gs[k0 + k], ge = s_ge[k0 + k];
           int id_next = gs < ge ? __ldg(uids + gs) : 0;  // one id ahead
           for (int u = gs; u < ge; ++u) {
@@ -419,10 +413,7 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
       for (int it = tid; it < nB * R14; it += kGT) {
         const int k = it / R14, a0 = it - k * R14;
         float acc[4][4];
-#pragma unroll
-        for (int q1 = 0; q1 < 4; ++q1)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[q1][i] = 0.f;
+        zero_fill(acc);
         const float* pk = PD + k * geo.PT;
         for (int j = 0; j < NC; j += 4) {
           float4 gv[4];
@@ -455,10 +446,7 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
       for (int it = tid; it < R14 * NC4; it += kGT) {
         const int ab = it / NC4, j4 = it - ab * NC4;
         float acc[4][4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+        zero_fill(acc);
         for (int k = 0; k < nB; ++k) {
           for (int q1 = 0; q1 < d.q1; ++q1) {
             const int row = k * d.q1 + q1;

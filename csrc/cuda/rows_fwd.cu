@@ -91,6 +91,19 @@ __device__ __forceinline__ void range_tiles(const Dev& d, const int* __restrict_
   t_hi = (b1 / kT1F + 1) * d.p2;
 }
 
+// A forward kernel's counts (U unique ids, G groups), its unique range [lo, end), end =
+// min(hi, U), and that range's tiles [t_lo, t_hi); false when the range is empty.
+__device__ __forceinline__ bool fwd_range(const Dev& d, const int* __restrict__ counts, int n,
+                                          const int* __restrict__ uids, int lo, int hi, int& U,
+                                          int& G, int& end, int& t_lo, int& t_hi) {
+  U = clampi(counts[0], 0, n);
+  G = clampi(counts[1], 0, U);
+  end = min(hi, U);
+  if (lo >= end) return false;
+  range_tiles(d, uids, lo, end, t_lo, t_hi);
+  return true;
+}
+
 // Chunk phase of the forward kernels over the unique range [lo, end), end =
 // min(hi, U): a warp claims the next chunk c of unique indices
 // [c*kCH, (c+1)*kCH) from *counter (starting at lo / kCH). The only work in it
@@ -128,6 +141,23 @@ __device__ __forceinline__ int claim_chunk_tail(const Dev& d, int* counter, int 
   return 1;
 }
 
+// The chunk phase: each claimed chunk's tail [a, bnd) handed to tail(ck, a, bnd), ck the
+// checkpointed P of its group ([PSZ] floats, written by the group's first chunk).
+template <class Tail>
+__device__ __forceinline__ void for_each_chunk_tail(const Dev& d, int* counter, int lo, int end,
+                                                    int U, int G, const int* __restrict__ goffs,
+                                                    const int* __restrict__ uids,
+                                                    const int* __restrict__ map, int* flags,
+                                                    const float* ckpt, int lane, Tail&& tail) {
+  for (;;) {
+    int a, bnd, slot;
+    const int got =
+        claim_chunk_tail(d, counter, lo, end, U, G, goffs, uids, map, flags, lane, a, bnd, slot);
+    if (got < 0) break;
+    if (got > 0) tail(ckpt + (size_t)slot * d.PSZ, a, bnd);
+  }
+}
+
 // Both forward kernels compute the rows of unique indices [lo, min(hi, U))
 // into rows[u - lo] (lo a multiple of kCH; the fused bag forward runs one
 // range per chunk of its rows buffer).
@@ -147,12 +177,8 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int s_item;
   __shared__ int s_g[kT1F];
 
-  const int U = clampi(counts[0], 0, n);
-  const int G = clampi(counts[1], 0, U);
-  const int end = min(hi, U);
-  if (lo >= end) return;
-  int t_lo, t_hi;
-  range_tiles(d, uids, lo, end, t_lo, t_hi);
+  int U, G, end, t_lo, t_hi;
+  if (!fwd_range(d, counts, n, uids, lo, hi, U, G, end, t_lo, t_hi)) return;
 
   // ---- phase 1: tiles (i2 column x kT1F i1 values), a warp per group ----
   for (;;) {
@@ -196,21 +222,16 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   // ---- phase 2: tails of large groups, a warp per chunk ----
-  for (;;) {
-    int a, bnd, slot;
-    const int got =
-        claim_chunk_tail(d, ctrl + 1, lo, end, U, G, goffs, uids, map, flags, lane, a, bnd, slot);
-    if (got < 0) break;
-    if (got == 0) continue;
-    const float* ck = ckpt + (size_t)slot * d.PSZ;
-    for (int w = lane; w < d.PSZ; w += 32) {
-      const int m = w / d.r2, b = w - m * d.r2;
-      Pw[m * d.R2p + b] = __ldcg(ck + w);
-    }
-    __syncwarp();
-    warp_apply_g3(d, Pw, g3, uids, a, bnd, lo, rows, lane);
-    __syncwarp();
-  }
+  for_each_chunk_tail(d, ctrl + 1, lo, end, U, G, goffs, uids, map, flags, ckpt, lane,
+                      [&](const float* ck, int a, int bnd) {
+                        for (int w = lane; w < d.PSZ; w += 32) {
+                          const int m = w / d.r2, b = w - m * d.r2;
+                          Pw[m * d.R2p + b] = __ldcg(ck + w);
+                        }
+                        __syncwarp();
+                        warp_apply_g3(d, Pw, g3, uids, a, bnd, lo, rows, lane);
+                        __syncwarp();
+                      });
 }
 
 // ---- forward, GEMM tile kernel (the fast path) ----------------------------
@@ -278,10 +299,7 @@ __device__ __forceinline__ void apply_team(const Dev& d, const float* Pt,
   using A = Team<M, Q3>;
   const int qh = t % A::QH, tb = (t / A::QH) % A::TB, ms = t / (A::QH * A::TB);
   float acc[A::Mm][4];
-#pragma unroll
-  for (int i = 0; i < A::Mm; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+  zero_fill(acc);
   const float* g = g3 + (size_t)id3(d, id) * d.r2 * Q3 + qh * 4;
   const float* p = Pt + ms * A::Mm;
 #pragma unroll 4
@@ -342,12 +360,8 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
   __shared__ int s_pref[kT1F + 1];         // exclusive scan of the batch's sizes
   __shared__ int s_rowoff[kT1F * kQ1Max];  // G1 offset of each batch row
   const int tid = threadIdx.x, lane = tid & 31;
-  const int U = clampi(counts[0], 0, n);
-  const int G = clampi(counts[1], 0, U);
-  const int end = min(hi, U);
-  if (lo >= end) return;
-  int t_lo, t_hi;
-  range_tiles(d, uids, lo, end, t_lo, t_hi);
+  int U, G, end, t_lo, t_hi;
+  if (!fwd_range(d, counts, n, uids, lo, hi, U, G, end, t_lo, t_hi)) return;
   const int team = tid / A::T, nTeams = kGT / A::T, tl = tid % A::T;
   const unsigned tmask = A::T == 32 ? 0xffffffffu : ((1u << A::T) - 1u) << (lane & ~(A::T - 1));
 
@@ -467,20 +481,16 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
   const int warp = tid >> 5;
   if ((warp + 1) * geo.PT > geo.ps_floats) return;
   float* Pw = Ps + warp * geo.PT;
-  for (;;) {
-    int a, bnd, slot;
-    const int got =
-        claim_chunk_tail(d, ctrl + 1, lo, end, U, G, goffs, uids, map, flags, lane, a, bnd, slot);
-    if (got < 0) break;
-    if (got == 0) continue;
-    const float* ck = ckpt + (size_t)slot * d.PSZ;
-    for (int w = lane; w < d.PSZ; w += 32) Pw[(w / M) * A::LDM + w % M] = __ldcg(ck + w);
-    __syncwarp();
-    for (int u = a + lane / A::T; u < bnd; u += 32 / A::T)
-      apply_team<M, Q3>(d, Pw, g3, __ldg(uids + u), lane % A::T, tmask,
-                        rows + (size_t)(u - lo) * d.D);
-    __syncwarp();
-  }
+  for_each_chunk_tail(d, ctrl + 1, lo, end, U, G, goffs, uids, map, flags, ckpt, lane,
+                      [&](const float* ck, int a, int bnd) {
+                        for (int w = lane; w < d.PSZ; w += 32)
+                          Pw[(w / M) * A::LDM + w % M] = __ldcg(ck + w);
+                        __syncwarp();
+                        for (int u = a + lane / A::T; u < bnd; u += 32 / A::T)
+                          apply_team<M, Q3>(d, Pw, g3, __ldg(uids + u), lane % A::T, tmask,
+                                            rows + (size_t)(u - lo) * d.D);
+                        __syncwarp();
+                      });
 }
 
 // Groups per batch of the GEMM forward tile (largest power of two <= kT1F

@@ -90,7 +90,6 @@ __global__ void __launch_bounds__(kTbThreads)
   int U, G;
   tb_counts(counts, n, U, G);
   const int gmax = max(G - 1, 0);
-  const int NC4 = d.K / 4;
   for (;;) {  // phase 1
     const int I = tb_claim(ctr, &s_item);
     if (I >= d.P2) break;
@@ -123,46 +122,20 @@ __global__ void __launch_bounds__(kTbThreads)
         if (lane == 31) s_w = incl;
       }
       __syncthreads();
-      const int nR = nb * d.q1;
-      for (int e = tid; e < nR * d.r1; e += kTbThreads) {  // As[a][row] = g1[i1_k][x1][a]
-        const int a = e / nR, row = e - a * nR;
-        const int k = row / d.q1, x1 = row - k * d.q1;
-        As[a * geo.ldA + row] = __ldg(g1 + (size_t)s_i1[k] * d.Q1R1 + x1 * d.r1 + a);
-      }
-      __syncthreads();
-      const int nRB = (nR + kTbRPT - 1) / kTbRPT;
-      for (int it = tid; it < nRB * NC4; it += kTbThreads) {  // P = As^T . G2s
-        const int rb = it / NC4, c4 = it - rb * NC4;
-        float acc[kTbRPT][4];
+      tb_batch_P(d, g1, s_i1, nb, geo.ldA, As, G2s,
+                 [&](int row0, int c4, int nR, const float(&acc)[kTbRPT][4]) {
+                   const int x2 = (4 * c4) / d.r2, b0 = 4 * c4 - x2 * d.r2;  // r2 % 4 == 0
 #pragma unroll
-        for (int i = 0; i < kTbRPT; ++i)
+                   for (int i = 0; i < kTbRPT; ++i) {
+                     const int row = row0 + i;
+                     if (row < nR) {
+                       const int k = row / d.q1, m = (row - k * d.q1) * d.q2 + x2;
 #pragma unroll
-          for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
-        const float* ap = As + rb * kTbRPT;
-        const float* bp = G2s + 4 * c4;
-#pragma unroll 4
-        for (int a = 0; a < d.r1; ++a) {
-          const float4 a0 = *reinterpret_cast<const float4*>(ap + a * geo.ldA);
-          const float4 a1 = *reinterpret_cast<const float4*>(ap + a * geo.ldA + 4);
-          const float4 bv = *reinterpret_cast<const float4*>(bp + a * d.K);
-          const float av[kTbRPT] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-          const float bw[4] = {bv.x, bv.y, bv.z, bv.w};
-#pragma unroll
-          for (int i = 0; i < kTbRPT; ++i)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(av[i], bw[c], acc[i][c]);
-        }
-        const int x2 = (4 * c4) / d.r2, b0 = 4 * c4 - x2 * d.r2;  // r2 % 4 == 0
-#pragma unroll
-        for (int i = 0; i < kTbRPT; ++i) {
-          const int row = rb * kTbRPT + i;
-          if (row < nR) {
-            const int k = row / d.q1, m = (row - k * d.q1) * d.q2 + x2;
-#pragma unroll
-            for (int c = 0; c < 4; ++c) Ps[k * geo.PT + (b0 + c) * geo.ldm + m] = acc[i][c];
-          }
-        }
-      }
+                       for (int c = 0; c < 4; ++c)
+                         Ps[k * geo.PT + (b0 + c) * geo.ldm + m] = acc[i][c];
+                     }
+                   }
+                 });
       __syncthreads();
       const int W = s_w;
       for (int it = tid; it < W * d.M; it += kTbThreads) {  // row[m][0..Q3) of one id

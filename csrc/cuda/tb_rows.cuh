@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/tile_fma.cuh"
+
 // A kernel's dynamic shared memory (float4-aligned); the emulation test redefines it.
 #ifndef TB_DYNAMIC_SMEM
 #define TB_DYNAMIC_SMEM(name) extern __shared__ float4 name[]
@@ -23,7 +25,7 @@ constexpr int kTbBatch = 16;     // groups per shared-memory batch of the dg2 ke
 constexpr int kTbQ1Max = 8, kTbMMax = 16, kTbQ3Max = 8, kTbRMax = 64;
 constexpr int kTbMaxG2Row = 24576;  // r1*q2*r2 bound (g2 rows staged in shared memory)
 constexpr int kTbTileGroups = 32;  // max groups per batch of the sorted-tile forward
-constexpr int kTbRPT = 8;          // rows (group, q1) per thread of its prefix GEMM
+constexpr int kTbRPT = kTileRows;  // rows (group, q1) per thread of its prefix GEMM
 
 // Dims and derived sizes, by value into every kernel.
 struct TbDev {
@@ -183,6 +185,36 @@ __device__ __forceinline__ int tb_find_group(const int* __restrict__ goffs, int 
 
 // Work stealing: the block's next item from *ctr (all threads get it; s_item is a
 // __shared__ int of the caller).
+// The prefix GEMM of a batch of groups sharing a g2 row (tb_fwd_tile_kernel and
+// tb_pcache_kernel), in two steps. Staging: As[a][row] = g1[i1_k][x1][a] for the
+// nR = nb * q1 rows (group k, x1) of the batch, the block's threads over all elements.
+__device__ __forceinline__ void tb_stage_g1_rows(const TbDev& d, const float* __restrict__ g1,
+                                                 const int* s_i1, int nR, int ldA, float* As) {
+  for (int e = threadIdx.x; e < nR * d.r1; e += kTbThreads) {
+    const int a = e / nR, row = e - a * nR;
+    const int k = row / d.q1, x1 = row - k * d.q1;
+    As[a * ldA + row] = __ldg(g1 + (size_t)s_i1[k] * d.Q1R1 + x1 * d.r1 + a);
+  }
+}
+
+// The whole prefix GEMM of a batch of nb groups: As staged, then each thread's register
+// tiles of P, handed to store(row0, c4, nR, acc) (rows row0 + i < nR, columns 4*c4 + c).
+template <class Store>
+__device__ __forceinline__ void tb_batch_P(const TbDev& d, const float* __restrict__ g1,
+                                           const int* s_i1, int nb, int ldA, float* As,
+                                           const float* G2s, Store&& store) {
+  const int nR = nb * d.q1, NC4 = d.K / 4;
+  tb_stage_g1_rows(d, g1, s_i1, nR, ldA, As);
+  __syncthreads();
+  const int nRB = (nR + kTbRPT - 1) / kTbRPT;
+  for (int it = threadIdx.x; it < nRB * NC4; it += kTbThreads) {
+    const int rb = it / NC4, c4 = it - rb * NC4;
+    float acc[kTbRPT][4];
+    tile_fma_8x4(As + rb * kTbRPT, ldA, G2s + 4 * c4, d.K, d.r1, acc);
+    store(rb * kTbRPT, c4, nR, acc);
+  }
+}
+
 __device__ __forceinline__ int tb_claim(int* ctr, int* s_item) {
   __syncthreads();  // every thread has read the previous item
   if (threadIdx.x == 0) *s_item = atomicAdd(ctr, 1);

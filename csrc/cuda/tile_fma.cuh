@@ -1,0 +1,40 @@
+// Register-tile helpers of the kernels. zero_fill: a register array set to 0, unrolled.
+// tile_fma_8x4: the register tile of the prefix GEMMs (tile_gemm_P for one table, tb_batch_P for the
+// table-batched kernels): a thread's 8 x 4 outputs
+//   acc[i][c] = sum over a in [0, K), ascending, of A[a][i] * B[a][c],
+// each an fmaf chain from 0 (the order every P of the project is formed in, so the
+// results are bitwise those of the warp paths). A: 8 consecutive floats per a at stride
+// ldA, B: 4 per a at stride ldB, both 16-byte aligned (shared memory). No CUDA header
+// (the emulation of csrc/cuda/tb_emu.h compiles it too).
+#pragma once
+
+namespace flowtt {
+
+constexpr int kTileRows = 8;  // rows per thread of the register tile
+
+template <int A, int B>
+__device__ __forceinline__ void zero_fill(float (&x)[A][B]) {
+#pragma unroll
+  for (int i = 0; i < A; ++i)
+#pragma unroll
+    for (int j = 0; j < B; ++j) x[i][j] = 0.f;
+}
+
+__device__ __forceinline__ void tile_fma_8x4(const float* ap, int ldA, const float* bp, int ldB,
+                                             int K, float (&acc)[kTileRows][4]) {
+  zero_fill(acc);
+#pragma unroll 4
+  for (int a = 0; a < K; ++a) {
+    const float4 a0 = *reinterpret_cast<const float4*>(ap + a * ldA);
+    const float4 a1 = *reinterpret_cast<const float4*>(ap + a * ldA + 4);
+    const float4 bv = *reinterpret_cast<const float4*>(bp + a * ldB);
+    const float av[kTileRows] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+    const float bw[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+    for (int i = 0; i < kTileRows; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(av[i], bw[c], acc[i][c]);
+  }
+}
+
+}  // namespace flowtt
