@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU check on the device machine (one `run` call per stage):
 #   scripts/gpu_check.sh test   build + GPU tests (pytest -m gpu) + compute-sanitizer + CUDA harness
-#   scripts/gpu_check.sh full   test, then the whole tests/ on the GPU backend; FULL_TESTS="tests/a.py
-#                               tests/b.py ..." for a part (the whole suite does not fit one device
-#                               call: its first 170 of 625 tests took ~6 minutes on an H200)
+#   scripts/gpu_check.sh full   as test, but the whole tests/ on the GPU backend (the gpu tests
+#                               included); FULL_TESTS="tests/a.py tests/b.py ..." for a part. With
+#                               pytest-xdist installed the tests run in WORKERS (8) processes (one
+#                               by one, the suite does not fit a 10-minute device call)
 #   scripts/gpu_check.sh bench  build + the benchmark suite (python -m benchmarks)
 #   scripts/gpu_check.sh all    GPU tests, sanitizer, benchmark, then the harness (~9 minutes)
 # BENCH_ARGS="--stage single-d32 ..." passes options to `python -m benchmarks` (its --help).
@@ -30,16 +31,20 @@ $PY -c "import flowtt_jax._flowtt_cuda as m, jax; print('ext ok', sorted(m.regis
   2>&1 | tee -a "$OUT/build.log"
 
 run_tests() {
-  echo "== pytest -m gpu: the CUDA tests (CUDA path and CUDA plan against the references)"
-  $PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/pytest.log" | tail -5
-  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+  # pytest-xdist, where installed, spreads the tests over WORKERS processes sharing the GPU
+  # (compiles are CPU-bound; no preallocation, so they fit)
+  local par=()
+  $PY -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-8}")
   if [[ $STAGE == full ]]; then
-    echo "== pytest: the whole tests/ on the GPU backend" | tee -a "$OUT/pytest.log"
+    echo "== pytest: the whole tests/ on the GPU backend (the -m gpu tests included)" | tee "$OUT/pytest.log"
     # shellcheck disable=SC2086  # FULL_TESTS is a list of paths
-    JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -p no:cacheprovider ${FULL_TESTS:-tests} 2>&1 \
-      | tee -a "$OUT/pytest.log" | tail -8
-    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -p no:cacheprovider "${par[@]}" -rfE \
+      ${FULL_TESTS:-tests} 2>&1 | tee -a "$OUT/pytest.log" | tail -12
+  else
+    echo "== pytest -m gpu: the CUDA tests (CUDA path and CUDA plan against the references)"
+    $PY -m pytest -q -p no:cacheprovider "${par[@]}" -m gpu tests 2>&1 | tee "$OUT/pytest.log" | tail -5
   fi
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   HARNESS=$(scripts/build_harness.sh "$BUILD_ROOT/harness") || status=1
   echo "== compute-sanitizer (memcheck, racecheck) on a small forward+backward" | tee "$OUT/sanitizer.log"
   for tool in memcheck racecheck; do
