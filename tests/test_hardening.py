@@ -322,7 +322,8 @@ def test_export_serialize_fresh_process_deserialize_call(tmp_path):
         np.savez({str(tmp_path / "out.npz")!r}, *[np.asarray(x) for x in out])
         """
     )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # the child on the platform the module was exported for (this process's backend)
+    env = {**os.environ, "JAX_PLATFORMS": "cuda" if jax.default_backend() == "gpu" else "cpu"}
     subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO, timeout=300)
     got = np.load(tmp_path / "out.npz")
     assert len(got.files) == len(want)
