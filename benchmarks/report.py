@@ -5,7 +5,8 @@ Usage:
       every run in full (default: every results JSON but ``--quick`` ones, oldest first)
   python -m benchmarks.report --readme README.md [--plots-dir DIR] [FILE.json ...]
       rewrites the README's ``bench`` block (single table) and, where the README has one,
-      its ``bench-collection`` block (each case and implementation from its newest run), and draws the plots
+      its ``bench-collection`` block (each case and implementation from its newest run) and
+      its ``scaling`` block (``benchmarks/scaling_report.py``), and draws the plots
       (default ``benchmarks/results/plots/``) that the blocks link to. Without runs of the
       suite (``python -m benchmarks``) the ``bench`` block shows the newest
       ``single_table_*.json`` of the earlier single-table script, as before.
@@ -22,6 +23,7 @@ import os
 import re
 from pathlib import Path
 
+from . import scaling_report
 from .plots import draw_all, impl_order, measured
 
 RESULTS = "benchmarks/results"
@@ -401,6 +403,8 @@ def update_readme(readme: str, paths: list[str], plots_dir: str) -> None:
                 f"{readme} has no <!-- bench-collection:start --> ... <!-- bench-collection:end --> "
                 "block: the collection results are not shown there"
             )
+    if "<!-- scaling:start -->" in open(readme).read():
+        replace_block(readme, "scaling", scaling_report.section(scaling_report.load_runs(), link_root))
     for name, where in plots.items():
         print(f"plot {name}: {where}")
 

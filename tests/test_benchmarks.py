@@ -212,3 +212,54 @@ def test_hot_rows_scattered():
         ranks = np.arange(min(n, 10**6), dtype=np.uint64)
         rows = (ranks * np.uint64(wl.HASH)) % np.uint64(n)
         assert np.unique(rows).size == ranks.size
+
+
+def test_scaling_block_takes_each_case_from_its_newest_run(tmp_path):
+    from benchmarks import scaling_report
+
+    def run(date, commit, step_1, step_2):
+        rows = [
+            {
+                "workload": "dlrm",
+                "per_gpu_batch": 64,
+                "num_gpus": 1,
+                "strategy": "single",
+                "step_s": step_1,
+                "examples_per_s": 64 / step_1,
+            },
+            {
+                "workload": "dlrm",
+                "per_gpu_batch": 64,
+                "num_gpus": 2,
+                "strategy": "data",
+                "step_s": step_2,
+                "examples_per_s": 128 / step_2,
+                "check": {"ok": True},
+            },
+        ]
+        eff = [
+            {
+                "workload": "dlrm",
+                "per_gpu_batch": 64,
+                "strategy": "data",
+                "num_gpus": 2,
+                "efficiency": step_1 / step_2,
+            }
+        ]
+        doc = {
+            "device": "gpu:X",
+            "num_devices": 2,
+            "date": date,
+            "commit": commit,
+            "jax": "0",
+            "results": rows,
+            "efficiency": eff,
+        }
+        (tmp_path / f"scaling_X_{date}.json").write_text(json.dumps(doc))
+
+    run("2026-01-01T00:00", "old0000", 1.0, 2.0)
+    run("2026-02-01T00:00", "new1111", 0.001, 0.00125)
+    text = scaling_report.section(scaling_report.load_runs(str(tmp_path)), tmp_path)
+    assert "new1111" in text and "old0000" not in text
+    assert "| dlrm | 64 | 2 | data | 1.25 | 102,400 | 0.80 | - | True |" in text
+    assert "| dlrm | 64 | 1 | single | 1.00 | 64,000 | - | - | - |" in text
