@@ -60,7 +60,8 @@ def section(runs: list[dict], link_root: Path) -> str:
         )
         + ".",
         "",
-        "| workload | batch / GPU | GPUs | strategy | step ms | examples/s | efficiency | collectives | check |",
+        "| workload | batch / GPU | GPUs | strategy | step ms | examples/s | efficiency "
+        "| collectives | check |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for run, (workload, batch), rows in cases:

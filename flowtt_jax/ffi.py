@@ -116,8 +116,7 @@ def check_kernel_nnz(nnz: int) -> None:
     call (CUDA: ``CUDA_MAX_NNZ``; every backend: ``bag.MAX_NNZ``, checked earlier)."""
     if jax.default_backend() == "gpu" and nnz > CUDA_MAX_NNZ:
         raise ValueError(
-            f"{nnz} ids in one call: the CUDA kernels take at most {CUDA_MAX_NNZ} (2^30 - 1); "
-            "split the batch"
+            f"{nnz} ids in one call: the CUDA kernels take at most {CUDA_MAX_NNZ} (2^30 - 1); split the batch"
         )
 
 

@@ -56,10 +56,13 @@ def checkout(rev: str | None, dest: Path) -> Path:
     if rev is None:
         return top
     dest.mkdir(parents=True)
-    dirs = [d for d in SOURCE_DIRS if subprocess.run(
-        ["git", "cat-file", "-e", f"{rev}:{d}"], cwd=top, capture_output=True).returncode == 0]
-    archive = subprocess.run(["git", "archive", rev, *dirs], cwd=top, check=True,
-                             capture_output=True).stdout
+    dirs = [
+        d
+        for d in SOURCE_DIRS
+        if subprocess.run(["git", "cat-file", "-e", f"{rev}:{d}"], cwd=top, capture_output=True).returncode
+        == 0
+    ]
+    archive = subprocess.run(["git", "archive", rev, *dirs], cwd=top, check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     return dest
 
@@ -82,8 +85,9 @@ def kernel_sources(root: Path, exclude: list[str]) -> tuple[list[Path], list[Pat
     return files, sorted(include_dirs)
 
 
-def compile_all(root: Path, out_dir: Path, mode: str, defines: list[str], exclude: list[str],
-                jobs: int) -> list[Path]:
+def compile_all(
+    root: Path, out_dir: Path, mode: str, defines: list[str], exclude: list[str], jobs: int
+) -> list[Path]:
     files, include_dirs = kernel_sources(root, exclude)
     if not files:
         sys.exit(f"no .cu file with a __global__ function under {root}")
@@ -91,8 +95,9 @@ def compile_all(root: Path, out_dir: Path, mode: str, defines: list[str], exclud
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def one(src: Path) -> Path:
-        out = out_dir / (src.relative_to(root).as_posix().replace("/", "__") +
-                         (".cubin" if mode == "sass" else ".ptx"))
+        out = out_dir / (
+            src.relative_to(root).as_posix().replace("/", "__") + (".cubin" if mode == "sass" else ".ptx")
+        )
         cmd = [nvcc, *NVCC_FLAGS, "-cubin" if mode == "sass" else "-ptx", "-o", str(out), str(src)]
         cmd += [f"-I{d}" for d in include_dirs] + [f"-D{d}" for d in defines]
         r = subprocess.run(cmd, capture_output=True, text=True)
@@ -107,8 +112,9 @@ def compile_all(root: Path, out_dir: Path, mode: str, defines: list[str], exclud
 def demangle(names: list[str]) -> dict[str, str]:
     """mangled -> demangled name with namespaces (and the return type) removed."""
     names = sorted(set(names))
-    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True,
-                         check=True).stdout.splitlines()
+    out = subprocess.run(
+        ["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     result = {}
     for mangled, plain in zip(names, out):
         plain = plain.replace("(anonymous namespace)::", "")
@@ -179,12 +185,16 @@ def kernels(paths: list[Path], mode: str) -> tuple[dict[str, list[str]], dict[st
             raw.update(split_sass(subprocess.check_output([cuobjdump, "-sass", str(p)], text=True)))
             res = subprocess.check_output([cuobjdump, "-res-usage", str(p)], text=True)
             for name, info in re.findall(r"Function (\S+):\n\s*(.*)", res):
-                usage[name] = " ".join(f for f in info.split()
-                                       if f.split(":")[0] in ("REG", "STACK", "SHARED", "LOCAL"))
+                usage[name] = " ".join(
+                    f for f in info.split() if f.split(":")[0] in ("REG", "STACK", "SHARED", "LOCAL")
+                )
         else:
             raw.update(split_ptx(p.read_text()))
-    names = demangle(list(raw) + re.findall(r"_Z\w+", "\n".join(ln for b in raw.values() for ln in b))
-                     if mode == "ptx" else list(raw))
+    names = demangle(
+        list(raw) + re.findall(r"_Z\w+", "\n".join(ln for b in raw.values() for ln in b))
+        if mode == "ptx"
+        else list(raw)
+    )
     code, res = {}, {}
     for mangled, body in raw.items():
         key = names[mangled]
@@ -200,28 +210,51 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("base", help="git revision of the old sources")
     ap.add_argument("new", nargs="?", help="git revision of the new sources (default: working tree)")
-    ap.add_argument("--mode", choices=("sass", "ptx"), default=None,
-                    help="compare SASS (default when cuobjdump is found) or PTX")
-    ap.add_argument("-D", dest="defines", action="append", default=[],
-                    help="NAME=VALUE compile definition for both sides (a tuning variant)")
-    ap.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                    help="skip .cu files whose name matches GLOB (both sides)")
-    ap.add_argument("--diff", type=int, default=0, metavar="N",
-                    help="print a unified diff of the first N differing kernels")
+    ap.add_argument(
+        "--mode",
+        choices=("sass", "ptx"),
+        default=None,
+        help="compare SASS (default when cuobjdump is found) or PTX",
+    )
+    ap.add_argument(
+        "-D",
+        dest="defines",
+        action="append",
+        default=[],
+        help="NAME=VALUE compile definition for both sides (a tuning variant)",
+    )
+    ap.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="skip .cu files whose name matches GLOB (both sides)",
+    )
+    ap.add_argument(
+        "--diff",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print a unified diff of the first N differing kernels",
+    )
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
     args = ap.parse_args()
     mode = args.mode or ("sass" if tool("cuobjdump", "CUOBJDUMP") else "ptx")
     if mode == "sass" and not tool("cuobjdump", "CUOBJDUMP"):
         sys.exit("cuobjdump not found (set CUOBJDUMP, or use --mode ptx)")
-    print(f"mode {mode}, nvcc {' '.join(NVCC_FLAGS)}"
-          + (f" {' '.join('-D' + d for d in args.defines)}" if args.defines else ""))
+    print(
+        f"mode {mode}, nvcc {' '.join(NVCC_FLAGS)}"
+        + (f" {' '.join('-D' + d for d in args.defines)}" if args.defines else "")
+    )
 
     with tempfile.TemporaryDirectory(prefix="kernel_code_") as tmp:
         sides = {}
         for label, rev in (("base", args.base), ("new", args.new)):
             root = checkout(rev, Path(tmp) / f"{label}_src")
-            sides[label] = kernels(compile_all(root, Path(tmp) / f"{label}_out", mode,
-                                               args.defines, args.exclude, args.jobs), mode)
+            sides[label] = kernels(
+                compile_all(root, Path(tmp) / f"{label}_out", mode, args.defines, args.exclude, args.jobs),
+                mode,
+            )
     (base, base_res), (new, new_res) = sides["base"], sides["new"]
 
     bad = 0
@@ -234,8 +267,11 @@ def main() -> int:
         elif base[key] == new[key]:
             status = "identical"
         else:
-            n_diff = sum(1 for ln in difflib.unified_diff(base[key], new[key], n=0)
-                         if ln[:1] in "+-" and ln[:3] not in ("+++", "---"))
+            n_diff = sum(
+                1
+                for ln in difflib.unified_diff(base[key], new[key], n=0)
+                if ln[:1] in "+-" and ln[:3] not in ("+++", "---")
+            )
             status = f"DIFFERS ({n_diff} lines)"
         res = new_res.get(key) or base_res.get(key, "")
         if base_res.get(key) and new_res.get(key) and base_res[key] != new_res[key]:
@@ -245,11 +281,15 @@ def main() -> int:
             bad += 1
             if status.startswith("DIFFERS") and diffs_shown < args.diff:
                 diffs_shown += 1
-                sys.stdout.writelines(ln + "\n" for ln in difflib.unified_diff(
-                    base[key], new[key], "base", "new", n=2))
+                sys.stdout.writelines(
+                    ln + "\n" for ln in difflib.unified_diff(base[key], new[key], "base", "new", n=2)
+                )
     added = len(set(new) - set(base))
-    print(f"{len(base) - bad} of {len(base)} kernels of the base identical"
-          + (f", {bad} not" if bad else "") + (f"; {added} new" if added else ""))
+    print(
+        f"{len(base) - bad} of {len(base)} kernels of the base identical"
+        + (f", {bad} not" if bad else "")
+        + (f"; {added} new" if added else "")
+    )
     return 1 if bad else 0
 
 

@@ -42,8 +42,10 @@ def main(path: str, top: int = 15) -> None:
     print("stall reasons", sorted(totals.items(), key=lambda kv: -kv[1])[:8])
     for src, r in sorted(rows, key=lambda fr: -samples(fr[1]))[:top]:
         worst = sorted(((s, int(r.get(s) or 0)) for s in stalls), key=lambda kv: -kv[1])[:3]
-        print(f"{src.rsplit('/', 1)[-1]}:{r['Line No']} samples {samples(r)} "
-              f"inst {r.get('Instructions Executed', '?')} {worst}")
+        print(
+            f"{src.rsplit('/', 1)[-1]}:{r['Line No']} samples {samples(r)} "
+            f"inst {r.get('Instructions Executed', '?')} {worst}"
+        )
 
 
 if __name__ == "__main__":

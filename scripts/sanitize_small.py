@@ -1,5 +1,6 @@
 """Small forward+backward through the CUDA FFI path (for compute-sanitizer), and the
 no-gradient fused forward (flowtt_bag_fwd) with one chunk and with several."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,8 +13,14 @@ for dim, rank, rows in ((32, 32, (10, 10, 200)), (128, 64, (10, 10, 100))):
     cores = tuple(ftt.init_cores(jax.random.key(0), spec))
     rng = np.random.default_rng(0)
     n, bags = 700, 60
-    ids = jnp.asarray(np.concatenate([rng.integers(0, 1500, n - 100),            # hot prefix groups
-                                      np.full(100, spec.num_embeddings - 1)]).astype(np.int32))
+    ids = jnp.asarray(
+        np.concatenate(
+            [
+                rng.integers(0, 1500, n - 100),  # hot prefix groups
+                np.full(100, spec.num_embeddings - 1),
+            ]
+        ).astype(np.int32)
+    )
     offsets = jnp.asarray(np.sort(np.concatenate([[0, n], rng.integers(0, n, bags - 1)])).astype(np.int32))
     w = jnp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
 

@@ -174,6 +174,7 @@ def _assert_no_empty_shard_map_values(closed_jaxpr) -> None:
     """No zero-size value enters or leaves a ``shard_map`` of the step (jaxprs walked
     recursively): one between the forward's and the backward's bodies (an empty residual)
     crashed XLA's GPU SPMD partitioner at compile time (jax 0.11.2, 2 H200s)."""
+
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "shard_map":
