@@ -68,9 +68,14 @@ template <typename Binding>
 auto TbBindRowsFwd(Binding b) {
   // g1 g2 g3 u_i3 g_i1 g_i2 group_offsets counts -> rows
   return std::move(b)
-      .template Arg<TbF32>().template Arg<TbF32>().template Arg<TbF32>()
-      .template Arg<TbS32>().template Arg<TbS32>().template Arg<TbS32>()
-      .template Arg<TbS32>().template Arg<TbS32>()
+      .template Arg<TbF32>()
+      .template Arg<TbF32>()
+      .template Arg<TbF32>()
+      .template Arg<TbS32>()
+      .template Arg<TbS32>()
+      .template Arg<TbS32>()
+      .template Arg<TbS32>()
+      .template Arg<TbS32>()
       .RemainingArgs()
       .template Ret<TbF32>();
 }
@@ -79,12 +84,19 @@ template <typename Binding>
 auto TbBindRowsBwd(Binding b) {
   // g1 g2 g3 d_rows u_i3 g_i1 g_i2 group_offsets counts -> dg1 dg2 dg3
   return std::move(b)
-      .template Arg<TbF32>().template Arg<TbF32>().template Arg<TbF32>()
       .template Arg<TbF32>()
-      .template Arg<TbS32>().template Arg<TbS32>().template Arg<TbS32>()
-      .template Arg<TbS32>().template Arg<TbS32>()
+      .template Arg<TbF32>()
+      .template Arg<TbF32>()
+      .template Arg<TbF32>()
+      .template Arg<TbS32>()
+      .template Arg<TbS32>()
+      .template Arg<TbS32>()
+      .template Arg<TbS32>()
+      .template Arg<TbS32>()
       .RemainingArgs()
-      .template Ret<TbF32>().template Ret<TbF32>().template Ret<TbF32>();
+      .template Ret<TbF32>()
+      .template Ret<TbF32>()
+      .template Ret<TbF32>();
 }
 
 }  // namespace flowtt::tb

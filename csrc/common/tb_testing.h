@@ -51,9 +51,9 @@ struct TbTable {
 
 struct TbCase {
   std::string name;
-  TbShape s;                     // packed extents P1, P2, P3 and the shared q, r
+  TbShape s;  // packed extents P1, P2, P3 and the shared q, r
   std::vector<TbTable> tables;
-  std::vector<int32_t> ids, tab; // one (id, table) per position
+  std::vector<int32_t> ids, tab;  // one (id, table) per position
 };
 
 // Tables stacked in the packed cores in order (each core k gets rows [o_k, o_k + p_k)).
@@ -181,7 +181,8 @@ inline std::vector<double> TbRefRows(const TbCase& c, const TbHostPlan& p, const
     for (int64_t x1 = 0; x1 < s.q1; ++x1)
       for (int64_t a = 0; a < s.r1; ++a)
         for (int64_t j = 0; j < K; ++j)
-          P[x1 * K + j] += (double)k.g1[(i1 * s.q1 + x1) * s.r1 + a] * k.g2[(i2 * s.r1 + a) * K + j];
+          P[x1 * K + j] +=
+              (double)k.g1[(i1 * s.q1 + x1) * s.r1 + a] * k.g2[(i2 * s.r1 + a) * K + j];
     for (int64_t m = 0; m < s.q1 * s.q2; ++m)
       for (int64_t b = 0; b < s.r2; ++b)
         for (int64_t z = 0; z < s.q3; ++z)
@@ -255,8 +256,11 @@ inline std::vector<TbCase> TbStandardCases() {
   };
   {  // D = 32 (2,4,4), r = 16: five tables, hot prefixes, padding rows
     TbCase c = TbStack("d32_five_tables", 2, 4, 4, 16, 16,
-                       {{1000, 10, 10, 10}, {5000, 20, 16, 16}, {7, 1, 2, 4},
-                        {300, 6, 7, 8}, {20000, 30, 25, 27}});
+                       {{1000, 10, 10, 10},
+                        {5000, 20, 16, 16},
+                        {7, 1, 2, 4},
+                        {300, 6, 7, 8},
+                        {20000, 30, 25, 27}});
     const int64_t counts[] = {3000, 4000, 20, 500, 9000};
     for (int t = 0; t < 5; ++t) TbAddIds(&c, t, counts[t], t % 2 ? 3.0 : 1.5, &rng);
     last_rows(&c);
@@ -271,8 +275,8 @@ inline std::vector<TbCase> TbStandardCases() {
     cases.push_back(shuffled);
   }
   {  // D = 128 (4,4,8), r = 32: a hot table (most ids in a few prefixes)
-    TbCase c = TbStack("d128_hot", 4, 4, 8, 32, 32,
-                       {{4096, 16, 16, 16}, {900, 9, 10, 10}, {64, 4, 4, 4}});
+    TbCase c =
+        TbStack("d128_hot", 4, 4, 8, 32, 32, {{4096, 16, 16, 16}, {900, 9, 10, 10}, {64, 4, 4, 4}});
     TbAddIds(&c, 0, 6000, 6.0, &rng);
     TbAddIds(&c, 1, 800, 1.0, &rng);
     TbAddIds(&c, 2, 100, 2.0, &rng);
@@ -280,8 +284,7 @@ inline std::vector<TbCase> TbStandardCases() {
     cases.push_back(c);
   }
   {  // odd shapes: q = (3,1,5), r = (5,7) (the CUDA scalar paths)
-    TbCase c = TbStack("odd_q3_r57", 3, 1, 5, 5, 7,
-                       {{500, 8, 8, 8}, {77, 3, 5, 6}, {1, 1, 1, 1}});
+    TbCase c = TbStack("odd_q3_r57", 3, 1, 5, 5, 7, {{500, 8, 8, 8}, {77, 3, 5, 6}, {1, 1, 1, 1}});
     TbAddIds(&c, 0, 700, 2.0, &rng);
     TbAddIds(&c, 1, 200, 1.0, &rng);
     last_rows(&c);

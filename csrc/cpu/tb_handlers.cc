@@ -15,13 +15,17 @@ namespace {
 
 cpu::TbPlan MakePlan(const TbS32& u_i3, const TbS32& g_i1, const TbS32& g_i2,
                      const TbS32& group_offsets, const TbS32& counts, int64_t n) {
-  return {u_i3.typed_data(), g_i1.typed_data(), g_i2.typed_data(), group_offsets.typed_data(),
-          n, counts.typed_data()[0], counts.typed_data()[1]};
+  return {u_i3.typed_data(),
+          g_i1.typed_data(),
+          g_i2.typed_data(),
+          group_offsets.typed_data(),
+          n,
+          counts.typed_data()[0],
+          counts.typed_data()[1]};
 }
 
 ffi::Error TbRowsFwdCpuImpl(TbF32 g1, TbF32 g2, TbF32 g3, TbS32 u_i3, TbS32 g_i1, TbS32 g_i2,
-                            TbS32 group_offsets, TbS32 counts, ffi::RemainingArgs,
-                            TbF32Out rows) {
+                            TbS32 group_offsets, TbS32 counts, ffi::RemainingArgs, TbF32Out rows) {
   ffi::ErrorOr<TbChecked> c =
       TbCheckFwdBuffers(g1, g2, g3, u_i3, g_i1, g_i2, group_offsets, counts, *rows);
   if (c.has_error()) return c.error();
@@ -30,9 +34,9 @@ ffi::Error TbRowsFwdCpuImpl(TbF32 g1, TbF32 g2, TbF32 g3, TbS32 u_i3, TbS32 g_i1
                                 rows->typed_data()));
 }
 
-ffi::Error TbRowsBwdCpuImpl(TbF32 g1, TbF32 g2, TbF32 g3, TbF32 d_rows, TbS32 u_i3,
-                            TbS32 g_i1, TbS32 g_i2, TbS32 group_offsets, TbS32 counts,
-                            ffi::RemainingArgs, TbF32Out dg1, TbF32Out dg2, TbF32Out dg3) {
+ffi::Error TbRowsBwdCpuImpl(TbF32 g1, TbF32 g2, TbF32 g3, TbF32 d_rows, TbS32 u_i3, TbS32 g_i1,
+                            TbS32 g_i2, TbS32 group_offsets, TbS32 counts, ffi::RemainingArgs,
+                            TbF32Out dg1, TbF32Out dg2, TbF32Out dg3) {
   ffi::ErrorOr<TbChecked> c = TbCheckBwdBuffers(g1, g2, g3, d_rows, u_i3, g_i1, g_i2, group_offsets,
                                                 counts, *dg1, *dg2, *dg3);
   if (c.has_error()) return c.error();

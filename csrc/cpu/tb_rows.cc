@@ -8,14 +8,13 @@ namespace flowtt::tb::cpu {
 namespace {
 
 std::string OutOfRange(const char* what, int64_t at, int64_t value, int64_t limit) {
-  return std::string("flowtt_tb: ") + what + "[" + std::to_string(at) + "] = " +
-         std::to_string(value) + " outside [0, " + std::to_string(limit) + ")";
+  return std::string("flowtt_tb: ") + what + "[" + std::to_string(at) +
+         "] = " + std::to_string(value) + " outside [0, " + std::to_string(limit) + ")";
 }
 
 // P [q1, q2*r2] = g1[i1, 0] (q1 x r1) . g2[i2] (r1 x q2*r2); P[x1*K + j] is the prefix
 // product's element (m = x1*q2 + j / r2, b = j % r2).
-void Prefix(const TbShape& s, const float* g1, const float* g2, int64_t i1, int64_t i2,
-            float* P) {
+void Prefix(const TbShape& s, const float* g1, const float* g2, int64_t i1, int64_t i2, float* P) {
   const int64_t K = s.q2 * s.r2;
   const float* a = g1 + i1 * s.q1 * s.r1;
   const float* b = g2 + i2 * s.r1 * K;
@@ -33,11 +32,10 @@ void Prefix(const TbShape& s, const float* g1, const float* g2, int64_t i1, int6
 }  // namespace
 
 std::string TbCheckPlanValues(const TbShape& s, const TbPlan& p) {
-  if (p.num_unique < 0 || p.num_unique > p.n || p.num_groups < 0 ||
-      p.num_groups > p.num_unique) {
+  if (p.num_unique < 0 || p.num_unique > p.n || p.num_groups < 0 || p.num_groups > p.num_unique) {
     return "flowtt_tb: counts (" + std::to_string(p.num_unique) + ", " +
-           std::to_string(p.num_groups) + ") must satisfy 0 <= num_groups <= num_unique <= n = " +
-           std::to_string(p.n);
+           std::to_string(p.num_groups) +
+           ") must satisfy 0 <= num_groups <= num_unique <= n = " + std::to_string(p.n);
   }
   const int32_t* go = p.group_offsets;
   if (go[0] != 0 || go[p.num_groups] != p.num_unique) {
@@ -83,8 +81,7 @@ std::string TbRowsFwd(const TbShape& s, const float* g1, const float* g2, const 
 }
 
 std::string TbRowsBwd(const TbShape& s, const float* g1, const float* g2, const float* g3,
-                      const float* d_rows, const TbPlan& p, float* dg1, float* dg2,
-                      float* dg3) {
+                      const float* d_rows, const TbPlan& p, float* dg1, float* dg2, float* dg3) {
   if (std::string e = TbCheckPlanValues(s, p); !e.empty()) return e;
   const int64_t K = s.q2 * s.r2, M = s.q1 * s.q2, D = s.dim();
   const int64_t s1 = s.q1 * s.r1, s2 = s.r1 * K, s3 = s.r2 * s.q3;  // core row sizes
@@ -100,7 +97,7 @@ std::string TbRowsBwd(const TbShape& s, const float* g1, const float* g2, const 
     std::fill(dP.begin(), dP.end(), 0.0f);
     for (int32_t u = u0; u < u1; ++u) {
       const int64_t i3 = p.u_i3[u];
-      const float* c = g3 + i3 * s3;  // [r2, q3]
+      const float* c = g3 + i3 * s3;              // [r2, q3]
       const float* dr = d_rows + int64_t(u) * D;  // [M, q3]
       // dP_g += d_rows[u] (x) g3[i3] (the term summed over z)
       for (int64_t m = 0; m < M; ++m) {

@@ -23,8 +23,8 @@ using namespace flowtt::tb;
 using namespace flowtt::tb::testing;
 
 cpu::TbPlan View(const TbHostPlan& p) {
-  return {p.u_i3.data(), p.g_i1.data(), p.g_i2.data(), p.group_offsets.data(), p.n,
-          p.counts[0], p.counts[1]};
+  return {p.u_i3.data(), p.g_i1.data(), p.g_i2.data(), p.group_offsets.data(),
+          p.n,           p.counts[0],   p.counts[1]};
 }
 
 // d_rows [n, D]: random below num_unique, NaN past it (the ops must not read it).
@@ -78,8 +78,9 @@ void RunCase(const TbCase& c, const TbHostPlan& p) {
   for (int i = 0; i < 3; ++i) {
     same &= std::memcmp(dg[0][i].data(), dg[1][i].data(), dg[0][i].size() * sizeof(float)) == 0;
   }
-  std::snprintf(buf, sizeof buf, " bwd rel err dg1 %.2e dg2 %.2e dg3 %.2e, two runs bitwise equal: %s",
-                e1, e2, e3, same ? "yes" : "no");
+  std::snprintf(buf, sizeof buf,
+                " bwd rel err dg1 %.2e dg2 %.2e dg3 %.2e, two runs bitwise equal: %s", e1, e2, e3,
+                same ? "yes" : "no");
   TbReport(e1 < kTbTol && e2 < kTbTol && e3 < kTbTol && same, tag + buf);
 }
 
@@ -89,7 +90,8 @@ void ExpectPlanError(const TbCase& c, const TbHostPlan& p, const std::string& wh
   const TbCores k = TbRandomCores(s, 3);
   std::vector<float> rows(p.n * s.dim()), d_rows(p.n * s.dim(), 0.0f);
   std::vector<float> d1(k.g1.size()), d2(k.g2.size()), d3(k.g3.size());
-  const std::string ef = cpu::TbRowsFwd(s, k.g1.data(), k.g2.data(), k.g3.data(), View(p), rows.data());
+  const std::string ef =
+      cpu::TbRowsFwd(s, k.g1.data(), k.g2.data(), k.g3.data(), View(p), rows.data());
   const std::string eb = cpu::TbRowsBwd(s, k.g1.data(), k.g2.data(), k.g3.data(), d_rows.data(),
                                         View(p), d1.data(), d2.data(), d3.data());
   TbReport(!ef.empty() && !eb.empty(), "invalid plan rejected: " + what + " [" + ef + "]");
@@ -111,8 +113,10 @@ void PlanValidation() {
   bad("num_unique > n", [&](TbHostPlan& p) { p.counts[0] = (int32_t)p.n + 1; });
   bad("num_groups > num_unique", [&](TbHostPlan& p) { p.counts[1] = p.U + 1; });
   bad("num_groups < 0", [&](TbHostPlan& p) { p.counts[1] = -1; });
-  bad("group_offsets decreasing", [&](TbHostPlan& p) { p.group_offsets[2] = p.group_offsets[1] - 1; });
-  bad("group_offsets not ending at num_unique", [&](TbHostPlan& p) { p.group_offsets[p.G] = p.U - 1; });
+  bad("group_offsets decreasing",
+      [&](TbHostPlan& p) { p.group_offsets[2] = p.group_offsets[1] - 1; });
+  bad("group_offsets not ending at num_unique",
+      [&](TbHostPlan& p) { p.group_offsets[p.G] = p.U - 1; });
   bad("group_offsets not starting at 0", [&](TbHostPlan& p) { p.group_offsets[0] = 1; });
 }
 
@@ -138,7 +142,8 @@ void ShapeValidation() {
   rejects(TbCheckFwd(g1, g2, g3, v, v, v, go, V{3}, rows, &s, &n), "counts [3]");
   rejects(TbCheckFwd(g1, g2, g3, V{0}, V{0}, V{0}, V{1}, cnt, V{0, 32}, &s, &n), "n = 0");
   rejects(TbCheckFwd(g1, g2, g3, v, v, v, go, cnt, V{5, 16}, &s, &n), "rows [n, D/2]");
-  rejects(TbCheckBwd(g1, g2, g3, V{4, 32}, v, v, v, go, cnt, g1, g2, g3, &s, &n), "d_rows [n-1, D]");
+  rejects(TbCheckBwd(g1, g2, g3, V{4, 32}, v, v, v, go, cnt, g1, g2, g3, &s, &n),
+          "d_rows [n-1, D]");
   rejects(TbCheckBwd(g1, g2, g3, rows, v, v, v, go, cnt, g1, g3, g3, &s, &n), "dg2 of g3's shape");
   rejects(TbCheckFwd(V{int64_t{1} << 31, 1, 2, 8}, g2, g3, v, v, v, go, cnt, rows, &s, &n),
           "P1 = 2^31");

@@ -37,8 +37,8 @@ namespace {  // internal linkage: one copy per including file
 // ------------------------------- backward: sorts ------------------------------------
 
 // ug[u] = the group of unique index u < num_unique.
-__global__ void tb_ug_kernel(const int* __restrict__ goffs, const int* __restrict__ counts,
-                             int n, int* __restrict__ ug) {
+__global__ void tb_ug_kernel(const int* __restrict__ goffs, const int* __restrict__ counts, int n,
+                             int* __restrict__ ug) {
   int U, G;
   tb_counts(counts, n, U, G);
   for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < U; j += gridDim.x * blockDim.x)
@@ -80,19 +80,18 @@ __global__ void tb_bounds_kernel(const int* __restrict__ order, const int* __res
 // path ran, i.e. when 0 <= num_groups <= e_cap.
 template <int Q1C, int VEC>
 __global__ void __launch_bounds__(kTbThreads)
-    tb_dg1_kernel(TbDev d, TbDg1Geo geo, const float* __restrict__ g2,
-                  const float* __restrict__ g3, const float* __restrict__ d_rows,
-                  const int* __restrict__ u_i3, const int* __restrict__ g_i2,
-                  const int* __restrict__ goffs, const int* __restrict__ counts, int n,
-                  const int* __restrict__ bounds1, int e_cap, int* ctr,
-                  float* __restrict__ dg1) {
+    tb_dg1_kernel(TbDev d, TbDg1Geo geo, const float* __restrict__ g2, const float* __restrict__ g3,
+                  const float* __restrict__ d_rows, const int* __restrict__ u_i3,
+                  const int* __restrict__ g_i2, const int* __restrict__ goffs,
+                  const int* __restrict__ counts, int n, const int* __restrict__ bounds1, int e_cap,
+                  int* ctr, float* __restrict__ dg1) {
   constexpr int NQ1 = Q1C ? Q1C : kTbQ1Max;
   constexpr int KP = 8;
   constexpr int kNoKey = 0x7fffffff;
   TB_DYNAMIC_SMEM(tb_smem4);
   const int ld2 = tb_align4(d.R1K);
   float* G2s = reinterpret_cast<float*>(tb_smem4);  // [S][ld2]
-  float* acc = G2s + geo.S * ld2;                    // [R][q1][r1]
+  float* acc = G2s + geo.S * ld2;                   // [R][q1][r1]
   float* dPs = acc + tb_align4(geo.R * d.Q1R1);     // [KMAX][PSZ]
   __shared__ int s_item, s_cnt, s_steps;
   __shared__ int s_g[kTbDg1MaxList], s_row[kTbDg1MaxList], s_step[kTbDg1MaxList];
@@ -186,28 +185,29 @@ __global__ void __launch_bounds__(kTbThreads)
 // bounds2[I+1]), a stable sort by g_i2) of g1[g_i1[g]]^T . dP_g. The row [r1][K] is
 // accumulated in shared memory, each element owned by one thread: VEC == 4 (r1 and K
 // multiples of 4) 4x4 tiles (a0..a0+3, j0..j0+3) per thread, else single elements.
-// Q1C: q1 when 1, 2, 4 or 8 (the dg1 terms' registers), else 0. With E (when 0 <= num_groups <= e_cap) the block also writes each group's dg1 term
-// E[g] = dP_g . g2[I]^T ([q1][r1], tb_dg1_term with VEC = e_vec ? 4 : 1, the g2 row I
-// staged in shared memory once), summed per g1 row by tb_dg1_reduce_kernel.
+// Q1C: q1 when 1, 2, 4 or 8 (the dg1 terms' registers), else 0. With E (when 0 <= num_groups <=
+// e_cap) the block also writes each group's dg1 term E[g] = dP_g . g2[I]^T ([q1][r1], tb_dg1_term
+// with VEC = e_vec ? 4 : 1, the g2 row I staged in shared memory once), summed per g1 row by
+// tb_dg1_reduce_kernel.
 template <int Q1C, int VEC>
 __global__ void __launch_bounds__(kTbThreads, 3)
     tb_dg2_kernel(TbDev d, const float* __restrict__ g1, const float* __restrict__ g2,
                   const float* __restrict__ g3, const float* __restrict__ d_rows,
                   const int* __restrict__ u_i3, const int* __restrict__ g_i1,
                   const int* __restrict__ goffs, const int* __restrict__ counts, int n,
-                  const int* __restrict__ bounds2, const int* __restrict__ sorted_groups,
-                  int e_vec, int e_cap, int stage_vec, int nbatch, int* ctr,
-                  float* __restrict__ dg2, float* __restrict__ E) {
+                  const int* __restrict__ bounds2, const int* __restrict__ sorted_groups, int e_vec,
+                  int e_cap, int stage_vec, int nbatch, int* ctr, float* __restrict__ dg2,
+                  float* __restrict__ E) {
   TB_DYNAMIC_SMEM(tb_smem4);
   const int ld1 = tb_align4(d.Q1R1);
   int U, G;
   tb_counts(counts, n, U, G);
   const bool with_e = E != nullptr && G <= e_cap;
-  float* acc = reinterpret_cast<float*>(tb_smem4);         // [r1][K]
-  float* G2s = acc + tb_align4(d.R1K);                     // [r1][K] (with_e)
-  float* G1b = G2s + (with_e ? tb_align4(d.R1K) : 0);      // [nbatch][ld1]
-  float* dPs = G1b + nbatch * ld1;                         // [nbatch][PSZ]
-  float* Stg = dPs + nbatch * tb_align4(d.PSZ);            // tb_block_dP_staged's
+  float* acc = reinterpret_cast<float*>(tb_smem4);     // [r1][K]
+  float* G2s = acc + tb_align4(d.R1K);                 // [r1][K] (with_e)
+  float* G1b = G2s + (with_e ? tb_align4(d.R1K) : 0);  // [nbatch][ld1]
+  float* dPs = G1b + nbatch * ld1;                     // [nbatch][PSZ]
+  float* Stg = dPs + nbatch * tb_align4(d.PSZ);        // tb_block_dP_staged's
   __shared__ int s_item, s_gs[kTbBatch], s_ge[kTbBatch], s_i1[kTbBatch], s_g[kTbBatch];
   __shared__ int s_pre[kTbBatch + 1], s_u[kTbStageMaxIds], s_i3[kTbStageMaxIds];
   const int tid = threadIdx.x;
@@ -244,8 +244,8 @@ __global__ void __launch_bounds__(kTbThreads, 3)
         const int k = e / d.Q1R1, r = e - k * d.Q1R1;
         G1b[k * ld1 + r] = __ldg(g1 + (size_t)s_i1[k] * d.Q1R1 + r);
       }
-      tb_block_dP_staged(d, nb, s_gs, s_ge, s_pre, s_u, s_i3, Stg, stage_vec != 0, u_i3, g3,
-                         d_rows, dPs);
+      tb_block_dP_staged(d, nb, s_gs, s_ge, s_pre, s_u, s_i3, Stg, stage_vec != 0, u_i3, g3, d_rows,
+                         dPs);
       for (int t = tid; t < owned; t += kTbThreads) {
         if (VEC == 4) {
           const int a0 = 4 * (t / K4), c0 = 4 * (t % K4);
@@ -253,7 +253,10 @@ __global__ void __launch_bounds__(kTbThreads, 3)
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const float4 x = *reinterpret_cast<const float4*>(acc + (a0 + i) * d.K + c0);
-            v[i][0] = x.x; v[i][1] = x.y; v[i][2] = x.z; v[i][3] = x.w;
+            v[i][0] = x.x;
+            v[i][1] = x.y;
+            v[i][2] = x.z;
+            v[i][3] = x.w;
           }
           for (int k = 0; k < nb; ++k) {
             float term[4][4];
@@ -391,8 +394,7 @@ __global__ void __launch_bounds__(kTbThreads)
                      const int row = row0 + i;
                      if (row < nR) {
                        const int k = row / d.q1, x1 = row - k * d.q1;
-                       *reinterpret_cast<float4*>(Pc + (size_t)s_g[k] * d.PSZ + x1 * d.K +
-                                                  4 * c4) =
+                       *reinterpret_cast<float4*>(Pc + (size_t)s_g[k] * d.PSZ + x1 * d.K + 4 * c4) =
                            make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
                      }
                    }
@@ -430,9 +432,8 @@ __global__ void tb_dg1_reduce_kernel(TbDev d, const float* __restrict__ E, int e
 
 // sg[h] = the group of the unique index sorted_u[h] (h < num_unique), for dg3.
 __global__ void tb_sorted_groups_kernel(const int* __restrict__ sorted_u,
-                                        const int* __restrict__ ug,
-                                        const int* __restrict__ counts, int n,
-                                        int* __restrict__ sg) {
+                                        const int* __restrict__ ug, const int* __restrict__ counts,
+                                        int n, int* __restrict__ sg) {
   int U, G;
   tb_counts(counts, n, U, G);
   for (int h = blockIdx.x * blockDim.x + threadIdx.x; h < U; h += gridDim.x * blockDim.x)
@@ -559,7 +560,10 @@ __global__ void __launch_bounds__(kTbThreads)
             if (s_g[warp][k] < lim) {
               const int m = (4 * q) / d.r2, b = 4 * q - m * d.r2;
               float* dst = S + k * slot + m * d.ldP + b;
-              dst[0] = v[j].x; dst[1] = v[j].y; dst[2] = v[j].z; dst[3] = v[j].w;
+              dst[0] = v[j].x;
+              dst[1] = v[j].y;
+              dst[2] = v[j].z;
+              dst[3] = v[j].w;
             }
           } else if (e4 < nI) {
             const int k = (e4 - nP) / (d.D / 4), q = e4 - nP - k * (d.D / 4);

@@ -62,10 +62,10 @@ struct Warp {
   uint32_t buf[32];
 };
 
-inline ucontext_t g_sched;              // the scheduler's context
-inline Fiber* g_cur = nullptr;          // the running fiber
-inline std::function<void()> g_body;    // the kernel call of the current launch
-inline std::vector<float4> g_smem;      // dynamic shared memory of the current block
+inline ucontext_t g_sched;            // the scheduler's context
+inline Fiber* g_cur = nullptr;        // the running fiber
+inline std::function<void()> g_body;  // the kernel call of the current launch
+inline std::vector<float4> g_smem;    // dynamic shared memory of the current block
 inline Barrier g_block_bar{0};
 inline std::vector<Warp> g_warps;
 
@@ -92,7 +92,9 @@ inline void trampoline() {
 inline dim3 blockIdx, blockDim, gridDim;
 
 inline void __syncthreads() { tb_emu::wait(tb_emu::g_block_bar); }
-inline void __syncwarp(unsigned = 0xffffffffu) { tb_emu::wait(tb_emu::g_warps[threadIdx.x / 32].bar); }
+inline void __syncwarp(unsigned = 0xffffffffu) {
+  tb_emu::wait(tb_emu::g_warps[threadIdx.x / 32].bar);
+}
 
 // Every warp operation below: each lane publishes its 32-bit value, then reads the warp's
 // 32 values (two warp barriers around the read).

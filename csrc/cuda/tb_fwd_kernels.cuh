@@ -28,12 +28,12 @@ __global__ void __launch_bounds__(kTbThreads)
     tb_fwd_kernel(TbDev d, const float* __restrict__ g1, const float* __restrict__ g2,
                   const float* __restrict__ g3, const int* __restrict__ u_i3,
                   const int* __restrict__ g_i1, const int* __restrict__ g_i2,
-                  const int* __restrict__ goffs, const int* __restrict__ counts, int n,
-                  int* ctr, float* __restrict__ rows) {
+                  const int* __restrict__ goffs, const int* __restrict__ counts, int n, int* ctr,
+                  float* __restrict__ rows) {
   TB_DYNAMIC_SMEM(tb_smem4);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float* G1s = reinterpret_cast<float*>(tb_smem4) +
-               warp * (tb_align4(d.Q1R1) + tb_align4(d.M * d.ldP));
+  float* G1s =
+      reinterpret_cast<float*>(tb_smem4) + warp * (tb_align4(d.Q1R1) + tb_align4(d.M * d.ldP));
   float* Pw = G1s + tb_align4(d.Q1R1);
   int U, G;
   tb_counts(counts, n, U, G);
@@ -51,8 +51,7 @@ __global__ void __launch_bounds__(kTbThreads)
       if (a >= b) continue;
       tb_warp_load_g1(d, g1, tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1), G1s, lane);
       __syncwarp();
-      tb_warp_prefix<Q1C, VEC>(d, G1s,
-                               g2 + (size_t)tb_clamp(__ldg(g_i2 + g), 0, d.P2 - 1) * d.R1K,
+      tb_warp_prefix<Q1C, VEC>(d, G1s, g2 + (size_t)tb_clamp(__ldg(g_i2 + g), 0, d.P2 - 1) * d.R1K,
                                Pw, lane);
       __syncwarp();
       tb_warp_apply(d, Pw, g3, u_i3, a, b, rows, lane);
@@ -77,13 +76,12 @@ __global__ void __launch_bounds__(kTbThreads)
                        const int* __restrict__ u_i3, const int* __restrict__ g_i1,
                        const int* __restrict__ g_i2, const int* __restrict__ goffs,
                        const int* __restrict__ counts, int n, const int* __restrict__ bounds2,
-                       const int* __restrict__ sorted_groups, int* ctr,
-                       float* __restrict__ rows) {
+                       const int* __restrict__ sorted_groups, int* ctr, float* __restrict__ rows) {
   TB_DYNAMIC_SMEM(tb_smem4);
   float* smem = reinterpret_cast<float*>(tb_smem4);
-  float* G2s = smem;                       // [r1][K]
-  float* As = G2s + tb_align4(d.R1K);      // [r1][ldA]
-  float* Ps = As + d.r1 * geo.ldA;         // [GB][r2][ldm]
+  float* G2s = smem;                   // [r1][K]
+  float* As = G2s + tb_align4(d.R1K);  // [r1][ldA]
+  float* Ps = As + d.r1 * geo.ldA;     // [GB][r2][ldm]
   __shared__ int s_item, s_w;
   __shared__ int s_gs[kTbTileGroups], s_pref[kTbTileGroups], s_i1[kTbTileGroups];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -186,8 +184,8 @@ __global__ void __launch_bounds__(kTbThreads)
     if (a >= b) continue;
     tb_warp_load_g1(d, g1, tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1), G1s, lane);
     __syncwarp();
-    tb_warp_prefix<0, 4>(d, G1s, g2 + (size_t)tb_clamp(__ldg(g_i2 + g), 0, d.P2 - 1) * d.R1K,
-                         Pw, lane);
+    tb_warp_prefix<0, 4>(d, G1s, g2 + (size_t)tb_clamp(__ldg(g_i2 + g), 0, d.P2 - 1) * d.R1K, Pw,
+                         lane);
     __syncwarp();
     tb_warp_apply(d, Pw, g3, u_i3, a, b, rows, lane);
     __syncwarp();

@@ -20,8 +20,7 @@ namespace {
 
 ffi::Error TbCudaError(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("flowtt_tb CUDA ") + what + ": " +
-                              cudaGetErrorString(e));
+  return ffi::Error::Internal(std::string("flowtt_tb CUDA ") + what + ": " + cudaGetErrorString(e));
 }
 
 // `bytes` (at least 256) of XLA scratch, 16-byte aligned (the launchers realign).
@@ -63,10 +62,9 @@ ffi::ErrorOr<TbLaunch> TbPrepareLaunch(const ffi::ErrorOr<TbChecked>& c,
   return l;
 }
 
-ffi::Error TbRowsFwdCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, TbF32 g1,
-                             TbF32 g2, TbF32 g3, TbS32 u_i3, TbS32 g_i1, TbS32 g_i2,
-                             TbS32 group_offsets, TbS32 counts, ffi::RemainingArgs,
-                             TbF32Out rows) {
+ffi::Error TbRowsFwdCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, TbF32 g1, TbF32 g2,
+                             TbF32 g3, TbS32 u_i3, TbS32 g_i1, TbS32 g_i2, TbS32 group_offsets,
+                             TbS32 counts, ffi::RemainingArgs, TbF32Out rows) {
   const ffi::ErrorOr<TbLaunch> l =
       TbPrepareLaunch(TbCheckFwdBuffers(g1, g2, g3, u_i3, g_i1, g_i2, group_offsets, counts, *rows),
                       tb_rows_fwd_scratch_bytes, scratch);
@@ -78,10 +76,10 @@ ffi::Error TbRowsFwdCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       "tb_rows_fwd");
 }
 
-ffi::Error TbRowsBwdCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, TbF32 g1,
-                             TbF32 g2, TbF32 g3, TbF32 d_rows, TbS32 u_i3, TbS32 g_i1,
-                             TbS32 g_i2, TbS32 group_offsets, TbS32 counts, ffi::RemainingArgs,
-                             TbF32Out dg1, TbF32Out dg2, TbF32Out dg3) {
+ffi::Error TbRowsBwdCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, TbF32 g1, TbF32 g2,
+                             TbF32 g3, TbF32 d_rows, TbS32 u_i3, TbS32 g_i1, TbS32 g_i2,
+                             TbS32 group_offsets, TbS32 counts, ffi::RemainingArgs, TbF32Out dg1,
+                             TbF32Out dg2, TbF32Out dg3) {
   const ffi::ErrorOr<TbLaunch> l =
       TbPrepareLaunch(TbCheckBwdBuffers(g1, g2, g3, d_rows, u_i3, g_i1, g_i2, group_offsets, counts,
                                         *dg1, *dg2, *dg3),

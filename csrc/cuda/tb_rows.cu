@@ -6,9 +6,9 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "cuda/tb_rows.h"
 #include "cuda/tb_bwd_kernels.cuh"
 #include "cuda/tb_fwd_kernels.cuh"
+#include "cuda/tb_rows.h"
 #include "cuda/tb_sort.cuh"
 
 namespace flowtt::tb {
@@ -91,14 +91,14 @@ cudaError_t tb_radix_sort(const TbSortTmp& t, const int* key_src, int P, const i
                           int which, int n, int** out, int** alt, cudaStream_t stream) {
   const int* in = nullptr;  // the identity
   for (int shift = 0; shift < tb_end_bit(P - 1); shift += kTbRadixBits) {
-    tb_radix_hist_kernel<<<t.tiles, kTbThreads, 0, stream>>>(in, key_src, P - 1, counts, which,
-                                                              n, shift, t.tiles, t.hist);
+    tb_radix_hist_kernel<<<t.tiles, kTbThreads, 0, stream>>>(in, key_src, P - 1, counts, which, n,
+                                                             shift, t.tiles, t.hist);
     size_t bytes = t.scan_bytes;
     cudaError_t err = cub::DeviceScan::ExclusiveSum(t.scan_tmp, bytes, t.hist, t.offsets,
                                                     kTbRadix * t.tiles, stream);
     if (err != cudaSuccess) return err;
-    tb_radix_scatter_kernel<<<t.tiles, kTbThreads, 0, stream>>>(
-        in, key_src, P - 1, counts, which, n, shift, t.tiles, t.offsets, *out);
+    tb_radix_scatter_kernel<<<t.tiles, kTbThreads, 0, stream>>>(in, key_src, P - 1, counts, which,
+                                                                n, shift, t.tiles, t.offsets, *out);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
     in = *out;
     std::swap(*out, *alt);
@@ -126,15 +126,12 @@ TbGroupSort tb_group_sort_layout(TbBump& bp, const TbDev& d, int n) {
   return s;
 }
 
-int tb_grid_stride_blocks(int n) {
-  return std::max(1, std::min(n / 256 + 1, tb_num_sms() * 8));
-}
+int tb_grid_stride_blocks(int n) { return std::max(1, std::min(n / 256 + 1, tb_num_sms() * 8)); }
 
 // The groups by g_i2 into *sorted (one of the sort's buffers; *free_buf: the other), then
 // bounds2.
-cudaError_t tb_sort_groups(const TbDev& d, const TbGroupSort& s, const int* g_i2,
-                           const int* counts, int n, const int** sorted, int** free_buf,
-                           cudaStream_t stream) {
+cudaError_t tb_sort_groups(const TbDev& d, const TbGroupSort& s, const int* g_i2, const int* counts,
+                           int n, const int** sorted, int** free_buf, cudaStream_t stream) {
   int *out = s.va, *alt = s.vb;
   cudaError_t err = tb_radix_sort(s.tmp, g_i2, d.P2, counts, 1, n, &out, &alt, stream);
   if (err != cudaSuccess) return err;
@@ -218,8 +215,7 @@ TbBwdScratch tb_bwd_layout(const TbDev& d, int n, char* base) {
 }  // namespace
 
 const char* tb_check_dims(const TbDims& t) {
-  if (t.P1 < 1 || t.P2 < 1 || t.P3 < 1 || t.q1 < 1 || t.q2 < 1 || t.q3 < 1 || t.r1 < 1 ||
-      t.r2 < 1)
+  if (t.P1 < 1 || t.P2 < 1 || t.P3 < 1 || t.q1 < 1 || t.q2 < 1 || t.q3 < 1 || t.r1 < 1 || t.r2 < 1)
     return "flowtt_tb CUDA: every core extent must be >= 1";
   if (t.q1 > kTbQ1Max || t.q1 * t.q2 > kTbMMax || t.q3 > kTbQ3Max || t.r1 > kTbRMax ||
       t.r2 > kTbRMax)
@@ -237,9 +233,9 @@ size_t tb_rows_fwd_scratch_bytes(const TbDims& t, int n) {
 }
 
 cudaError_t tb_rows_fwd(const TbDims& t, const float* g1, const float* g2, const float* g3,
-                        const int* u_i3, const int* g_i1, const int* g_i2,
-                        const int* group_offsets, const int* counts, int n, float* rows,
-                        void* scratch, cudaStream_t stream, bool tiles) {
+                        const int* u_i3, const int* g_i1, const int* g_i2, const int* group_offsets,
+                        const int* counts, int n, float* rows, void* scratch, cudaStream_t stream,
+                        bool tiles) {
   const TbDev d = tb_dev(t);
   const TbFwdScratch s = tb_fwd_layout(d, n, tb_base(scratch));
   cudaError_t err = cudaMemsetAsync(s.ctr, 0, 2 * sizeof(int), stream);
@@ -268,9 +264,8 @@ size_t tb_rows_bwd_scratch_bytes(const TbDims& t, int n) {
 
 cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const float* g3,
                         const float* d_rows, const int* u_i3, const int* g_i1, const int* g_i2,
-                        const int* group_offsets, const int* counts, int n, float* dg1,
-                        float* dg2, float* dg3, void* scratch, cudaStream_t stream,
-                        unsigned stages) {
+                        const int* group_offsets, const int* counts, int n, float* dg1, float* dg2,
+                        float* dg3, void* scratch, cudaStream_t stream, unsigned stages) {
   const TbDev d = tb_dev(t);
   const TbBwdScratch s = tb_bwd_layout(d, n, tb_base(scratch));
   cudaError_t err;
@@ -302,13 +297,12 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
     const bool vec = d.K % 4 == 0 && d.r1 % 4 == 0 && tb_aligned16(dg2);
     auto kernel = vec ? TB_BY_Q1(tb_dg2_kernel, 4, d.q1) : TB_BY_Q1(tb_dg2_kernel, 1, d.q1);
     const int nbatch = tb_dg2_batch(d, s.e_cap >= 0);
-    if ((err = tb_launch(kernel, tb_dg2_smem(d, s.e_cap >= 0, nbatch), stream, d, g1, g2, g3, d_rows,
-                         u_i3, g_i1, group_offsets, counts, n, (const int*)s.sort.bounds2,
-                         sorted_groups, (int)vec_g2, s.e_cap,
-                         (int)(d.D % 4 == 0 && d.S3 % 4 == 0 && tb_aligned16(d_rows) &&
-                               tb_aligned16(g3)),
-                         nbatch, s.ctrl + 1, dg2,
-                         s.e_cap >= 0 ? s.Pc : nullptr)) != cudaSuccess)
+    if ((err = tb_launch(
+             kernel, tb_dg2_smem(d, s.e_cap >= 0, nbatch), stream, d, g1, g2, g3, d_rows, u_i3,
+             g_i1, group_offsets, counts, n, (const int*)s.sort.bounds2, sorted_groups, (int)vec_g2,
+             s.e_cap,
+             (int)(d.D % 4 == 0 && d.S3 % 4 == 0 && tb_aligned16(d_rows) && tb_aligned16(g3)),
+             nbatch, s.ctrl + 1, dg2, s.e_cap >= 0 ? s.Pc : nullptr)) != cudaSuccess)
       return err;
   }
   if (stages & 1) {
@@ -316,15 +310,15 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
       const long long total = (long long)d.P1 * d.Q1R1;
       const int blocks = (int)std::max<long long>(
           1, std::min<long long>(total / 256 + 1, (long long)tb_num_sms() * 8));
-      tb_dg1_reduce_kernel<<<blocks, 256, 0, stream>>>(d, (const float*)s.Pc, s.e_cap, counts,
-                                                       n, (const int*)s.bounds1, dg1);
+      tb_dg1_reduce_kernel<<<blocks, 256, 0, stream>>>(d, (const float*)s.Pc, s.e_cap, counts, n,
+                                                       (const int*)s.bounds1, dg1);
       if ((err = cudaGetLastError()) != cudaSuccess) return err;
     }
     const TbDg1Geo geo = tb_dg1_geo(d);
     auto kernel = vec_g2 ? TB_BY_Q1(tb_dg1_kernel, 4, d.q1) : TB_BY_Q1(tb_dg1_kernel, 1, d.q1);
-    if ((err = tb_launch(kernel, geo.smem, stream, d, geo, g2, g3, d_rows, u_i3, g_i2,
-                         group_offsets, counts, n, (const int*)s.bounds1, s.e_cap, s.ctrl + 0,
-                         dg1)) != cudaSuccess)
+    if ((err =
+             tb_launch(kernel, geo.smem, stream, d, geo, g2, g3, d_rows, u_i3, g_i2, group_offsets,
+                       counts, n, (const int*)s.bounds1, s.e_cap, s.ctrl + 0, dg1)) != cudaSuccess)
       return err;
   }
   if (stages & 4) {
@@ -332,16 +326,16 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
     const int cap = tb_aligned16(g2) ? s.cap : 0;
     if (cap > 0) {
       const TbTileGeo geo = tb_tile_geo(d, kTbTileSmemCap);
-      if ((err = tb_launch(&tb_pcache_kernel, tb_pcache_smem(d, geo), stream, d, geo, g1, g2,
-                           g_i1, counts, n, (const int*)s.sort.bounds2, sorted_groups, cap,
-                           s.ctrl + 3, s.Pc)) != cudaSuccess)
+      if ((err = tb_launch(&tb_pcache_kernel, tb_pcache_smem(d, geo), stream, d, geo, g1, g2, g_i1,
+                           counts, n, (const int*)s.sort.bounds2, sorted_groups, cap, s.ctrl + 3,
+                           s.Pc)) != cudaSuccess)
         return err;
     }
     auto kernel = vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1);
-    if ((err = tb_launch(kernel, tb_dg3_smem(d), stream, d, g1, g2, d_rows, g_i1, g_i2, counts,
-                         n, (const int*)s.bounds3, sorted_u, (const int*)sg,
-                         (const float*)s.Pc, cap, (int)(d.D % 4 == 0 && tb_aligned16(d_rows)),
-                         s.ctrl + 2, dg3)) != cudaSuccess)
+    if ((err = tb_launch(kernel, tb_dg3_smem(d), stream, d, g1, g2, d_rows, g_i1, g_i2, counts, n,
+                         (const int*)s.bounds3, sorted_u, (const int*)sg, (const float*)s.Pc, cap,
+                         (int)(d.D % 4 == 0 && tb_aligned16(d_rows)), s.ctrl + 2, dg3)) !=
+        cudaSuccess)
       return err;
   }
   return cudaSuccess;

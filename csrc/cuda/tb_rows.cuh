@@ -20,12 +20,12 @@ namespace flowtt::tb {
 
 constexpr int kTbThreads = 256;  // every kernel: 8 warps
 constexpr int kTbWarps = kTbThreads / 32;
-constexpr int kTbChunk = 64;     // unique indices per forward work item
-constexpr int kTbBatch = 16;     // groups per shared-memory batch of the dg2 kernel, at most
+constexpr int kTbChunk = 64;  // unique indices per forward work item
+constexpr int kTbBatch = 16;  // groups per shared-memory batch of the dg2 kernel, at most
 constexpr int kTbQ1Max = 8, kTbMMax = 16, kTbQ3Max = 8, kTbRMax = 64;
 constexpr int kTbMaxG2Row = 24576;  // r1*q2*r2 bound (g2 rows staged in shared memory)
-constexpr int kTbTileGroups = 32;  // max groups per batch of the sorted-tile forward
-constexpr int kTbRPT = kTileRows;  // rows (group, q1) per thread of its prefix GEMM
+constexpr int kTbTileGroups = 32;   // max groups per batch of the sorted-tile forward
+constexpr int kTbRPT = kTileRows;   // rows (group, q1) per thread of its prefix GEMM
 
 // Dims and derived sizes, by value into every kernel.
 struct TbDev {
@@ -43,9 +43,14 @@ struct TbDev {
 template <typename Dims>  // TbDims (cuda/tb_rows.h) or any struct with those fields
 inline TbDev tb_dev(const Dims& t) {
   TbDev d;
-  d.P1 = (int)t.P1; d.P2 = (int)t.P2; d.P3 = (int)t.P3;
-  d.q1 = (int)t.q1; d.q2 = (int)t.q2; d.q3 = (int)t.q3;
-  d.r1 = (int)t.r1; d.r2 = (int)t.r2;
+  d.P1 = (int)t.P1;
+  d.P2 = (int)t.P2;
+  d.P3 = (int)t.P3;
+  d.q1 = (int)t.q1;
+  d.q2 = (int)t.q2;
+  d.q3 = (int)t.q3;
+  d.r1 = (int)t.r1;
+  d.r2 = (int)t.r2;
   d.K = d.q2 * d.r2;
   d.M = d.q1 * d.q2;
   d.D = d.M * d.q3;
@@ -68,8 +73,7 @@ struct TbTileGeo {
   int GB, ldA, ldm, PT;
   size_t smem;
 };
-inline TbTileGeo tb_tile_geo(const TbDev& d, size_t smem_cap,
-                             int max_groups = kTbTileGroups) {
+inline TbTileGeo tb_tile_geo(const TbDev& d, size_t smem_cap, int max_groups = kTbTileGroups) {
   TbTileGeo g{0, 0, d.M + 1, d.r2 * (d.M + 1), 0};
   if (d.r2 % 4 != 0 || (d.q3 != 4 && d.q3 != 8)) return g;
   for (int gb = kTbTileGroups; gb >= 4; gb /= 2) {
@@ -109,8 +113,8 @@ inline TbDg1Geo tb_dg1_geo(const TbDev& d) {
         const size_t fixed =
             sizeof(float) * ((size_t)S * tb_align4(d.R1K) + (size_t)tb_align4(R * d.Q1R1));
         if (fixed >= budget) continue;
-        const int kmax = (int)std::min<size_t>(kTbDg1MaxList, (budget - fixed) /
-                                                                   (sizeof(float) * d.PSZ));
+        const int kmax =
+            (int)std::min<size_t>(kTbDg1MaxList, (budget - fixed) / (sizeof(float) * d.PSZ));
         if (kmax >= R) return {R, S, kmax, fixed + sizeof(float) * (size_t)kmax * d.PSZ};
       }
     }
@@ -166,8 +170,8 @@ __device__ __forceinline__ void tb_counts(const int* counts, int n, int& U, int&
 }
 
 // Unique indices [gs, ge) of group g, clamped into [0, U].
-__device__ __forceinline__ void tb_group_range(const int* __restrict__ goffs, int g, int U,
-                                               int& gs, int& ge) {
+__device__ __forceinline__ void tb_group_range(const int* __restrict__ goffs, int g, int U, int& gs,
+                                               int& ge) {
   gs = tb_clamp(__ldg(goffs + g), 0, U);
   ge = tb_clamp(__ldg(goffs + g + 1), gs, U);
 }
@@ -178,7 +182,10 @@ __device__ __forceinline__ int tb_find_group(const int* __restrict__ goffs, int 
   int lo = 0, hi = G;
   while (hi - lo > 1) {
     const int mid = lo + (hi - lo) / 2;
-    if (__ldg(goffs + mid) <= u) lo = mid; else hi = mid;
+    if (__ldg(goffs + mid) <= u)
+      lo = mid;
+    else
+      hi = mid;
   }
   return lo;
 }
@@ -237,8 +244,7 @@ __device__ __forceinline__ int tb_warp_claim(int* ctr, int lane) {
 // rows when VEC == 4). Threads with a >= r1 add nothing but take part in the shuffles.
 template <int Q1C, int VEC>
 __device__ __forceinline__ void tb_dg1_term(const TbDev& d, const float* dp, const float* g2r,
-                                            int a, int kp,
-                                            float (&part)[Q1C ? Q1C : kTbQ1Max]) {
+                                            int a, int kp, float (&part)[Q1C ? Q1C : kTbQ1Max]) {
   constexpr int NQ1 = Q1C ? Q1C : kTbQ1Max;
   constexpr int KP = 8;
 #pragma unroll
@@ -285,8 +291,7 @@ __device__ __forceinline__ void tb_dg1_term(const TbDev& d, const float* dp, con
 // every q1 row, so each g2 element loaded feeds q1 FMAs.
 template <int Q1C, int VEC>
 __device__ __forceinline__ void tb_warp_prefix(const TbDev& d, const float* G1s,
-                                               const float* __restrict__ g2r, float* Pw,
-                                               int lane) {
+                                               const float* __restrict__ g2r, float* Pw, int lane) {
   constexpr int NQ1 = Q1C ? Q1C : kTbQ1Max;
   for (int j0 = 0; j0 < d.K; j0 += 128) {
     float acc[4][NQ1];
@@ -302,7 +307,10 @@ __device__ __forceinline__ void tb_warp_prefix(const TbDev& d, const float* G1s,
         const int j = j0 + 4 * lane;
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
         if (j < d.K) v = __ldg(reinterpret_cast<const float4*>(row + j));
-        gv[0] = v.x; gv[1] = v.y; gv[2] = v.z; gv[3] = v.w;
+        gv[0] = v.x;
+        gv[1] = v.y;
+        gv[2] = v.z;
+        gv[3] = v.w;
       } else {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -412,8 +420,7 @@ inline size_t tb_stage_bytes(const TbDev& d) {
 // 4 or 8 (float4 reads of the staged rows), else 0 (any q3).
 template <int Q3C>
 __device__ __forceinline__ void tb_stage_dP_round(const TbDev& d, int nb, int p0, int nr,
-                                                  const int* s_pre, const float* Stg,
-                                                  float* dPs) {
+                                                  const int* s_pre, const float* Stg, float* dPs) {
   const int ld = tb_stage_ld(d), ldD = tb_align4(d.D);
   for (int r = threadIdx.x; r < d.PSZ; r += blockDim.x) {  // element r of every group's dP
     const int m = r / d.r2, b = r - m * d.r2;
@@ -451,10 +458,12 @@ __device__ __forceinline__ void tb_stage_dP_round(const TbDev& d, int nb, int p0
 // multiples of 4, both arrays 16-byte aligned), then each element of dPs adds the round's
 // terms of its group in ascending u. Bitwise tb_block_dP (the same sums in the same
 // order). s_pre [nb + 1], s_u, s_i3 [kTbStageMaxIds]: shared scratch of the caller.
-__device__ __forceinline__ void tb_block_dP_staged(
-    const TbDev& d, int nb, const int* s_gs, const int* s_ge, int* s_pre, int* s_u, int* s_i3,
-    float* Stg, bool vec, const int* __restrict__ u_i3, const float* __restrict__ g3,
-    const float* __restrict__ d_rows, float* dPs) {
+__device__ __forceinline__ void tb_block_dP_staged(const TbDev& d, int nb, const int* s_gs,
+                                                   const int* s_ge, int* s_pre, int* s_u, int* s_i3,
+                                                   float* Stg, bool vec,
+                                                   const int* __restrict__ u_i3,
+                                                   const float* __restrict__ g3,
+                                                   const float* __restrict__ d_rows, float* dPs) {
   const int tid = threadIdx.x, nt = blockDim.x;
   const int NU = tb_stage_ids(d), ld = tb_stage_ld(d), ldD = tb_align4(d.D);
   if (tid == 0) {
@@ -488,9 +497,10 @@ __device__ __forceinline__ void tb_block_dP_staged(
           const int e4 = base + j * nt;
           if (e4 < n4) {
             const int i = e4 / W4, q = e4 - i * W4;
-            v[j] = q < D4 ? __ldg(reinterpret_cast<const float4*>(d_rows + (size_t)s_u[i] * d.D) + q)
-                          : __ldg(reinterpret_cast<const float4*>(g3 + (size_t)s_i3[i] * d.S3) +
-                                  (q - D4));
+            v[j] = q < D4
+                       ? __ldg(reinterpret_cast<const float4*>(d_rows + (size_t)s_u[i] * d.D) + q)
+                       : __ldg(reinterpret_cast<const float4*>(g3 + (size_t)s_i3[i] * d.S3) +
+                               (q - D4));
           }
         }
 #pragma unroll
@@ -520,9 +530,9 @@ __device__ __forceinline__ void tb_block_dP_staged(
 }  // namespace flowtt::tb
 
 // The kernel instance for q1 (register blocking over q1 when q1 is 1, 2, 4 or 8).
-#define TB_BY_Q1(KERNEL, VEC, q1)    \
-  ((q1) == 1   ? &KERNEL<1, VEC>     \
-   : (q1) == 2 ? &KERNEL<2, VEC>     \
-   : (q1) == 4 ? &KERNEL<4, VEC>     \
-   : (q1) == 8 ? &KERNEL<8, VEC>     \
+#define TB_BY_Q1(KERNEL, VEC, q1) \
+  ((q1) == 1   ? &KERNEL<1, VEC>  \
+   : (q1) == 2 ? &KERNEL<2, VEC>  \
+   : (q1) == 4 ? &KERNEL<4, VEC>  \
+   : (q1) == 8 ? &KERNEL<8, VEC>  \
                : &KERNEL<0, VEC>)

@@ -28,16 +28,16 @@ const char* tb_check_dims(const TbDims& d);
 // `tiles` (profiling aid for the harness): false forces the chunked kernel.
 size_t tb_rows_fwd_scratch_bytes(const TbDims& d, int n);
 cudaError_t tb_rows_fwd(const TbDims& d, const float* g1, const float* g2, const float* g3,
-                        const int* u_i3, const int* g_i1, const int* g_i2,
-                        const int* group_offsets, const int* counts, int n, float* rows,
-                        void* scratch, cudaStream_t stream, bool tiles = true);
+                        const int* u_i3, const int* g_i1, const int* g_i2, const int* group_offsets,
+                        const int* counts, int n, float* rows, void* scratch, cudaStream_t stream,
+                        bool tiles = true);
 
 // flowtt_tb_rows_bwd: dg1, dg2, dg3 (the packed cores' shapes), every element written, in
 // the contract's summation order (bitwise reproducible). Scratch: about 17 bytes per plan
 // entry (radix sorts of the group indices by g_i2 and of the unique indices by u_i3, the
 // group of each unique index, then of each sorted one in a free sort buffer) plus the
-// bucket bounds of every packed core row, plus one cache buffer of at most 2 GiB (kTbPCacheBytes in tb_rows.cu)
-// used twice: first for the dg1 terms E of every group (q1*r1 floats each; when they do
+// bucket bounds of every packed core row, plus one cache buffer of at most 2 GiB (kTbPCacheBytes in
+// tb_rows.cu) used twice: first for the dg1 terms E of every group (q1*r1 floats each; when they do
 // not all fit, dg1 runs the merge kernel instead), then, for dims of the sorted-tile
 // forward, the P cache: P_g (q1*q2*r2 floats) of the first min(n, cap) groups (2M groups
 // of 1 KB), formed once so that dg3 reads it; dg3 forms P of the groups past the cap.
@@ -48,8 +48,8 @@ constexpr unsigned kTbAllStages = 0x7;
 size_t tb_rows_bwd_scratch_bytes(const TbDims& d, int n);
 cudaError_t tb_rows_bwd(const TbDims& d, const float* g1, const float* g2, const float* g3,
                         const float* d_rows, const int* u_i3, const int* g_i1, const int* g_i2,
-                        const int* group_offsets, const int* counts, int n, float* dg1,
-                        float* dg2, float* dg3, void* scratch, cudaStream_t stream,
+                        const int* group_offsets, const int* counts, int n, float* dg1, float* dg2,
+                        float* dg3, void* scratch, cudaStream_t stream,
                         unsigned stages = kTbAllStages);
 
 }  // namespace flowtt::tb

@@ -9,8 +9,8 @@
 //                           out of bounds)
 // Each standard case runs with the vectorised (float4) paths where the dims allow and
 // again with the scalar paths. Prints PASS/FAIL lines; exit status 1 on any failure.
-#include "cuda/tb_emu.h"  // first: the CUDA built-ins
 #include "cuda/tb_bwd_kernels.cuh"
+#include "cuda/tb_emu.h"  // first: the CUDA built-ins
 #include "cuda/tb_fwd_kernels.cuh"
 #include "cuda/tb_sort.cuh"
 
@@ -42,10 +42,10 @@ struct Inputs {
 void EmuFwd(const Inputs& in, bool vec, float* rows) {
   int ctr = 0;
   const TbDev& d = in.d;
-  auto kernel = vec && d.K % 4 == 0 ? TB_BY_Q1(tb_fwd_kernel, 4, d.q1)
-                                    : TB_BY_Q1(tb_fwd_kernel, 1, d.q1);
-  tb_emu_launch(kGrid, kTbThreads, tb_warp_slices_bytes(d), kernel, d, in.g1, in.g2, in.g3,
-                in.u_i3, in.g_i1, in.g_i2, in.goffs, in.counts, in.n, &ctr, rows);
+  auto kernel =
+      vec && d.K % 4 == 0 ? TB_BY_Q1(tb_fwd_kernel, 4, d.q1) : TB_BY_Q1(tb_fwd_kernel, 1, d.q1);
+  tb_emu_launch(kGrid, kTbThreads, tb_warp_slices_bytes(d), kernel, d, in.g1, in.g2, in.g3, in.u_i3,
+                in.g_i1, in.g_i2, in.goffs, in.counts, in.n, &ctr, rows);
 }
 
 // Sorted-tile forward (when the dims take it): the group sort, then the tile kernel.
@@ -65,8 +65,8 @@ std::vector<int> EmuRadixSort(const int* key_src, int P, const int* counts, int 
   std::vector<int> out(n, -7), in;
   for (int shift = 0; shift < tb_end_bits(P - 1); shift += kTbRadixBits) {
     const int* vals = in.empty() ? nullptr : in.data();
-    tb_emu_launch(tiles, kTbThreads, 0, tb_radix_hist_kernel, vals, key_src, P - 1, counts,
-                  which, n, shift, tiles, hist.data());
+    tb_emu_launch(tiles, kTbThreads, 0, tb_radix_hist_kernel, vals, key_src, P - 1, counts, which,
+                  n, shift, tiles, hist.data());
     int run = 0;
     for (size_t i = 0; i < hist.size(); ++i) offsets[i] = run, run += hist[i];
     tb_emu_launch(tiles, kTbThreads, 0, tb_radix_scatter_kernel, vals, key_src, P - 1, counts,
@@ -93,8 +93,8 @@ void EmuFwdTile(const Inputs& in, const TbTileGeo& geo, float* rows) {
 // num_groups <= e_cap, else the merge kernel with geometry dg1_geo), dg3 (the P of the
 // groups below `cap` from the P cache built by tb_pcache_kernel with geometry pgeo, when
 // the dims take it and vec, else formed by dg3). E and the P cache share one buffer.
-void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, float* dg2,
-            float* dg3, int cap = 0, TbTileGeo pgeo = {}, int e_cap = -1, int nbatch = 8) {
+void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, float* dg2, float* dg3,
+            int cap = 0, TbTileGeo pgeo = {}, int e_cap = -1, int nbatch = 8) {
   const TbDev& d = in.d;
   const int n = in.n;
   std::vector<int> ctrl(4, 0), bounds1(d.P1 + 1, 0), bounds2(d.P2 + 1), bounds3(d.P3 + 1);
@@ -119,26 +119,24 @@ void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, flo
                                                  : TB_BY_Q1(tb_dg2_kernel, 1, d.q1);
   tb_emu_launch(kGrid, kTbThreads, tb_dg2_smem(d, e_cap >= 0, nbatch), k2, d, in.g1, in.g2, in.g3,
                 in.d_rows, in.u_i3, in.g_i1, in.goffs, in.counts, n, (const int*)bounds2.data(),
-                sorted_groups.data(), (int)vec_g2, e_cap, (int)(vec && d.D % 4 == 0 && d.S3 % 4 == 0),
-                nbatch, &ctrl[1], dg2,
+                sorted_groups.data(), (int)vec_g2, e_cap,
+                (int)(vec && d.D % 4 == 0 && d.S3 % 4 == 0), nbatch, &ctrl[1], dg2,
                 e_cap >= 0 ? cache.data() : nullptr);
   if (e_cap >= 0)
     tb_emu_launch(kGrid, 256, 0, tb_dg1_reduce_kernel, d, (const float*)cache.data(), e_cap,
                   in.counts, n, (const int*)bounds1.data(), dg1);
   auto k1 = vec_g2 ? TB_BY_Q1(tb_dg1_kernel, 4, d.q1) : TB_BY_Q1(tb_dg1_kernel, 1, d.q1);
-  tb_emu_launch(kGrid, kTbThreads, dg1_geo.smem, k1, d, dg1_geo, in.g2, in.g3, in.d_rows,
-                in.u_i3, in.g_i2, in.goffs, in.counts, n, (const int*)bounds1.data(), e_cap,
-                &ctrl[0], dg1);
+  tb_emu_launch(kGrid, kTbThreads, dg1_geo.smem, k1, d, dg1_geo, in.g2, in.g3, in.d_rows, in.u_i3,
+                in.g_i2, in.goffs, in.counts, n, (const int*)bounds1.data(), e_cap, &ctrl[0], dg1);
   std::fill(cache.begin(), cache.end(), NAN);
   if (cap > 0)
     tb_emu_launch(kGrid, kTbThreads, tb_pcache_smem(d, pgeo), tb_pcache_kernel, d, pgeo, in.g1,
-                  in.g2, in.g_i1, in.counts, n, (const int*)bounds2.data(),
-                  sorted_groups.data(), cap, &ctrl[3], cache.data());
+                  in.g2, in.g_i1, in.counts, n, (const int*)bounds2.data(), sorted_groups.data(),
+                  cap, &ctrl[3], cache.data());
   auto k3 = vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1);
-  tb_emu_launch(kGrid, kTbThreads, tb_dg3_smem(d), k3, d, in.g1, in.g2, in.d_rows,
-                in.g_i1, in.g_i2, in.counts, n, (const int*)bounds3.data(), sorted_u.data(),
-                (const int*)sg.data(), (const float*)cache.data(), cap, (int)(vec && d.D % 4 == 0),
-                &ctrl[2], dg3);
+  tb_emu_launch(kGrid, kTbThreads, tb_dg3_smem(d), k3, d, in.g1, in.g2, in.d_rows, in.g_i1, in.g_i2,
+                in.counts, n, (const int*)bounds3.data(), sorted_u.data(), (const int*)sg.data(),
+                (const float*)cache.data(), cap, (int)(vec && d.D % 4 == 0), &ctrl[2], dg3);
 }
 
 // The radix sort against std::stable_sort: n entries, the first `count` live, keys in
@@ -170,8 +168,9 @@ Run MakeRun(const TbCase& c, const TbHostPlan& p, uint64_t seed) {
   const int64_t D = c.s.dim();
   r.d_rows = TbRandom(p.n * D, seed + 7);
   for (int64_t i = int64_t(p.U) * D; i < p.n * D; ++i) r.d_rows[i] = NAN;  // never read
-  r.in = {tb_dev(c.s), (int)p.n, r.k.g1.data(), r.k.g2.data(), r.k.g3.data(), r.d_rows.data(),
-          p.u_i3.data(), p.g_i1.data(), p.g_i2.data(), p.group_offsets.data(), p.counts.data()};
+  r.in = {tb_dev(c.s),     (int)p.n,      r.k.g1.data(), r.k.g2.data(), r.k.g3.data(),
+          r.d_rows.data(), p.u_i3.data(), p.g_i1.data(), p.g_i2.data(), p.group_offsets.data(),
+          p.counts.data()};
   return r;
 }
 
@@ -205,8 +204,15 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
   // P of a third of the groups cached (batches of 4 groups) and E too small (the merge
   // kernel runs); then no P cached and no E: dg1 and dg3 bitwise equal across the runs
   const int n = (int)p.n;
-  const TbTileGeo pg_full = tb_tile_geo(r.in.d, 100 * 1024), pg_small = tb_tile_geo(r.in.d, 100 * 1024, 4);
-  struct Cfg { TbDg1Geo geo; int cap; TbTileGeo pgeo; int e_cap; int nbatch; };
+  const TbTileGeo pg_full = tb_tile_geo(r.in.d, 100 * 1024),
+                  pg_small = tb_tile_geo(r.in.d, 100 * 1024, 4);
+  struct Cfg {
+    TbDg1Geo geo;
+    int cap;
+    TbTileGeo pgeo;
+    int e_cap;
+    int nbatch;
+  };
   std::vector<std::vector<float>> dg1s, dg2s, dg3s;
   int caps[3];
   int ci = 0;
@@ -215,10 +221,9 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
                   Cfg{tb_dg1_geo(r.in.d), 0, TbTileGeo{}, -1, kTbBatch}}) {
     TbDg1Geo geo = cfg.geo;
     if (geo.smem == 0)
-      geo.smem = sizeof(float) * (tb_align4(r.in.d.R1K) + tb_align4(8 * r.in.d.Q1R1) +
-                                  8 * (size_t)r.in.d.PSZ);
-    std::vector<float> dg1(r.k.g1.size(), NAN), dg2(r.k.g2.size(), NAN),
-        dg3(r.k.g3.size(), NAN);
+      geo.smem = sizeof(float) *
+                 (tb_align4(r.in.d.R1K) + tb_align4(8 * r.in.d.Q1R1) + 8 * (size_t)r.in.d.PSZ);
+    std::vector<float> dg1(r.k.g1.size(), NAN), dg2(r.k.g2.size(), NAN), dg3(r.k.g3.size(), NAN);
     const int cap = vec && cfg.pgeo.GB > 0 ? cfg.cap : 0;
     caps[ci++] = cap;
     EmuBwd(r.in, vec, geo, dg1.data(), dg2.data(), dg3.data(), cap, cfg.pgeo, cfg.e_cap,
@@ -244,8 +249,9 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
            tag + " dg2 bitwise equal across batch sizes (8, 16)");
   if (caps[0] > 0 || caps[1] > 0)
     TbReport(same(dg3s[0], dg3s[2]) && same(dg3s[1], dg3s[2]),
-             tag + " dg3 with the P cache (all / a third of the groups) bitwise equal to "
-                   "dg3 recomputing P");
+             tag +
+                 " dg3 with the P cache (all / a third of the groups) bitwise equal to "
+                 "dg3 recomputing P");
 }
 
 // Invalid plans: the kernels finish and (under the address sanitizer) read nothing out of
@@ -259,8 +265,8 @@ void InvalidPlans(int which) {
     EmuFwd(r.in, true, rows.data());
     const TbTileGeo geo = tb_tile_geo(r.in.d, 100 * 1024);
     if (geo.GB > 0) EmuFwdTile(r.in, geo, rows.data());
-    EmuBwd(r.in, true, tb_dg1_geo(r.in.d), dg1.data(), dg2.data(), dg3.data(), (int)p.n,
-           geo, (int)p.n, kTbBatch);
+    EmuBwd(r.in, true, tb_dg1_geo(r.in.d), dg1.data(), dg2.data(), dg3.data(), (int)p.n, geo,
+           (int)p.n, kTbBatch);
     TbReport(true, "invalid plan, finished: " + c.name + ", " + what);
   };
   TbForEachInvalidPlan(TbMakePlan(c, kTbPad), kTbPad, check);

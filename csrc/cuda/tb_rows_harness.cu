@@ -36,14 +36,14 @@
 using namespace flowtt::tb;
 using namespace flowtt::tb::testing;
 
-#define CK(x)                                                                             \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
+#define CK(x)                                                                            \
+  do {                                                                                   \
+    cudaError_t e_ = (x);                                                                \
+    if (e_ != cudaSuccess) {                                                             \
       std::fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, \
-                   __LINE__);                                                             \
-      std::exit(2);                                                                       \
-    }                                                                                     \
+                   __LINE__);                                                            \
+      std::exit(2);                                                                      \
+    }                                                                                    \
   } while (0)
 
 namespace {
@@ -94,10 +94,21 @@ struct GpuCase {
   Dev<int> u_i3, g_i1, g_i2, goffs, counts;
   Dev<char> scratch;
   GpuCase(const TbCase& c, const TbHostPlan& p, const TbCores& k)
-      : t(Dims(c.s)), n((int)p.n), g1(k.g1), g2(k.g2), g3(k.g3),
-        d_rows((size_t)p.n * c.s.dim()), rows((size_t)p.n * c.s.dim()), dg1(k.g1.size()),
-        dg2(k.g2.size()), dg3(k.g3.size()), u_i3(p.u_i3), g_i1(p.g_i1), g_i2(p.g_i2),
-        goffs(p.group_offsets), counts(p.counts),
+      : t(Dims(c.s)),
+        n((int)p.n),
+        g1(k.g1),
+        g2(k.g2),
+        g3(k.g3),
+        d_rows((size_t)p.n * c.s.dim()),
+        rows((size_t)p.n * c.s.dim()),
+        dg1(k.g1.size()),
+        dg2(k.g2.size()),
+        dg3(k.g3.size()),
+        u_i3(p.u_i3),
+        g_i1(p.g_i1),
+        g_i2(p.g_i2),
+        goffs(p.group_offsets),
+        counts(p.counts),
         scratch(std::max(tb_rows_fwd_scratch_bytes(t, n), tb_rows_bwd_scratch_bytes(t, n))) {
     FillDRows<<<1024, 256>>>(d_rows.p, d_rows.count, (size_t)p.U * c.s.dim(), 23);
     CK(cudaGetLastError());
@@ -107,8 +118,8 @@ struct GpuCase {
                        scratch.p, 0, tiles);
   }
   cudaError_t bwd(unsigned stages = kTbAllStages) {
-    return tb_rows_bwd(t, g1.p, g2.p, g3.p, d_rows.p, u_i3.p, g_i1.p, g_i2.p, goffs.p, counts.p,
-                       n, dg1.p, dg2.p, dg3.p, scratch.p, 0, stages);
+    return tb_rows_bwd(t, g1.p, g2.p, g3.p, d_rows.p, u_i3.p, g_i1.p, g_i2.p, goffs.p, counts.p, n,
+                       dg1.p, dg2.p, dg3.p, scratch.p, 0, stages);
   }
 };
 
@@ -119,8 +130,8 @@ std::string Tag(const TbCase& c, const TbHostPlan& p) {
 
 // Forward on the GPU (rows poisoned first; the default path, or the chunked kernel when
 // !tiles) vs the oracle, over all unique rows or over `sample` random ones.
-void CheckForward(const TbCase& c, const TbHostPlan& p, const TbCores& k, GpuCase& g,
-                  int sample, bool tiles) {
+void CheckForward(const TbCase& c, const TbHostPlan& p, const TbCores& k, GpuCase& g, int sample,
+                  bool tiles) {
   const int64_t D = c.s.dim();
   g.rows.poison();
   CK(g.fwd(tiles));
@@ -152,8 +163,7 @@ void CheckForward(const TbCase& c, const TbHostPlan& p, const TbCores& k, GpuCas
 
 // Backward twice (outputs poisoned before each run): bitwise equal; against the oracle
 // when `check`.
-void CheckBackward(const TbCase& c, const TbHostPlan& p, const TbCores& k, GpuCase& g,
-                   bool check) {
+void CheckBackward(const TbCase& c, const TbHostPlan& p, const TbCores& k, GpuCase& g, bool check) {
   std::vector<float> out[2][3];
   for (int run = 0; run < 2; ++run) {
     g.dg1.poison();
@@ -185,8 +195,8 @@ void CheckBackward(const TbCase& c, const TbHostPlan& p, const TbCores& k, GpuCa
   const double e2 = TbRelErr(out[0][1].data(), r2.data(), r2.size());
   const double e3 = TbRelErr(out[0][2].data(), r3.data(), r3.size());
   std::snprintf(buf, sizeof buf,
-                " bwd rel err dg1 %.2e dg2 %.2e dg3 %.2e, two runs bitwise equal: %s", e1, e2,
-                e3, same ? "yes" : "no");
+                " bwd rel err dg1 %.2e dg2 %.2e dg3 %.2e, two runs bitwise equal: %s", e1, e2, e3,
+                same ? "yes" : "no");
   TbReport(e1 < kTbTol && e2 < kTbTol && e3 < kTbTol && same, Tag(c, p) + buf);
 }
 
@@ -245,7 +255,8 @@ TbCase MetaCase(bool hashed) {
     for (int k = 0; k < 4096 * 136 / 10; ++k) {
       int64_t id;
       if (hashed) {  // bounded Pareto(a = 0.1) rank in [1, N], hashed
-        const double a = 0.1, r = std::pow(1.0 - x(rng) * (1.0 - std::pow((double)N, -a)), -1.0 / a);
+        const double a = 0.1,
+                     r = std::pow(1.0 - x(rng) * (1.0 - std::pow((double)N, -a)), -1.0 / a);
         id = (int64_t)(((uint64_t)std::min<double>(r, (double)N) * 2654435761ull) % (uint64_t)N);
       } else {
         const double r = 1.0 / (1.0 - x(rng));  // Pareto(alpha = 2) rank >= 1
@@ -287,12 +298,11 @@ void Meta(bool full_check, bool hashed, int reps) {
   const TbCores k = {TbRandom(c.s.P1 * 2 * 32, 1, 0.5f), TbRandom(c.s.P2 * 32 * 4 * 32, 2, 0.2f),
                      TbRandom(c.s.P3 * 32 * 4, 3, 0.2f)};
   GpuCase g(c, p, k);
-  std::printf("meta: %s P = (%ld, %ld, %ld), host setup %.1f s\n", Tag(c, p).c_str(),
-              (long)c.s.P1, (long)c.s.P2, (long)c.s.P3,
+  std::printf("meta: %s P = (%ld, %ld, %ld), host setup %.1f s\n", Tag(c, p).c_str(), (long)c.s.P1,
+              (long)c.s.P2, (long)c.s.P3,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   std::printf("meta: scratch fwd %zu B, bwd %.1f MB (n = %d)\n",
-              tb_rows_fwd_scratch_bytes(g.t, g.n), tb_rows_bwd_scratch_bytes(g.t, g.n) / 1e6,
-              g.n);
+              tb_rows_fwd_scratch_bytes(g.t, g.n), tb_rows_bwd_scratch_bytes(g.t, g.n) / 1e6, g.n);
   CheckForward(c, p, k, g, full_check ? 0 : 4000, true);
   CheckForward(c, p, k, g, full_check ? 0 : 4000, false);
   CheckBackward(c, p, k, g, full_check);
@@ -303,9 +313,10 @@ void Meta(bool full_check, bool hashed, int reps) {
   const double b1 = MedianMs(reps, [&] { return g.bwd(1); });
   const double b2 = MedianMs(reps, [&] { return g.bwd(2); });
   const double b3 = MedianMs(reps, [&] { return g.bwd(4); });
-  std::printf("meta timing (median of %d, ms): fwd %.3f (chunked kernel %.3f)  bwd %.3f = "
-              "sorts+bounds %.3f + dg1 %.3f + dg2 %.3f + dg3 %.3f\n",
-              reps, fwd, fwd_chunked, bwd, sorts, b1 - sorts, b2 - sorts, b3 - sorts);
+  std::printf(
+      "meta timing (median of %d, ms): fwd %.3f (chunked kernel %.3f)  bwd %.3f = "
+      "sorts+bounds %.3f + dg1 %.3f + dg2 %.3f + dg3 %.3f\n",
+      reps, fwd, fwd_chunked, bwd, sorts, b1 - sorts, b2 - sorts, b3 - sorts);
 }
 
 }  // namespace
@@ -315,14 +326,20 @@ int main(int argc, char** argv) {
   int reps = 20;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--no-meta") meta = false;
-    else if (a == "--meta-only") standard = false;
-    else if (a == "--meta-check") meta_check = true;
-    else if (a == "--meta-hashed") hashed = true;
-    else if (a == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
+    if (a == "--no-meta")
+      meta = false;
+    else if (a == "--meta-only")
+      standard = false;
+    else if (a == "--meta-check")
+      meta_check = true;
+    else if (a == "--meta-hashed")
+      hashed = true;
+    else if (a == "--reps" && i + 1 < argc)
+      reps = std::max(1, std::atoi(argv[++i]));
     else {
-      std::fprintf(stderr, "usage: %s [--no-meta] [--meta-only] [--meta-check] [--meta-hashed] [--reps N]\n",
-                   argv[0]);
+      std::fprintf(
+          stderr, "usage: %s [--no-meta] [--meta-only] [--meta-check] [--meta-hashed] [--reps N]\n",
+          argv[0]);
       return 2;
     }
   }

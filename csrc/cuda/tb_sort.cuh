@@ -17,8 +17,8 @@
 namespace flowtt::tb {
 namespace {  // internal linkage: one copy per including file
 
-constexpr int kTbSortItems = 8;                           // entries per thread of a tile
-constexpr int kTbSortTile = kTbThreads * kTbSortItems;    // entries per tile
+constexpr int kTbSortItems = 8;                         // entries per thread of a tile
+constexpr int kTbSortTile = kTbThreads * kTbSortItems;  // entries per tile
 constexpr int kTbRadixBits = 8, kTbRadix = 1 << kTbRadixBits;
 static_assert(kTbRadix == kTbThreads, "a thread per digit");
 
@@ -41,9 +41,9 @@ __device__ __forceinline__ int tb_sort_key(const int* __restrict__ vals,
 }
 
 __global__ void __launch_bounds__(kTbThreads)
-    tb_radix_hist_kernel(const int* __restrict__ vals, const int* __restrict__ key_src,
-                         int key_max, const int* __restrict__ counts, int which, int n,
-                         int shift, int tiles, int* __restrict__ hist) {
+    tb_radix_hist_kernel(const int* __restrict__ vals, const int* __restrict__ key_src, int key_max,
+                         const int* __restrict__ counts, int which, int n, int shift, int tiles,
+                         int* __restrict__ hist) {
   __shared__ int s_cnt[kTbRadix];
   const int cnt = tb_sort_count(counts, n, which);
   const int tid = threadIdx.x, base = blockIdx.x * kTbSortTile;
@@ -52,8 +52,8 @@ __global__ void __launch_bounds__(kTbThreads)
   for (int i = 0; i < kTbSortItems; ++i) {
     const int j = base + i * kTbThreads + tid;
     int v;
-    if (j < cnt) atomicAdd(&s_cnt[(tb_sort_key(vals, key_src, key_max, j, v) >> shift) &
-                                  (kTbRadix - 1)], 1);
+    if (j < cnt)
+      atomicAdd(&s_cnt[(tb_sort_key(vals, key_src, key_max, j, v) >> shift) & (kTbRadix - 1)], 1);
   }
   __syncthreads();
   hist[(size_t)tid * tiles + blockIdx.x] = s_cnt[tid];
@@ -64,8 +64,8 @@ __global__ void __launch_bounds__(kTbThreads)
                             int key_max, const int* __restrict__ counts, int which, int n,
                             int shift, int tiles, const int* __restrict__ offsets,
                             int* __restrict__ vals_out) {
-  __shared__ int s_next[kTbRadix];             // the digit's next output position
-  __shared__ int s_warp[kTbWarps][kTbRadix];   // per round: entries per (warp, digit)
+  __shared__ int s_next[kTbRadix];            // the digit's next output position
+  __shared__ int s_warp[kTbWarps][kTbRadix];  // per round: entries per (warp, digit)
   const int cnt = tb_sort_count(counts, n, which);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int base = blockIdx.x * kTbSortTile;

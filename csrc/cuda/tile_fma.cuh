@@ -1,6 +1,6 @@
 // Register-tile helpers of the kernels. zero_fill: a register array set to 0, unrolled.
-// tile_fma_8x4: the register tile of the prefix GEMMs (tile_gemm_P for one table, tb_batch_P for the
-// table-batched kernels): a thread's 8 x 4 outputs
+// tile_fma_8x4: the register tile of the prefix GEMMs (tile_gemm_P for one table, tb_batch_P for
+// the table-batched kernels): a thread's 8 x 4 outputs
 //   acc[i][c] = sum over a in [0, K), ascending, of A[a][i] * B[a][c],
 // each an fmaf chain from 0 (the order every P of the project is formed in, so the
 // results are bitwise those of the warp paths). A: 8 consecutive floats per a at stride
