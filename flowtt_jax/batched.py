@@ -29,6 +29,7 @@ from . import ffi, reference
 from .bag import MODES, canonical_bags
 from .batched_plan import GroupLayout, GroupPlan, make_group_plan
 from .oob import OOB_POLICIES, as_ids, park_dropped, saturate_int32
+from .ops import fused_bag
 from .plan import Plan
 
 __all__ = [
@@ -280,4 +281,15 @@ def pooled_group(
         return _reference_bags(layout, c32, weights.astype(c32[0].dtype), ids, tables, bag_ids, num_bags)
     ffi.check_kernel_nnz(ids.shape[0])
     with ffi.explain_ad_errors():
+        if _takes_single_table_kernels(layout, c32):
+            return fused_bag(weighted, c32, weights.astype(jnp.float32), ids, offsets, bag_ids)
         return _group_bags(layout, weighted, c32, weights.astype(jnp.float32), ids, tables, offsets, bag_ids)
+
+
+def _takes_single_table_kernels(layout: GroupLayout, packed) -> bool:
+    """A one-table group runs on the single-table kernels (``ops.fused_bag``): its packed
+    cores are the table's cores, and those kernels are tuned for one table's ids (T = 1
+    is S1); the table-batched ones pay for the many-table bookkeeping."""
+    if layout.num_tables != 1 or any(c.dtype != jnp.float32 for c in packed):
+        return False
+    return jax.default_backend() != "gpu" or ffi.cuda_unsupported_reason(packed) is None

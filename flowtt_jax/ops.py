@@ -58,8 +58,11 @@ def _plan(cores, ids):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused_bag(weighted, cores, weights, ids, offsets, bag_ids):
-    """Bags [B, D] without a gradient: one ``flowtt_bag_fwd``, rows in bounded chunks.
+def fused_bag(weighted, cores, weights, ids, offsets, bag_ids):
+    """Bag sums [B, D] float32 by the single-table kernels: float32 ``cores``, prepared
+    ``weights``/``ids``/``offsets``/``bag_ids`` (as ``prepare_bags`` gives). Without a
+    gradient one ``flowtt_bag_fwd`` (rows in bounded chunks); the VJP keeps the plan.
+    Also the one-table case of ``batched.tt_embedding_bag_group``.
 
     ``weighted`` (static): the caller passed weights, so their gradient is computed.
     """
@@ -83,7 +86,7 @@ def _fused_bag_bwd(weighted, res, dout):
     return d_cores, d_weights, None, None, None
 
 
-_fused_bag.defvjp(_fused_bag_fwd, _fused_bag_bwd)
+fused_bag.defvjp(_fused_bag_fwd, _fused_bag_bwd)
 
 
 def _choose_impl(impl: str, cores: Sequence[jax.Array]) -> str:
@@ -116,7 +119,7 @@ def _bag(cores, ids, offsets, bag_ids, weights, weighted, num_bags, impl, dtype)
     else:
         ffi.check_kernel_nnz(ids.shape[0])
         with ffi.explain_ad_errors():
-            out = _fused_bag(weighted, c32, weights.astype(jnp.float32), ids, offsets, bag_ids)
+            out = fused_bag(weighted, c32, weights.astype(jnp.float32), ids, offsets, bag_ids)
     return out.astype(dtype)
 
 

@@ -257,6 +257,31 @@ def test_one_id_and_no_ids():
     assert empty.shape == (2, 3, 16) and np.all(np.asarray(empty) == 0)
 
 
+@pytest.mark.skipif("ffi" not in IMPLS, reason="no table-batched kernels in this build")
+def test_one_table_group_runs_the_single_table_kernels():
+    """T = 1: the group's packed cores are the table's, and the single-table kernels run
+    (no table-batched call): outputs and gradients bitwise those of ``tt_embedding_bag``."""
+    layout = GroupLayout((SPECS[2],))
+    packed = make_packed(21, layout)
+    ids, offsets, weights = make_batch(21, feature_tables=(0, 0), specs=layout.specs, empty=())
+
+    def group(p, w):
+        return tt_embedding_bag_group(p, layout, ids, offsets, (0, 0), weights=w, impl="ffi")
+
+    def single(p, w):
+        out = ftt.tt_embedding_bag(p, ids, offsets=offsets, weights=w, impl="ffi")
+        return out.reshape(2, -1, out.shape[-1])
+
+    text = jax.jit(group).lower(packed, weights).as_text()
+    assert "flowtt_bag_fwd" in text and "flowtt_tb_rows" not in text
+    w = jnp.asarray(weights)
+    assert np.asarray(group(packed, w)).tobytes() == np.asarray(single(packed, w)).tobytes()
+    loss = lambda f: jax.jit(jax.grad(lambda p, w: jnp.sum(jnp.sin(f(p, w))), argnums=(0, 1)))
+    got, want = loss(group)(packed, w), loss(single)(packed, w)
+    for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.asarray(g).tobytes() == np.asarray(x).tobytes()
+
+
 def test_bad_arguments_are_named():
     packed = make_packed(16)
     ids, offsets, _ = make_batch(17)
