@@ -9,8 +9,9 @@
 //                           out of bounds)
 // Each standard case runs with the vectorised (float4) paths where the dims allow and
 // again with the scalar paths. Prints PASS/FAIL lines; exit status 1 on any failure.
+#include "cuda/tb_emu.h"  // first (its own block, kept first by clang-format): the CUDA built-ins
+
 #include "cuda/tb_bwd_kernels.cuh"
-#include "cuda/tb_emu.h"  // first: the CUDA built-ins
 #include "cuda/tb_fwd_kernels.cuh"
 #include "cuda/tb_sort.cuh"
 
