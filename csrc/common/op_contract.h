@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "common/core_shape.h"
+#include "common/ffi_binding.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace flowtt {
@@ -203,29 +204,6 @@ ffi::Error CheckPlan(const Buf& ids, const Buf& perm, const Buf& inverse, const 
 using F32Buffer = ffi::Buffer<ffi::F32>;
 using S32Buffer = ffi::Buffer<ffi::S32>;
 using S32Out = ffi::ResultBuffer<ffi::S32>;
-
-// b.Arg<T>().Arg<Rest>()... (kRet false) or b.Ret<T>().Ret<Rest>()... (kRet true). A
-// Binding is never copied or moved: each step makes the next.
-template <bool kRet, typename T, typename... Rest, typename Binding>
-auto BindEach(Binding&& b) {
-  if constexpr (sizeof...(Rest) > 0) {
-    return BindEach<kRet, Rest...>(BindEach<kRet, T>(std::move(b)));
-  } else if constexpr (kRet) {
-    return std::move(b).template Ret<T>();
-  } else {
-    return std::move(b).template Arg<T>();
-  }
-}
-
-// A list of buffer types, for BindBuffers.
-template <typename... T>
-struct Buffers {};
-
-// b.Arg<A>()... .RemainingArgs() .Ret<R>()...
-template <typename Binding, typename... A, typename... R>
-auto BindBuffers(Binding&& b, Buffers<A...>, Buffers<R...>) {
-  return BindEach<true, R...>(BindEach<false, A...>(std::move(b)).RemainingArgs());
-}
 
 template <typename Binding>
 auto BindRowsFwd(Binding b) {  // g1 g2 g3 unique_ids group_offsets counts -> rows

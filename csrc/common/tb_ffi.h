@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "common/ffi_binding.h"
 #include "common/tb_contract.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -65,38 +66,18 @@ inline ffi::ErrorOr<TbChecked> TbCheckBwdBuffers(const TbF32& g1, const TbF32& g
 }
 
 template <typename Binding>
-auto TbBindRowsFwd(Binding b) {
-  // g1 g2 g3 u_i3 g_i1 g_i2 group_offsets counts -> rows
-  return std::move(b)
-      .template Arg<TbF32>()
-      .template Arg<TbF32>()
-      .template Arg<TbF32>()
-      .template Arg<TbS32>()
-      .template Arg<TbS32>()
-      .template Arg<TbS32>()
-      .template Arg<TbS32>()
-      .template Arg<TbS32>()
-      .RemainingArgs()
-      .template Ret<TbF32>();
+auto TbBindRowsFwd(Binding b) {  // g1 g2 g3 u_i3 g_i1 g_i2 group_offsets counts -> rows
+  return BindBuffers(std::move(b),
+                     Buffers<TbF32, TbF32, TbF32, TbS32, TbS32, TbS32, TbS32, TbS32>{},
+                     Buffers<TbF32>{});
 }
 
 template <typename Binding>
 auto TbBindRowsBwd(Binding b) {
   // g1 g2 g3 d_rows u_i3 g_i1 g_i2 group_offsets counts -> dg1 dg2 dg3
-  return std::move(b)
-      .template Arg<TbF32>()
-      .template Arg<TbF32>()
-      .template Arg<TbF32>()
-      .template Arg<TbF32>()
-      .template Arg<TbS32>()
-      .template Arg<TbS32>()
-      .template Arg<TbS32>()
-      .template Arg<TbS32>()
-      .template Arg<TbS32>()
-      .RemainingArgs()
-      .template Ret<TbF32>()
-      .template Ret<TbF32>()
-      .template Ret<TbF32>();
+  return BindBuffers(std::move(b),
+                     Buffers<TbF32, TbF32, TbF32, TbF32, TbS32, TbS32, TbS32, TbS32, TbS32>{},
+                     Buffers<TbF32, TbF32, TbF32>{});
 }
 
 }  // namespace flowtt::tb
