@@ -15,6 +15,7 @@
 #include <string>
 
 #include "common/op_contract.h"
+#include "cuda/ffi_status.h"
 #include "cuda/ops.h"
 #include "cuda/plan.h"
 #include "xla/ffi/api/ffi.h"
@@ -25,21 +26,6 @@ namespace {
 using F32 = ffi::Buffer<ffi::F32>;
 using S32 = ffi::Buffer<ffi::S32>;
 using F32Out = ffi::ResultBuffer<ffi::F32>;
-
-// ffi::Error of a CUDA status ("flowtt CUDA <what>: <message>"), Success for cudaSuccess.
-ffi::Error CudaError(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("flowtt CUDA ") + what + ": " + cudaGetErrorString(e));
-}
-
-// Scratch of `bytes` (at least 256) from XLA's allocator into *out. The alignment asked is
-// 16: XLA rejects larger ones (callers that need 256 realign inside the block).
-ffi::Error AllocateScratch(ffi::ScratchAllocator& scratch, size_t bytes, void** out) {
-  auto p = scratch.Allocate(bytes < 256 ? 256 : bytes, 16);
-  if (!p.has_value()) return ffi::Error::Internal("flowtt CUDA: scratch allocation failed");
-  *out = *p;
-  return ffi::Error::Success();
-}
 
 // The CUDA kernels' limits past the contract: n < 2^30 and the core shapes they take.
 ffi::Error CheckKernelLimits(const CoreShape& s, int64_t n, TTDims* t) {

@@ -12,24 +12,12 @@
 
 #include "common/tb_contract.h"
 #include "common/tb_ffi.h"
+#include "cuda/ffi_status.h"
 #include "cuda/tb_rows.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace flowtt::tb {
 namespace {
-
-ffi::Error TbCudaError(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("flowtt_tb CUDA ") + what + ": " + cudaGetErrorString(e));
-}
-
-// `bytes` (at least 256) of XLA scratch, 16-byte aligned (the launchers realign).
-ffi::Error TbScratch(ffi::ScratchAllocator& scratch, size_t bytes, void** out) {
-  auto p = scratch.Allocate(bytes < 256 ? 256 : bytes, 16);
-  if (!p.has_value()) return ffi::Error::Internal("flowtt_tb CUDA: scratch allocation failed");
-  *out = *p;
-  return ffi::Error::Success();
-}
 
 // TbDims of checked shapes (every extent >= 1, P < 2^31) the kernels take, else an error.
 ffi::Error TbKernelDims(const TbShape& s, TbDims* t) {
@@ -56,7 +44,7 @@ ffi::ErrorOr<TbLaunch> TbPrepareLaunch(const ffi::ErrorOr<TbChecked>& c,
   TbLaunch l{};
   l.n = (int)c->n;
   if (ffi::Error e = TbKernelDims(c->s, &l.t); e.failure()) return ffi::Unexpected<ffi::Error>(e);
-  if (ffi::Error e = TbScratch(scratch, bytes(l.t, l.n), &l.ws); e.failure()) {
+  if (ffi::Error e = AllocateScratch(scratch, bytes(l.t, l.n), &l.ws); e.failure()) {
     return ffi::Unexpected<ffi::Error>(e);
   }
   return l;
@@ -69,7 +57,7 @@ ffi::Error TbRowsFwdCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       TbPrepareLaunch(TbCheckFwdBuffers(g1, g2, g3, u_i3, g_i1, g_i2, group_offsets, counts, *rows),
                       tb_rows_fwd_scratch_bytes, scratch);
   if (l.has_error()) return l.error();
-  return TbCudaError(
+  return CudaError(
       tb_rows_fwd(l->t, g1.typed_data(), g2.typed_data(), g3.typed_data(), u_i3.typed_data(),
                   g_i1.typed_data(), g_i2.typed_data(), group_offsets.typed_data(),
                   counts.typed_data(), l->n, rows->typed_data(), l->ws, stream),
@@ -85,7 +73,7 @@ ffi::Error TbRowsBwdCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                                         *dg1, *dg2, *dg3),
                       tb_rows_bwd_scratch_bytes, scratch);
   if (l.has_error()) return l.error();
-  return TbCudaError(
+  return CudaError(
       tb_rows_bwd(l->t, g1.typed_data(), g2.typed_data(), g3.typed_data(), d_rows.typed_data(),
                   u_i3.typed_data(), g_i1.typed_data(), g_i2.typed_data(),
                   group_offsets.typed_data(), counts.typed_data(), l->n, dg1->typed_data(),
