@@ -13,7 +13,8 @@ chunks of 64 rows, gradients of cores and weights), in child processes:
 3. one run per compute-sanitizer tool T in ``--tools``: ``compute-sanitizer --tool T
    --target-processes all --kernel-name kns=flowtt`` (the flowtt kernels, as
    ``scripts/gpu_check.sh``); its ``ERROR SUMMARY`` (racecheck: ``RACECHECK SUMMARY``)
-   must say 0 errors and its results must equal plain's bit for bit.
+   must say 0 errors and its results must equal plain's bit for bit. One sanitizer
+   process at a time: four side by side on one H200 segfaulted (rc -11) before any result.
 
 Writes ``DIR/<run>.log``, ``DIR/<run>.npz`` and ``DIR/summary.json`` (default DIR:
 ``$OUT/fuzz_sanitize``, else ``./fuzz_sanitize_out``); exits 1 on any error, mismatch or
