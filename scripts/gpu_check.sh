@@ -6,6 +6,9 @@
 #                               pytest-xdist installed the tests run in WORKERS (8) processes (one
 #                               by one, the suite does not fit a 10-minute device call)
 #   scripts/gpu_check.sh bench  build + the benchmark suite (python -m benchmarks)
+#   scripts/gpu_check.sh sanitize  build + the fuzz corpus under compute-sanitizer, one tool
+#                               after another (scripts/fuzz_sanitize.py; CASES=64,
+#                               TOOLS=blocking,memcheck,racecheck,initcheck,synccheck)
 #   scripts/gpu_check.sh all    GPU tests, sanitizer, benchmark, then the harness (~9 minutes)
 # BENCH_ARGS="--stage single-d32 ..." passes options to `python -m benchmarks` (its --help).
 # Logs, JSON and plots go to $OUT only (default ./gpu_check_out; benchmarks in $OUT/bench);
@@ -58,6 +61,13 @@ run_tests() {
   done
 }
 
+run_sanitize() {
+  echo "== fuzz corpus under compute-sanitizer (${TOOLS:=blocking,memcheck,racecheck,initcheck,synccheck})"
+  $PY scripts/fuzz_sanitize.py --out "$OUT/fuzz" --cases "${CASES:-64}" --tools "$TOOLS" 2>&1 \
+    | tee "$OUT/fuzz.log" | tail -12
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+}
+
 run_harness() {
   echo "== CUDA harness (kernels alone, CUDA events)"
   "$HARNESS" 2>&1 | tee "$OUT/harness.log" | grep -E "FAIL|PASS \(|TIMING|STAGES" || status=1
@@ -75,6 +85,7 @@ run_bench() {
 case $STAGE in
   test|full) run_tests; run_harness ;;
   bench) run_bench ;;
+  sanitize) run_sanitize ;;
   all) run_tests; run_bench; run_harness ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
