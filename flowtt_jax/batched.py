@@ -8,7 +8,9 @@ feature -> table map (features may share a table), over the packed cores of a
 one sort of all (table, id) keys (``make_group_plan``) -> unique rows of every table
 (``flowtt_tb_rows_fwd``) -> fixed-order pooling of all ``F*B`` bags (the single-table
 ``flowtt_bag_pool_fwd``), under one ``jax.custom_vjp`` whose backward gives the packed
-core gradients (``flowtt_tb_rows_bwd``, bitwise reproducible) and the weights'.
+core gradients (``flowtt_tb_rows_bwd``, bitwise reproducible) and the weights'. A group
+of one table takes the single-table kernels instead (``ops.fused_bag``: T = 1 is the
+single-table op).
 
 ``impl``: ``"auto"`` (the kernels when built and the group's shapes are supported, else
 the reference), ``"ffi"`` (require them), ``"reference"`` (per-position gathers in
@@ -286,10 +288,18 @@ def pooled_group(
         return _group_bags(layout, weighted, c32, weights.astype(jnp.float32), ids, tables, offsets, bag_ids)
 
 
-def _takes_single_table_kernels(layout: GroupLayout, packed) -> bool:
-    """A one-table group runs on the single-table kernels (``ops.fused_bag``): its packed
-    cores are the table's cores, and those kernels are tuned for one table's ids (T = 1
-    is S1); the table-batched ones pay for the many-table bookkeeping."""
-    if layout.num_tables != 1 or any(c.dtype != jnp.float32 for c in packed):
+def _takes_single_table_kernels(layout, packed) -> bool:
+    """A group of one table runs on the single-table kernels (``ops.fused_bag``, so the
+    forward without a gradient is their chunked ``flowtt_bag_fwd``, as for
+    ``tt_embedding_bag``): those kernels are tuned for one table's ids (T = 1 is S1), the
+    table-batched ones pay for the many-table bookkeeping. Only where the packed cores are
+    exactly that table's cores: not a device's slot of a table-wise layout
+    (``DeviceGroupLayout``: cores padded to the largest table of the slot, row shapes that
+    differ from device to device)."""
+    if not isinstance(layout, GroupLayout) or layout.num_tables != 1:
+        return False
+    if tuple(c.shape for c in packed) != tuple(layout.specs[0].core_shapes):
+        return False
+    if any(c.dtype != jnp.float32 for c in packed):
         return False
     return jax.default_backend() != "gpu" or ffi.cuda_unsupported_reason(packed) is None

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
-from flowtt_jax.batched import kernels_unsupported_reason, tt_embedding_bag_group
+from flowtt_jax.batched import _takes_single_table_kernels, kernels_unsupported_reason, tt_embedding_bag_group
 from flowtt_jax.batched_plan import GroupLayout, make_group_plan, plan_rows
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -280,6 +280,12 @@ def test_one_table_group_runs_the_single_table_kernels():
     got, want = loss(group)(packed, w), loss(single)(packed, w)
     for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert np.asarray(g).tobytes() == np.asarray(x).tobytes()
+    # a device's slot of a table-wise layout is padded to its largest table: never taken
+    # as that table's cores
+    padded = tuple(jnp.pad(c, ((0, 1), (0, 0), (0, 0), (0, 0))) for c in packed)
+    assert _takes_single_table_kernels(layout, packed)
+    assert not _takes_single_table_kernels(layout, padded)
+    assert not _takes_single_table_kernels(LAYOUT, make_packed(21))
 
 
 def test_bad_arguments_are_named():
