@@ -3,8 +3,9 @@
 #   scripts/gpu_check.sh test   build + GPU tests (pytest -m gpu) + compute-sanitizer + CUDA harness
 #   scripts/gpu_check.sh full   as test, but the whole tests/ on the GPU backend (the gpu tests
 #                               included); FULL_TESTS="tests/a.py tests/b.py ..." for a part. With
-#                               pytest-xdist installed the tests run in WORKERS (8) processes (one
-#                               by one, the suite does not fit a 10-minute device call)
+#                               pytest-xdist installed the tests run in WORKERS (8) processes
+#                               (~3 minutes on an H200); without it, in one process, the whole
+#                               suite does not fit a 10-minute device call
 #   scripts/gpu_check.sh bench  build + the benchmark suite (python -m benchmarks)
 #   scripts/gpu_check.sh sanitize  build + the fuzz corpus under compute-sanitizer, one tool
 #                               after another (scripts/fuzz_sanitize.py; CASES=64,

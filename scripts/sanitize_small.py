@@ -24,18 +24,23 @@ for dim, rank, rows in ((32, 32, (10, 10, 200)), (128, 64, (10, 10, 100))):
     offsets = jnp.asarray(np.sort(np.concatenate([[0, n], rng.integers(0, n, bags - 1)])).astype(np.int32))
     w = jnp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
 
-    def loss(c, ww):
+    def loss(c, ww, ids=ids, offsets=offsets):
         return jnp.sum(ftt.tt_embedding_bag(c, ids, offsets=offsets, weights=ww, impl="ffi") ** 2)
 
     val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(cores, w)
     jax.block_until_ready(grads)
     # unweighted bags: the pooling backward skips the weight gradient
-    unweighted = jax.grad(lambda c: jnp.sum(ftt.tt_embedding_bag(c, ids, offsets=offsets, impl="ffi") ** 2))
+    unweighted = jax.grad(
+        lambda c, ids=ids, offsets=offsets: jnp.sum(
+            ftt.tt_embedding_bag(c, ids, offsets=offsets, impl="ffi") ** 2
+        )
+    )
     jax.block_until_ready(jax.jit(unweighted)(cores))
 
     plan = ffi.plan(ids, rows[2], rows[0] * rows[1] * rows[2])
     for chunk in (64, 100, 1 << 20):  # several chunks (groups split across them) and one
         jax.block_until_ready(jax.jit(ffi.bag_fwd, static_argnums=4)(cores, plan, w, offsets, chunk))
-    jax.block_until_ready(jax.jit(lambda c: ftt.tt_embedding_bag(c, ids, offsets=offsets, impl="ffi"))(cores))
+    no_grad = lambda c, ids=ids, offsets=offsets: ftt.tt_embedding_bag(c, ids, offsets=offsets, impl="ffi")
+    jax.block_until_ready(jax.jit(no_grad)(cores))
     print("dim", dim, "loss", float(val), "grad norms", [float(jnp.linalg.norm(g)) for g in grads[0]])
 print("sanitize_small done")

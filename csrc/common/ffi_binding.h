@@ -10,7 +10,7 @@
 namespace flowtt {
 
 // b.Arg<T>().Arg<Rest>()... (kRet false) or b.Ret<T>().Ret<Rest>()... (kRet true). A
-// Binding is never copied or moved: each step makes the next.
+// Binding is never copied: each step moves it into the next.
 template <bool kRet, typename T, typename... Rest, typename Binding>
 auto BindEach(Binding&& b) {
   if constexpr (sizeof...(Rest) > 0) {

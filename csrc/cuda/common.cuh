@@ -16,13 +16,13 @@
 namespace flowtt {
 
 // ---- work decomposition ----
-constexpr int kThreads = 256;  // threads of the warp tile kernels and the dG1 / dG3 passes
-constexpr int kGT = 256;       // threads of the GEMM tile kernels
-constexpr int kT1F = 32;       // i1 values per forward tile
-constexpr int kT1B = 32;       // i1 values per backward tile
-constexpr int kCH = 64;        // unique ids per chunk (split threshold of a prefix group)
-constexpr int kRPT = 8;        // GEMM rows per thread (tile_gemm_P, tile_fma_8x4)
-constexpr int kPL = 32;        // sorted positions per chunk of the pooling backward
+constexpr int kThreads = 256;    // threads of the warp tile kernels and the dG1 / dG3 passes
+constexpr int kGT = 256;         // threads of the GEMM tile kernels
+constexpr int kT1F = 32;         // i1 values per forward tile
+constexpr int kT1B = 32;         // i1 values per backward tile
+constexpr int kCH = 64;          // unique ids per chunk (split threshold of a prefix group)
+constexpr int kRPT = kTileRows;  // GEMM rows per thread (tile_gemm_P: tile_fma_8x4)
+constexpr int kPL = 32;          // sorted positions per chunk of the pooling backward
 #ifndef FLOWTT_DG3_PARTS
 #define FLOWTT_DG3_PARTS 8
 #endif

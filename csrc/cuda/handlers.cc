@@ -12,7 +12,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <string>
 
 #include "common/op_contract.h"
 #include "cuda/ffi_status.h"

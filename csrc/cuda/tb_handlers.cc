@@ -8,7 +8,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <string>
 
 #include "common/tb_contract.h"
 #include "common/tb_ffi.h"

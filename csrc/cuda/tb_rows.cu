@@ -1,6 +1,8 @@
 // Table-batched rows ops on CUDA: the launchers of cuda/tb_rows.h (scratch layouts, the
 // radix sorts, path choice, launch configuration). The kernels and their design:
 // cuda/tb_fwd_kernels.cuh, cuda/tb_bwd_kernels.cuh.
+#include "cuda/tb_rows.h"  // first (its own block): the header stands alone
+
 #include <cub/cub.cuh>
 
 #include <algorithm>
@@ -8,7 +10,6 @@
 
 #include "cuda/tb_bwd_kernels.cuh"
 #include "cuda/tb_fwd_kernels.cuh"
-#include "cuda/tb_rows.h"
 #include "cuda/tb_sort.cuh"
 
 namespace flowtt::tb {

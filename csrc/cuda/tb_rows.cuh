@@ -190,8 +190,6 @@ __device__ __forceinline__ int tb_find_group(const int* __restrict__ goffs, int 
   return lo;
 }
 
-// Work stealing: the block's next item from *ctr (all threads get it; s_item is a
-// __shared__ int of the caller).
 // The prefix GEMM of a batch of groups sharing a g2 row (tb_fwd_tile_kernel and
 // tb_pcache_kernel), in two steps. Staging: As[a][row] = g1[i1_k][x1][a] for the
 // nR = nb * q1 rows (group k, x1) of the batch, the block's threads over all elements.
@@ -222,6 +220,8 @@ __device__ __forceinline__ void tb_batch_P(const TbDev& d, const float* __restri
   }
 }
 
+// Work stealing: the block's next item from *ctr (all threads get it; s_item is a
+// __shared__ int of the caller).
 __device__ __forceinline__ int tb_claim(int* ctr, int* s_item) {
   __syncthreads();  // every thread has read the previous item
   if (threadIdx.x == 0) *s_item = atomicAdd(ctr, 1);
