@@ -35,65 +35,60 @@ ffi::Error CheckKernelLimits(const CoreShape& s, int64_t n, TTDims* t) {
   return ffi::Error::Success();
 }
 
+// CheckKernelLimits as PrepareLaunch's dims step.
+auto KernelDims(const CoreShape& s, int64_t n) {
+  return [&s, n](TTDims* t) { return CheckKernelLimits(s, n, t); };
+}
+
 ffi::Error RowsFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 g1, F32 g2, F32 g3,
                        S32 unique_ids, S32 group_offsets, S32 counts, ffi::RemainingArgs,
                        F32Out rows) {
-  CoreShape s;
-  TTDims t;
-  int64_t n;
-  if (ffi::Error e = CheckRowsFwd(g1, g2, g3, unique_ids, group_offsets, counts, *rows, &s, &n);
-      e.failure())
-    return e;
-  if (ffi::Error e = CheckKernelLimits(s, n, &t); e.failure()) return e;
-  void* ws;
-  if (ffi::Error e = AllocateScratch(scratch, rows_fwd_scratch_bytes(t, (int)n), &ws); e.failure())
-    return e;
-  return CudaError(rows_fwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(),
+  CoreShape s{};
+  int64_t n = 0;
+  const ffi::Error checked =
+      CheckRowsFwd(g1, g2, g3, unique_ids, group_offsets, counts, *rows, &s, &n);
+  const auto l =
+      PrepareLaunch<TTDims>(checked, n, KernelDims(s, n), rows_fwd_scratch_bytes, scratch);
+  if (l.has_error()) return l.error();
+  return CudaError(rows_fwd(l->t, g1.typed_data(), g2.typed_data(), g3.typed_data(),
                             unique_ids.typed_data(), group_offsets.typed_data(),
-                            counts.typed_data(), (int)n, rows->typed_data(), ws, stream),
+                            counts.typed_data(), l->n, rows->typed_data(), l->ws, stream),
                    "rows_fwd");
 }
 
 ffi::Error RowsBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 g1, F32 g2, F32 g3,
                        F32 d_rows, S32 unique_ids, S32 group_offsets, S32 counts,
                        ffi::RemainingArgs, F32Out dg1, F32Out dg2, F32Out dg3) {
-  CoreShape s;
-  TTDims t;
-  int64_t n;
-  if (ffi::Error e = CheckRowsBwd(g1, g2, g3, d_rows, unique_ids, group_offsets, counts, *dg1, *dg2,
-                                  *dg3, &s, &n);
-      e.failure())
-    return e;
-  if (ffi::Error e = CheckKernelLimits(s, n, &t); e.failure()) return e;
-  void* ws;
-  if (ffi::Error e = AllocateScratch(scratch, rows_bwd_scratch_bytes(t, (int)n), &ws); e.failure())
-    return e;
+  CoreShape s{};
+  int64_t n = 0;
+  const ffi::Error checked =
+      CheckRowsBwd(g1, g2, g3, d_rows, unique_ids, group_offsets, counts, *dg1, *dg2, *dg3, &s, &n);
+  const auto l =
+      PrepareLaunch<TTDims>(checked, n, KernelDims(s, n), rows_bwd_scratch_bytes, scratch);
+  if (l.has_error()) return l.error();
   return CudaError(
-      rows_bwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(), d_rows.typed_data(),
-               unique_ids.typed_data(), group_offsets.typed_data(), counts.typed_data(), (int)n,
-               dg1->typed_data(), dg2->typed_data(), dg3->typed_data(), ws, stream),
+      rows_bwd(l->t, g1.typed_data(), g2.typed_data(), g3.typed_data(), d_rows.typed_data(),
+               unique_ids.typed_data(), group_offsets.typed_data(), counts.typed_data(), l->n,
+               dg1->typed_data(), dg2->typed_data(), dg3->typed_data(), l->ws, stream),
       "rows_bwd");
 }
 
 ffi::Error BagFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 g1, F32 g2, F32 g3,
                       S32 unique_ids, S32 group_offsets, S32 counts, S32 inverse, F32 weights,
                       S32 offsets, ffi::RemainingArgs, F32Out out, int64_t chunk_rows) {
-  CoreShape s;
-  TTDims t;
-  int64_t n, bags;
-  if (ffi::Error e = CheckBagFwd(g1, g2, g3, unique_ids, group_offsets, counts, inverse, weights,
-                                 offsets, *out, chunk_rows, &s, &n, &bags);
-      e.failure())
-    return e;
-  if (ffi::Error e = CheckKernelLimits(s, n, &t); e.failure()) return e;
-  void* ws;
-  if (ffi::Error e = AllocateScratch(scratch, bag_fwd_scratch_bytes(t, (int)n, chunk_rows), &ws);
-      e.failure())
-    return e;
-  return CudaError(bag_fwd(t, g1.typed_data(), g2.typed_data(), g3.typed_data(),
+  CoreShape s{};
+  int64_t n = 0, bags = 0;
+  const ffi::Error checked = CheckBagFwd(g1, g2, g3, unique_ids, group_offsets, counts, inverse,
+                                         weights, offsets, *out, chunk_rows, &s, &n, &bags);
+  const auto l = PrepareLaunch<TTDims>(
+      checked, n, KernelDims(s, n),
+      [&](const TTDims& t, int rows_n) { return bag_fwd_scratch_bytes(t, rows_n, chunk_rows); },
+      scratch);
+  if (l.has_error()) return l.error();
+  return CudaError(bag_fwd(l->t, g1.typed_data(), g2.typed_data(), g3.typed_data(),
                            unique_ids.typed_data(), group_offsets.typed_data(), counts.typed_data(),
-                           inverse.typed_data(), weights.typed_data(), offsets.typed_data(), (int)n,
-                           (int)bags, chunk_rows, out->typed_data(), ws, stream),
+                           inverse.typed_data(), weights.typed_data(), offsets.typed_data(), l->n,
+                           (int)bags, chunk_rows, out->typed_data(), l->ws, stream),
                    "bag_fwd");
 }
 

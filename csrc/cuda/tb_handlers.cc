@@ -28,31 +28,20 @@ ffi::Error TbKernelDims(const TbShape& s, TbDims* t) {
   return ffi::Error::Success();
 }
 
-// What a launch takes: the kernels' dims of the checked shapes, n, and bytes(dims, n) of
-// XLA scratch; else the first error (of the shape checks, the dims, the allocation).
-struct TbLaunch {
-  TbDims t;
-  int n;
-  void* ws;
-};
-
-ffi::ErrorOr<TbLaunch> TbPrepareLaunch(const ffi::ErrorOr<TbChecked>& c,
-                                       size_t (*bytes)(const TbDims&, int),
-                                       ffi::ScratchAllocator& scratch) {
+// PrepareLaunch after the table-batched shape checks (their error first).
+ffi::ErrorOr<Launch<TbDims>> TbPrepareLaunch(const ffi::ErrorOr<TbChecked>& c,
+                                             size_t (*bytes)(const TbDims&, int),
+                                             ffi::ScratchAllocator& scratch) {
   if (c.has_error()) return ffi::Unexpected<ffi::Error>(c.error());
-  TbLaunch l{};
-  l.n = (int)c->n;
-  if (ffi::Error e = TbKernelDims(c->s, &l.t); e.failure()) return ffi::Unexpected<ffi::Error>(e);
-  if (ffi::Error e = AllocateScratch(scratch, bytes(l.t, l.n), &l.ws); e.failure()) {
-    return ffi::Unexpected<ffi::Error>(e);
-  }
-  return l;
+  const TbShape& s = c->s;
+  return PrepareLaunch<TbDims>(
+      ffi::Error::Success(), c->n, [&s](TbDims* t) { return TbKernelDims(s, t); }, bytes, scratch);
 }
 
 ffi::Error TbRowsFwdCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, TbF32 g1, TbF32 g2,
                              TbF32 g3, TbS32 u_i3, TbS32 g_i1, TbS32 g_i2, TbS32 group_offsets,
                              TbS32 counts, ffi::RemainingArgs, TbF32Out rows) {
-  const ffi::ErrorOr<TbLaunch> l =
+  const ffi::ErrorOr<Launch<TbDims>> l =
       TbPrepareLaunch(TbCheckFwdBuffers(g1, g2, g3, u_i3, g_i1, g_i2, group_offsets, counts, *rows),
                       tb_rows_fwd_scratch_bytes, scratch);
   if (l.has_error()) return l.error();
@@ -67,7 +56,7 @@ ffi::Error TbRowsBwdCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                              TbF32 g3, TbF32 d_rows, TbS32 u_i3, TbS32 g_i1, TbS32 g_i2,
                              TbS32 group_offsets, TbS32 counts, ffi::RemainingArgs, TbF32Out dg1,
                              TbF32Out dg2, TbF32Out dg3) {
-  const ffi::ErrorOr<TbLaunch> l =
+  const ffi::ErrorOr<Launch<TbDims>> l =
       TbPrepareLaunch(TbCheckBwdBuffers(g1, g2, g3, d_rows, u_i3, g_i1, g_i2, group_offsets, counts,
                                         *dg1, *dg2, *dg3),
                       tb_rows_bwd_scratch_bytes, scratch);
