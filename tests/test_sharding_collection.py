@@ -266,9 +266,13 @@ def _check_collection() -> None:
         print(name, "forward", fwd_coll, "gradient", grad_coll)
         assert fwd_coll["all-gather"] == grad_coll["all-gather"] == 0, (name, fwd_coll, grad_coll)
         assert_no_host_callback(grad_text)
-        # the table-batched kernels when this build has them (else the shape groups run
-        # the reference): one pooling call per shape group
-        pools = re.findall(r"= f32\[(\d+),\d+\]\S* custom-call\([^\n]*flowtt_bag_pool_fwd", fwd_text)
+        # the kernels when this build has them (else the shape groups run the reference):
+        # one pooling call per shape group (the table-batched pooling, or the fused
+        # single-table forward of a one-table group; a table-wise device slot is padded,
+        # so always table-batched)
+        pools = re.findall(r"= f32\[(\d+),\d+\]\S* custom-call\([^\n]*\"flowtt_bag_(?:pool_)?fwd\"", fwd_text)
+        single = re.findall(r"custom-call\([^\n]*\"flowtt_bag_fwd\"", fwd_text)
+        assert len(single) == (1 if kernels and name == "data" else 0), (name, single)
         assert len(pools) == (2 if kernels else 0), pools
         if name == "data":
             # no collective in the forward: each device pools its own bags (2 per feature)
