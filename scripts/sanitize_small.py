@@ -1,5 +1,6 @@
-"""Small forward+backward through the CUDA FFI path (for compute-sanitizer), and the
-no-gradient fused forward (flowtt_bag_fwd) with one chunk and with several."""
+"""Small forward+backward through the CUDA FFI path (for compute-sanitizer), the
+no-gradient fused forward (flowtt_bag_fwd) with one chunk and with several, and a single id
+(a one-item plan: initcheck flagged two of its reads once)."""
 
 import jax
 import jax.numpy as jnp
@@ -43,4 +44,10 @@ for dim, rank, rows in ((32, 32, (10, 10, 200)), (128, 64, (10, 10, 100))):
     no_grad = lambda c, ids=ids, offsets=offsets: ftt.tt_embedding_bag(c, ids, offsets=offsets, impl="ffi")
     jax.block_until_ready(jax.jit(no_grad)(cores))
     print("dim", dim, "loss", float(val), "grad norms", [float(jnp.linalg.norm(g)) for g in grads[0]])
+one = jnp.array([spec.num_embeddings - 1], jnp.int32)
+single = jax.value_and_grad(
+    lambda c: jnp.sum(ftt.tt_embedding_bag(c, one, offsets=jnp.array([0, 1], jnp.int32), impl="ffi") ** 2)
+)
+jax.block_until_ready(jax.jit(single)(cores))
+print("one id: row", np.asarray(ftt.tt_lookup(cores, one, impl="ffi"))[0, :3])
 print("sanitize_small done")
