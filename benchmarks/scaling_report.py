@@ -8,7 +8,6 @@ case: efficiencies are against the same run's 1-GPU throughput, as the script co
 from __future__ import annotations
 
 import glob
-import json
 import os
 from pathlib import Path
 
@@ -17,13 +16,9 @@ SCALING = os.path.join("benchmarks", "results", "scaling")
 
 def load_runs(folder: str = SCALING) -> list[dict]:
     """The scaling JSON of ``folder``, newest first (by their ``date``)."""
-    runs = []
-    for path in glob.glob(os.path.join(folder, "scaling_*.json")):
-        with open(path) as f:
-            doc = json.load(f)
-        doc["_path"] = path
-        runs.append(doc)
-    return sorted(runs, key=lambda d: d.get("date", ""), reverse=True)
+    from .report import load, newest_first  # report imports this module
+
+    return newest_first(load(sorted(glob.glob(os.path.join(folder, "scaling_*.json")))))
 
 
 def newest_cases(runs: list[dict]) -> list[tuple[dict, tuple[str, int], list[dict]]]:

@@ -31,6 +31,7 @@ from . import ffi, reference
 from .bag import MODES, canonical_bags
 from .batched_plan import GroupLayout, GroupPlan, make_group_plan
 from .oob import OOB_POLICIES, as_ids, park_dropped, saturate_int32
+from .ops import choose_impl as choose_single_table_impl
 from .ops import fused_bag
 from .plan import Plan
 
@@ -275,7 +276,7 @@ def pooled_group(
     prepared inputs: ids [n] int32 in range of their tables [n] int32, valid CSR
     ``offsets [num_bags + 1]``, ``bag_ids [n]`` in ``[0, num_bags)`` and effective weights
     [n] (modes and dropped ids folded in); n >= 1. ``weighted`` (static): the weights'
-    gradient is wanted; ``impl``: ``"ffi"`` or ``"reference"`` (as ``_choose_impl`` gives).
+    gradient is wanted; ``impl``: ``"ffi"`` or ``"reference"`` (as ``choose_impl`` gives).
     """
     c32 = tuple(c.astype(jnp.promote_types(c.dtype, jnp.float32)) for c in packed)
     num_bags = offsets.shape[0] - 1
@@ -300,6 +301,4 @@ def _takes_single_table_kernels(layout, packed) -> bool:
         return False
     if tuple(c.shape for c in packed) != tuple(layout.specs[0].core_shapes):
         return False
-    if any(c.dtype != jnp.float32 for c in packed):
-        return False
-    return jax.default_backend() != "gpu" or ffi.cuda_unsupported_reason(packed) is None
+    return choose_single_table_impl("auto", packed) == "ffi"

@@ -89,7 +89,10 @@ def _fused_bag_bwd(weighted, res, dout):
 fused_bag.defvjp(_fused_bag_fwd, _fused_bag_bwd)
 
 
-def _choose_impl(impl: str, cores: Sequence[jax.Array]) -> str:
+def choose_impl(impl: str, cores: Sequence[jax.Array]) -> str:
+    """``"ffi"`` or ``"reference"`` for ``impl`` in ``IMPLS`` and these cores: ``"auto"``
+    takes the single-table kernels where the build, the dtypes and the platform's shape
+    limits allow; ``"ffi"`` raises ``ValueError`` where they do not."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     kernel_ok = len(cores) == 3 and all(c.dtype in _KERNEL_DTYPES for c in cores)
@@ -161,7 +164,7 @@ def tt_embedding_bag(
         whatever the cores' dtype, and cast once at the end.
     """
     cores = as_cores(cores)
-    impl = _choose_impl(impl, cores)
+    impl = choose_impl(impl, cores)
     n_rows = TTSpec.from_cores(cores, num_embeddings).num_embeddings
     form = dict(offsets=offsets, segment_ids=segment_ids, num_bags=num_bags, mask=mask, weights=weights)
     bags = prepare_bags(ids, num_embeddings=n_rows, oob=oob, mode=mode, **form)
@@ -195,7 +198,7 @@ def tt_lookup(
     ``oob`` as there (an ``oob="zero"`` row is exactly 0 even where row 0 is not finite).
     """
     cores = as_cores(cores)
-    impl = _choose_impl(impl, cores)
+    impl = choose_impl(impl, cores)
     n_rows = TTSpec.from_cores(cores, num_embeddings).num_embeddings
     ids = as_ids(ids, oob)
     check_sizes(ids.size, ids.size)
