@@ -11,4 +11,10 @@ struct CoreShape {
   int64_t rows() const { return p1 * p2 * p3; }
 };
 
+// The same extents as the CUDA launchers take them (each checked < 2^31 by the handlers).
+struct TTDims {
+  int p1, p2, p3, q1, q2, q3, r1, r2;
+  int D() const { return q1 * q2 * q3; }
+};
+
 }  // namespace flowtt

@@ -7,13 +7,13 @@
 #include <cstdint>
 #include <string>
 
+#include "common/core_shape.h"
+
 namespace flowtt::tb {
 
-// Packed cores g1 [P1,1,q1,r1], g2 [P2,r1,q2,r2], g3 [P3,r2,q3,1].
-struct TbShape {
-  int64_t P1, P2, P3, q1, q2, q3, r1, r2;
-  int64_t dim() const { return q1 * q2 * q3; }
-};
+// Packed cores g1 [p1,1,q1,r1], g2 [p2,r1,q2,r2], g3 [p3,r2,q3,1]: p_k the packed rows of
+// core k over all tables of the group.
+using TbShape = CoreShape;
 
 constexpr int64_t kTbInt32Limit = int64_t{1} << 31;
 
@@ -25,7 +25,7 @@ std::string TbDimsString(const Dims& d) {
 }
 
 // The three packed cores: 4-D, ranks chaining as (1, r1, r2, 1), every extent >= 1 and
-// P1, P2, P3 < 2^31 (the plan's int32 row indices). Fills *s.
+// p1, p2, p3 < 2^31 (the plan's int32 row indices). Fills *s.
 template <typename Dims>
 std::string TbReadCores(const Dims& g1, const Dims& g2, const Dims& g3, TbShape* s) {
   if (g1.size() != 4 || g2.size() != 4 || g3.size() != 4) {
@@ -37,10 +37,10 @@ std::string TbReadCores(const Dims& g1, const Dims& g2, const Dims& g3, TbShape*
            TbDimsString(g2) + ", " + TbDimsString(g3);
   }
   *s = {g1[0], g2[0], g3[0], g1[2], g2[2], g3[2], g1[3], g2[3]};
-  for (int64_t v : {s->P1, s->P2, s->P3, s->q1, s->q2, s->q3, s->r1, s->r2}) {
+  for (int64_t v : {s->p1, s->p2, s->p3, s->q1, s->q2, s->q3, s->r1, s->r2}) {
     if (v < 1) return "flowtt_tb: every core extent must be >= 1";
   }
-  if (s->P1 >= kTbInt32Limit || s->P2 >= kTbInt32Limit || s->P3 >= kTbInt32Limit) {
+  if (s->p1 >= kTbInt32Limit || s->p2 >= kTbInt32Limit || s->p3 >= kTbInt32Limit) {
     return "flowtt_tb: packed core rows must be < 2^31";
   }
   return "";

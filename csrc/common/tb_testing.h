@@ -51,7 +51,7 @@ struct TbTable {
 
 struct TbCase {
   std::string name;
-  TbShape s;  // packed extents P1, P2, P3 and the shared q, r
+  TbShape s;  // packed extents p1, p2, p3 and the shared q, r
   std::vector<TbTable> tables;
   std::vector<int32_t> ids, tab;  // one (id, table) per position
 };
@@ -63,10 +63,10 @@ inline TbCase TbStack(const std::string& name, int64_t q1, int64_t q2, int64_t q
   c.name = name;
   c.s = {0, 0, 0, q1, q2, q3, r1, r2};
   for (const auto& sh : shapes) {  // {N, p1, p2, p3}
-    c.tables.push_back({sh[0], sh[1], sh[2], sh[3], c.s.P1, c.s.P2, c.s.P3});
-    c.s.P1 += sh[1];
-    c.s.P2 += sh[2];
-    c.s.P3 += sh[3];
+    c.tables.push_back({sh[0], sh[1], sh[2], sh[3], c.s.p1, c.s.p2, c.s.p3});
+    c.s.p1 += sh[1];
+    c.s.p2 += sh[2];
+    c.s.p3 += sh[3];
   }
   return c;
 }
@@ -155,8 +155,8 @@ struct TbCores {
 };
 
 inline TbCores TbRandomCores(const TbShape& s, uint64_t seed) {
-  return {TbRandom(s.P1 * s.q1 * s.r1, seed), TbRandom(s.P2 * s.r1 * s.q2 * s.r2, seed + 1),
-          TbRandom(s.P3 * s.r2 * s.q3, seed + 2)};
+  return {TbRandom(s.p1 * s.q1 * s.r1, seed), TbRandom(s.p2 * s.r1 * s.q2 * s.r2, seed + 1),
+          TbRandom(s.p3 * s.r2 * s.q3, seed + 2)};
 }
 
 // Packed rows (i1, i2, i3) of unique u, from its (table, id).
@@ -294,7 +294,7 @@ inline std::vector<TbCase> TbStandardCases() {
      // q1 = 1, q2 = 8, r1 = 64, r2 = 8
     TbCase c = TbStack("shared_g2", 1, 8, 2, 64, 8, {{640, 8, 8, 10}, {800, 10, 8, 10}});
     c.tables[1].o2 = 0;
-    c.s.P2 = 8;
+    c.s.p2 = 8;
     TbAddIds(&c, 0, 900, 2.0, &rng);
     TbAddIds(&c, 1, 900, 2.0, &rng);
     last_rows(&c);

@@ -118,15 +118,14 @@ ffi::Error PlanImpl(S32 ids, ffi::RemainingArgs, S32Out perm, S32Out inverse, S3
 }  // namespace
 }  // namespace flowtt
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttRowsFwdCpu, flowtt::RowsFwdImpl,
-                              flowtt::BindRowsFwd(xla::ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttRowsBwdCpu, flowtt::RowsBwdImpl,
-                              flowtt::BindRowsBwd(xla::ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolFwdCpu, flowtt::PoolFwdImpl,
-                              flowtt::BindPoolFwd(xla::ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttBagFwdCpu, flowtt::BagFwdImpl,
-                              flowtt::BindBagFwd(xla::ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolBwdCpu, flowtt::PoolBwdImpl,
-                              flowtt::BindPoolBwd(xla::ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPlanCpu, flowtt::PlanImpl,
-                              flowtt::BindPlan(xla::ffi::Ffi::Bind()));
+// One handler symbol per op: FlowttOpCpu runs flowtt::OpImpl with the contract's binding.
+#define FLOWTT_CPU_HANDLER(Op)                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Flowtt##Op##Cpu, flowtt::Op##Impl, \
+                                flowtt::Bind##Op(xla::ffi::Ffi::Bind()))
+
+FLOWTT_CPU_HANDLER(RowsFwd);
+FLOWTT_CPU_HANDLER(RowsBwd);
+FLOWTT_CPU_HANDLER(PoolFwd);
+FLOWTT_CPU_HANDLER(BagFwd);
+FLOWTT_CPU_HANDLER(PoolBwd);
+FLOWTT_CPU_HANDLER(Plan);

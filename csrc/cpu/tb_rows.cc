@@ -43,14 +43,14 @@ std::string TbCheckPlanValues(const TbShape& s, const TbPlan& p) {
   }
   for (int32_t g = 0; g < p.num_groups; ++g) {
     if (go[g + 1] < go[g]) return "flowtt_tb: group_offsets must be non-decreasing";
-    if (p.g_i1[g] < 0 || p.g_i1[g] >= s.P1) return OutOfRange("g_i1", g, p.g_i1[g], s.P1);
-    if (p.g_i2[g] < 0 || p.g_i2[g] >= s.P2) return OutOfRange("g_i2", g, p.g_i2[g], s.P2);
+    if (p.g_i1[g] < 0 || p.g_i1[g] >= s.p1) return OutOfRange("g_i1", g, p.g_i1[g], s.p1);
+    if (p.g_i2[g] < 0 || p.g_i2[g] >= s.p2) return OutOfRange("g_i2", g, p.g_i2[g], s.p2);
     if (g > 0 && p.g_i1[g] < p.g_i1[g - 1]) {
       return "flowtt_tb: g_i1 must be non-decreasing over the groups";
     }
   }
   for (int32_t u = 0; u < p.num_unique; ++u) {
-    if (p.u_i3[u] < 0 || p.u_i3[u] >= s.P3) return OutOfRange("u_i3", u, p.u_i3[u], s.P3);
+    if (p.u_i3[u] < 0 || p.u_i3[u] >= s.p3) return OutOfRange("u_i3", u, p.u_i3[u], s.p3);
   }
   return "";
 }
@@ -85,9 +85,9 @@ std::string TbRowsBwd(const TbShape& s, const float* g1, const float* g2, const 
   if (std::string e = TbCheckPlanValues(s, p); !e.empty()) return e;
   const int64_t K = s.q2 * s.r2, M = s.q1 * s.q2, D = s.dim();
   const int64_t s1 = s.q1 * s.r1, s2 = s.r1 * K, s3 = s.r2 * s.q3;  // core row sizes
-  std::memset(dg1, 0, sizeof(float) * s.P1 * s1);
-  std::memset(dg2, 0, sizeof(float) * s.P2 * s2);
-  std::memset(dg3, 0, sizeof(float) * s.P3 * s3);
+  std::memset(dg1, 0, sizeof(float) * s.p1 * s1);
+  std::memset(dg2, 0, sizeof(float) * s.p2 * s2);
+  std::memset(dg3, 0, sizeof(float) * s.p3 * s3);
   std::vector<float> P(M * s.r2), dP(M * s.r2), term(s2);
   for (int32_t g = 0; g < p.num_groups; ++g) {
     const int32_t u0 = p.group_offsets[g], u1 = p.group_offsets[g + 1];

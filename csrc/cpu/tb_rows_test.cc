@@ -105,9 +105,9 @@ void PlanValidation() {
     edit(p);
     ExpectPlanError(c, p, what);
   };
-  bad("u_i3 = P3", [&](TbHostPlan& p) { p.u_i3[p.U - 1] = (int32_t)c.s.P3; });
+  bad("u_i3 = p3", [&](TbHostPlan& p) { p.u_i3[p.U - 1] = (int32_t)c.s.p3; });
   bad("u_i3 < 0", [&](TbHostPlan& p) { p.u_i3[0] = -1; });
-  bad("g_i1 = P1", [&](TbHostPlan& p) { p.g_i1[p.G - 1] = (int32_t)c.s.P1; });
+  bad("g_i1 = p1", [&](TbHostPlan& p) { p.g_i1[p.G - 1] = (int32_t)c.s.p1; });
   bad("g_i2 < 0", [&](TbHostPlan& p) { p.g_i2[3] = -5; });
   bad("g_i1 decreasing", [&](TbHostPlan& p) { std::swap(p.g_i1[0], p.g_i1[p.G - 1]); });
   bad("num_unique > n", [&](TbHostPlan& p) { p.counts[0] = (int32_t)p.n + 1; });
@@ -125,7 +125,7 @@ void ShapeValidation() {
   const V g1{10, 1, 2, 8}, g2{12, 8, 4, 6}, g3{14, 6, 4, 1}, v{5}, go{6}, cnt{2}, rows{5, 32};
   TbShape s;
   int64_t n;
-  TbReport(TbCheckFwd(g1, g2, g3, v, v, v, go, cnt, rows, &s, &n).empty() && n == 5 && s.P2 == 12 &&
+  TbReport(TbCheckFwd(g1, g2, g3, v, v, v, go, cnt, rows, &s, &n).empty() && n == 5 && s.p2 == 12 &&
                s.r2 == 6,
            "shape check accepts a valid forward");
   TbReport(TbCheckBwd(g1, g2, g3, rows, v, v, v, go, cnt, g1, g2, g3, &s, &n).empty(),
@@ -146,7 +146,7 @@ void ShapeValidation() {
           "d_rows [n-1, D]");
   rejects(TbCheckBwd(g1, g2, g3, rows, v, v, v, go, cnt, g1, g3, g3, &s, &n), "dg2 of g3's shape");
   rejects(TbCheckFwd(V{int64_t{1} << 31, 1, 2, 8}, g2, g3, v, v, v, go, cnt, rows, &s, &n),
-          "P1 = 2^31");
+          "p1 = 2^31");
 }
 
 }  // namespace

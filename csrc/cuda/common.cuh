@@ -129,6 +129,28 @@ __device__ __forceinline__ int claim_tile_block(int* counter, int first, int& sl
   return t;
 }
 
+// Group g's unique ids [gs, ge): group_offsets[g], group_offsets[g + 1] clamped into [0, U]
+// (a malformed plan reads nothing out of range).
+__device__ __forceinline__ void group_ids(const int* __restrict__ goffs, int g, int U, int& gs,
+                                          int& ge) {
+  gs = clampi(goffs[g], 0, U);
+  ge = clampi(goffs[g + 1], gs, U);
+}
+
+// Tile t of the prefix grid (i2 = t % p2, i1 from i1b = (t / p2) * T1): the prefix map's
+// group of prefix (i1b + threadIdx.x, i2) when this thread is one of the tile's T1 and that
+// prefix exists and `keep(group)` holds, else -1.
+template <int T1, typename Dims, typename Keep>
+__device__ __forceinline__ int tile_prefix_group(const Dims& d, const int* __restrict__ map, int t,
+                                                 int& i1b, int& i2, Keep keep) {
+  i2 = t % d.p2;
+  i1b = (t / d.p2) * T1;
+  const int i1 = i1b + (int)threadIdx.x;
+  if (threadIdx.x >= T1 || i1 >= d.p1) return -1;
+  const int g = map[i1 * d.p2 + i2];
+  return g >= 0 && keep(g) ? g : -1;
+}
+
 inline int num_sms() {
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess)

@@ -156,15 +156,15 @@ auto WithStreamAndScratch() { return WithStream().Ctx<ffi::ScratchAllocator>(); 
 }  // namespace
 }  // namespace flowtt
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttRowsFwdCuda, flowtt::RowsFwdImpl,
-                              flowtt::BindRowsFwd(flowtt::WithStreamAndScratch()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttRowsBwdCuda, flowtt::RowsBwdImpl,
-                              flowtt::BindRowsBwd(flowtt::WithStreamAndScratch()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttBagFwdCuda, flowtt::BagFwdImpl,
-                              flowtt::BindBagFwd(flowtt::WithStreamAndScratch()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolFwdCuda, flowtt::PoolFwdImpl,
-                              flowtt::BindPoolFwd(flowtt::WithStream()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPoolBwdCuda, flowtt::PoolBwdImpl,
-                              flowtt::BindPoolBwd(flowtt::WithStreamAndScratch()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttPlanCuda, flowtt::PlanImpl,
-                              flowtt::BindPlan(flowtt::WithStreamAndScratch()));
+// One handler symbol per op: FlowttOpCuda runs flowtt::OpImpl with the contract's binding
+// behind the context it needs (the stream, and the scratch allocator where it takes one).
+#define FLOWTT_CUDA_HANDLER(Op, Context)                            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Flowtt##Op##Cuda, flowtt::Op##Impl, \
+                                flowtt::Bind##Op(flowtt::Context()))
+
+FLOWTT_CUDA_HANDLER(RowsFwd, WithStreamAndScratch);
+FLOWTT_CUDA_HANDLER(RowsBwd, WithStreamAndScratch);
+FLOWTT_CUDA_HANDLER(BagFwd, WithStreamAndScratch);
+FLOWTT_CUDA_HANDLER(PoolFwd, WithStream);
+FLOWTT_CUDA_HANDLER(PoolBwd, WithStreamAndScratch);
+FLOWTT_CUDA_HANDLER(Plan, WithStreamAndScratch);

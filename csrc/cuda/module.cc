@@ -30,13 +30,13 @@ NB_MODULE(_flowtt_cuda, m) {
           return why == nullptr ? nb::none() : nb::cast(std::string(why));
         });
   m.def("tb_unsupported_reason",
-        [](int P1, int P2, int P3, int q1, int q2, int q3, int r1, int r2) -> nb::object {
-          const char* why = flowtt::tb::tb_check_dims({P1, P2, P3, q1, q2, q3, r1, r2});
+        [](int p1, int p2, int p3, int q1, int q2, int q3, int r1, int r2) -> nb::object {
+          const char* why = flowtt::tb::tb_check_dims({p1, p2, p3, q1, q2, q3, r1, r2});
           return why == nullptr ? nb::none() : nb::cast(std::string(why));
         });
   m.def("tb_scratch_bytes",
-        [](int P1, int P2, int P3, int q1, int q2, int q3, int r1, int r2, int n) {
-          const flowtt::tb::TbDims t{P1, P2, P3, q1, q2, q3, r1, r2};
+        [](int p1, int p2, int p3, int q1, int q2, int q3, int r1, int r2, int n) {
+          const flowtt::tb::TbDims t{p1, p2, p3, q1, q2, q3, r1, r2};
           nb::dict d;
           d["tb_rows_fwd"] = flowtt::tb::tb_rows_fwd_scratch_bytes(t, n);
           d["tb_rows_bwd"] = flowtt::tb::tb_rows_bwd_scratch_bytes(t, n);

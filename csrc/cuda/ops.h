@@ -10,6 +10,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/core_shape.h"
+
 // The backward stages rows_bwd runs, bit i for stage i: 1 tile kernel, 2 dG2 reduce,
 // 4 dG1 reduce, 8 dG3 keys, 16 i3 sort, 32 dG3. A profiling build of the harness
 // (scripts/tune_harness.sh "-DFLOWTT_STAGE_MASK=3" ...) runs a prefix of them to time
@@ -19,12 +21,6 @@
 #endif
 
 namespace flowtt {
-
-// Core shapes: g1 [p1,1,q1,r1], g2 [p2,r1,q2,r2], g3 [p3,r2,q3,1].
-struct TTDims {
-  int p1, p2, p3, q1, q2, q3, r1, r2;
-  int D() const { return q1 * q2 * q3; }
-};
 
 // nullptr when the CUDA kernels support these dims, else a message.
 const char* check_dims(const TTDims& d);

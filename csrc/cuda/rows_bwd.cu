@@ -67,16 +67,10 @@ __global__ void __launch_bounds__(kThreads)
   for (;;) {
     const int t = claim_tile_block(ctrl, 0, s_item);
     if (t >= nTiles) break;
-    const int i2 = t % d.p2;
-    const int i1b = (t / d.p2) * kT1B;
-    int gk = -1;
-    if (tid < kT1B) {
-      if (i1b + tid < d.p1) {
-        gk = map[(i1b + tid) * d.p2 + i2];
-        if (gk >= G || gk >= slots) gk = -1;
-      }
-      s_g[tid] = gk;
-    }
+    int i1b, i2;
+    const int gk =
+        tile_prefix_group<kT1B>(d, map, t, i1b, i2, [&](int x) { return x < G && x < slots; });
+    if (tid < kT1B) s_g[tid] = gk;
     if (tid < 32) {  // ordered list of present groups
       const bool v = (tid < kT1B) && gk >= 0;
       const unsigned bal = __ballot_sync(0xffffffffu, v);
@@ -103,8 +97,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = warp; k < kT1B; k += nwarps) {
       const int g = s_g[k];
       if (g < 0) continue;
-      const int gs = clampi(goffs[g], 0, U);
-      const int ge = clampi(goffs[g + 1], gs, U);
+      int gs, ge;
+      group_ids(goffs, g, U, gs, ge);
       warp_group_P<Q1C>(d, g1, i1b + k, G1w, G2s, LS, Pw, lane);
       {
         float* pb = Pbuf + (size_t)g * d.PSZ;
@@ -311,17 +305,13 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
     __syncthreads();
     const int t = s_next;
     if (t >= nTiles) break;
-    const int i2 = t % d.p2;
-    const int i1b = (t / d.p2) * kT1B;
+    int i1b, i2;
+    const int g =
+        tile_prefix_group<kT1B>(d, map, t, i1b, i2, [&](int x) { return x < G && x < slots; });
     if (tid < 32) {  // compact the present groups
-      int g = -1, gs = 0, ge = 0;
-      if (tid < kT1B && i1b + tid < d.p1) {
-        g = map[(i1b + tid) * d.p2 + i2];
-        if (g >= G || g >= slots) g = -1;
-      }
+      int gs = 0, ge = 0;
       if (g >= 0) {
-        gs = clampi(goffs[g], 0, U);
-        ge = clampi(goffs[g + 1], gs, U);
+        group_ids(goffs, g, U, gs, ge);
       }
       const unsigned bal = __ballot_sync(0xffffffffu, g >= 0);
       const int pos = __popc(bal & ((1u << tid) - 1u));

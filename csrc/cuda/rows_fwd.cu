@@ -126,8 +126,8 @@ __device__ __forceinline__ int claim_chunk_tail(const Dev& d, int* counter, int 
   split_id(d, uids[u0], i1, i2, i3);
   const int g = map[i1 * d.p2 + i2];
   if (g < 0 || g >= G) return 0;
-  const int gs = clampi(goffs[g], 0, U);
-  const int ge = clampi(goffs[g + 1], gs, U);
+  int gs, ge;
+  group_ids(goffs, g, U, gs, ge);
   if (u0 < gs || u0 >= ge) return 0;  // never, for a valid plan
   a = max(u0, gs + kCH);
   bnd = min(u1, ge);
@@ -184,25 +184,19 @@ __global__ void __launch_bounds__(kThreads)
   for (;;) {
     const int t = claim_tile_block(ctrl, t_lo, s_item);
     if (t >= t_hi) break;
-    const int i2 = t % d.p2;
-    const int i1b = (t / d.p2) * kT1F;
-    int gk = -1;
-    if (tid < kT1F) {
-      if (i1b + tid < d.p1) {
-        gk = map[(i1b + tid) * d.p2 + i2];
-        if (gk < 0 || gk >= G || goffs[gk] >= end || goffs[gk + 1] <= lo) gk = -1;
-      }
-      s_g[tid] = gk;
-    }
+    int i1b, i2;
+    const int gk = tile_prefix_group<kT1F>(
+        d, map, t, i1b, i2, [&](int x) { return x < G && goffs[x] < end && goffs[x + 1] > lo; });
+    if (tid < kT1F) s_g[tid] = gk;
     if (!__syncthreads_or(gk >= 0)) continue;
     load_smem(G2s, g2 + (size_t)i2 * d.R1Q2R2, d.R1Q2R2);
     __syncthreads();
     for (int k = warp; k < kT1F; k += nwarps) {
       const int g = s_g[k];
       if (g < 0) continue;
-      const int gs = clampi(goffs[g], 0, U);
-      const int ge = clampi(goffs[g + 1], gs, U);
       warp_group_P<Q1C>(d, g1, i1b + k, G1w, G2s, d.q2 * d.r2, Pw, lane);
+      int gs, ge;
+      group_ids(goffs, g, U, gs, ge);
       const int sz = ge - gs;
       if (sz > kCH) {
         const int slot = ckpt_slot(gs, lo);
@@ -370,17 +364,12 @@ __global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
     __syncthreads();
     const int t = s_next;
     if (t >= t_hi) break;
-    const int i2 = t % d.p2;
-    const int i1b = (t / d.p2) * kT1F;
+    int i1b, i2;
+    int g = tile_prefix_group<kT1F>(d, map, t, i1b, i2, [&](int x) { return x < G; });
     if (tid < 32) {  // compact the present groups, scan their (capped) sizes
-      int g = -1, first = 0, cnt = 0, gs = 0, ge = 0;
-      if (tid < kT1F && i1b + tid < d.p1) {
-        g = map[(i1b + tid) * d.p2 + i2];
-        if (g >= G) g = -1;
-      }
+      int first = 0, cnt = 0, gs = 0, ge = 0;
       if (g >= 0) {
-        gs = clampi(goffs[g], 0, U);
-        ge = clampi(goffs[g + 1], gs, U);
+        group_ids(goffs, g, U, gs, ge);
         if (gs >= end || ge <= lo) g = -1;  // outside the range
         first = max(gs, lo);
         cnt = max(0, min(min(gs + kCH, ge), end) - first);

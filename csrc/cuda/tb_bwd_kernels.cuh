@@ -102,8 +102,8 @@ __global__ void __launch_bounds__(kTbThreads)
   if (G <= e_cap) return;
   for (;;) {
     const int blk = tb_claim(ctr, &s_item);
-    if ((long long)blk * geo.R >= d.P1) break;
-    const int I0 = blk * geo.R, nrows = min(geo.R, d.P1 - I0);
+    if ((long long)blk * geo.R >= d.p1) break;
+    const int I0 = blk * geo.R, nrows = min(geo.R, d.p1 - I0);
     if (kp == 0) {
       for (int a = tid / KP; a < d.r1; a += kTbThreads / KP)
         for (int r = 0; r < nrows; ++r)
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kTbThreads)
       if (warp == 0) {  // the next steps of the merge
         int cnt = 0, steps = 0;
         while (steps < geo.S) {
-          const int key = h < e ? tb_clamp(__ldg(g_i2 + h), 0, d.P2 - 1) : kNoKey;
+          const int key = h < e ? tb_clamp(__ldg(g_i2 + h), 0, d.p2 - 1) : kNoKey;
           const int m = __reduce_min_sync(0xffffffffu, key);
           if (m == kNoKey) break;
           const unsigned members = __ballot_sync(0xffffffffu, key == m);
@@ -181,6 +181,28 @@ __global__ void __launch_bounds__(kTbThreads)
 
 // ------------------------------- backward: dg2 --------------------------------------
 
+// dst = src (0 where src is nullptr) over this thread's part of a [r1][K] row, as the dg2
+// kernel's kTbThreads threads own it: VEC == 4, owned = (r1/4)*(K/4) 4x4 tiles, else
+// owned = r1*K single elements.
+template <int VEC>
+__device__ __forceinline__ void tb_copy_owned(float* __restrict__ dst,
+                                              const float* __restrict__ src, int K, int owned) {
+  const int K4 = K / 4;
+  for (int t = threadIdx.x; t < owned; t += kTbThreads) {
+    if (VEC == 4) {
+      const int a0 = 4 * (t / K4), c0 = 4 * (t % K4);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int o = (a0 + i) * K + c0;
+        *reinterpret_cast<float4*>(dst + o) =
+            src ? *reinterpret_cast<const float4*>(src + o) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    } else {
+      dst[t] = src ? src[t] : 0.f;
+    }
+  }
+}
+
 // dg2[I] = sum over the groups of I in ascending g (sorted_groups[bounds2[I] ..
 // bounds2[I+1]), a stable sort by g_i2) of g1[g_i1[g]]^T . dP_g. The row [r1][K] is
 // accumulated in shared memory, each element owned by one thread: VEC == 4 (r1 and K
@@ -216,18 +238,9 @@ __global__ void __launch_bounds__(kTbThreads, 3)
   const int gmax = max(G - 1, 0);
   for (;;) {
     const int I = tb_claim(ctr, &s_item);
-    if (I >= d.P2) break;
+    if (I >= d.p2) break;
     const int lo = tb_clamp(bounds2[I], 0, n), hi = tb_clamp(bounds2[I + 1], lo, n);
-    for (int t = tid; t < owned; t += kTbThreads) {
-      if (VEC == 4) {
-        const int a0 = 4 * (t / K4), j0 = 4 * (t % K4);
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          *reinterpret_cast<float4*>(acc + (a0 + i) * d.K + j0) = make_float4(0.f, 0.f, 0.f, 0.f);
-      } else {
-        acc[t] = 0.f;
-      }
-    }
+    tb_copy_owned<VEC>(acc, nullptr, d.K, owned);
     if (with_e && lo < hi)
       for (int i = tid; i < d.R1K; i += kTbThreads) G2s[i] = __ldg(g2 + (size_t)I * d.R1K + i);
     for (int j0 = lo; j0 < hi; j0 += nbatch) {
@@ -236,7 +249,7 @@ __global__ void __launch_bounds__(kTbThreads, 3)
       if (tid < nb) {
         const int g = tb_clamp(__ldg(sorted_groups + j0 + tid), 0, gmax);
         tb_group_range(goffs, g, U, s_gs[tid], s_ge[tid]);
-        s_i1[tid] = tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1);
+        s_i1[tid] = tb_clamp(__ldg(g_i1 + g), 0, d.p1 - 1);
         s_g[tid] = g;
       }
       __syncthreads();
@@ -312,18 +325,7 @@ __global__ void __launch_bounds__(kTbThreads, 3)
         }
       }
     }
-    float* out = dg2 + (size_t)I * d.R1K;
-    for (int t = tid; t < owned; t += kTbThreads) {
-      if (VEC == 4) {
-        const int a0 = 4 * (t / K4), c0 = 4 * (t % K4);
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          *reinterpret_cast<float4*>(out + (a0 + i) * d.K + c0) =
-              *reinterpret_cast<const float4*>(acc + (a0 + i) * d.K + c0);
-      } else {
-        out[t] = acc[t];
-      }
-    }
+    tb_copy_owned<VEC>(dg2 + (size_t)I * d.R1K, acc, d.K, owned);
   }
 }
 
@@ -357,7 +359,7 @@ __global__ void __launch_bounds__(kTbThreads)
   const int lim = min(cap, G);
   for (;;) {
     const int I = tb_claim(ctr, &s_item);
-    if (I >= d.P2) break;
+    if (I >= d.p2) break;
     const int lo = tb_clamp(bounds2[I], 0, n), hi = tb_clamp(bounds2[I + 1], lo, n);
     bool staged = false;
     for (int j0 = lo; j0 < hi; j0 += geo.GB) {
@@ -374,7 +376,7 @@ __global__ void __launch_bounds__(kTbThreads)
         if (keep) {
           const int pos = __popc(kept & ((1u << lane) - 1u));
           s_g[pos] = g;
-          s_i1[pos] = tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1);
+          s_i1[pos] = tb_clamp(__ldg(g_i1 + g), 0, d.p1 - 1);
         }
         if (lane == 0) s_nb = __popc(kept);
       }
@@ -416,7 +418,7 @@ __global__ void tb_dg1_reduce_kernel(TbDev d, const float* __restrict__ E, int e
   int U, G;
   tb_counts(counts, n, U, G);
   if (G > e_cap) return;
-  const long long total = (long long)d.P1 * d.Q1R1;
+  const long long total = (long long)d.p1 * d.Q1R1;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
        i += (long long)gridDim.x * blockDim.x) {
     const int I = (int)(i / d.Q1R1), e = (int)(i - (long long)I * d.Q1R1);
@@ -512,7 +514,7 @@ __global__ void __launch_bounds__(kTbThreads)
   const int P4 = d.PSZ / 4;     // float4s of a cached P (r2 % 4 == 0 when cap > 0)
   for (;;) {
     const int I = tb_warp_claim(ctr, lane);
-    if (I >= d.P3) break;
+    if (I >= d.p3) break;
     const int lo = tb_clamp(bounds3[I], 0, n), hi = tb_clamp(bounds3[I + 1], lo, n);
     float acc[2][kTbQ3Max];
 #pragma unroll
@@ -581,10 +583,10 @@ __global__ void __launch_bounds__(kTbThreads)
         const int g = s_g[warp][k];
         if (g < lim) continue;
         __syncwarp();
-        tb_warp_load_g1(d, g1, tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1), G1s, lane);
+        tb_warp_load_g1(d, g1, tb_clamp(__ldg(g_i1 + g), 0, d.p1 - 1), G1s, lane);
         __syncwarp();
         tb_warp_prefix<Q1C, VEC>(d, G1s,
-                                 g2 + (size_t)tb_clamp(__ldg(g_i2 + g), 0, d.P2 - 1) * d.R1K,
+                                 g2 + (size_t)tb_clamp(__ldg(g_i2 + g), 0, d.p2 - 1) * d.R1K,
                                  S + k * slot, lane);
       }
       __syncwarp();

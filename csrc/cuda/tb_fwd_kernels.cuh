@@ -49,9 +49,9 @@ __global__ void __launch_bounds__(kTbThreads)
       if (gs >= u1) break;
       const int a = max(gs, u0), b = min(ge, u1);
       if (a >= b) continue;
-      tb_warp_load_g1(d, g1, tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1), G1s, lane);
+      tb_warp_load_g1(d, g1, tb_clamp(__ldg(g_i1 + g), 0, d.p1 - 1), G1s, lane);
       __syncwarp();
-      tb_warp_prefix<Q1C, VEC>(d, G1s, g2 + (size_t)tb_clamp(__ldg(g_i2 + g), 0, d.P2 - 1) * d.R1K,
+      tb_warp_prefix<Q1C, VEC>(d, G1s, g2 + (size_t)tb_clamp(__ldg(g_i2 + g), 0, d.p2 - 1) * d.R1K,
                                Pw, lane);
       __syncwarp();
       tb_warp_apply(d, Pw, g3, u_i3, a, b, rows, lane);
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kTbThreads)
   const int gmax = max(G - 1, 0);
   for (;;) {  // phase 1
     const int I = tb_claim(ctr, &s_item);
-    if (I >= d.P2) break;
+    if (I >= d.p2) break;
     const int lo = tb_clamp(bounds2[I], 0, n), hi = tb_clamp(bounds2[I + 1], lo, n);
     if (lo == hi) continue;
     {
@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kTbThreads)
           tb_group_range(goffs, g, U, gs, ge);
           cnt = min(ge - gs, kTbChunk);
           s_gs[lane] = gs;
-          s_i1[lane] = tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1);
+          s_i1[lane] = tb_clamp(__ldg(g_i1 + g), 0, d.p1 - 1);
         }
         int incl = cnt;
         for (int off = 1; off < 32; off <<= 1) {
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kTbThreads)
         for (int step = kTbTileGroups / 2; step > 0; step >>= 1)
           if (k + step < nb && s_pref[k + step] <= uq) k += step;
         const int u = s_gs[k] + (uq - s_pref[k]);
-        const int i3 = tb_clamp(__ldg(u_i3 + u), 0, d.P3 - 1);
+        const int i3 = tb_clamp(__ldg(u_i3 + u), 0, d.p3 - 1);
         const float* P = Ps + k * geo.PT + m;
         const float4* c = reinterpret_cast<const float4*>(g3 + (size_t)i3 * d.S3);
         float acc[Q3];
@@ -182,9 +182,9 @@ __global__ void __launch_bounds__(kTbThreads)
     tb_group_range(goffs, g, U, gs, ge);
     const int a = max(u0, gs + kTbChunk), b = min(ge, u1);
     if (a >= b) continue;
-    tb_warp_load_g1(d, g1, tb_clamp(__ldg(g_i1 + g), 0, d.P1 - 1), G1s, lane);
+    tb_warp_load_g1(d, g1, tb_clamp(__ldg(g_i1 + g), 0, d.p1 - 1), G1s, lane);
     __syncwarp();
-    tb_warp_prefix<0, 4>(d, G1s, g2 + (size_t)tb_clamp(__ldg(g_i2 + g), 0, d.P2 - 1) * d.R1K, Pw,
+    tb_warp_prefix<0, 4>(d, G1s, g2 + (size_t)tb_clamp(__ldg(g_i2 + g), 0, d.p2 - 1) * d.R1K, Pw,
                          lane);
     __syncwarp();
     tb_warp_apply(d, Pw, g3, u_i3, a, b, rows, lane);

@@ -23,7 +23,7 @@ ffi::Error TbKernelDims(const TbShape& s, TbDims* t) {
   for (int64_t v : {s.q1, s.q2, s.q3, s.r1, s.r2}) {
     if (v > 1024) return ffi::Error::InvalidArgument("flowtt_tb CUDA: core extents too large");
   }
-  *t = {(int)s.P1, (int)s.P2, (int)s.P3, (int)s.q1, (int)s.q2, (int)s.q3, (int)s.r1, (int)s.r2};
+  *t = {(int)s.p1, (int)s.p2, (int)s.p3, (int)s.q1, (int)s.q2, (int)s.q3, (int)s.r1, (int)s.r2};
   if (const char* why = tb_check_dims(*t)) return ffi::Error::InvalidArgument(why);
   return ffi::Error::Success();
 }

@@ -112,7 +112,7 @@ cudaError_t tb_radix_sort(const TbSortTmp& t, const int* key_src, int P, const i
 constexpr size_t kTbTileSmemCap = 100 * 1024;
 
 // The groups stably sorted by g_i2 (both ops): two index buffers, the sort's scratch,
-// bounds2 [P2+1].
+// bounds2 [p2+1].
 struct TbGroupSort {
   int *va, *vb, *bounds2;
   TbSortTmp tmp;
@@ -122,7 +122,7 @@ TbGroupSort tb_group_sort_layout(TbBump& bp, const TbDev& d, int n) {
   TbGroupSort s;
   s.va = bp.take<int>(n);
   s.vb = bp.take<int>(n);
-  s.bounds2 = bp.take<int>((size_t)d.P2 + 1);
+  s.bounds2 = bp.take<int>((size_t)d.p2 + 1);
   s.tmp = tb_sort_tmp_layout(bp, n);
   return s;
 }
@@ -134,9 +134,9 @@ int tb_grid_stride_blocks(int n) { return std::max(1, std::min(n / 256 + 1, tb_n
 cudaError_t tb_sort_groups(const TbDev& d, const TbGroupSort& s, const int* g_i2, const int* counts,
                            int n, const int** sorted, int** free_buf, cudaStream_t stream) {
   int *out = s.va, *alt = s.vb;
-  cudaError_t err = tb_radix_sort(s.tmp, g_i2, d.P2, counts, 1, n, &out, &alt, stream);
+  cudaError_t err = tb_radix_sort(s.tmp, g_i2, d.p2, counts, 1, n, &out, &alt, stream);
   if (err != cudaSuccess) return err;
-  tb_bounds_kernel<<<tb_grid_stride_blocks(n), 256, 0, stream>>>(out, g_i2, counts, 1, n, d.P2,
+  tb_bounds_kernel<<<tb_grid_stride_blocks(n), 256, 0, stream>>>(out, g_i2, counts, 1, n, d.p2,
                                                                  s.bounds2);
   *sorted = out;
   *free_buf = alt;
@@ -182,7 +182,7 @@ int tb_e_groups(const TbDev& d, int n) {
   return (int)std::min<size_t>((size_t)n, kTbPCacheBytes / (sizeof(float) * (size_t)d.Q1R1));
 }
 
-// Backward scratch: ctrl [4] and bounds1 [P1+1] (one memset), the group sort, a third
+// Backward scratch: ctrl [4] and bounds1 [p1+1] (one memset), the group sort, a third
 // index buffer (the unique index sort uses it and the one the group sort left free),
 // bounds3, ug, the cache buffer (E [e_cap][q1*r1], then P [cap][PSZ]).
 struct TbBwdScratch {
@@ -198,12 +198,12 @@ struct TbBwdScratch {
 TbBwdScratch tb_bwd_layout(const TbDev& d, int n, char* base) {
   TbBump bp{base};
   TbBwdScratch s;
-  s.zeroed_bytes = sizeof(int) * (4 + (size_t)d.P1 + 1);
-  s.zeroed = bp.take<int>(4 + (size_t)d.P1 + 1);
+  s.zeroed_bytes = sizeof(int) * (4 + (size_t)d.p1 + 1);
+  s.zeroed = bp.take<int>(4 + (size_t)d.p1 + 1);
   s.ctrl = s.zeroed;
   s.bounds1 = s.zeroed ? s.zeroed + 4 : nullptr;
   s.sort = tb_group_sort_layout(bp, d, n);
-  s.bounds3 = bp.take<int>((size_t)d.P3 + 1);
+  s.bounds3 = bp.take<int>((size_t)d.p3 + 1);
   s.vc = bp.take<int>(n);
   s.ug = bp.take<int>(n);
   s.cap = tb_pcache_groups(d, n);
@@ -216,7 +216,7 @@ TbBwdScratch tb_bwd_layout(const TbDev& d, int n, char* base) {
 }  // namespace
 
 const char* tb_check_dims(const TbDims& t) {
-  if (t.P1 < 1 || t.P2 < 1 || t.P3 < 1 || t.q1 < 1 || t.q2 < 1 || t.q3 < 1 || t.r1 < 1 || t.r2 < 1)
+  if (t.p1 < 1 || t.p2 < 1 || t.p3 < 1 || t.q1 < 1 || t.q2 < 1 || t.q3 < 1 || t.r1 < 1 || t.r2 < 1)
     return "flowtt_tb CUDA: every core extent must be >= 1";
   if (t.q1 > kTbQ1Max || t.q1 * t.q2 > kTbMMax || t.q3 > kTbQ3Max || t.r1 > kTbRMax ||
       t.r2 > kTbRMax)
@@ -280,14 +280,14 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
   if ((err = tb_sort_groups(d, s.sort, g_i2, counts, n, &sorted_groups, &free_buf, stream)) !=
       cudaSuccess)
     return err;
-  tb_bounds_kernel<<<bblocks, 256, 0, stream>>>(nullptr, g_i1, counts, 1, n, d.P1, s.bounds1);
+  tb_bounds_kernel<<<bblocks, 256, 0, stream>>>(nullptr, g_i1, counts, 1, n, d.p1, s.bounds1);
   int *out = free_buf, *alt = s.vc;
-  if ((err = tb_radix_sort(s.sort.tmp, u_i3, d.P3, counts, 0, n, &out, &alt, stream)) !=
+  if ((err = tb_radix_sort(s.sort.tmp, u_i3, d.p3, counts, 0, n, &out, &alt, stream)) !=
       cudaSuccess)
     return err;
   const int* sorted_u = out;
   int* sg = alt;  // free after the sort: the group of each sorted unique index
-  tb_bounds_kernel<<<bblocks, 256, 0, stream>>>(out, u_i3, counts, 0, n, d.P3, s.bounds3);
+  tb_bounds_kernel<<<bblocks, 256, 0, stream>>>(out, u_i3, counts, 0, n, d.p3, s.bounds3);
   tb_sorted_groups_kernel<<<bblocks, 256, 0, stream>>>(sorted_u, s.ug, counts, n, sg);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
@@ -308,7 +308,7 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
   }
   if (stages & 1) {
     if (s.e_cap >= 0) {
-      const long long total = (long long)d.P1 * d.Q1R1;
+      const long long total = (long long)d.p1 * d.Q1R1;
       const int blocks = (int)std::max<long long>(
           1, std::min<long long>(total / 256 + 1, (long long)tb_num_sms() * 8));
       tb_dg1_reduce_kernel<<<blocks, 256, 0, stream>>>(d, (const float*)s.Pc, s.e_cap, counts, n,

@@ -29,7 +29,7 @@ constexpr int kTbRPT = kTileRows;   // rows (group, q1) per thread of its prefix
 
 // Dims and derived sizes, by value into every kernel.
 struct TbDev {
-  int P1, P2, P3, q1, q2, q3, r1, r2;
+  int p1, p2, p3, q1, q2, q3, r1, r2;
   int K;     // q2*r2: a g2 row [r1][K], a prefix product P [q1][K] (= [M][r2])
   int M;     // q1*q2
   int D;     // q1*q2*q3
@@ -43,9 +43,9 @@ struct TbDev {
 template <typename Dims>  // TbDims (cuda/tb_rows.h) or any struct with those fields
 inline TbDev tb_dev(const Dims& t) {
   TbDev d;
-  d.P1 = (int)t.P1;
-  d.P2 = (int)t.P2;
-  d.P3 = (int)t.P3;
+  d.p1 = (int)t.p1;
+  d.p2 = (int)t.p2;
+  d.p3 = (int)t.p3;
   d.q1 = (int)t.q1;
   d.q2 = (int)t.q2;
   d.q3 = (int)t.q3;
@@ -363,7 +363,7 @@ __device__ __forceinline__ void tb_warp_apply(const TbDev& d, const float* Pw,
     const int m = o / d.q3, z = o - m * d.q3;
     const float* pr = Pw + m * d.ldP;
     for (int u = ulo + js; u < uhi; u += per) {
-      const int i3 = tb_clamp(__ldg(u_i3 + u), 0, d.P3 - 1);
+      const int i3 = tb_clamp(__ldg(u_i3 + u), 0, d.p3 - 1);
       const float* c = g3 + (size_t)i3 * d.S3 + z;
       float acc = 0.f;
 #pragma unroll 8
@@ -386,7 +386,7 @@ __device__ __forceinline__ void tb_block_dP(const TbDev& d, int nb, const int* s
     float acc = 0.f;
 #pragma unroll 2
     for (int u = s_gs[k]; u < ue; ++u) {
-      const int i3 = tb_clamp(__ldg(u_i3 + u), 0, d.P3 - 1);
+      const int i3 = tb_clamp(__ldg(u_i3 + u), 0, d.p3 - 1);
       const float* dr = d_rows + (size_t)u * d.D + m * d.q3;
       const float* c = g3 + (size_t)i3 * d.S3 + b * d.q3;
       float t = 0.f;
@@ -485,7 +485,7 @@ __device__ __forceinline__ void tb_block_dP_staged(const TbDev& d, int nb, const
       while (s_pre[k + 1] <= p) ++k;
       const int u = s_gs[k] + (p - s_pre[k]);
       s_u[tid] = u;
-      s_i3[tid] = tb_clamp(__ldg(u_i3 + u), 0, d.P3 - 1);
+      s_i3[tid] = tb_clamp(__ldg(u_i3 + u), 0, d.p3 - 1);
     }
     __syncthreads();
     if (vec) {  // float4s: D/4 of the d_rows row, then S3/4 of the g3 row, per id

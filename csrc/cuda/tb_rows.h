@@ -9,13 +9,13 @@
 
 #include <cstddef>
 
+#include "common/core_shape.h"
+
 namespace flowtt::tb {
 
-// Packed cores g1 [P1,1,q1,r1], g2 [P2,r1,q2,r2], g3 [P3,r2,q3,1].
-struct TbDims {
-  int P1, P2, P3, q1, q2, q3, r1, r2;
-  int D() const { return q1 * q2 * q3; }
-};
+// Packed cores g1 [p1,1,q1,r1], g2 [p2,r1,q2,r2], g3 [p3,r2,q3,1]: p_k the packed rows of
+// core k over all tables of the group.
+using TbDims = TTDims;
 
 // nullptr when the kernels take these dims (q1 <= 8, q1*q2 <= 16, q3 <= 8, r1, r2 <= 64,
 // every extent >= 1, shared memory in bounds), else why not.

@@ -80,9 +80,9 @@ std::vector<int> EmuRadixSort(const int* key_src, int P, const int* counts, int 
 void EmuFwdTile(const Inputs& in, const TbTileGeo& geo, float* rows) {
   const TbDev& d = in.d;
   const int n = in.n;
-  std::vector<int> ctr(2, 0), bounds2(d.P2 + 1);
-  const std::vector<int> sorted = EmuRadixSort(in.g_i2, d.P2, in.counts, 1, n);
-  tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, sorted.data(), in.g_i2, in.counts, 1, n, d.P2,
+  std::vector<int> ctr(2, 0), bounds2(d.p2 + 1);
+  const std::vector<int> sorted = EmuRadixSort(in.g_i2, d.p2, in.counts, 1, n);
+  tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, sorted.data(), in.g_i2, in.counts, 1, n, d.p2,
                 bounds2.data());
   auto kernel = d.q3 == 4 ? &tb_fwd_tile_kernel<4> : &tb_fwd_tile_kernel<8>;
   tb_emu_launch(kGrid, kTbThreads, std::max(geo.smem, tb_warp_slices_bytes(d)), kernel, d, geo,
@@ -98,16 +98,16 @@ void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, flo
             int cap = 0, TbTileGeo pgeo = {}, int e_cap = -1, int nbatch = 8) {
   const TbDev& d = in.d;
   const int n = in.n;
-  std::vector<int> ctrl(4, 0), bounds1(d.P1 + 1, 0), bounds2(d.P2 + 1), bounds3(d.P3 + 1);
+  std::vector<int> ctrl(4, 0), bounds1(d.p1 + 1, 0), bounds2(d.p2 + 1), bounds3(d.p3 + 1);
   std::vector<int> ug(n, -1);
   tb_emu_launch(kGrid, 256, 0, tb_ug_kernel, in.goffs, in.counts, n, ug.data());
-  const std::vector<int> sorted_groups = EmuRadixSort(in.g_i2, d.P2, in.counts, 1, n);
+  const std::vector<int> sorted_groups = EmuRadixSort(in.g_i2, d.p2, in.counts, 1, n);
   tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, sorted_groups.data(), in.g_i2, in.counts, 1, n,
-                d.P2, bounds2.data());
+                d.p2, bounds2.data());
   tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, (const int*)nullptr, in.g_i1, in.counts, 1, n,
-                d.P1, bounds1.data());
-  const std::vector<int> sorted_u = EmuRadixSort(in.u_i3, d.P3, in.counts, 0, n);
-  tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, sorted_u.data(), in.u_i3, in.counts, 0, n, d.P3,
+                d.p1, bounds1.data());
+  const std::vector<int> sorted_u = EmuRadixSort(in.u_i3, d.p3, in.counts, 0, n);
+  tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, sorted_u.data(), in.u_i3, in.counts, 0, n, d.p3,
                 bounds3.data());
   std::vector<int> sg(n, -1);
   tb_emu_launch(kGrid, 256, 0, tb_sorted_groups_kernel, sorted_u.data(), (const int*)ug.data(),

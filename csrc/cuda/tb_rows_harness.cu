@@ -83,7 +83,7 @@ __global__ void FillDRows(float* x, size_t count, size_t valid, uint64_t seed) {
 }
 
 TbDims Dims(const TbShape& s) {
-  return {(int)s.P1, (int)s.P2, (int)s.P3, (int)s.q1, (int)s.q2, (int)s.q3, (int)s.r1, (int)s.r2};
+  return {(int)s.p1, (int)s.p2, (int)s.p3, (int)s.q1, (int)s.q2, (int)s.q3, (int)s.r1, (int)s.r2};
 }
 
 // Device copies of one case's cores and plan, outputs and scratch.
@@ -295,11 +295,11 @@ void Meta(bool full_check, bool hashed, int reps) {
   const auto t0 = std::chrono::steady_clock::now();
   const TbCase c = MetaCase(hashed);
   const TbHostPlan p = TbMakePlan(c, 0);
-  const TbCores k = {TbRandom(c.s.P1 * 2 * 32, 1, 0.5f), TbRandom(c.s.P2 * 32 * 4 * 32, 2, 0.2f),
-                     TbRandom(c.s.P3 * 32 * 4, 3, 0.2f)};
+  const TbCores k = {TbRandom(c.s.p1 * 2 * 32, 1, 0.5f), TbRandom(c.s.p2 * 32 * 4 * 32, 2, 0.2f),
+                     TbRandom(c.s.p3 * 32 * 4, 3, 0.2f)};
   GpuCase g(c, p, k);
-  std::printf("meta: %s P = (%ld, %ld, %ld), host setup %.1f s\n", Tag(c, p).c_str(), (long)c.s.P1,
-              (long)c.s.P2, (long)c.s.P3,
+  std::printf("meta: %s P = (%ld, %ld, %ld), host setup %.1f s\n", Tag(c, p).c_str(), (long)c.s.p1,
+              (long)c.s.p2, (long)c.s.p3,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   std::printf("meta: scratch fwd %zu B, bwd %.1f MB (n = %d)\n",
               tb_rows_fwd_scratch_bytes(g.t, g.n), tb_rows_bwd_scratch_bytes(g.t, g.n) / 1e6, g.n);
