@@ -53,6 +53,15 @@ def _ticks(ax, xs: list[int]) -> None:
     ax.minorticks_off()
 
 
+def _plot_modes(ax, cases: list[dict], name: str, x: str, *, marker: str, color: str) -> None:
+    """Implementation ``name``'s ms per call against ``workload[x]`` over ``cases`` (in their
+    order): one line per timed mode, styled as ``_STYLE`` says."""
+    for mode, ls in _STYLE.items():
+        pts = [(c["workload"][x], r["ms"]) for c in cases if (r := measured(c["impls"].get(name, {}), mode))]
+        if pts:
+            ax.plot(*zip(*pts), ls, marker=marker, color=color)
+
+
 def _latency_vs_batch(plt, cases: list[dict], path: Path) -> str:
     combos = sorted({(c["workload"]["dim"], c["workload"]["rank"]) for c in cases})
     dists = {c["workload"]["dist"] for c in cases}
@@ -70,14 +79,7 @@ def _latency_vs_batch(plt, cases: list[dict], path: Path) -> str:
             key=lambda c: c["workload"]["batch"],
         )
         for k, name in enumerate(names):
-            for mode, ls in _STYLE.items():
-                pts = [
-                    (c["workload"]["batch"], r["ms"])
-                    for c in sel
-                    if (r := measured(c["impls"].get(name, {}), mode))
-                ]
-                if pts:
-                    ax.plot(*zip(*pts), ls, marker="o", color=f"C{k}")
+            _plot_modes(ax, sel, name, "batch", marker="o", color=f"C{k}")
         ax.set(
             xscale="log",
             yscale="log",
@@ -105,14 +107,7 @@ def _latency_vs_tables(plt, cases: list[dict], path: Path) -> str:
                 (c for c in cases if c["workload"]["batch"] == batch),
                 key=lambda c: c["workload"]["num_tables"],
             )
-            for mode, ls in _STYLE.items():
-                pts = [
-                    (c["workload"]["num_tables"], r["ms"])
-                    for c in sel
-                    if (r := measured(c["impls"].get(name, {}), mode))
-                ]
-                if pts:
-                    ax.plot(*zip(*pts), ls, marker=_MARKERS[j % 4][0], color=f"C{k}")
+            _plot_modes(ax, sel, name, "num_tables", marker=_MARKERS[j % 4][0], color=f"C{k}")
     ax.set(
         xscale="log",
         yscale="log",
