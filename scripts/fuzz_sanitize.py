@@ -11,19 +11,25 @@ chunks of 64 rows, gradients of cores and weights), in child processes:
 2. ``blocking`` (in ``--tools``): with ``CUDA_LAUNCH_BLOCKING=1``; results must equal
    plain's bit for bit;
 3. one run per compute-sanitizer tool T in ``--tools``: ``compute-sanitizer --tool T
-   --target-processes all --kernel-name kns=flowtt`` (the flowtt kernels and the CUB sorts
-   and scans they call, wrapped in namespace flowtt; as ``scripts/gpu_check.sh``; initcheck
-   and synccheck with ``--check-api-memory-access no``: XLA's copies of whole output
-   buffers read their documented-unspecified tails); its ``ERROR SUMMARY`` (racecheck: ``RACECHECK SUMMARY``)
-   must say 0 errors and its results must equal plain's bit for bit. One sanitizer
-   process at a time: four side by side on one H200 segfaulted (rc -11) before any result.
+   --target-processes all`` with ``--kernel-name kns=flowtt`` (the flowtt kernels and the
+   CUB sorts and scans they call, wrapped in namespace flowtt), except initcheck, which
+   instruments every kernel (it tracks the writes of instrumented kernels only: filtered,
+   every input an XLA kernel wrote reads as uninitialised); initcheck and synccheck with
+   ``--check-api-memory-access no`` (XLA's copies of whole output buffers read their
+   documented-unspecified tails); XLA autotuning off. Its ``ERROR SUMMARY`` (racecheck:
+   ``RACECHECK SUMMARY``) must say 0 errors and its results must equal plain's bit for bit.
 
-Writes ``DIR/<run>.log``, ``DIR/<run>.npz`` and ``DIR/summary.json`` (default DIR:
+The blocking and sanitizer runs go in chunks of ``--chunk`` cases, one child process each
+(``FLOWTT_FUZZ_SEEDS``): compute-sanitizer itself dies (rc -11) now and then during an
+XLA compile after a few dozen modules, and a chunk loses only its own cases. One
+sanitizer process at a time: four side by side on one H200 segfaulted before any result.
+
+Writes ``DIR/<run>_<chunk>.log``, ``.npz`` and ``DIR/summary.json`` (default DIR:
 ``$OUT/fuzz_sanitize``, else ``./fuzz_sanitize_out``); exits 1 on any error, mismatch or
 oracle failure, 2 without a GPU (``FLOWTT_FUZZ_ON_CPU=1 ... --tools blocking``: a dry run
-of the plain and blocking steps on the CPU kernels). Needs the CUDA build (``FLOWTT_CUDA=ON pip install
---no-build-isolation --no-deps -e .``). racecheck is the slow one: ``--cases`` and
-``--tools`` split the work across calls.
+of the plain and blocking steps on the CPU kernels). Needs the CUDA build (``FLOWTT_CUDA=ON
+pip install --no-build-isolation --no-deps -e .``). racecheck is the slow one: ``--cases``
+and ``--tools`` split the work across calls.
 """
 
 from __future__ import annotations
@@ -58,7 +64,10 @@ def _worker(out_path: Path, num_cases: int) -> int:
         print("no GPU backend (FLOWTT_FUZZ_ON_CPU=1: a dry run on the CPU kernels)", file=sys.stderr)
         return 2
     arrays, report = {}, {}
+    only = {int(x) for x in os.environ.get("FLOWTT_FUZZ_SEEDS", "").split(",") if x}
     for case in corpus(num_cases):
+        if only and case.seed not in only:
+            continue
         cores = make_cores(case)
         if case.kind == "group":
             reason = kernels_unsupported_reason(GroupLayout(case.specs))
@@ -110,9 +119,10 @@ def _child(args: list[str], env: dict, log: Path, timeout: int) -> int:
             return 124
 
 
-def _same_bits(a: Path, b: Path) -> list[str]:
+def _same_bits(a: Path, b: Path, seeds: list[str]) -> list[str]:
+    """The arrays of cases `seeds` that differ between a and b (or are missing in one)."""
     x, y = np.load(a), np.load(b)
-    names = sorted(set(x.files) | set(y.files))
+    names = sorted(k for k in set(x.files) | set(y.files) if k.split("/")[0] in seeds)
     return [k for k in names if k not in x.files or k not in y.files or x[k].tobytes() != y[k].tobytes()]
 
 
@@ -128,6 +138,9 @@ def main() -> int:
         help="comma-separated runs after plain: blocking and compute-sanitizer tools",
     )
     ap.add_argument("--timeout", type=int, default=3000, help="seconds per child run")
+    ap.add_argument(
+        "--chunk", type=int, default=8, help="cases per child process of each tool and blocking run"
+    )
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -162,26 +175,37 @@ def main() -> int:
             sanitizer = ["compute-sanitizer", "--tool", tool, "--target-processes", "all"]
             if tool in ("initcheck", "synccheck"):  # the kernels' own accesses, not XLA's
                 sanitizer += ["--check-api-memory-access", "no"]  # whole-buffer copies
-            runs.append((tool, {}, sanitizer + ["--kernel-name", "kns=flowtt"]))
+            if tool != "initcheck":  # initcheck tracks writes by instrumented kernels only
+                sanitizer += ["--kernel-name", "kns=flowtt"]
+            # no autotuning: its trial kernels would be instrumented too
+            runs.append((tool, {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}, sanitizer))
         else:
             ap.error(f"unknown run {tool!r}")
+    seeds = sorted((k for k, v in report.items() if "skipped" not in v), key=int)
+    chunks = [seeds[i : i + args.chunk] for i in range(0, len(seeds), args.chunk)] or [[]]
     for name, extra_env, prefix in runs:
         t0 = time.perf_counter()
-        log = out / f"{name}.log"
-        rc = _child(prefix + me + [str(out / f"{name}.npz")], {**env, **extra_env}, log, args.timeout)
-        text = log.read_text(errors="replace")
-        # memcheck, initcheck, synccheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK
-        # SUMMARY: H hazards displayed (E errors, W warnings)"
-        errors = [int(m) for m in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
-        errors += [
-            int(m) for m in re.findall(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error", text)
-        ]
-        result = {"rc": rc, "seconds": round(time.perf_counter() - t0, 1)}
-        if prefix:
-            result["sanitizer_errors"] = sum(errors) if errors else None
-        differ = _same_bits(out / "plain.npz", out / f"{name}.npz") if rc == 0 else ["(no results)"]
-        result["differ_from_plain"] = differ
-        ok = rc == 0 and not differ and (not prefix or result["sanitizer_errors"] == 0)
+        result = {"rc": 0, "chunks": len(chunks), "differ_from_plain": []}
+        errors: list[int] = []
+        for i, chunk in enumerate(chunks):
+            log, npz = out / f"{name}_{i}.log", out / f"{name}_{i}.npz"
+            chunk_env = {**env, **extra_env, "FLOWTT_FUZZ_SEEDS": ",".join(chunk) or "-1"}
+            rc = _child(prefix + me + [str(npz)], chunk_env, log, args.timeout)
+            text = log.read_text(errors="replace")
+            # memcheck, initcheck, synccheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK
+            # SUMMARY: H hazards displayed (E errors, W warnings)"
+            errors += [int(m) for m in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
+            errors += [
+                int(m) for m in re.findall(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error", text)
+            ]
+            result["rc"] = result["rc"] or rc
+            differ = _same_bits(out / "plain.npz", npz, chunk) if rc == 0 else [f"(chunk {i}: no results)"]
+            result["differ_from_plain"] += differ
+        result["seconds"] = round(time.perf_counter() - t0, 1)
+        if prefix:  # one summary line per chunk, else the count is unknown
+            result["sanitizer_errors"] = sum(errors) if len(errors) == len(chunks) else None
+        ok = result["rc"] == 0 and not result["differ_from_plain"]
+        ok = ok and (not prefix or result["sanitizer_errors"] == 0)
         result["ok"] = ok
         status |= not ok
         summary["runs"][name] = result
