@@ -203,33 +203,31 @@ def _dedup_bag(cores, ids, offsets, spec):
     return jax.ops.segment_sum(rows, _bag_ids(offsets, n), num_segments=b)
 
 
-def ffi_scratch_bytes(w: Workload, mode: str) -> int | None:
-    """Largest run-time scratch of one flowtt CUDA call over the features (None off GPU).
+_SCRATCH_KEYS = {"fwd": ("plan", "bag_fwd"), "fwd_bwd": ("plan", "rows_fwd", "pool_bwd", "rows_bwd")}
+
+
+def _single_table_scratch(spec: ftt.TTSpec, n: int, mode: str) -> int:
+    """Largest run-time scratch of the single-table CUDA calls of one bag of ``n`` ids.
 
     ``fwd`` (no gradient): the plan and the fused bag forward run one after the other;
     ``fwd_bwd``: plan, rows forward, pooling backward and rows backward.
     """
-    if jax.default_backend() != "gpu":
-        return None
     from flowtt_jax import _flowtt_cuda
     from flowtt_jax.ops import bag_chunk_rows
 
-    keys = ("plan", "bag_fwd") if mode == "fwd" else ("plan", "rows_fwd", "pool_bwd", "rows_bwd")
-    bounds, worst = w.feature_bounds, 0
-    for f, t in enumerate(w.feature_table):
-        spec, n = w.specs[t], bounds[f + 1] - bounds[f]
-        if n == 0:
-            continue
-        s = _flowtt_cuda.scratch_bytes(
-            *spec.row_shape,
-            *spec.col_shape,
-            spec.ranks[1],
-            spec.ranks[2],
-            n,
-            bag_chunk_rows(spec.embedding_dim),
-        )
-        worst = max(worst, *(int(s.get(k, 0)) for k in keys))
-    return worst
+    s = _flowtt_cuda.scratch_bytes(
+        *spec.row_shape, *spec.col_shape, spec.ranks[1], spec.ranks[2], n, bag_chunk_rows(spec.embedding_dim)
+    )
+    return max(int(s.get(k, 0)) for k in _SCRATCH_KEYS[mode])
+
+
+def ffi_scratch_bytes(w: Workload, mode: str) -> int | None:
+    """Largest run-time scratch of one flowtt CUDA call over the features (None off GPU)."""
+    if jax.default_backend() != "gpu":
+        return None
+    bounds = w.feature_bounds
+    sizes = [(w.specs[t], bounds[f + 1] - bounds[f]) for f, t in enumerate(w.feature_table)]
+    return max([_single_table_scratch(spec, n, mode) for spec, n in sizes if n], default=0)
 
 
 register(
@@ -276,11 +274,39 @@ def _pack_groups(w: Workload, cores: TTCores) -> tuple[tuple[jax.Array, ...], ..
     return tuple(layout.pack([cores[t] for t in ts]) for layout, ts in _shape_groups(w))
 
 
+def batched_scratch_bytes(w: Workload, mode: str) -> int | None:
+    """Largest run-time scratch of one CUDA call of the table-batched op over the shape
+    groups (None off GPU): a one-table group's single-table calls, else the plan's sort of
+    the group's (table, id) keys and the table-batched rows forward (and backward)."""
+    if jax.default_backend() != "gpu":
+        return None
+    from flowtt_jax import _flowtt_cuda
+
+    bounds, worst = w.feature_bounds, 0
+    for layout, ts in _shape_groups(w):
+        n = sum(bounds[f + 1] - bounds[f] for f, t in enumerate(w.feature_table) if t in ts)
+        if n == 0:
+            continue
+        spec = layout.specs[0]
+        if len(ts) == 1:
+            worst = max(worst, _single_table_scratch(spec, n, mode))
+            continue
+        (p1, _, q1, r1), (p2, _, q2, r2), (p3, _, q3, _) = layout.packed_shapes()
+        tb = _flowtt_cuda.tb_scratch_bytes(p1, p2, p3, q1, q2, q3, r1, r2, n)
+        plan = 0  # keys past int32: XLA's sort, no flowtt plan call
+        if layout.row_base[-1] < 2**31:
+            plan = _flowtt_cuda.scratch_bytes(layout.row_base[-1], 1, 1, 1, 1, 1, 1, 1, n, 64).get("plan", 0)
+        keys = ("tb_rows_fwd",) if mode == "fwd" else ("tb_rows_fwd", "tb_rows_bwd")
+        worst = max(worst, int(plan), *(int(tb[k]) for k in keys))
+    return worst
+
+
 @register(
     "ours_batched",
     suites=("single", "collection"),
     ours=True,
     init=_pack_groups,
+    scratch=batched_scratch_bytes,
     description="tt_embedding_bag_group impl='ffi': one plan and one launch per stage for all "
     "tables of a shape group (packed cores)",
 )
