@@ -33,7 +33,15 @@ from jax.experimental import checkify
 
 from .oob import apply_oob, as_ids, park_dropped, saturate_int32
 
-__all__ = ["MODES", "MAX_NNZ", "CanonicalBags", "canonical_bags", "check_sizes", "prepare_bags"]
+__all__ = [
+    "MODES",
+    "MAX_NNZ",
+    "CanonicalBags",
+    "apply_bags_oob",
+    "canonical_bags",
+    "check_sizes",
+    "prepare_bags",
+]
 
 MODES = ("sum", "mean", "sqrtn")
 
@@ -48,6 +56,7 @@ class CanonicalBags(NamedTuple):
     offsets: jax.Array  # [B+1] int32, valid CSR over [0, n]
     bag_ids: jax.Array  # [n] int32 in [0, B)
     keep: jax.Array | None = None  # [n] bool, False where dropped (masked, in no bag); None: none
+    bag_length: int | None = None  # padded form: every bag is positions [b*L, (b+1)*L), L here
 
 
 def check_sizes(nnz: int, num_bags: int) -> None:
@@ -125,6 +134,7 @@ def canonical_bags(
     n = ids.size
     check_sizes(n, 0)
     keep = None
+    padded_length = None  # the padded form's L: bag b is positions [b*L, (b+1)*L)
     if offsets is not None:
         if not isinstance(offsets, jax.Array):
             offsets = np.asarray(offsets)  # checked before jnp.asarray could wrap int64 values
@@ -172,15 +182,22 @@ def canonical_bags(
         ids = ids.reshape(-1)
         w = None if w is None else w.reshape(-1)
         offsets = jnp.arange(b + 1, dtype=jnp.int32) * length
+        padded_length = length
 
     num = offsets.shape[0] - 1
     check_sizes(n, num)
-    bag_ids = jnp.clip(bag_of_positions(offsets, n), 0, max(num - 1, 0))
-    bag_ids = bag_ids.astype(jnp.int32)
+    if padded_length:  # no scatter, no scan: position p is in bag p // L
+        bag_ids = jnp.arange(n, dtype=jnp.int32) // padded_length
+    else:
+        bag_ids = jnp.clip(bag_of_positions(offsets, n), 0, max(num - 1, 0)).astype(jnp.int32)
     eff = jnp.ones((n,), jnp.float32) if w is None else w
     if keep is not None:
         eff = jnp.where(keep, eff, 0.0)
-    if mode != "sum" and num > 0:  # no bags: nothing to scale (and no scale to gather)
+    if mode != "sum" and num > 0 and padded_length and keep is None:
+        # every bag is L long: one scale for all, computed as the general case does
+        length = jnp.asarray(padded_length, eff.dtype)
+        eff = eff * (1.0 / length if mode == "mean" else jax.lax.rsqrt(length))
+    elif mode != "sum" and num > 0:  # no bags: nothing to scale (and no scale to gather)
         if keep is None:
             lengths = jnp.diff(offsets)
         else:
@@ -188,21 +205,32 @@ def canonical_bags(
         lengths = jnp.maximum(lengths, 1).astype(eff.dtype)
         scale = 1.0 / lengths if mode == "mean" else jax.lax.rsqrt(lengths)
         eff = eff * scale[bag_ids]
-    return CanonicalBags(ids, eff, offsets, bag_ids, keep)
+    return CanonicalBags(ids, eff, offsets, bag_ids, keep, padded_length)
 
 
 def prepare_bags(ids: jax.Array, *, num_embeddings: int, oob: str, **form: Any) -> CanonicalBags:
     """``canonical_bags(ids, **form)`` (``form``: its bag form keywords, ``weights`` and
-    ``mode``), then the ``oob`` policy for a table of ``num_embeddings`` rows.
-
-    Returns ``CanonicalBags`` whose ids are int32 in ``[0, num_embeddings)`` and whose
-    weights are 0 for the ids ``oob="zero"`` drops (they still count towards a bag's
-    length for ``mean`` / ``sqrtn``); ``keep`` is False at every dropped position
-    (masked, in no bag, out of range under ``"zero"``), whose id is parked on a kept
-    one (``park_dropped``). ``oob="error"`` also checks traced offsets.
-    """
+    ``mode``), then the ``oob`` policy for a table of ``num_embeddings`` rows
+    (``apply_bags_oob``). ``oob="error"`` also checks traced offsets."""
     bags = canonical_bags(as_ids(ids, oob), **form, check_offsets=oob == "error")
-    flat, valid = apply_oob(bags.ids, num_embeddings, oob)
+    return apply_bags_oob(bags, *apply_oob(bags.ids, num_embeddings, oob))
+
+
+def apply_bags_oob(
+    bags: CanonicalBags, ids: jax.Array, valid: jax.Array | None, *others: jax.Array
+) -> CanonicalBags | tuple:
+    """``bags`` after the ``oob`` policy gave ``(ids, valid)`` for their ids (``apply_oob``,
+    or ``apply_table_oob`` for positions of several tables).
+
+    Returns ``CanonicalBags`` whose ids are those int32 ids and whose weights are 0 for the
+    ids ``oob="zero"`` drops (they still count towards a bag's length for ``mean`` /
+    ``sqrtn``); ``keep`` is False at every dropped position (masked, in no bag, out of
+    range under ``"zero"``), whose id is parked on a kept one (``park_dropped``; ``others``,
+    e.g. the positions' tables, move with it and come back after the bags).
+    """
     w = bags.weights if valid is None else jnp.where(valid, bags.weights, 0.0)
     live = bags.keep if valid is None else (valid if bags.keep is None else valid & bags.keep)
-    return bags._replace(ids=park_dropped(flat, live), weights=w, keep=live)
+    parked = park_dropped(ids, live, *others)
+    if not others:
+        return bags._replace(ids=parked, weights=w, keep=live)
+    return (bags._replace(ids=parked[0], weights=w, keep=live), *parked[1:])

@@ -25,12 +25,11 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
 from . import ffi, reference
-from .bag import MODES, canonical_bags
+from .bag import MODES, apply_bags_oob, canonical_bags
 from .batched_plan import GroupLayout, GroupPlan, make_group_plan
-from .oob import OOB_POLICIES, as_ids, park_dropped, saturate_int32
+from .oob import apply_table_oob, as_ids
 from .ops import choose_impl as choose_single_table_impl
 from .ops import fused_bag
 from .plan import Plan
@@ -143,35 +142,6 @@ def scale_by_modes(
     return weights * scale[bag_ids]
 
 
-def _apply_table_oob(ids, tables, num_rows, policy: str):
-    """``(int32 ids in [0, N_t), valid)``: ``oob`` per position against its table's N."""
-    if policy not in OOB_POLICIES:
-        raise ValueError(f"oob must be one of {OOB_POLICIES}, got {policy!r}")
-    limit = num_rows[tables]
-    ids32 = saturate_int32(ids)  # any int dtype: out-of-range ids stay out of range
-    valid = (ids32 >= 0) & (ids32 < limit)
-    if policy == "error":
-        if isinstance(ids, jax.core.Tracer) or isinstance(valid, jax.core.Tracer):
-            checkify.check(
-                jnp.all(valid),
-                "ids out of range of their tables: found {bad} at {pos}",
-                bad=ids[jnp.argmin(valid)] if ids.size else 0,
-                pos=jnp.argmin(valid) if ids.size else 0,
-            )
-        else:
-            bad = np.flatnonzero(~np.asarray(valid))
-            if bad.size:
-                raise ValueError(
-                    f"{bad.size} id(s) out of range of their tables, e.g. position "
-                    f"{bad[0]}: id {np.asarray(ids)[bad[0]]}, table rows "
-                    f"{np.asarray(limit)[bad[0]]}"
-                )
-    clipped = jnp.clip(ids32, 0, limit - 1)
-    if policy == "zero":
-        return jnp.where(valid, clipped, 0), valid
-    return clipped, None
-
-
 def choose_impl(impl: str, layout: GroupLayout, dtypes) -> str:
     """``"ffi"`` or ``"reference"`` for ``impl`` in ``IMPLS`` (``ValueError`` when ``"ffi"``
     cannot run)."""
@@ -248,14 +218,20 @@ def tt_embedding_bag_group(
     bags = canonical_bags(ids, offsets=offsets, weights=weights, mode="sum", check_offsets=oob == "error")
     feature = bags.bag_ids // batch
     tables = jnp.asarray(feature_tables, jnp.int32)[feature]
-    flat, valid = _apply_table_oob(bags.ids, tables, layout.table_arrays()["num_rows"], oob)
-    w = bags.weights if valid is None else jnp.where(valid, bags.weights, 0.0)
-    live = bags.keep if valid is None else (valid if bags.keep is None else valid & bags.keep)
-    flat, tables = park_dropped(flat, live, tables)  # dropped positions add no rows of their own
-    w = scale_by_modes(w, bags.offsets, bags.bag_ids, modes, batch)
+    flat, valid = apply_table_oob(bags.ids, tables, layout.table_arrays()["num_rows"], oob)
+    bags, tables = apply_bags_oob(bags, flat, valid, tables)  # dropped positions add no rows
+    w = scale_by_modes(bags.weights, bags.offsets, bags.bag_ids, modes, batch)
 
     out = pooled_group(
-        packed, layout, flat, tables, bags.offsets, bags.bag_ids, w, weighted=weights is not None, impl=impl
+        packed,
+        layout,
+        bags.ids,
+        tables,
+        bags.offsets,
+        bags.bag_ids,
+        w,
+        weighted=weights is not None,
+        impl=impl,
     )
     return out.reshape(num_features, batch, dim).astype(out_dtype)
 

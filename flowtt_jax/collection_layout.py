@@ -25,11 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import reference
-from .bag import CanonicalBags, prepare_bags
+from .bag import CanonicalBags, apply_bags_oob, bag_of_positions, canonical_bags
 from .batched import choose_impl, pooled_group
 from .batched_plan import GroupLayout
 from .collection import TableConfig, bag_kwargs, check_tables
 from .cores import resolve_init, to_dense
+from .oob import apply_oob, apply_table_oob, as_ids, saturate_int32
 from .ops import tt_embedding_bag
 
 __all__ = ["CollectionLayout", "FeatureSlot", "TablePack"]
@@ -212,10 +213,10 @@ class CollectionLayout:
                         dtype=out_dtype,
                     )
                 continue
-            prepared = {s.feature: prepare_feature(features, s, pack, oob) for s in pack.features}
+            prepared = {s.feature: canonical_feature(features, s, pack, oob) for s in pack.features}
             for slots in _by_batch(pack.features, prepared):
                 # split, not slices: a slice's transpose pads to the whole [F*B, D] (F^2 work)
-                pooled = jnp.split(_pool(pack, arrays, slots, prepared, impl), len(slots))
+                pooled = jnp.split(_pool(pack, arrays, slots, prepared, oob, impl), len(slots))
                 for slot, part in zip(slots, pooled):
                     out[slot.feature] = part.astype(out_dtype)
         return out
@@ -227,16 +228,25 @@ def _feature(features: Mapping[str, Any], slot: FeatureSlot, pack: TablePack) ->
     return bag_kwargs(features[slot.feature])
 
 
+def canonical_feature(
+    features: Mapping[str, Any], slot: FeatureSlot, pack: TablePack, oob: str
+) -> tuple[CanonicalBags, bool]:
+    """The feature's canonical bags (its mode folded into the weights; ids as given, the
+    ``oob`` policy not yet applied) and whether it has user weights; ``KeyError`` if
+    ``features`` lacks it."""
+    ids, kw = _feature(features, slot, pack)
+    bags = canonical_bags(as_ids(ids, oob), mode=slot.mode, check_offsets=oob == "error", **kw)
+    return bags, kw.get("weights") is not None
+
+
 def prepare_feature(
     features: Mapping[str, Any], slot: FeatureSlot, pack: TablePack, oob: str
 ) -> tuple[CanonicalBags, bool]:
-    """The feature's canonical bags (mode folded into the weights, ids in range) and
-    whether it has user weights; ``KeyError`` if ``features`` lacks it."""
-    ids, kw = _feature(features, slot, pack)
-    bags = prepare_bags(
-        ids, num_embeddings=pack.tables[slot.table].num_embeddings, oob=oob, mode=slot.mode, **kw
-    )
-    return bags, kw.get("weights") is not None
+    """``canonical_feature`` with the ``oob`` policy applied against its table (ids int32
+    in range, as ``prepare_bags`` gives)."""
+    bags, weighted = canonical_feature(features, slot, pack, oob)
+    num_rows = pack.tables[slot.table].num_embeddings
+    return apply_bags_oob(bags, *apply_oob(bags.ids, num_rows, oob)), weighted
 
 
 def _by_batch(slots: Sequence[FeatureSlot], prepared) -> list[tuple[FeatureSlot, ...]]:
@@ -247,33 +257,66 @@ def _by_batch(slots: Sequence[FeatureSlot], prepared) -> list[tuple[FeatureSlot,
     return [tuple(v) for v in groups.values()]
 
 
-def _pool(pack: TablePack, arrays, slots, prepared, impl: str) -> jax.Array:
-    """``[F*B, D]`` bags of ``slots`` (same batch B) pooled in one call: feature-major CSR
-    over the features' concatenated ids."""
+def _packed_bags(pack: TablePack, slots, bags: Sequence[CanonicalBags], oob: str):
+    """The features' canonical bags (same batch B) as one feature-major CSR over their
+    concatenated ids, the ``oob`` policy applied once for all of them: ``(CanonicalBags
+    [F*B bags], tables [n] int32)``. A padded feature's offsets are host constants; bag
+    (f, b) starts where the feature's bag b starts, and the positions of a feature outside
+    its bags (weight 0) fall in a neighbouring bag."""
+    batch = bags[0].offsets.shape[0] - 1
+    sizes = [b.ids.shape[0] for b in bags]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    parts = [
+        np.arange(batch, dtype=np.int32) * b.bag_length + s if b.bag_length else b.offsets[:-1] + s
+        for b, s in zip(bags, starts[:-1])
+    ] + [starts[-1:]]
+    if all(isinstance(p, np.ndarray) for p in parts):
+        offsets = jnp.asarray(np.concatenate(parts))
+    else:
+        offsets = jnp.concatenate([jnp.asarray(p, jnp.int32) for p in parts])
+    n = int(starts[-1])
+    keep = None
+    if any(b.keep is not None for b in bags):
+        keeps = [jnp.ones((m,), bool) if b.keep is None else b.keep for b, m in zip(bags, sizes)]
+        keep = jnp.concatenate(keeps)
+    packed = CanonicalBags(
+        ids=jnp.concatenate([saturate_int32(b.ids) for b in bags]),
+        weights=jnp.concatenate([b.weights for b in bags]),
+        offsets=offsets,
+        bag_ids=jnp.clip(bag_of_positions(offsets, n), 0, len(bags) * batch - 1),
+        keep=keep,
+    )
+    tables = jnp.asarray(np.repeat(np.asarray([s.table for s in slots], np.int32), sizes))
+    num_rows = np.asarray([t.num_embeddings for t in pack.tables], np.int32)
+    flat, valid = apply_table_oob(packed.ids, tables, num_rows, oob)
+    return apply_bags_oob(packed, flat, valid, tables)  # dropped positions add no rows
+
+
+def _pool(pack: TablePack, arrays, slots, prepared, oob: str, impl: str) -> jax.Array:
+    """``[F*B, D]`` bags of ``slots`` (same batch B) pooled in one call over
+    ``_packed_bags``."""
     bags = [prepared[s.feature][0] for s in slots]
     batch = bags[0].offsets.shape[0] - 1
     dim = arrays[0].shape[-1] if pack.kind == "dense" else pack.layout.dim
-    sizes = [b.ids.shape[0] for b in bags]
-    if sum(sizes) == 0 or batch == 0:
+    if sum(b.ids.shape[0] for b in bags) == 0 or batch == 0:
         return jnp.zeros((len(slots) * batch, dim), jnp.promote_types(arrays[0].dtype, jnp.float32))
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    ids = jnp.concatenate([b.ids for b in bags])
-    weights = jnp.concatenate([b.weights for b in bags])
-    # bag (f, b) of the packed CSR starts where the feature's bag b starts; the last bag of
-    # a feature runs to the next feature's first (positions between weigh 0)
-    offsets = jnp.concatenate(
-        [b.offsets[:-1] + int(s) for b, s in zip(bags, starts[:-1])] + [jnp.full((1,), starts[-1], jnp.int32)]
-    )
-    bag_ids = jnp.concatenate([b.bag_ids + f * batch for f, b in enumerate(bags)])
+    packed, tables = _packed_bags(pack, slots, bags, oob)
     if pack.kind == "dense":
-        bases = [pack.row_offsets[s.table] for s in slots]
-        row_base = jnp.concatenate([jnp.full((m,), b, jnp.int32) for m, b in zip(sizes, bases)])
-        rows = jnp.take(arrays[0], row_base + ids, axis=0)
+        row_base = jnp.asarray(pack.row_offsets[:-1], jnp.int32)[tables]
+        rows = jnp.take(arrays[0], row_base + packed.ids, axis=0)
         rows = rows.astype(jnp.promote_types(rows.dtype, jnp.float32))
-        return reference.pool(rows, weights, bag_ids, len(slots) * batch)  # a weight of 0 adds nothing
-    tables = jnp.concatenate([jnp.full((m,), s.table, jnp.int32) for m, s in zip(sizes, slots)])
+        # a weight of 0 adds nothing
+        return reference.pool(rows, packed.weights, packed.bag_ids, len(slots) * batch)
     weighted = any(prepared[s.feature][1] for s in slots)
     which = choose_impl(impl, pack.layout, [a.dtype for a in arrays])
     return pooled_group(
-        arrays, pack.layout, ids, tables, offsets, bag_ids, weights, weighted=weighted, impl=which
+        arrays,
+        pack.layout,
+        packed.ids,
+        tables,
+        packed.offsets,
+        packed.bag_ids,
+        packed.weights,
+        weighted=weighted,
+        impl=which,
     )

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-__all__ = ["OOB_POLICIES", "apply_oob", "as_ids", "park_dropped", "saturate_int32"]
+__all__ = ["OOB_POLICIES", "apply_oob", "apply_table_oob", "as_ids", "park_dropped", "saturate_int32"]
 
 OOB_POLICIES = ("error", "clip", "zero")
 
@@ -106,6 +106,39 @@ def apply_oob(ids: jax.Array, num_embeddings: int, policy: str) -> tuple[jax.Arr
                     f"{bad.size} id(s) out of range [0, {num_embeddings}), e.g. {bad[:5].tolist()}"
                 )
     clipped = jnp.clip(ids32, 0, num_embeddings - 1)
+    if policy == "zero":
+        return jnp.where(valid, clipped, 0), valid
+    return clipped, None
+
+
+def apply_table_oob(
+    ids: jax.Array, tables: jax.Array, num_rows: jax.Array, policy: str
+) -> tuple[jax.Array, jax.Array | None]:
+    """``apply_oob`` for positions of several tables: ids [n] of any integer dtype, tables
+    [n] int32 table indices, num_rows [T] each table's N. Returns ``(int32 ids in
+    [0, N_t), valid)``, ``valid`` a bool mask for ``"zero"``, else None."""
+    _check_policy(policy)
+    _check_integer(ids.dtype)
+    limit = jnp.asarray(num_rows)[tables]
+    ids32 = saturate_int32(ids)  # any int dtype: out-of-range ids stay out of range
+    valid = (ids32 >= 0) & (ids32 < limit)
+    if policy == "error":
+        if isinstance(ids, jax.core.Tracer) or isinstance(valid, jax.core.Tracer):
+            checkify.check(
+                jnp.all(valid),
+                "ids out of range of their tables: found {bad} at {pos}",
+                bad=ids[jnp.argmin(valid)] if ids.size else 0,
+                pos=jnp.argmin(valid) if ids.size else 0,
+            )
+        else:
+            bad = np.flatnonzero(~np.asarray(valid))
+            if bad.size:
+                raise ValueError(
+                    f"{bad.size} id(s) out of range of their tables, e.g. position "
+                    f"{bad[0]}: id {np.asarray(ids)[bad[0]]}, table rows "
+                    f"{np.asarray(limit)[bad[0]]}"
+                )
+    clipped = jnp.clip(ids32, 0, limit - 1)
     if policy == "zero":
         return jnp.where(valid, clipped, 0), valid
     return clipped, None

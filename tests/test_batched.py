@@ -8,6 +8,7 @@ bags are empty at random, ids hit each table's last row.
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -393,3 +394,30 @@ def test_program_size_does_not_grow_with_tables(impl):
 
     assert calls(4) == calls(64)
     assert "flowtt_tb_rows_bwd" in calls(4)
+
+
+def test_collection_glue_does_not_grow_with_features():
+    """A collection called with a dict of F features (a TT shape group and dense tables, one
+    id per example, every mode) prepares its bags once per pack, not per feature: the
+    forward's scatters, reductions, comparisons and selects are as many for 16 features
+    as for 4."""
+    from flax import nnx
+
+    from flowtt_jax.collection import TableConfig
+    from flowtt_jax.nnx import TTEmbeddingCollection
+
+    def glue_ops(num_features: int) -> Counter:
+        modes = ("sum", "mean", "sqrtn")
+        tables = [
+            TableConfig(f"t{i}", 1000 + 97 * i, 8, kind="tt" if i % 2 else "dense", rank=4, mode=modes[i % 3])
+            for i in range(num_features)
+        ]
+        col = TTEmbeddingCollection(tables, rngs=nnx.Rngs(0))
+        features = {t.name: jnp.zeros((64,), jnp.int32) for t in tables}
+        text = jax.jit(lambda m, x: m(x)).lower(col, features).as_text()
+        ops = Counter(re.findall(r"(stablehlo\.\w+)", text))
+        return Counter({k: ops[f"stablehlo.{k}"] for k in ("scatter", "reduce", "compare", "select")})
+
+    few, many = glue_ops(4), glue_ops(16)
+    assert many == few, (few, many)
+    assert few["compare"] > 0  # the out-of-range check is there
