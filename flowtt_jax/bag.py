@@ -56,7 +56,7 @@ class CanonicalBags(NamedTuple):
     offsets: jax.Array  # [B+1] int32, valid CSR over [0, n]
     bag_ids: jax.Array  # [n] int32 in [0, B)
     keep: jax.Array | None = None  # [n] bool, False where dropped (masked, in no bag); None: none
-    bag_length: int | None = None  # padded form: every bag is positions [b*L, (b+1)*L), L here
+    bag_length: int | None = None  # padded form: bag b is positions [b*L, (b+1)*L); static L
 
 
 def check_sizes(nnz: int, num_bags: int) -> None:
@@ -193,10 +193,10 @@ def canonical_bags(
     eff = jnp.ones((n,), jnp.float32) if w is None else w
     if keep is not None:
         eff = jnp.where(keep, eff, 0.0)
-    if mode != "sum" and num > 0 and padded_length and keep is None:
-        # every bag is L long: one scale for all, computed as the general case does
-        length = jnp.asarray(padded_length, eff.dtype)
-        eff = eff * (1.0 / length if mode == "mean" else jax.lax.rsqrt(length))
+    if mode == "mean" and num > 0 and padded_length and keep is None:
+        # every bag is L long: one scale for all (sqrtn takes the general path: XLA folds a
+        # constant rsqrt to a value 1 ulp from the run-time one)
+        eff = eff * (1.0 / jnp.asarray(padded_length, eff.dtype))
     elif mode != "sum" and num > 0:  # no bags: nothing to scale (and no scale to gather)
         if keep is None:
             lengths = jnp.diff(offsets)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import reference
-from .bag import CanonicalBags, apply_bags_oob, bag_of_positions, canonical_bags
+from .bag import CanonicalBags, apply_bags_oob, bag_of_positions, canonical_bags, check_sizes
 from .batched import choose_impl, pooled_group
 from .batched_plan import GroupLayout
 from .collection import TableConfig, bag_kwargs, check_tables
@@ -265,6 +265,7 @@ def _packed_bags(pack: TablePack, slots, bags: Sequence[CanonicalBags], oob: str
     its bags (weight 0) fall in a neighbouring bag."""
     batch = bags[0].offsets.shape[0] - 1
     sizes = [b.ids.shape[0] for b in bags]
+    check_sizes(sum(sizes), len(bags) * batch)  # one call: int32 positions and bags
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
     parts = [
         np.arange(batch, dtype=np.int32) * b.bag_length + s if b.bag_length else b.offsets[:-1] + s
@@ -298,9 +299,9 @@ def _pool(pack: TablePack, arrays, slots, prepared, oob: str, impl: str) -> jax.
     bags = [prepared[s.feature][0] for s in slots]
     batch = bags[0].offsets.shape[0] - 1
     dim = arrays[0].shape[-1] if pack.kind == "dense" else pack.layout.dim
-    if sum(b.ids.shape[0] for b in bags) == 0 or batch == 0:
+    packed, tables = _packed_bags(pack, slots, bags, oob)  # oob="error" checks even without bags
+    if packed.ids.shape[0] == 0 or batch == 0:
         return jnp.zeros((len(slots) * batch, dim), jnp.promote_types(arrays[0].dtype, jnp.float32))
-    packed, tables = _packed_bags(pack, slots, bags, oob)
     if pack.kind == "dense":
         row_base = jnp.asarray(pack.row_offsets[:-1], jnp.int32)[tables]
         rows = jnp.take(arrays[0], row_base + packed.ids, axis=0)
