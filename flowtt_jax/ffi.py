@@ -18,6 +18,13 @@ derivatives of the gradient (``jax.hessian``, grad of grad) raise
 ``NotImplementedError`` naming ``impl="reference"``, which supports them all (the
 linear function of ``jax.linearize`` is forward mode too: jax's own error, raised
 outside this package).
+
+Inside ``jax.shard_map`` with ``check_vma=True`` (jax's default): ``jax.ffi.ffi_call``
+wants operands of one type and types its results as device-invariant, whatever its
+operands. ``call`` casts every operand to the mesh axes any of them varies over and its
+results back to them (``to_varying``), and the ops cast their cores to the axes their ids
+vary over before their ``custom_vjp``, so a replicated core's gradient is summed over the
+devices (the transpose of the cast), as jax does for its own ops.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ __all__ = [
     "disabled_safety_checks",
     "explain_ad_errors",
     "plan",
+    "to_varying",
+    "varying_axes",
     "rows_fwd",
     "rows_bwd",
     "pool_fwd",
@@ -151,8 +160,39 @@ def has_target(name: str, platform: str) -> bool:
     return ext is not None and name in ext.registrations()
 
 
+def _varying(x) -> frozenset:
+    """Manual mesh axes ``x``'s type varies over (empty outside ``shard_map`` or with
+    ``check_vma=False``)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax >= 0.10: ManualAxisType
+    return frozenset(mat.varying if mat is not None else (getattr(aval, "vma", None) or ()))
+
+
+def varying_axes(*trees) -> tuple[str, ...]:
+    """The manual mesh axes any array of ``trees`` varies over, sorted."""
+    return tuple(sorted(frozenset().union(*(_varying(x) for x in jax.tree.leaves(trees)))))
+
+
+def to_varying(tree, axes: tuple[str, ...]):
+    """``tree`` with every array typed as varying over ``axes`` (``jax.lax.pcast``; its
+    transpose sums over them); arrays that already vary over them pass unchanged."""
+    if not axes:
+        return tree
+
+    def cast(x):
+        missing = tuple(a for a in axes if a not in _varying(x))
+        if not missing:
+            return x
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(x, missing, to="varying")
+        return jax.lax.pvary(x, missing)  # jax before pcast
+
+    return jax.tree.map(cast, tree)
+
+
 def call(target: str, outs, *args, **attrs):
-    """``jax.ffi.ffi_call`` of one of this package's targets (sequential under vmap)."""
+    """``jax.ffi.ffi_call`` of one of this package's targets (sequential under vmap);
+    operands and results typed varying over the mesh axes any operand varies over."""
     return _call(target, outs, *args, **attrs)
 
 
@@ -162,8 +202,10 @@ def _call(target: str, outs, *args, **attrs):
             "flowtt_jax was installed without its compiled extension (_flowtt_cpu); "
             "reinstall with `pip install -e .` or use impl='reference'"
         )
+    axes = varying_axes(args)
     with explain_ad_errors():
-        return jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*args, **attrs)
+        results = jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*to_varying(args, axes), **attrs)
+    return to_varying(results, axes)
 
 
 def _f32(shape) -> jax.ShapeDtypeStruct:

@@ -24,17 +24,10 @@ Multi-host: the same code after ``jax.distributed.initialize()``; the mesh spans
 process's devices and each process feeds its own part of the batch
 (``sharding_nnx.shard_batch``). Collectives are JAX's own (NCCL on GPU).
 
-``check_vma=False`` (every ``shard_map`` here): ``jax.ffi.ffi_call`` types its results as
-device-invariant (no varying manual axes) whatever its inputs, and requires its inputs'
-types to agree. With ``check_vma=True`` an op on a device's own ids then either fails
-the type check (cores marked varying with ``pvary``: the custom VJP's core cotangent
-comes back invariant-typed, which ``custom_vjp`` rejects) or -- cores left invariant --
-type-checks and is *wrong*: the cotangents of the invariant-typed cores are not summed
-over devices (measured on jax 0.10.2: gradient relative error ~1). With
-``check_vma=False``, ``shard_map`` sums every replicated input's cotangent over the axis,
-which is right here. Dropping it needs the FFI layer to give results its inputs'
-varying axes (``jax.ShapeDtypeStruct(..., manual_axis_type=...)``), then ``pvary`` of the
-replicated cores before the op.
+Every ``shard_map`` here keeps jax's default ``check_vma=True``, as can a user's own: the
+FFI calls type their results like their operands and the ops cast replicated cores to
+varying before their ``custom_vjp``, so those cores' gradients are summed over devices
+(``flowtt_jax.ffi``, ``docs/sharding.md``).
 """
 
 from __future__ import annotations
@@ -112,9 +105,7 @@ def data_parallel(fn: Callable[..., Any], mesh: Mesh, axis: str = "data") -> Cal
 
     def wrapped(cores, *batched):
         in_specs = (PartitionSpec(),) + (PartitionSpec(axis),) * len(batched)
-        mapped = jax.shard_map(
-            fn, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(axis), check_vma=False
-        )
+        mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(axis))
         return mapped(cores, *batched)
 
     return wrapped

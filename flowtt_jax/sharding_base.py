@@ -173,7 +173,6 @@ def run_sharded(
     Inside a ``shard_map`` over ``axis`` (e.g. a whole model's step) it is called directly;
     otherwise it runs in its own ``shard_map``: parameters split as ``param_specs``
     says, every feature array along dim 0, outputs ``{feature: [B, D]}`` split along dim 0.
-    ``check_vma=False``: ``flowtt_jax.sharding`` says why.
     """
     num_shards = mesh.shape[axis]
     if axis in jax.sharding.get_abstract_mesh().manual_axes:
@@ -191,7 +190,7 @@ def run_sharded(
 
     specs = {k: param_specs[k] for k in params}
     mapped = jax.shard_map(
-        body, mesh=mesh, in_specs=(specs, PartitionSpec(axis)), out_specs=PartitionSpec(axis), check_vma=False
+        body, mesh=mesh, in_specs=(specs, PartitionSpec(axis)), out_specs=PartitionSpec(axis)
     )
     return mapped(dict(params), arrays)
 

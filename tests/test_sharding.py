@@ -79,6 +79,63 @@ def _check_data_parallel() -> None:
     print("data parallel OK")
 
 
+def _check_users_shard_map() -> None:
+    """The ops inside a user's own ``jax.shard_map`` with jax's default ``check_vma=True``:
+    cores replicated, the batch split over 4 devices. Gradients equal one device's (the
+    replicated cores' summed over devices): before ``ffi.to_varying`` the kernels' core
+    gradients came back typed device-invariant and were not summed (relative error ~3)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import flowtt_jax as ftt
+    from flowtt_jax.batched import tt_embedding_bag_group
+    from flowtt_jax.batched_plan import GroupLayout
+    from tests.helpers import make_cores, make_ids, rel_err
+
+    mesh = jax.make_mesh((4,), ("data",))
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+    specs = (ftt.TTSpec.create(5000, 16, 8), ftt.TTSpec.create(3001, 16, 8))
+    layout = GroupLayout(specs)
+    cores = make_cores(specs[0], seed=1)
+    packed = layout.pack([cores, make_cores(specs[1], seed=2)])
+    rng = np.random.default_rng(3)
+    ids = np.stack([make_ids("zipf1.05", 64 * 5, s.num_embeddings, seed=4 + t) for t, s in enumerate(specs)])
+    ids = ids.reshape(2, 64, 5).transpose(1, 0, 2)  # [B, F, L]: split over the batch
+    weights = rng.standard_normal(ids.shape).astype(np.float32)
+
+    def bag(c, i, w, impl):  # feature 0 of ids
+        return ftt.tt_embedding_bag(c, i[:, 0], weights=w[:, 0], mode="mean", impl=impl)
+
+    def lookup(c, i, w, impl):
+        return ftt.tt_lookup(c, i[:, 0], impl=impl) * w[:, 0, :, None]
+
+    def group(c, i, w, impl):  # both features, feature-major
+        b, f, length = i.shape
+        flat = lambda x: jnp.transpose(x, (1, 0, 2)).reshape(-1)
+        offsets = jnp.arange(f * b + 1, dtype=jnp.int32) * length
+        return tt_embedding_bag_group(c, layout, flat(i), offsets, (0, 1), weights=flat(w), impl=impl)
+
+    for name, fn, params in (("bag", bag, cores), ("lookup", lookup, cores), ("group", group, packed)):
+
+        def loss(c, i, w, fn=fn):
+            return jax.lax.psum(jnp.sum(jnp.sin(fn(c, i, w, "ffi"))), "data")
+
+        mapped = jax.shard_map(loss, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P())
+        args = (put(params, P()), put(ids, P("data")), put(weights, P("data")))
+        g_params, g_w = jax.jit(jax.grad(mapped, argnums=(0, 2)))(*args)
+        with jax.enable_x64(True):
+            p64 = [jnp.asarray(c, jnp.float64) for c in params]
+            ref = lambda c, w, fn=fn: jnp.sum(jnp.sin(fn(c, ids, w, "reference")))
+            r_params, r_w = jax.grad(ref, argnums=(0, 1))(p64, jnp.asarray(weights, jnp.float64))
+        for a, b in zip(g_params, r_params):
+            assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
+        assert rel_err(g_w, r_w) < 1e-5, (name, rel_err(g_w, r_w))
+    print("user shard_map OK")
+
+
 def _start_distributed(process_id: int, num_processes: int, port: int) -> None:
     """Joins this worker to ``jax.distributed`` as process ``process_id`` of ``num_processes``
     (2 CPU devices each, gloo collectives), the coordinator on loopback ``port``."""
@@ -177,6 +234,12 @@ def test_data_parallel_over_four_devices():
     code = "from tests import test_sharding; test_sharding._check_data_parallel()"
     [(returncode, out)] = _run_workers([(code, _cpu_env(cpu_devices=4))], timeout=300)
     assert returncode == 0 and "data parallel OK" in out, out
+
+
+def test_ops_inside_a_users_shard_map_with_check_vma():
+    code = "from tests import test_sharding; test_sharding._check_users_shard_map()"
+    [(returncode, out)] = _run_workers([(code, _cpu_env(cpu_devices=4))], timeout=300)
+    assert returncode == 0 and "user shard_map OK" in out, out[-3000:]
 
 
 def test_data_parallel_across_two_processes():
