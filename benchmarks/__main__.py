@@ -5,7 +5,11 @@ ids) and ``collection`` (``workloads.MetaLikeCollection`` with T tables at each 
 every implementation of ``benchmarks.impls.REGISTRY`` that serves the suite; ``--stage``
 picks a named part that fits one 10-minute device call on an H200 (``STAGES``).
 
-For each case, implementation and mode (forward; forward + backward w.r.t. the parameters):
+For each case, implementation and mode (forward; forward + backward w.r.t. the parameters,
+the backward seeded by ``out - target``, the cotangent of a squared error, so it can only
+start once the forward's output exists, as in a training step: with a constant cotangent
+XLA runs the backward's pooling before the forward's rows and keeps both ``[nnz, D]``
+buffers live, a peak no training step has):
 compile time, device time (``benchmarks.timing``), XLA's memory analysis plus the flowtt
 kernels' run-time scratch, the device's peak bytes in use, parameter bytes, compression and
 the fraction of the FLOP floor (TT; the byte floor for the dense bag) reached. Before a
@@ -404,9 +408,9 @@ class Runner:
                 fn, args = fwd, (params, ids, offsets)
             else:
 
-                def fn(p, i, o, c):
+                def fn(p, i, o, target):
                     out, vjp = jax.vjp(lambda pp: fwd(pp, i, o), p)
-                    return out, vjp(c)[0]
+                    return out, vjp(out - target)[0]  # d/d out of ||out - target||^2 / 2
 
                 args = (params, ids, offsets, cot)
             ckey = (case.share, (impl.name, mode))
