@@ -15,6 +15,7 @@ import math
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -171,3 +172,109 @@ def test_every_integer_dtype_follows_the_policy(dtype, values, oob):
     if oob == "zero":
         want = want * valid[:, None]
     assert math.isclose(np.abs(got - want).max(initial=0.0), 0.0, abs_tol=1e-5)
+
+
+@st.composite
+def collection_cases(draw):
+    """A collection (TT tables of 3 or 2 cores, dense tables; features sharing tables) and
+    one input per feature in a drawn form: one id, padded (mask, weights), CSR (empty bags,
+    weights) or segment ids (any order, dropped segments); ids partly out of range."""
+    from flowtt_jax.collection import TableConfig
+
+    dim = draw(st.sampled_from([4, 16]))
+    batch = draw(st.sampled_from([1, 3, 8]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**20)))
+    tables, features = [], {}
+    for t in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["tt", "tt", "dense"]))
+        rows = draw(st.sampled_from([1, 2, 7, 100, 1000]) | st.integers(1, 10**6))
+        rows = min(rows, 5000) if kind == "dense" else rows
+        names = tuple(f"t{t}f{j}" for j in range(draw(st.integers(1, 2))))
+        tables.append(
+            TableConfig(
+                f"t{t}",
+                rows,
+                dim,
+                kind=kind,
+                rank=draw(st.sampled_from([2, 4])),
+                mode=draw(st.sampled_from(["sum", "mean", "sqrtn"])),
+                feature_names=names,
+                num_cores=draw(st.sampled_from([3, 3, 3, 2])),
+            )
+        )
+        for name in names:
+            b = draw(st.sampled_from([batch, batch, 5]))  # some features of another batch
+            form = draw(st.sampled_from(["one", "padded", "csr", "segments"]))
+            length = draw(st.integers(1, 4))
+            n = b if form == "one" else b * length
+            ids = rng.integers(-2, rows + 2, n)
+            weights = rng.standard_normal(n).astype(np.float32) if draw(st.booleans()) else None
+            if form == "one":
+                features[name] = ids if weights is None else {"ids": ids, "weights": weights}
+            elif form == "padded":
+                x = {"ids": ids.reshape(b, length)}
+                if draw(st.booleans()):
+                    x["mask"] = rng.random((b, length)) < 0.7
+                if weights is not None:
+                    x["weights"] = weights.reshape(b, length)
+                features[name] = x
+            elif form == "csr":
+                cuts = np.sort(rng.integers(0, n + 1, b - 1))
+                features[name] = {"ids": ids, "offsets": np.concatenate([[0], cuts, [n]]), "weights": weights}
+            else:
+                seg = rng.integers(-1, b + 1, n)  # -1 and b: dropped
+                features[name] = {"ids": ids, "segment_ids": seg, "num_bags": b, "weights": weights}
+    oob = draw(st.sampled_from(["zero", "clip"]))
+    return tuple(tables), features, oob
+
+
+def _per_feature_loop(layout, params, features, oob):
+    """Every feature pooled alone by the reference op over its table's own parameters."""
+    from flowtt_jax.collection import bag_kwargs, dense_embedding_bag
+
+    out = {}
+    for cfg in layout.tables:
+        values = layout.table_params(params, cfg.name)
+        for f in cfg.feature_keys:
+            ids, kw = bag_kwargs(features[f])
+            kw = {k: v for k, v in kw.items() if v is not None}
+            if cfg.kind == "dense":
+                out[f] = dense_embedding_bag(values[0], ids, mode=cfg.mode, oob=oob, **kw)
+            else:
+                out[f] = ftt.tt_embedding_bag(
+                    values,
+                    ids,
+                    mode=cfg.mode,
+                    num_embeddings=cfg.num_embeddings,
+                    oob=oob,
+                    impl="reference",
+                    **kw,
+                )
+    return out
+
+
+@examples(ci=4, gpu=150)
+@given(case=collection_cases(), impl=st.sampled_from(["auto", "reference"]))
+def test_collection_matches_a_per_feature_loop(case, impl):
+    """``CollectionLayout.apply`` (packs, one table-batched op per shape group, one dense
+    gather, features of two batch sizes) against each feature pooled alone: outputs and the
+    gradients of the packed parameters."""
+    from flowtt_jax.collection_layout import CollectionLayout
+
+    tables, features, oob = case
+    layout = CollectionLayout(tables)
+    params = layout.init(jax.random.key(0))
+    rng = np.random.default_rng(1)
+    want = _per_feature_loop(layout, params, features, oob)
+    cot = {f: rng.standard_normal(w.shape).astype(np.float32) for f, w in want.items()}
+
+    def loss(fn):
+        return lambda p: sum(jnp.sum(o * cot[f]) for f, o in fn(p).items())
+
+    got = layout.apply(params, features, oob=oob, impl=impl)
+    assert set(got) == set(want)
+    bad = compare({f: got[f] for f in want}, {f: np.asarray(w, np.float64) for f, w in want.items()})
+    g_got = jax.grad(loss(lambda p: layout.apply(p, features, oob=oob, impl=impl)))(params)
+    g_want = jax.grad(loss(lambda p: _per_feature_loop(layout, p, features, oob)))(params)
+    bad += compare(g_got, {k: np.asarray(v, np.float64) for k, v in g_want.items()})
+    assert not bad, (impl, oob, tables, bad)
