@@ -11,6 +11,7 @@ No example database is written (``database=None``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -205,9 +206,10 @@ def collection_cases(draw):
         for name in names:
             b = draw(st.sampled_from([batch, batch, 5]))  # some features of another batch
             form = draw(st.sampled_from(["one", "padded", "csr", "segments"]))
-            length = draw(st.integers(1, 4))
+            length = draw(st.integers(0, 4))  # 0: a feature without ids (padded, CSR)
             n = b if form == "one" else b * length
             ids = rng.integers(-2, rows + 2, n)
+            ids[rng.random(n) < 0.25] = rows - 1  # the table's last row
             weights = rng.standard_normal(n).astype(np.float32) if draw(st.booleans()) else None
             if form == "one":
                 features[name] = ids if weights is None else {"ids": ids, "weights": weights}
@@ -258,7 +260,7 @@ def _per_feature_loop(layout, params, features, oob):
 def test_collection_matches_a_per_feature_loop(case, impl):
     """``CollectionLayout.apply`` (packs, one table-batched op per shape group, one dense
     gather, features of two batch sizes) against each feature pooled alone: outputs and the
-    gradients of the packed parameters."""
+    gradients of the packed parameters and of the features' weights."""
     from flowtt_jax.collection_layout import CollectionLayout
 
     tables, features, oob = case
@@ -268,13 +270,23 @@ def test_collection_matches_a_per_feature_loop(case, impl):
     want = _per_feature_loop(layout, params, features, oob)
     cot = {f: rng.standard_normal(w.shape).astype(np.float32) for f, w in want.items()}
 
+    weighted = {
+        f: v["weights"] for f, v in features.items() if isinstance(v, dict) and v.get("weights") is not None
+    }
+
     def loss(fn):
-        return lambda p: sum(jnp.sum(o * cot[f]) for f, o in fn(p).items())
+        def total(p, w):
+            feats = {f: {**v, "weights": w[f]} if f in w else v for f, v in features.items()}
+            return sum(jnp.sum(o * cot[f]) for f, o in fn(p, feats).items())
+
+        return total
 
     got = layout.apply(params, features, oob=oob, impl=impl)
     assert set(got) == set(want)
     bad = compare({f: got[f] for f in want}, {f: np.asarray(w, np.float64) for f, w in want.items()})
-    g_got = jax.grad(loss(lambda p: layout.apply(p, features, oob=oob, impl=impl)))(params)
-    g_want = jax.grad(loss(lambda p: _per_feature_loop(layout, p, features, oob)))(params)
-    bad += compare(g_got, {k: np.asarray(v, np.float64) for k, v in g_want.items()})
+    grad = functools.partial(jax.grad, argnums=(0, 1))
+    g_got = grad(loss(lambda p, x: layout.apply(p, x, oob=oob, impl=impl)))(params, weighted)
+    g_want = grad(loss(lambda p, x: _per_feature_loop(layout, p, x, oob)))(params, weighted)
+    for got_part, want_part in zip(g_got, g_want):
+        bad += compare(got_part, {k: np.asarray(v, np.float64) for k, v in want_part.items()})
     assert not bad, (impl, oob, tables, bad)
