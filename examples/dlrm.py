@@ -117,14 +117,15 @@ class DLRM(nnx.Module):
         self.names = tuple(t.name for t in tables)
         self.bottom = MLP((NUM_DENSE, *bottom, dim), final_activation=True, rngs=rngs)
         self.embeddings = TTEmbeddingCollection(tables, impl=impl, rngs=rngs)
+        assert self.embeddings.feature_names == self.names  # the columns of `sparse`
         f = len(tables) + 1
         self.num_interactions = f * (f - 1) // 2
         self.top = MLP((dim + self.num_interactions, *top, 1), final_activation=False, rngs=rngs)
 
     def __call__(self, dense: jax.Array, sparse: jax.Array) -> jax.Array:
         x = self.bottom(dense)  # [B, D]
-        embs = self.embeddings({n: sparse[:, i] for i, n in enumerate(self.names)})
-        t = jnp.stack([x] + [embs[n] for n in self.names], axis=1)  # [B, F, D]
+        embs = self.embeddings(sparse)  # stacked: [B, 26] ids -> [B, 26, D], no per-feature slices
+        t = jnp.concatenate([x[:, None], embs], axis=1)  # [B, F, D]
         z = jnp.einsum("bid,bjd->bij", t, t)
         li, lj = np.tril_indices(t.shape[1], k=-1)
         inter = z[:, li, lj]  # [B, F(F-1)/2]

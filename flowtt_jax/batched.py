@@ -259,7 +259,8 @@ def pooled_group(
     if impl == "reference":
         return _reference_bags(layout, c32, weights.astype(c32[0].dtype), ids, tables, bag_ids, num_bags)
     ffi.check_kernel_nnz(ids.shape[0])
-    c32 = ffi.to_varying(c32, ffi.varying_axes(ids, tables, weights, offsets))  # ffi.py: shard_map
+    axes = ffi.varying_axes(c32, weights, ids, tables, offsets, bag_ids)  # ffi.py: inside shard_map
+    c32, weights = ffi.to_varying((c32, weights), axes)
     with ffi.explain_ad_errors():
         if _takes_single_table_kernels(layout, c32):
             return fused_bag(weighted, c32, weights.astype(jnp.float32), ids, offsets, bag_ids)

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import reference
+from . import ffi, reference
 from .bag import CanonicalBags, apply_bags_oob, bag_of_positions, canonical_bags, check_sizes
-from .batched import choose_impl, pooled_group
+from .batched import choose_impl, pooled_group, scale_by_modes
 from .batched_plan import GroupLayout
 from .collection import TableConfig, bag_kwargs, check_tables
 from .cores import resolve_init, to_dense
@@ -194,6 +194,7 @@ class CollectionLayout:
     ) -> dict[str, jax.Array]:
         """``{feature: [B, D]}`` for every feature the tables read (see
         ``flowtt_jax.collection`` for the input forms); ``KeyError`` for a missing one."""
+        params = _cast_to_batch(params, features)
         out = {}
         for p, pack in enumerate(self.packs):
             arrays = tuple(params[n] for n in self.param_names(p))
@@ -220,6 +221,112 @@ class CollectionLayout:
                 for slot, part in zip(slots, pooled):
                     out[slot.feature] = part.astype(out_dtype)
         return out
+
+    def call(
+        self,
+        params: Mapping[str, jax.Array],
+        features: Mapping[str, Any] | jax.Array,
+        weights: jax.Array | None = None,
+        **kw: Any,
+    ) -> dict[str, jax.Array] | jax.Array:
+        """The layers' call: ``apply`` for a feature dict, ``apply_stacked`` for stacked ids
+        (``weights`` only with those); ``kw``: ``oob``, ``impl``, ``dtype``."""
+        if isinstance(features, Mapping):
+            if weights is not None:
+                raise ValueError("weights is for stacked ids; a feature dict carries its own weights")
+            return self.apply(params, features, **kw)
+        return self.apply_stacked(params, features, weights, **kw)
+
+    @functools.cached_property
+    def feature_names(self) -> tuple[str, ...]:
+        """Every feature the tables read, in table order: the columns of a stacked input and
+        the rows of a stacked output (``apply_stacked``)."""
+        return tuple(f for cfg in self.tables for f in cfg.feature_keys)
+
+    def apply_stacked(
+        self,
+        params: Mapping[str, jax.Array],
+        ids: jax.Array,
+        weights: jax.Array | None = None,
+        *,
+        oob: str = "zero",
+        impl: str = "auto",
+        dtype: Any | None = None,
+    ) -> jax.Array:
+        """``[B, F, D]`` pooled bags of a stacked batch, the values of ``apply``.
+
+        ``ids``: int ``[B, F]`` (one id per example and feature, e.g. a Criteo batch) or
+        ``[B, F, L]`` (padded bags of L ids), column f being feature ``feature_names[f]``;
+        ``weights``: optional float of the same shape. Every table must have the same dim
+        D. Each pack takes its columns at once (one gather of the ids, no per-feature
+        slices) and the output is its packs' bags concatenated, so the program has no
+        per-feature split or stack (nor their transposes in the backward).
+        """
+        ids, weights = self._check_stacked(ids, weights, oob)
+        params = _cast_to_batch(params, (ids, weights))
+        column = {f: i for i, f in enumerate(self.feature_names)}
+        parts, order = [], []
+        for p, pack in enumerate(self.packs):
+            arrays = tuple(params[n] for n in self.param_names(p))
+            out_dtype = arrays[0].dtype if dtype is None else dtype
+            cols = [column[s.feature] for s in pack.features]
+            sub = _columns(ids, cols)  # [F_p, B, L]
+            w = None if weights is None else _columns(weights, cols)
+            if pack.kind == "single":
+                cfg = pack.tables[0]
+                out = jnp.stack(
+                    [
+                        tt_embedding_bag(
+                            arrays,
+                            sub[j],
+                            weights=None if w is None else w[j],
+                            mode=slot.mode,
+                            num_embeddings=cfg.num_embeddings,
+                            oob=oob,
+                            impl=impl,
+                            dtype=out_dtype,
+                        )
+                        for j, slot in enumerate(pack.features)
+                    ]
+                )
+            else:
+                packed, tables = _stacked_bags(pack, sub, w, oob)
+                pooled = _pool_packed(pack, arrays, packed, tables, weights is not None, impl)
+                out = pooled.reshape(sub.shape[0], sub.shape[1], -1).astype(out_dtype)
+            parts.append(out)
+            order += cols
+        out = jnp.concatenate(parts) if len(parts) > 1 else parts[0]  # [F, B, D], packs' order
+        if order != sorted(order):
+            out = out.at[np.argsort(order)].get(unique_indices=True)
+        return jnp.transpose(out, (1, 0, 2))
+
+    def _check_stacked(self, ids, weights, oob: str) -> tuple[jax.Array, jax.Array | None]:
+        """Stacked ids and weights as ``[B, F, L]`` after their checks."""
+        ids = as_ids(ids, oob)
+        num = len(self.feature_names)
+        if ids.ndim not in (2, 3) or ids.shape[1] != num:
+            raise ValueError(
+                f"stacked ids must be [B, F] or [B, F, L] with F = {num} features "
+                f"(columns in feature_names order), got shape {ids.shape}"
+            )
+        dims = sorted({cfg.features for cfg in self.tables})
+        if len(dims) > 1:
+            raise ValueError(f"a stacked output needs one dim for every table, got dims {dims}")
+        if weights is not None:
+            weights = jnp.asarray(weights)
+            if weights.shape != ids.shape:
+                raise ValueError(f"weights shape {weights.shape} != ids shape {ids.shape}")
+            weights = weights.astype(jnp.promote_types(weights.dtype, jnp.float32))
+            weights = weights if weights.ndim == 3 else weights[..., None]
+        return (ids if ids.ndim == 3 else ids[..., None]), weights
+
+
+def _cast_to_batch(params: Mapping[str, jax.Array], batch: Any) -> dict[str, jax.Array]:
+    """``params`` typed varying over the mesh axes the batch's arrays vary over (inside a
+    ``shard_map`` with ``check_vma``): one cast, so one gradient sum, per parameter however
+    many calls read it (``flowtt_jax.ffi``); unchanged elsewhere."""
+    arrays = [x for x in jax.tree.leaves(batch) if isinstance(x, jax.Array)]
+    return ffi.to_varying(dict(params), ffi.varying_axes(arrays))
 
 
 def _feature(features: Mapping[str, Any], slot: FeatureSlot, pack: TablePack) -> tuple[jax.Array, dict]:
@@ -287,28 +394,42 @@ def _packed_bags(pack: TablePack, slots, bags: Sequence[CanonicalBags], oob: str
         bag_ids=jnp.clip(bag_of_positions(offsets, n), 0, len(bags) * batch - 1),
         keep=keep,
     )
-    tables = jnp.asarray(np.repeat(np.asarray([s.table for s in slots], np.int32), sizes))
+    # each position's table from its feature's range of positions (no [n] host constant)
+    feature = bag_of_positions(jnp.asarray(starts), n) if n else jnp.zeros((0,), jnp.int32)
+    tables = jnp.asarray([s.table for s in slots], jnp.int32)[jnp.clip(feature, 0, len(slots) - 1)]
+    return _pack_oob(pack, packed, tables, oob)
+
+
+def _pack_oob(pack: TablePack, packed: CanonicalBags, tables: jax.Array, oob: str):
+    """``packed`` (positions of tables [n] of ``pack``) after the ``oob`` policy against
+    each position's own table: ``(CanonicalBags, tables)``; dropped positions add no rows."""
     num_rows = np.asarray([t.num_embeddings for t in pack.tables], np.int32)
     flat, valid = apply_table_oob(packed.ids, tables, num_rows, oob)
-    return apply_bags_oob(packed, flat, valid, tables)  # dropped positions add no rows
+    return apply_bags_oob(packed, flat, valid, tables)
 
 
 def _pool(pack: TablePack, arrays, slots, prepared, oob: str, impl: str) -> jax.Array:
     """``[F*B, D]`` bags of ``slots`` (same batch B) pooled in one call over
     ``_packed_bags``."""
     bags = [prepared[s.feature][0] for s in slots]
-    batch = bags[0].offsets.shape[0] - 1
-    dim = arrays[0].shape[-1] if pack.kind == "dense" else pack.layout.dim
     packed, tables = _packed_bags(pack, slots, bags, oob)  # oob="error" checks even without bags
-    if packed.ids.shape[0] == 0 or batch == 0:
-        return jnp.zeros((len(slots) * batch, dim), jnp.promote_types(arrays[0].dtype, jnp.float32))
+    weighted = any(prepared[s.feature][1] for s in slots)
+    return _pool_packed(pack, arrays, packed, tables, weighted, impl)
+
+
+def _pool_packed(pack: TablePack, arrays, packed: CanonicalBags, tables, weighted: bool, impl: str):
+    """``[num_bags, D]`` float32 (float64 params stay float64): the bags of ``packed``
+    (in range of their ``tables``, as ``_pack_oob`` gives) pooled in one call."""
+    num_bags = packed.offsets.shape[0] - 1
+    dim = arrays[0].shape[-1] if pack.kind == "dense" else pack.layout.dim
+    if packed.ids.shape[0] == 0 or num_bags == 0:
+        return jnp.zeros((num_bags, dim), jnp.promote_types(arrays[0].dtype, jnp.float32))
     if pack.kind == "dense":
         row_base = jnp.asarray(pack.row_offsets[:-1], jnp.int32)[tables]
         rows = jnp.take(arrays[0], row_base + packed.ids, axis=0)
         rows = rows.astype(jnp.promote_types(rows.dtype, jnp.float32))
         # a weight of 0 adds nothing
-        return reference.pool(rows, packed.weights, packed.bag_ids, len(slots) * batch)
-    weighted = any(prepared[s.feature][1] for s in slots)
+        return reference.pool(rows, packed.weights, packed.bag_ids, num_bags)
     which = choose_impl(impl, pack.layout, [a.dtype for a in arrays])
     return pooled_group(
         arrays,
@@ -321,3 +442,29 @@ def _pool(pack: TablePack, arrays, slots, prepared, oob: str, impl: str) -> jax.
         weighted=weighted,
         impl=which,
     )
+
+
+def _columns(x: jax.Array, cols: Sequence[int]) -> jax.Array:
+    """Columns ``cols`` of ``x [B, F, L]`` as ``[len(cols), B, L]`` (a slice where they are
+    consecutive, else one gather)."""
+    lo = cols[0]
+    picked = (
+        x[:, lo : lo + len(cols)] if list(cols) == list(range(lo, lo + len(cols))) else x[:, np.asarray(cols)]
+    )
+    return jnp.transpose(picked, (1, 0, 2))
+
+
+def _stacked_bags(pack: TablePack, ids: jax.Array, weights: jax.Array | None, oob: str):
+    """A pack's stacked columns ``ids [F, B, L]`` (and weights) as one feature-major CSR of
+    ``F*B`` padded bags, each feature's mode folded into the weights, then the ``oob``
+    policy: ``(CanonicalBags, tables [n] int32)``, as ``_packed_bags`` gives."""
+    num_features, batch, length = ids.shape
+    n = num_features * batch * length
+    check_sizes(n, num_features * batch)
+    offsets = jnp.arange(num_features * batch + 1, dtype=jnp.int32) * length
+    bag_ids = jnp.arange(n, dtype=jnp.int32) // max(length, 1)
+    w = jnp.ones((n,), jnp.float32) if weights is None else weights.reshape(-1)
+    w = scale_by_modes(w, offsets, bag_ids, [s.mode for s in pack.features], batch)
+    packed = CanonicalBags(saturate_int32(ids.reshape(-1)), w, offsets, bag_ids, None, length)
+    slot_tables = jnp.asarray([s.table for s in pack.features], jnp.int32)
+    return _pack_oob(pack, packed, slot_tables[bag_ids // max(batch, 1)], oob)

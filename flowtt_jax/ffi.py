@@ -22,9 +22,11 @@ outside this package).
 Inside ``jax.shard_map`` with ``check_vma=True`` (jax's default): ``jax.ffi.ffi_call``
 wants operands of one type and types its results as device-invariant, whatever its
 operands. ``call`` casts every operand to the mesh axes any of them varies over and its
-results back to them (``to_varying``), and the ops cast their cores to the axes their ids
-vary over before their ``custom_vjp``, so a replicated core's gradient is summed over the
-devices (the transpose of the cast), as jax does for its own ops.
+results back to them (``to_varying``), and the ops cast their cores and weights to the axes
+any of their inputs varies over before their ``custom_vjp``, so its cotangents have their
+primals' types and a replicated core's gradient is summed over the devices (the transpose
+of the cast), as jax does for its own ops: one sum per op call (a collection casts each
+pack's parameters once, whatever the number of its calls).
 """
 
 from __future__ import annotations

@@ -143,7 +143,10 @@ class TTEmbeddingCollection(nn.Module):
     impl: str = "auto"
 
     @nn.compact
-    def __call__(self, features: Mapping[str, Any]) -> dict[str, jax.Array]:
+    def __call__(
+        self, features: Mapping[str, Any] | jax.Array, weights: jax.Array | None = None
+    ) -> dict[str, jax.Array] | jax.Array:
+        """A feature dict, or stacked ids (and ``weights``) as the nnx twin takes them."""
         layout = CollectionLayout(tuple(self.tables))
         cache: dict[str, dict] = {}
 
@@ -154,4 +157,4 @@ class TTEmbeddingCollection(nn.Module):
 
         names = [n for p in range(len(layout.packs)) for n in layout.param_names(p)]
         params = {n: self.param(n, init, n) for n in names}
-        return layout.apply(params, features, oob=self.oob, impl=self.impl, dtype=self.dtype)
+        return layout.call(params, features, weights, oob=self.oob, impl=self.impl, dtype=self.dtype)

@@ -186,7 +186,10 @@ class TTEmbeddingCollection(nnx.Module):
 
     ``tables``: ``TableConfig``s (see ``flowtt_jax.collection``). Call with a mapping
     ``{feature name: input}`` (an int array ``[B]`` or ``[B, L]``, or a dict of
-    ``tt_embedding_bag`` arguments); returns ``{feature name: [B, features]}``.
+    ``tt_embedding_bag`` arguments); returns ``{feature name: [B, features]}``. Or call
+    with stacked ids ``[B, F]`` / ``[B, F, L]`` (one column per feature, in
+    ``feature_names`` order; optional ``weights``), e.g. a Criteo batch; returns
+    ``[B, F, features]`` with no per-feature slices in the program.
 
     The tables are packed (``flowtt_jax.collection_layout``): the TT tables of one shape
     group (same column shape and ranks) share packed cores and run as one table-batched
@@ -218,8 +221,19 @@ class TTEmbeddingCollection(nnx.Module):
     def _values(self) -> dict[str, jax.Array]:
         return {k: p[...] for k, p in self.params.items()}
 
-    def __call__(self, features: Mapping[str, Any]) -> dict[str, jax.Array]:
-        return self.layout.apply(self._values(), features, oob=self.oob, impl=self.impl, dtype=self.dtype)
+    def __call__(
+        self, features: Mapping[str, Any] | jax.Array, weights: jax.Array | None = None
+    ) -> dict[str, jax.Array] | jax.Array:
+        """``{feature: input}`` -> ``{feature: [B, features]}``; or stacked ids ``[B, F]`` /
+        ``[B, F, L]`` (columns in ``feature_names`` order, optional ``weights`` of their
+        shape) -> ``[B, F, features]`` (``CollectionLayout.apply_stacked``)."""
+        kw = dict(oob=self.oob, impl=self.impl, dtype=self.dtype)
+        return self.layout.call(self._values(), features, weights, **kw)
+
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        """The features in the order of a stacked input's columns and output's rows."""
+        return self.layout.feature_names
 
     def cores(self, name: str) -> tuple[jax.Array, ...]:
         """TT table ``name``'s cores ``[p_k, r_{k-1}, q_k, r_k]`` (views of the packed cores)."""

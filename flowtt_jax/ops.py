@@ -121,7 +121,8 @@ def _bag(cores, ids, offsets, bag_ids, weights, weighted, num_bags, impl, dtype)
         out = reference.pool(rows, weights.astype(rows.dtype), bag_ids, num_bags)
     else:
         ffi.check_kernel_nnz(ids.shape[0])
-        c32 = ffi.to_varying(c32, ffi.varying_axes(ids, weights, offsets))  # ffi.py: shard_map
+        axes = ffi.varying_axes(c32, weights, ids, offsets, bag_ids)  # ffi.py: inside shard_map
+        c32, weights = ffi.to_varying((c32, weights), axes)
         with ffi.explain_ad_errors():
             out = fused_bag(weighted, c32, weights.astype(jnp.float32), ids, offsets, bag_ids)
     return out.astype(dtype)

@@ -24,10 +24,14 @@ Multi-host: the same code after ``jax.distributed.initialize()``; the mesh spans
 process's devices and each process feeds its own part of the batch
 (``sharding_nnx.shard_batch``). Collectives are JAX's own (NCCL on GPU).
 
-Every ``shard_map`` here keeps jax's default ``check_vma=True``, as can a user's own: the
-FFI calls type their results like their operands and the ops cast replicated cores to
-varying before their ``custom_vjp``, so those cores' gradients are summed over devices
-(``flowtt_jax.ffi``, ``docs/sharding.md``).
+The ops are right inside a user's own ``shard_map`` with jax's default ``check_vma=True``
+(the FFI calls type their results like their operands, and the ops cast their cores and
+weights to the batch's varying axes, so replicated cores' gradients are summed over
+devices: ``flowtt_jax.ffi``). The ``shard_map``s here pass ``check_vma=False`` all the same:
+they run the user's whole function (``make_train_step``, ``data_parallel``), which need
+not be typed for varying axes (a ``scan`` carry started from ``jnp.zeros``), and every
+replicated parameter's gradient is summed once at the boundary, not once per use
+(``docs/sharding.md``).
 """
 
 from __future__ import annotations
@@ -105,7 +109,9 @@ def data_parallel(fn: Callable[..., Any], mesh: Mesh, axis: str = "data") -> Cal
 
     def wrapped(cores, *batched):
         in_specs = (PartitionSpec(),) + (PartitionSpec(axis),) * len(batched)
-        mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(axis))
+        mapped = jax.shard_map(
+            fn, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(axis), check_vma=False
+        )
         return mapped(cores, *batched)
 
     return wrapped
@@ -129,6 +135,12 @@ class DataParallelLayout(ShardedLayout):
     ) -> dict[str, jax.Array]:
         """``CollectionLayout.apply`` on this device's bags."""
         return CollectionLayout.apply(self, params, features, oob=oob, impl=impl, dtype=dtype)
+
+    def local_apply_stacked(
+        self, params: Mapping[str, jax.Array], ids: jax.Array, weights: jax.Array | None, *, oob, impl, dtype
+    ) -> jax.Array:
+        """``CollectionLayout.apply_stacked`` on this device's stacked ids."""
+        return CollectionLayout.apply_stacked(self, params, ids, weights, oob=oob, impl=impl, dtype=dtype)
 
 
 def collection_data_parallel(layout: CollectionLayout, mesh: Mesh, axis: str = "data") -> DataParallelLayout:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
@@ -190,7 +191,7 @@ def run_sharded(
 
     specs = {k: param_specs[k] for k in params}
     mapped = jax.shard_map(
-        body, mesh=mesh, in_specs=(specs, PartitionSpec(axis)), out_specs=PartitionSpec(axis)
+        body, mesh=mesh, in_specs=(specs, PartitionSpec(axis)), out_specs=PartitionSpec(axis), check_vma=False
     )
     return mapped(dict(params), arrays)
 
@@ -227,3 +228,42 @@ class ShardedLayout(CollectionLayout, abc.ABC):
         called inside one over ``axis``."""
         local = functools.partial(self.local_apply, oob=oob, impl=impl, dtype=dtype)
         return run_sharded(self.mesh, self.axis, self.param_specs(), local, params, features)
+
+    def apply_stacked(
+        self,
+        params: Mapping[str, jax.Array],
+        ids: jax.Array,
+        weights: jax.Array | None = None,
+        *,
+        oob: str = "zero",
+        impl: str = "auto",
+        dtype: Any | None = None,
+    ) -> jax.Array:
+        """``CollectionLayout.apply_stacked``'s ``[B, F, D]`` from parameters placed as
+        ``param_specs`` says and stacked ids (and weights) split along dim 0 over ``axis``,
+        split the same way; in its own ``shard_map`` unless called inside one over ``axis``."""
+        ids, weights = self._check_stacked(ids, weights, oob)
+        local = functools.partial(self.local_apply_stacked, oob=oob, impl=impl, dtype=dtype)
+        if self.axis in jax.sharding.get_abstract_mesh().manual_axes:
+            return local(params, ids, weights)
+        specs = self.param_specs()
+        mapped = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=({k: specs[k] for k in params}, PartitionSpec(self.axis), PartitionSpec(self.axis)),
+            out_specs=PartitionSpec(self.axis),
+            check_vma=False,
+        )
+        return mapped(dict(params), ids, weights)
+
+    def local_apply_stacked(
+        self, params: Mapping[str, jax.Array], ids: jax.Array, weights: jax.Array | None, *, oob, impl, dtype
+    ) -> jax.Array:
+        """One device's ``[B/S, F, D]`` from its stacked ids ``[B/S, F, L]``: as a feature
+        dict through ``local_apply`` (layouts that pool stacked ids directly override it)."""
+        features = {
+            f: {"ids": ids[:, i]} if weights is None else {"ids": ids[:, i], "weights": weights[:, i]}
+            for i, f in enumerate(self.feature_names)
+        }
+        out = self.local_apply(params, features, oob=oob, impl=impl, dtype=dtype)
+        return jnp.stack([out[f] for f in self.feature_names], axis=1)

@@ -101,6 +101,7 @@ def _run(mesh: Mesh, axis: str, param_spec: PartitionSpec, local: Callable, para
         mesh=mesh,
         in_specs=(param_spec, PartitionSpec(axis), PartitionSpec(axis), PartitionSpec(axis)),
         out_specs=PartitionSpec(None, axis),
+        check_vma=False,
     )
     return mapped(params, ids, offsets, weights)
 

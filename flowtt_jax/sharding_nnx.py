@@ -128,7 +128,9 @@ def sharded_call(fn: Callable[..., Any], mesh: Mesh, axis: str = "data") -> Call
             return fn(nnx.merge(graphdef, state), *batch)
 
         in_specs = (_specs(state),) + (PartitionSpec(axis),) * len(batch)
-        mapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(axis))
+        mapped = jax.shard_map(
+            local, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(axis), check_vma=False
+        )
         return mapped(state, *batch)
 
     return call
@@ -151,7 +153,9 @@ def sharded_value_and_grad(
                 return jnp.reshape(loss_fn(nnx.merge(graphdef, params, rest), *batch), (1,))
 
             in_specs = (_specs(params), _specs(rest)) + (PartitionSpec(axis),) * len(batch)
-            mapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(axis))
+            mapped = jax.shard_map(
+                local, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(axis), check_vma=False
+            )
             return jnp.mean(mapped(params, rest, *batch))
 
         return jax.value_and_grad(global_loss)(params)

@@ -83,7 +83,8 @@ def _check_users_shard_map() -> None:
     """The ops inside a user's own ``jax.shard_map`` with jax's default ``check_vma=True``:
     cores replicated, the batch split over 4 devices. Gradients equal one device's (the
     replicated cores' summed over devices): before ``ffi.to_varying`` the kernels' core
-    gradients came back typed device-invariant and were not summed (relative error ~3)."""
+    gradients came back typed device-invariant and were not summed (relative error ~3);
+    replicated weights' gradient must come back typed as they are."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -118,13 +119,23 @@ def _check_users_shard_map() -> None:
         offsets = jnp.arange(f * b + 1, dtype=jnp.int32) * length
         return tt_embedding_bag_group(c, layout, flat(i), offsets, (0, 1), weights=flat(w), impl=impl)
 
-    for name, fn, params in (("bag", bag, cores), ("lookup", lookup, cores), ("group", group, packed)):
+    def shared_weights(c, i, w, impl):  # replicated weights (one per slot), clipped ids
+        per_slot = jnp.broadcast_to(w[0, 0], i[:, 0].shape)
+        return ftt.tt_embedding_bag(c, i[:, 0], weights=per_slot, oob="clip", impl=impl)
+
+    cases = (
+        ("bag", bag, cores, P("data")),
+        ("lookup", lookup, cores, P("data")),
+        ("group", group, packed, P("data")),
+        ("replicated weights", shared_weights, cores, P()),
+    )
+    for name, fn, params, w_spec in cases:
 
         def loss(c, i, w, fn=fn):
             return jax.lax.psum(jnp.sum(jnp.sin(fn(c, i, w, "ffi"))), "data")
 
-        mapped = jax.shard_map(loss, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P())
-        args = (put(params, P()), put(ids, P("data")), put(weights, P("data")))
+        mapped = jax.shard_map(loss, mesh=mesh, in_specs=(P(), P("data"), w_spec), out_specs=P())
+        args = (put(params, P()), put(ids, P("data")), put(weights, w_spec))
         g_params, g_w = jax.jit(jax.grad(mapped, argnums=(0, 2)))(*args)
         with jax.enable_x64(True):
             p64 = [jnp.asarray(c, jnp.float64) for c in params]

@@ -1,0 +1,181 @@
+"""A collection called with stacked ids ``[B, F]`` / ``[B, F, L]`` (``apply_stacked``): the
+values of the feature-dict call bit for bit, no per-feature glue, the checks, and both
+sharding strategies on 4 virtual CPU devices (in a subprocess, as ``test_sharding``)."""
+
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.test_sharding import _cpu_env, _run_workers
+
+flax = pytest.importorskip("flax")
+from flax import nnx  # noqa: E402
+
+from flowtt_jax.collection import TableConfig  # noqa: E402
+from flowtt_jax.nnx import TTEmbeddingCollection  # noqa: E402
+
+DIM = 8
+
+
+def _tables():
+    """Packs in another order than the features (TT group, dense pack, a 2-core single),
+    a table shared by two features, every pooling mode."""
+    return [
+        TableConfig("a", 1000, DIM, rank=4, mode="mean"),
+        TableConfig("d", 50, DIM, kind="dense"),
+        TableConfig("b", 3000, DIM, rank=4, mode="sqrtn", feature_names=("b1", "b2")),
+        TableConfig("two", 300, DIM, rank=4, num_cores=2),
+        TableConfig("d2", 40, DIM, kind="dense", mode="mean"),
+        TableConfig("c", 77, DIM, rank=4),
+    ]
+
+
+def _as_dict(col, ids, weights=None) -> dict:
+    return {
+        f: {"ids": ids[:, i]} if weights is None else {"ids": ids[:, i], "weights": weights[:, i]}
+        for i, f in enumerate(col.feature_names)
+    }
+
+
+def _stack(col, out: dict) -> jax.Array:
+    return jnp.stack([out[f] for f in col.feature_names], axis=1)
+
+
+@pytest.mark.parametrize("length", [None, 3])
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+def test_stacked_equals_the_feature_dict(length, impl):
+    col = TTEmbeddingCollection(_tables(), impl=impl, rngs=nnx.Rngs(0))
+    assert col.feature_names == ("a", "d", "b1", "b2", "two", "d2", "c")
+    assert [p.kind for p in col.layout.packs] == ["tt", "dense", "single"]
+    rng = np.random.default_rng(0)
+    shape = (6, len(col.feature_names)) + (() if length is None else (length,))
+    ids = rng.integers(-2, 60, shape)  # some out of range (oob="zero"), some at row 49 / 39 ...
+    ids[rng.random(shape) < 0.2] = 39  # the last row of d2
+    weights = rng.standard_normal(shape).astype(np.float32)
+
+    out = jax.jit(lambda c, x, w: c(x, w))(col, ids, weights)
+    assert out.shape == (6, len(col.feature_names), DIM)
+    want = _stack(col, jax.jit(lambda c, x: c(x))(col, _as_dict(col, ids, weights)))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    plain = col(ids)  # no weights
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(_stack(col, col(_as_dict(col, ids)))))
+
+    def loss(c, w, stacked):
+        y = c(ids, w) if stacked else _stack(c, c(_as_dict(c, ids, w)))
+        return jnp.sum(jnp.sin(y) * jnp.arange(1, y.shape[1] + 1)[:, None])
+
+    g, gw = nnx.grad(loss, argnums=(0, 1))(col, jnp.asarray(weights), True)
+    g_ref, gw_ref = nnx.grad(loss, argnums=(0, 1))(col, jnp.asarray(weights), False)
+    for a, b in zip(jax.tree.leaves(nnx.state(g)), jax.tree.leaves(nnx.state(g_ref))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(gw), np.asarray(gw_ref))
+
+
+def test_linen_takes_stacked_ids():
+    from flowtt_jax import linen
+    from flowtt_jax.collection_layout import CollectionLayout
+
+    layer = linen.TTEmbeddingCollection(_tables())
+    names = CollectionLayout(tuple(_tables())).feature_names
+    ids = np.random.default_rng(1).integers(0, 40, (5, len(names)))
+    variables = layer.init(jax.random.key(0), ids)
+    out = layer.apply(variables, ids)
+    want = layer.apply(variables, {f: ids[:, i] for i, f in enumerate(names)})
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jnp.stack([want[f] for f in names], 1)))
+
+
+def test_stacked_glue_does_not_grow_with_features():
+    """Every op of the stacked forward is per pack: a TT shape group and a dense pack
+    read by 4 or by 16 features give programs of the same ops."""
+
+    def ops(num_features: int) -> Counter:
+        tables = [
+            TableConfig(
+                f"t{i}",
+                1000 + 97 * i,
+                8,
+                kind="tt" if i % 2 else "dense",
+                rank=4,
+                mode=("sum", "mean")[i % 4 // 2],
+            )
+            for i in range(num_features)
+        ]
+        col = TTEmbeddingCollection(tables, rngs=nnx.Rngs(0))
+        text = jax.jit(lambda m, x: m(x)).lower(col, jnp.zeros((64, num_features), jnp.int32)).as_text()
+        return Counter(re.findall(r"(stablehlo\.\w+)", text))
+
+    few, many = ops(4), ops(16)
+    assert many == few, (few, many)
+
+
+def test_stacked_inputs_are_checked():
+    col = TTEmbeddingCollection(_tables(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="F = 7 features"):
+        col(np.zeros((4, 6), np.int32))
+    with pytest.raises(ValueError, match="weights shape"):
+        col(np.zeros((4, 7), np.int32), np.ones((4, 6), np.float32))
+    with pytest.raises(ValueError, match="weights is for stacked ids"):
+        col(_as_dict(col, np.zeros((4, 7), np.int32)), np.ones((4, 7), np.float32))
+    with pytest.raises(TypeError, match="integer"):
+        col(np.zeros((4, 7), np.float32))
+    mixed = TTEmbeddingCollection(
+        [TableConfig("x", 10, 8, kind="dense"), TableConfig("y", 10, 4)], rngs=nnx.Rngs(0)
+    )
+    with pytest.raises(ValueError, match="one dim"):
+        mixed(np.zeros((4, 2), np.int32))
+    strict = TTEmbeddingCollection(_tables(), oob="error", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="out of range"):
+        strict(np.full((4, 7), 60, np.int32))
+
+
+def _check_sharded() -> None:
+    """4 devices, both strategies: stacked forward and gradients equal one device's."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from flowtt_jax import sharding as sh
+    from tests.helpers import rel_err
+
+    mesh = jax.make_mesh((4,), ("data",))
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+    tables = [t for t in _tables() if t.num_cores == 3]
+    col = TTEmbeddingCollection(tables, rngs=nnx.Rngs(0))
+    layout, params = col.layout, {k: v[...] for k, v in col.params.items()}
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, 40, (16, len(layout.feature_names), 2))
+    weights = rng.standard_normal(ids.shape).astype(np.float32)
+    loss = lambda apply, p, x, w: jnp.sum(jnp.sin(apply(p, x, w)))
+    ref = layout.apply_stacked(params, ids, weights)
+    ref_g = jax.grad(lambda p, w: loss(layout.apply_stacked, p, ids, w), argnums=(0, 1))(params, weights)
+    placement = sh.place_tables(sh.table_costs(layout, _as_dict(col, ids)), 4)
+    tw = sh.collection_table_wise(layout, mesh, placement)
+    for name, lay, p in (
+        ("data", sh.collection_data_parallel(layout, mesh), put(params, P())),
+        ("table", tw, {k: put(v, tw.param_specs()[k]) for k, v in tw.shard_params(params).items()}),
+    ):
+        ids_in = put(ids, P("data"))
+        w = put(weights, P("data"))
+        out = jax.jit(lambda p, x, w, a=lay.apply_stacked: a(p, x, w))(p, ids_in, w)
+        assert out.sharding.spec[0] == "data" and rel_err(out, ref) < 1e-6, name
+        grad = jax.grad(lambda p, w, a=lay.apply_stacked, x=ids_in: loss(a, p, x, w), argnums=(0, 1))
+        g, gw = jax.jit(grad)(p, w)
+        if name == "table":
+            g = tw.gather_params(g)
+        for k in ref_g[0]:
+            assert rel_err(g[k], ref_g[0][k]) < 1e-5, (name, k)
+        assert rel_err(gw, ref_g[1]) < 1e-5, name
+        text = (
+            jax.jit(lambda p, x, w, a=lay.apply_stacked: a(p, x, w)).lower(p, ids_in, w).compile().as_text()
+        )
+        assert "all-gather" not in text, name
+    print("stacked sharding OK")
+
+
+def test_stacked_over_four_devices():
+    code = "from tests import test_collection_stacked as t; t._check_sharded()"
+    [(returncode, out)] = _run_workers([(code, _cpu_env(cpu_devices=4))], timeout=600)
+    assert returncode == 0 and "stacked sharding OK" in out, out[-5000:]
