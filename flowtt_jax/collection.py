@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import reference
 from .bag import MODES, prepare_bags
@@ -167,7 +168,7 @@ def bag_kwargs(value: Any) -> tuple[jax.Array, dict]:
     """
     if isinstance(value, Mapping):
         kw = dict(value)
-        ids = jnp.asarray(kw.pop("ids"))
+        ids = _host_or_jax(kw.pop("ids"))
         unknown = set(kw) - {"offsets", "segment_ids", "num_bags", "mask", "weights"}
         if unknown:
             raise ValueError(f"unknown feature input keys {sorted(unknown)}")
@@ -177,10 +178,16 @@ def bag_kwargs(value: Any) -> tuple[jax.Array, dict]:
                 if kw.get(k) is not None:
                     kw[k] = jnp.asarray(kw[k])[:, None]
         return ids, kw
-    ids = jnp.asarray(value)
+    ids = _host_or_jax(value)
     if ids.ndim == 1:
         ids = ids[:, None]
     return ids, {}
+
+
+def _host_or_jax(ids: Any) -> Any:
+    """JAX arrays as they are, anything else as numpy: not ``jnp.asarray``, which would wrap
+    host int64 ids past int32 (without x64) before ``oob.as_ids`` can see them."""
+    return ids if isinstance(ids, jax.Array) else np.asarray(ids)
 
 
 def dense_embedding_bag(

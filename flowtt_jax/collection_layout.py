@@ -258,9 +258,10 @@ class CollectionLayout:
         ``ids``: int ``[B, F]`` (one id per example and feature, e.g. a Criteo batch) or
         ``[B, F, L]`` (padded bags of L ids), column f being feature ``feature_names[f]``;
         ``weights``: optional float of the same shape. Every table must have the same dim
-        D. Each pack takes its columns at once (one gather of the ids, no per-feature
-        slices) and the output is its packs' bags concatenated, so the program has no
-        per-feature split or stack (nor their transposes in the backward).
+        D. Each pack of TT shape group or dense tables takes its columns at once (one gather
+        of the ids, no per-feature slices) and the output is the packs' bags concatenated,
+        so the program has no per-feature split or stack (nor their transposes in the
+        backward); a table of another core count is still pooled feature by feature.
         """
         ids, weights = self._check_stacked(ids, weights, oob)
         params = _cast_to_batch(params, (ids, weights))
@@ -292,7 +293,7 @@ class CollectionLayout:
             else:
                 packed, tables = _stacked_bags(pack, sub, w, oob)
                 pooled = _pool_packed(pack, arrays, packed, tables, weights is not None, impl)
-                out = pooled.reshape(sub.shape[0], sub.shape[1], -1).astype(out_dtype)
+                out = pooled.reshape(sub.shape[0], sub.shape[1], pooled.shape[-1]).astype(out_dtype)
             parts.append(out)
             order += cols
         out = jnp.concatenate(parts) if len(parts) > 1 else parts[0]  # [F, B, D], packs' order

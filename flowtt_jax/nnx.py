@@ -189,7 +189,8 @@ class TTEmbeddingCollection(nnx.Module):
     ``tt_embedding_bag`` arguments); returns ``{feature name: [B, features]}``. Or call
     with stacked ids ``[B, F]`` / ``[B, F, L]`` (one column per feature, in
     ``feature_names`` order; optional ``weights``), e.g. a Criteo batch; returns
-    ``[B, F, features]`` with no per-feature slices in the program.
+    ``[B, F, features]`` with no per-feature slices in the program (for TT tables of 3
+    cores and dense tables).
 
     The tables are packed (``flowtt_jax.collection_layout``): the TT tables of one shape
     group (same column shape and ranks) share packed cores and run as one table-batched

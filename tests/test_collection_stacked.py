@@ -75,6 +75,28 @@ def test_stacked_equals_the_feature_dict(length, impl):
     np.testing.assert_array_equal(np.asarray(gw), np.asarray(gw_ref))
 
 
+def test_zero_batch_empty_bags_and_host_int64_ids():
+    """B = 0, L = 0, and host int64 ids past int32: the stacked and the dict call agree
+    (an id of 2^40 is out of range, not wrapped to a row, in both)."""
+    col = TTEmbeddingCollection(_tables(), rngs=nnx.Rngs(0))
+    num = len(col.feature_names)
+    for shape in ((0, num), (0, num, 2), (3, num, 0)):
+        ids = np.zeros(shape, np.int32)
+        out = col(ids)
+        assert out.shape == (shape[0], num, DIM), shape
+        want = _stack(col, col(_as_dict(col, ids)))
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    ids = np.random.default_rng(3).integers(0, 40, (4, num)).astype(np.int64)
+    ids[1, 0] = 2**40 + 5  # would wrap to row 5 in jnp.asarray (no x64)
+    out = col(ids)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(_stack(col, col(_as_dict(col, ids)))))
+    assert not np.any(np.asarray(out[1, 0])) and np.any(np.asarray(out[0, 0]))
+    strict = TTEmbeddingCollection(_tables(), oob="error", rngs=nnx.Rngs(0))
+    for call in (lambda: strict(ids), lambda: strict(_as_dict(strict, ids))):
+        with pytest.raises(ValueError, match="out of range|do not fit"):
+            call()
+
+
 def test_linen_takes_stacked_ids():
     from flowtt_jax import linen
     from flowtt_jax.collection_layout import CollectionLayout
@@ -142,8 +164,7 @@ def _check_sharded() -> None:
 
     mesh = jax.make_mesh((4,), ("data",))
     put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
-    tables = [t for t in _tables() if t.num_cores == 3]
-    col = TTEmbeddingCollection(tables, rngs=nnx.Rngs(0))
+    col = TTEmbeddingCollection(_tables(), rngs=nnx.Rngs(0))  # a 2-core single pack too
     layout, params = col.layout, {k: v[...] for k, v in col.params.items()}
     rng = np.random.default_rng(2)
     ids = rng.integers(0, 40, (16, len(layout.feature_names), 2))
@@ -161,6 +182,8 @@ def _check_sharded() -> None:
         w = put(weights, P("data"))
         out = jax.jit(lambda p, x, w, a=lay.apply_stacked: a(p, x, w))(p, ids_in, w)
         assert out.sharding.spec[0] == "data" and rel_err(out, ref) < 1e-6, name
+        plain = jax.jit(lambda p, x, a=lay.apply_stacked: a(p, x))(p, ids_in)  # no weights
+        assert rel_err(plain, layout.apply_stacked(params, ids)) < 1e-6, name
         grad = jax.grad(lambda p, w, a=lay.apply_stacked, x=ids_in: loss(a, p, x, w), argnums=(0, 1))
         g, gw = jax.jit(grad)(p, w)
         if name == "table":
