@@ -202,17 +202,7 @@ class CollectionLayout:
             if pack.kind == "single":
                 for slot in pack.features:
                     ids, kw = _feature(features, slot, pack)
-                    cfg = pack.tables[0]
-                    out[slot.feature] = tt_embedding_bag(
-                        arrays,
-                        ids,
-                        **kw,
-                        mode=slot.mode,
-                        num_embeddings=cfg.num_embeddings,
-                        oob=oob,
-                        impl=impl,
-                        dtype=out_dtype,
-                    )
+                    out[slot.feature] = _pool_single(pack, arrays, slot, ids, kw, oob, impl, out_dtype)
                 continue
             prepared = {s.feature: canonical_feature(features, s, pack, oob) for s in pack.features}
             for slots in _by_batch(pack.features, prepared):
@@ -274,18 +264,17 @@ class CollectionLayout:
             sub = _columns(ids, cols)  # [F_p, B, L]
             w = None if weights is None else _columns(weights, cols)
             if pack.kind == "single":
-                cfg = pack.tables[0]
                 out = jnp.stack(
                     [
-                        tt_embedding_bag(
+                        _pool_single(
+                            pack,
                             arrays,
+                            slot,
                             sub[j],
-                            weights=None if w is None else w[j],
-                            mode=slot.mode,
-                            num_embeddings=cfg.num_embeddings,
-                            oob=oob,
-                            impl=impl,
-                            dtype=out_dtype,
+                            {"weights": None if w is None else w[j]},
+                            oob,
+                            impl,
+                            out_dtype,
                         )
                         for j, slot in enumerate(pack.features)
                     ]
@@ -320,6 +309,23 @@ class CollectionLayout:
             weights = weights.astype(jnp.promote_types(weights.dtype, jnp.float32))
             weights = weights if weights.ndim == 3 else weights[..., None]
         return (ids if ids.ndim == 3 else ids[..., None]), weights
+
+
+def _pool_single(
+    pack: TablePack, arrays, slot: FeatureSlot, ids, kw: dict, oob: str, impl: str, dtype
+) -> jax.Array:
+    """One feature of a ``"single"`` pack (a TT table of any core count) by the single-table
+    op: ``[B, D]`` in ``dtype``; ``kw``: its bag form and weights."""
+    return tt_embedding_bag(
+        arrays,
+        ids,
+        **kw,
+        mode=slot.mode,
+        num_embeddings=pack.tables[0].num_embeddings,
+        oob=oob,
+        impl=impl,
+        dtype=dtype,
+    )
 
 
 def _cast_to_batch(params: Mapping[str, jax.Array], batch: Any) -> dict[str, jax.Array]:
