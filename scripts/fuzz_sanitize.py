@@ -22,8 +22,12 @@ chunks of 64 rows, gradients of cores and weights), in child processes:
 
 The blocking and sanitizer runs go in chunks of ``--chunk`` cases, one child process each
 (``FLOWTT_FUZZ_SEEDS``): compute-sanitizer itself dies (rc -11) now and then during an
-XLA compile after a few dozen modules, and a chunk loses only its own cases. One
-sanitizer process at a time: four side by side on one H200 segfaulted before any result.
+XLA compile after a few dozen modules, and a chunk loses only its own cases; a chunk whose
+process died of a signal is run again (``--retries``). Every child shares one JAX
+persistent compilation cache (a temporary folder): the plain run compiles, the blocking and
+sanitizer runs load its executables and compile nothing. ``--seeds A-B,C`` limits those
+runs to part of the corpus (the plain run always takes all of it). One sanitizer process
+at a time: four side by side on one H200 segfaulted before any result.
 
 Writes ``DIR/<run>_<chunk>.log``, ``.npz`` and ``DIR/summary.json`` (default DIR:
 ``$OUT/fuzz_sanitize``, else ``./fuzz_sanitize_out``); exits 1 on any error, mismatch or
@@ -39,8 +43,10 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,6 +126,15 @@ def _child(args: list[str], env: dict, log: Path, timeout: int) -> int:
             return 124
 
 
+def _parse_seeds(text: str) -> set[int]:
+    """'0-3,9' -> {0, 1, 2, 3, 9}."""
+    out: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def _same_bits(a: Path, b: Path, seeds: list[str]) -> list[str]:
     """The arrays of cases `seeds` that differ between a and b (or are missing in one)."""
     x, y = np.load(a), np.load(b)
@@ -142,6 +157,8 @@ def main() -> int:
     ap.add_argument(
         "--chunk", type=int, default=8, help="cases per child process of each tool and blocking run"
     )
+    ap.add_argument("--retries", type=int, default=2, help="reruns of a chunk killed by a signal")
+    ap.add_argument("--seeds", default="", help="the runs after plain on these seeds only: 'A-B,C'")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -157,6 +174,10 @@ def main() -> int:
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
         "PYTHONUNBUFFERED": "1",
         "XLA_FLAGS": xla_flags,
+        # one compilation cache for every child: the sanitized runs load, not compile
+        "JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="flowtt_fuzz_jax_cache_"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
     }
     me = [sys.executable, str(Path(__file__).resolve()), "--cases", str(args.cases), "--worker"]
     summary, status = {"cases": args.cases, "runs": {}}, 0
@@ -190,6 +211,10 @@ def main() -> int:
         else:
             ap.error(f"unknown run {tool!r}")
     seeds = sorted((k for k, v in report.items() if "skipped" not in v), key=int)
+    if args.seeds:
+        wanted = _parse_seeds(args.seeds)
+        seeds = [k for k in seeds if int(k) in wanted]
+    summary["seeds"] = [int(k) for k in seeds]
     chunks = [seeds[i : i + args.chunk] for i in range(0, len(seeds), args.chunk)] or [[]]
     for name, extra_env, prefix in runs:
         t0 = time.perf_counter()
@@ -198,7 +223,12 @@ def main() -> int:
         for i, chunk in enumerate(chunks):
             log, npz = out / f"{name}_{i}.log", out / f"{name}_{i}.npz"
             chunk_env = {**env, **extra_env, "FLOWTT_FUZZ_SEEDS": ",".join(chunk) or "-1"}
-            rc = _child(prefix + me + [str(npz)], chunk_env, log, args.timeout)
+            for attempt in range(args.retries + 1):
+                rc = _child(prefix + me + [str(npz)], chunk_env, log, args.timeout)
+                if rc >= 0 and rc != 139:  # not killed by a signal (139: a shell's SIGSEGV)
+                    break
+                print(f"{name} chunk {i}: rc {rc}, attempt {attempt + 1} of {args.retries + 1}")
+                result.setdefault("signal_reruns", []).append({"chunk": i, "rc": rc})
             text = log.read_text(errors="replace")
             # memcheck, initcheck, synccheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK
             # SUMMARY: H hazards displayed (E errors, W warnings)"
@@ -218,7 +248,8 @@ def main() -> int:
         status |= not ok
         summary["runs"][name] = result
         print(f"{name}: {'OK' if ok else 'FAIL'} {result}")
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")  # after each run
+    shutil.rmtree(env["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
     print(f"summary: {out / 'summary.json'}")
     return status
 
