@@ -72,7 +72,7 @@ def _worker(out_path: Path, num_cases: int) -> int:
         return 2
     arrays, report = {}, {}
     only = {int(x) for x in os.environ.get("FLOWTT_FUZZ_SEEDS", "").split(",") if x}
-    for case in corpus(num_cases):
+    for case in corpus(num_cases) if num_cases else corpus():
         if only and case.seed not in only:
             continue
         cores = make_cores(case)
@@ -147,7 +147,7 @@ def main() -> int:
     ap.add_argument(
         "--out", type=Path, default=Path(os.environ.get("OUT", "fuzz_sanitize_out")) / "fuzz_sanitize"
     )
-    ap.add_argument("--cases", type=int, default=64, help="corpus cases (seeds 0..N-1)")
+    ap.add_argument("--cases", type=int, default=0, help="corpus cases (seeds 0..N-1; 0: all)")
     ap.add_argument(
         "--tools",
         default=",".join(("blocking",) + TOOLS),

@@ -8,7 +8,7 @@
 #                               suite does not fit a 10-minute device call
 #   scripts/gpu_check.sh bench  build + the benchmark suite (python -m benchmarks)
 #   scripts/gpu_check.sh sanitize  build + the fuzz corpus under compute-sanitizer, one tool
-#                               after another (scripts/fuzz_sanitize.py; CASES=64,
+#                               after another (scripts/fuzz_sanitize.py; CASES=0 (all),
 #                               TOOLS=blocking,memcheck,racecheck,initcheck,synccheck)
 #   scripts/gpu_check.sh all    GPU tests, sanitizer, benchmark, then the harness (~9 minutes)
 # BENCH_ARGS="--stage single-d32 ..." passes options to `python -m benchmarks` (its --help).
@@ -55,25 +55,28 @@ run_tests() {
   # output buffers (host API accesses), whose documented-unspecified tails no kernel
   # writes. initcheck instruments every kernel: it tracks the writes of instrumented
   # kernels only, so with kns=flowtt every input XLA wrote reads as uninitialised. The
-  # harness under memcheck and racecheck
+  # harness under memcheck only: under racecheck its 2nd case (hot prefix groups, the
+  # checkpoint path) grows the sanitizer's host memory past the machine's 128 GiB and is
+  # OOM-killed (dmesg; the same at e677070); the fuzz corpus's pinned cases (`sanitize`)
+  # take that path under racecheck instead. A nonzero exit of any run fails the check.
   for tool in memcheck racecheck initcheck synccheck; do
     local opts=(--kernel-name kns=flowtt)
     [[ $tool == initcheck ]] && opts=()
     [[ $tool == initcheck || $tool == synccheck ]] && opts+=(--check-api-memory-access no)
     echo "-- $tool (JAX, flowtt kernels)" | tee -a "$OUT/sanitizer.log"
     compute-sanitizer --tool $tool "${opts[@]}" --target-processes all \
-      $PY scripts/sanitize_small.py >>"$OUT/sanitizer.log" 2>&1
+      $PY scripts/sanitize_small.py >>"$OUT/sanitizer.log" 2>&1 || { rc=$?; status=1; echo "FAILED (rc $rc)"; }
     tail -2 "$OUT/sanitizer.log"
-    [[ $tool == memcheck || $tool == racecheck ]] || continue
+    [[ $tool == memcheck ]] || continue
     echo "-- $tool (standalone harness --quick)" | tee -a "$OUT/sanitizer.log"
-    compute-sanitizer --tool $tool "$HARNESS" --quick >>"$OUT/sanitizer.log" 2>&1
+    compute-sanitizer --tool $tool "$HARNESS" --quick >>"$OUT/sanitizer.log" 2>&1 || { rc=$?; status=1; echo "FAILED (rc $rc)"; }
     tail -1 "$OUT/sanitizer.log"
   done
 }
 
 run_sanitize() {
   echo "== fuzz corpus under compute-sanitizer (${TOOLS:=blocking,memcheck,racecheck,initcheck,synccheck})"
-  $PY scripts/fuzz_sanitize.py --out "$OUT/fuzz" --cases "${CASES:-64}" --tools "$TOOLS" 2>&1 \
+  $PY scripts/fuzz_sanitize.py --out "$OUT/fuzz" --cases "${CASES:-0}" --tools "$TOOLS" 2>&1 \
     | tee "$OUT/fuzz.log" | tail -12
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 }

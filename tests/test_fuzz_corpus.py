@@ -309,23 +309,60 @@ def compare(got: dict, want: dict, tol: float = TOL) -> list[str]:
     return bad
 
 
-#: The fixed corpus (seeds 0..): what ``scripts/fuzz_sanitize.py`` runs on the GPU.
-CORPUS_SIZE = 64
-CI_CASES = 6  # run here by pytest unless FLOWTT_HYPOTHESIS_PROFILE=gpu
+#: The fixed corpus: what ``scripts/fuzz_sanitize.py`` runs on the GPU. Seeds below
+#: ``DRAWN`` are drawn by ``make_case``; the ``PINNED`` cases follow them: ids of one hot
+#: prefix, so that a prefix group holds more than kCH = 64 unique ids and the kernels take
+#: their checkpoint path (a group's P published to L2 for the chunks of its tail), which
+#: the drawn cases reach once (and a compute-sanitizer racecheck of the standalone harness,
+#: whose case reaches it too, runs out of the GPU machine's 128 GiB of host memory).
+DRAWN = 64
+PINNED = (
+    dict(kind="bag", rows=10**7, dim=32, rank=32, pattern="hot_prefix", n=700, weights="none"),
+    dict(kind="lookup", rows=10**7, dim=32, rank=32, pattern="hot_prefix", n=700),
+    dict(kind="bag", rows=10**7, dim=128, rank=64, pattern="hot_prefix", n=700, weights="normal"),
+    dict(kind="bag", rows=10**6, dim=16, rank=33, pattern="hot_prefix", n=700, weights="normal"),
+    dict(kind="group", rows=10**7, dim=32, rank=16, pattern="hot_prefix", n=700, weights="normal"),
+)
+CORPUS_SIZE = DRAWN + len(PINNED)
+CI_CASES = 6  # drawn cases run here by pytest unless FLOWTT_HYPOTHESIS_PROFILE=gpu (the pinned always)
+
+
+def corpus_case(seed: int) -> Case:
+    """Case ``seed`` of the corpus: drawn below ``DRAWN``, then the pinned ones."""
+    return make_case(seed) if seed < DRAWN else make_case(seed, **PINNED[seed - DRAWN])
 
 
 def corpus(size: int = CORPUS_SIZE) -> list[Case]:
-    return [make_case(seed) for seed in range(size)]
+    return [corpus_case(seed) for seed in range(size)]
 
 
 def _corpus_ids() -> list[int]:
     full = os.environ.get("FLOWTT_HYPOTHESIS_PROFILE") == "gpu"
-    return list(range(CORPUS_SIZE if full else CI_CASES))
+    return list(range(DRAWN if full else CI_CASES)) + list(range(DRAWN, CORPUS_SIZE))
+
+
+@pytest.mark.parametrize("seed", range(DRAWN, CORPUS_SIZE))
+def test_pinned_cases_reach_the_checkpoint_path(seed):
+    """Each pinned case has a prefix group of more than kCH = 64 unique in-range ids (in
+    its first table) and is one the CUDA kernels take."""
+    from flowtt_jax import ffi
+    from flowtt_jax.batched import kernels_unsupported_reason
+
+    case = corpus_case(seed)
+    spec = case.specs[0]
+    ids = case.ids.astype(np.int64).ravel()
+    ids = np.unique(ids[(ids >= 0) & (ids < spec.num_embeddings)])
+    largest = np.unique(ids // spec.row_shape[-1], return_counts=True)[1].max()
+    assert largest > 64, (case.describe(), largest)
+    if case.kind == "group":
+        assert kernels_unsupported_reason(GroupLayout(case.specs)) is None
+    else:
+        assert ffi.cuda_unsupported_reason(make_cores(case)[0]) is None
 
 
 @pytest.mark.parametrize("seed", _corpus_ids())
 def test_corpus_case_matches_the_float64_oracle(seed):
-    case = make_case(seed)
+    case = corpus_case(seed)
     cores = make_cores(case)
     want = oracle(case, cores)
     for impl in ("auto", "reference"):
