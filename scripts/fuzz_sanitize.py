@@ -1,6 +1,6 @@
 """The fuzz corpus on the GPU under compute-sanitizer, and under CUDA_LAUNCH_BLOCKING=1.
 
-    python scripts/fuzz_sanitize.py [--out DIR] [--cases N]
+    python scripts/fuzz_sanitize.py [--out DIR] [--cases N] [--seeds A-B,C]
         [--tools blocking,memcheck,racecheck,initcheck,synccheck]
 
 Runs the cases of ``tests/test_fuzz_corpus.py`` whose single-table or table-batched
@@ -21,20 +21,21 @@ chunks of 64 rows, gradients of cores and weights), in child processes:
    off in every run.
 
 The blocking and sanitizer runs go in chunks of ``--chunk`` cases, one child process each
-(``FLOWTT_FUZZ_SEEDS``): compute-sanitizer itself dies (rc -11) now and then during an
-XLA compile after a few dozen modules, and a chunk loses only its own cases; a chunk whose
-process died of a signal is run again (``--retries``). Every child shares one JAX
-persistent compilation cache (a temporary folder): the plain run compiles, the blocking and
-sanitizer runs load its executables and compile nothing. ``--seeds A-B,C`` limits those
-runs to part of the corpus (the plain run always takes all of it). One sanitizer process
-at a time: four side by side on one H200 segfaulted before any result.
+(``FLOWTT_FUZZ_SEEDS``). Every child shares one JAX persistent compilation cache (a
+temporary folder): the plain run compiles, the blocking and sanitizer runs load its
+executables. compute-sanitizer used to die (rc -11) now and then during XLA compiles; a
+chunk whose process dies of SIGSEGV is run again (``--retries``; the crashed attempt's log
+is kept as ``<run>_<chunk>.attempt<k>.log`` and ``summary.json`` lists the reruns).
+``--cases N`` takes seeds 0..N-1 (default: the whole corpus), ``--seeds`` a selection of
+them. One sanitizer process at a time: four side by side on one H200 segfaulted before
+any result.
 
 Writes ``DIR/<run>_<chunk>.log``, ``.npz`` and ``DIR/summary.json`` (default DIR:
 ``$OUT/fuzz_sanitize``, else ``./fuzz_sanitize_out``); exits 1 on any error, mismatch or
 oracle failure, 2 without a GPU (``FLOWTT_FUZZ_ON_CPU=1 ... --tools blocking``: a dry run
 of the plain and blocking steps on the CPU kernels). Needs the CUDA build (``FLOWTT_CUDA=ON
-pip install --no-build-isolation --no-deps -e .``). racecheck is the slow one: ``--cases``
-and ``--tools`` split the work across calls.
+pip install --no-build-isolation --no-deps -e .``). The whole corpus under every tool took
+about 6 minutes on an H200 (racecheck the slowest); ``--seeds`` and ``--tools`` split it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -62,9 +62,7 @@ def _worker(out_path: Path, num_cases: int) -> int:
 
     from flowtt_jax import ffi
     from flowtt_jax.bag import prepare_bags
-    from flowtt_jax.batched import kernels_unsupported_reason
-    from flowtt_jax.batched_plan import GroupLayout
-    from tests.test_fuzz_corpus import compare, corpus, make_cores, oracle, run
+    from tests.test_fuzz_corpus import compare, corpus, kernel_refusal, make_cores, oracle, run
 
     jax.config.update("jax_default_matmul_precision", "highest")
     if jax.default_backend() != "gpu" and os.environ.get("FLOWTT_FUZZ_ON_CPU") != "1":
@@ -72,14 +70,11 @@ def _worker(out_path: Path, num_cases: int) -> int:
         return 2
     arrays, report = {}, {}
     only = {int(x) for x in os.environ.get("FLOWTT_FUZZ_SEEDS", "").split(",") if x}
-    for case in corpus(num_cases) if num_cases else corpus():
+    for case in corpus(num_cases or None):
         if only and case.seed not in only:
             continue
         cores = make_cores(case)
-        if case.kind == "group":
-            reason = kernels_unsupported_reason(GroupLayout(case.specs))
-        else:
-            reason = ffi.cuda_unsupported_reason(cores[0])
+        reason = kernel_refusal(case, cores)
         if reason:
             report[case.seed] = {"case": case.describe(), "skipped": reason}
             continue
@@ -127,11 +122,15 @@ def _child(args: list[str], env: dict, log: Path, timeout: int) -> int:
 
 
 def _parse_seeds(text: str) -> set[int]:
-    """'0-3,9' -> {0, 1, 2, 3, 9}."""
+    """'0-3,9' -> {0, 1, 2, 3, 9} (an argparse type)."""
     out: set[int] = set()
     for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
+        lo, dash, hi = part.partition("-")
+        if not (lo.isdigit() and (hi.isdigit() if dash else not hi)) or (dash and int(hi) < int(lo)):
+            raise argparse.ArgumentTypeError(f"bad seed range {part!r} (A, or A-B with A <= B)")
         out.update(range(int(lo), int(hi or lo) + 1))
+    if not out:
+        raise argparse.ArgumentTypeError("no seeds")
     return out
 
 
@@ -157,47 +156,13 @@ def main() -> int:
     ap.add_argument(
         "--chunk", type=int, default=8, help="cases per child process of each tool and blocking run"
     )
-    ap.add_argument("--retries", type=int, default=2, help="reruns of a chunk killed by a signal")
-    ap.add_argument("--seeds", default="", help="the runs after plain on these seeds only: 'A-B,C'")
+    ap.add_argument("--retries", type=int, default=2, help="reruns of a chunk killed by SIGSEGV")
+    ap.add_argument("--seeds", type=_parse_seeds, default=None, help="only these corpus seeds, e.g. '0-9,64'")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return _worker(args.worker, args.cases)
-
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    # every run without XLA's autotuning: its trial kernels would be instrumented under the
-    # sanitizers, and a different pick between runs could change bits
-    xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0".strip()
-    env = {
-        **os.environ,
-        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-        "PYTHONUNBUFFERED": "1",
-        "XLA_FLAGS": xla_flags,
-        # one compilation cache for every child: the sanitized runs load, not compile
-        "JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="flowtt_fuzz_jax_cache_"),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-    }
-    me = [sys.executable, str(Path(__file__).resolve()), "--cases", str(args.cases), "--worker"]
-    summary, status = {"cases": args.cases, "runs": {}}, 0
-
-    rc = _child(me + [str(out / "plain.npz")], env, out / "plain.log", args.timeout)
-    if rc != 0:
-        print(f"plain run failed (rc {rc}), see {out / 'plain.log'}")
-        return 2 if rc == 2 else 1
-    report = json.loads((out / "plain.json").read_text())
-    failures = {k: v["oracle_failures"] for k, v in report.items() if v.get("oracle_failures")}
-    ran = sum("skipped" not in v for v in report.values())
-    summary["runs"]["plain"] = {
-        "cases_run": ran,
-        "cases_skipped": len(report) - ran,
-        "oracle_failures": failures,
-    }
-    print(f"plain: {ran} cases on the kernels, {len(report) - ran} skipped, oracle failures: {failures or 0}")
-    status |= bool(failures)
-
-    runs = []
+    runs = []  # (name, extra environment, command prefix)
     for tool in filter(None, args.tools.split(",")):
         if tool == "blocking":
             runs.append((tool, {"CUDA_LAUNCH_BLOCKING": "1"}, []))
@@ -210,25 +175,72 @@ def main() -> int:
             runs.append((tool, {}, sanitizer))
         else:
             ap.error(f"unknown run {tool!r}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    # one compilation cache for every child: the sanitized runs load, not compile
+    with tempfile.TemporaryDirectory(prefix="flowtt_fuzz_jax_cache_") as cache:
+        return _run(args, runs, cache)
+
+
+def _run(args: argparse.Namespace, runs: list, cache: str) -> int:
+    out = args.out
+    # every run without XLA's autotuning: its trial kernels would be instrumented under the
+    # sanitizers, and a different pick between runs could change bits
+    xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0".strip()
+    env = {
+        **os.environ,
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "PYTHONUNBUFFERED": "1",
+        "XLA_FLAGS": xla_flags,
+        "JAX_COMPILATION_CACHE_DIR": cache,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",  # every executable
+    }
+    if args.seeds is not None:
+        env["FLOWTT_FUZZ_SEEDS"] = ",".join(map(str, sorted(args.seeds)))
+    me = [sys.executable, str(Path(__file__).resolve()), "--cases", str(args.cases), "--worker"]
+    summary, status = {"runs": {}}, 0
+
+    def save() -> None:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+    rc = _child(me + [str(out / "plain.npz")], env, out / "plain.log", args.timeout)
+    if rc != 0:
+        summary["runs"]["plain"] = {"rc": rc}
+        save()
+        print(f"plain run failed (rc {rc}), see {out / 'plain.log'}")
+        return 2 if rc == 2 else 1
+    report = json.loads((out / "plain.json").read_text())
+    failures = {k: v["oracle_failures"] for k, v in report.items() if v.get("oracle_failures")}
     seeds = sorted((k for k, v in report.items() if "skipped" not in v), key=int)
-    if args.seeds:
-        wanted = _parse_seeds(args.seeds)
-        seeds = [k for k in seeds if int(k) in wanted]
-    summary["seeds"] = [int(k) for k in seeds]
-    chunks = [seeds[i : i + args.chunk] for i in range(0, len(seeds), args.chunk)] or [[]]
+    summary["cases"], summary["seeds"] = len(report), [int(k) for k in seeds]
+    summary["runs"]["plain"] = {
+        "cases_run": len(seeds),
+        "cases_skipped": len(report) - len(seeds),  # refused by the kernels' shape limits
+        "oracle_failures": failures,
+    }
+    save()
+    skipped = len(report) - len(seeds)
+    print(f"plain: {len(seeds)} cases on the kernels, {skipped} skipped, oracle failures: {failures or 0}")
+    status |= bool(failures)
+    if not seeds:
+        print("no case of the selection runs on the kernels")
+        return 1
+
+    chunks = [seeds[i : i + args.chunk] for i in range(0, len(seeds), args.chunk)]
     for name, extra_env, prefix in runs:
         t0 = time.perf_counter()
-        result = {"rc": 0, "chunks": len(chunks), "differ_from_plain": []}
+        result = {"rc": 0, "chunks": len(chunks), "differ_from_plain": [], "signal_reruns": []}
         errors: list[int] = []
         for i, chunk in enumerate(chunks):
             log, npz = out / f"{name}_{i}.log", out / f"{name}_{i}.npz"
-            chunk_env = {**env, **extra_env, "FLOWTT_FUZZ_SEEDS": ",".join(chunk) or "-1"}
+            chunk_env = {**env, **extra_env, "FLOWTT_FUZZ_SEEDS": ",".join(chunk)}
             for attempt in range(args.retries + 1):
                 rc = _child(prefix + me + [str(npz)], chunk_env, log, args.timeout)
-                if rc >= 0 and rc != 139:  # not killed by a signal (139: a shell's SIGSEGV)
+                if rc not in (-11, 139):  # SIGSEGV (139: through a shell): the sanitizer's own
                     break
+                log.rename(log.with_suffix(f".attempt{attempt}.log"))  # kept as evidence
                 print(f"{name} chunk {i}: rc {rc}, attempt {attempt + 1} of {args.retries + 1}")
-                result.setdefault("signal_reruns", []).append({"chunk": i, "rc": rc})
+                result["signal_reruns"].append({"chunk": i, "rc": rc})
             text = log.read_text(errors="replace")
             # memcheck, initcheck, synccheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK
             # SUMMARY: H hazards displayed (E errors, W warnings)"
@@ -244,12 +256,11 @@ def main() -> int:
             result["sanitizer_errors"] = sum(errors) if len(errors) == len(chunks) else None
         ok = result["rc"] == 0 and not result["differ_from_plain"]
         ok = ok and (not prefix or result["sanitizer_errors"] == 0)
-        result["ok"] = ok
+        result["ok"] = ok  # a chunk rerun after a sanitizer crash counts when its rerun passed
         status |= not ok
         summary["runs"][name] = result
+        save()
         print(f"{name}: {'OK' if ok else 'FAIL'} {result}")
-        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")  # after each run
-    shutil.rmtree(env["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
     print(f"summary: {out / 'summary.json'}")
     return status
 

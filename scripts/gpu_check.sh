@@ -55,23 +55,31 @@ run_tests() {
   # output buffers (host API accesses), whose documented-unspecified tails no kernel
   # writes. initcheck instruments every kernel: it tracks the writes of instrumented
   # kernels only, so with kns=flowtt every input XLA wrote reads as uninitialised. The
-  # harness under memcheck only: under racecheck its 2nd case (hot prefix groups, the
-  # checkpoint path) grows the sanitizer's host memory past the machine's 128 GiB and is
-  # OOM-killed (dmesg; the same at e677070); the fuzz corpus's pinned cases (`sanitize`)
-  # take that path under racecheck instead. A nonzero exit of any run fails the check.
+  # harness under memcheck only: under racecheck its 2nd case (zipf 1.2, 27,549 ids) grows
+  # the sanitizer's host memory past the machine's 128 GiB and is OOM-killed (dmesg; the
+  # same at e677070). racecheck runs here on the small script and on the fuzz corpus's
+  # pinned cases (prefix groups over kCH: the forward's checkpoint path), and on the whole
+  # corpus in the `sanitize` stage. Any error (--error-exitcode) or crash fails the check.
+  sanitize() {
+    compute-sanitizer --error-exitcode 1 "$@" >>"$OUT/sanitizer.log" 2>&1 \
+      || { local rc=$?; status=1; echo "FAILED (rc $rc)"; }
+  }
   for tool in memcheck racecheck initcheck synccheck; do
     local opts=(--kernel-name kns=flowtt)
     [[ $tool == initcheck ]] && opts=()
     [[ $tool == initcheck || $tool == synccheck ]] && opts+=(--check-api-memory-access no)
     echo "-- $tool (JAX, flowtt kernels)" | tee -a "$OUT/sanitizer.log"
-    compute-sanitizer --tool $tool "${opts[@]}" --target-processes all \
-      $PY scripts/sanitize_small.py >>"$OUT/sanitizer.log" 2>&1 || { rc=$?; status=1; echo "FAILED (rc $rc)"; }
+    sanitize --tool $tool "${opts[@]}" --target-processes all $PY scripts/sanitize_small.py
     tail -2 "$OUT/sanitizer.log"
     [[ $tool == memcheck ]] || continue
     echo "-- $tool (standalone harness --quick)" | tee -a "$OUT/sanitizer.log"
-    compute-sanitizer --tool $tool "$HARNESS" --quick >>"$OUT/sanitizer.log" 2>&1 || { rc=$?; status=1; echo "FAILED (rc $rc)"; }
+    sanitize --tool $tool "$HARNESS" --quick
     tail -1 "$OUT/sanitizer.log"
   done
+  echo "-- racecheck (fuzz corpus, pinned hot-prefix cases 64-68)" | tee -a "$OUT/sanitizer.log"
+  $PY scripts/fuzz_sanitize.py --out "$OUT/fuzz_pinned" --seeds 64-68 --tools racecheck \
+    >>"$OUT/sanitizer.log" 2>&1 || { status=1; echo "FAILED"; }
+  tail -2 "$OUT/sanitizer.log"
 }
 
 run_sanitize() {

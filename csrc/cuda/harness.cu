@@ -454,7 +454,7 @@ int main(int argc, char** argv) {
     c.ids = uniform_ids(rng, 0, 999, c.bag_offsets.back());
     cases.push_back(c);
   }
-  {  // zipf 1.2 unscattered (hot groups > kCH, checkpoint path), D=32 r=32
+  {  // zipf 1.2 unscattered (hot prefix groups of up to p3 = 50 unique ids), D=32 r=32
     Case c{"zipf1.2_hot_D32_r32", mk(40, 50, 50, 2, 4, 4, 32), 100000};
     c.bag_offsets = bags_uniform(rng, 2000, 1, 27);
     c.ids = zipf_ids(rng, c.N, 1.2, c.bag_offsets.back(), false);
