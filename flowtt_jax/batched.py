@@ -118,7 +118,8 @@ def _reference_bags(layout: GroupLayout, packed, weights, ids, tables, bag_ids, 
     return reference.pool(rows, weights, bag_ids, num_bags)
 
 
-def _modes(mode: str | Sequence[str], num_features: int) -> tuple[str, ...]:
+def feature_modes(mode: str | Sequence[str], num_features: int) -> tuple[str, ...]:
+    """One pooling mode per feature from ``mode`` (one for all, or a sequence of F)."""
     modes = (mode,) * num_features if isinstance(mode, str) else tuple(mode)
     if len(modes) != num_features:
         raise ValueError(f"mode: one per feature ({num_features}), got {len(modes)}")
@@ -205,7 +206,7 @@ def tt_embedding_bag_group(
             f"offsets must be [F*B + 1] with F = {num_features} features, got shape {offsets.shape}"
         )
     batch = (offsets.shape[0] - 1) // num_features
-    modes = _modes(mode, num_features)
+    modes = feature_modes(mode, num_features)
     impl = choose_impl(impl, layout, [c.dtype for c in packed])
     out_dtype = packed[0].dtype if dtype is None else dtype
     dim = layout.dim

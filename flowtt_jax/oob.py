@@ -25,7 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-__all__ = ["OOB_POLICIES", "apply_oob", "apply_table_oob", "as_ids", "park_dropped", "saturate_int32"]
+__all__ = [
+    "OOB_POLICIES",
+    "apply_oob",
+    "apply_table_oob",
+    "as_ids",
+    "host_ids",
+    "park_dropped",
+    "saturate_int32",
+]
 
 OOB_POLICIES = ("error", "clip", "zero")
 
@@ -55,6 +63,14 @@ def as_ids(ids, policy: str, name: str = "ids") -> jax.Array:
     if isinstance(ids, jax.Array):
         _check_integer(ids.dtype, name)
         return ids
+    return jnp.asarray(host_ids(ids, policy, name))
+
+
+def host_ids(ids, policy: str = "zero", name: str = "ids") -> np.ndarray:
+    """Host ids as numpy in a dtype JAX keeps as is: int64 / uint64 values past int32 while
+    ``jax_enable_x64`` is off (which ``jnp.asarray`` or ``jax.device_put`` would wrap: 2^32 + 5
+    to 5) saturated to the int32 bounds, so they stay out of range of every table
+    (``policy == "error"``: ``ValueError`` naming them)."""
     host = np.asarray(ids)
     _check_integer(host.dtype, name)
     if jax.dtypes.canonicalize_dtype(host.dtype).itemsize < host.dtype.itemsize:
@@ -68,7 +84,7 @@ def as_ids(ids, policy: str, name: str = "ids") -> jax.Array:
                 )
             host = np.clip(host, _I32.min, _I32.max)
         host = host.astype(np.int32)
-    return jnp.asarray(host)
+    return host
 
 
 def saturate_int32(ids: jax.Array) -> jax.Array:

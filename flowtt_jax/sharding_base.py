@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from .collection_layout import CollectionLayout
+from .oob import host_ids
 
 __all__ = ["shard_bags", "local_features", "run_sharded", "ShardedLayout"]
 
@@ -65,7 +66,7 @@ def shard_bags(
       ``{"ids": [S, C], "offsets": [S, B/S + 1], "weights": [S, C]}`` (weights only when
       given); shard s's ids are ``ids[s, :offsets[s, -1]]``, the rest padding (id 0, weight 0).
     """
-    ids = np.asarray(ids)
+    ids = host_ids(ids)  # int64 past int32 without x64: saturated (out of range), not wrapped
     if ids.ndim != 1:
         raise ValueError(f"ids must be flat [n], got shape {ids.shape}")
     w = None if weights is None else np.asarray(weights)

@@ -30,13 +30,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 from jax.sharding import Mesh, PartitionSpec
 
-from .bag import MODES, canonical_bags
-from .batched import choose_impl, pooled_group, scale_by_modes, tt_embedding_bag_group
+from .bag import canonical_bags
+from .batched import choose_impl, feature_modes, pooled_group, scale_by_modes, tt_embedding_bag_group
 from .batched_plan import GroupLayout
-from .oob import OOB_POLICIES
+from .oob import OOB_POLICIES, apply_table_oob, host_ids
 from .sharding_placement import TableWisePlacement
 from .sharding_tablewise import SplitGroup
 
@@ -60,7 +59,7 @@ def shard_packed(
     fix it to keep shapes -- and compiled steps -- from batch to batch and across
     processes); ``ValueError`` if a shard has more ids.
     """
-    ids, offsets = np.asarray(ids), np.asarray(offsets, np.int64)
+    ids, offsets = host_ids(ids), np.asarray(offsets, np.int64)  # host_ids: as in shard_bags
     if (offsets.size - 1) % num_features:
         raise ValueError(f"offsets [{offsets.size}] is not [F*B + 1] for F = {num_features}")
     batch = (offsets.size - 1) // num_features
@@ -206,9 +205,7 @@ class GroupTableWise:
         device with more for an owner gets NaN for the bags it pooled there (a NaN loss,
         never silently wrong numbers).
         """
-        modes = (mode,) * len(self.feature_tables) if isinstance(mode, str) else tuple(mode)
-        if len(modes) != len(self.feature_tables) or any(m not in MODES for m in modes):
-            raise ValueError(f"mode: one of {MODES}, or one per feature, got {mode!r}")
+        modes = feature_modes(mode, len(self.feature_tables))
         if oob not in OOB_POLICIES:
             raise ValueError(f"oob must be one of {OOB_POLICIES}, got {oob!r}")
         kw = dict(modes=modes, oob=oob, impl=impl, dtype=dtype, capacity=capacity)
@@ -231,13 +228,10 @@ class GroupTableWise:
         local_weights = None if weights is None else weights[0]
         bags = canonical_bags(ids, offsets=offsets, weights=local_weights, mode="sum")
         feature = bags.bag_ids // per
-        limit = self.layout.table_arrays()["num_rows"][jnp.asarray(self.feature_tables, jnp.int32)[feature]]
-        valid = (bags.ids >= 0) & (bags.ids < limit)
-        if oob == "error":
-            checkify.check(jnp.all(valid), "ids out of range of their tables")
-        local_ids = jnp.clip(bags.ids, 0, limit - 1).astype(jnp.int32)
+        tables = jnp.asarray(self.feature_tables, jnp.int32)[feature]
+        local_ids, valid = apply_table_oob(bags.ids, tables, self.layout.table_arrays()["num_rows"], oob)
         w = bags.weights.astype(jnp.float32)
-        if oob == "zero":
+        if valid is not None:  # oob="zero"
             w = jnp.where(valid, w, 0.0)
         w = scale_by_modes(w, bags.offsets, bags.bag_ids, modes, per)
         # 1. every position in a bag to its table's owner: row = owner, in position order

@@ -397,6 +397,20 @@ def _check_packed_group(mesh) -> None:
     assert need < split["ids"].shape[1] and rel_err(fwd(p, batch, need), ref) < 1e-6
     short = np.asarray(fwd(p, batch, need - 1))
     assert np.isnan(short).any() and np.isfinite(short).any()
+    # every id dtype: uint32 ids past 2^31 and host int64 ids past int32 are out of range in
+    # both strategies, as in the single-device op (table-wise compared them in their dtype)
+    for dtype, far in (("uint32", 3_000_000_000), ("int64", 2**40 + 5)):
+        odd = ids.astype(dtype)
+        odd[::5] = far
+        for oob in ("clip", "zero"):
+            want = tt_embedding_bag_group(packed, layout, odd, w.offsets, tables, oob=oob)
+            part = sh.shard_packed(odd, w.offsets, nf, 8)
+            for name, obj, p in (
+                ("data", dp, put(packed, P())),
+                ("table", tw, put(tw.shard_params(packed), P("data"))),
+            ):
+                got = obj.apply(p, put(part["ids"], P("data")), put(part["offsets"], P("data")), oob=oob)
+                assert rel_err(got, want) < 1e-6, (dtype, oob, name)
 
 
 def test_collection_over_eight_devices():
@@ -463,6 +477,15 @@ def test_shard_bags_and_shard_packed_split_bags_per_shard():
     np.testing.assert_array_equal(packed["ids"] - 100, [[0, 1, 2, 4, 5, 6], [3, 7, 8, 9, -100, -100]])
     with pytest.raises(ValueError, match="equal shards"):
         shard_bags(ids, offsets=offsets, num_shards=3)
+    # host int64 ids past int32 (no x64): saturated, so out of range on the device, not
+    # wrapped by device_put (2^40 + 5 would read row 5)
+    wide = np.array([2**40 + 5, 7, -(2**40)], np.int64)
+    for split in (
+        shard_bags(wide, offsets=np.array([0, 1, 3]), num_shards=2)["ids"],
+        shard_packed(wide, np.array([0, 1, 3]), num_features=1, num_shards=2)["ids"],
+    ):
+        assert split.dtype == np.int32
+        assert sorted(split[split != 0].tolist()) == [-(2**31), 7, 2**31 - 1]
 
 
 def test_costs_see_the_input_and_placement_balances_them():
