@@ -254,8 +254,9 @@ inline std::vector<TbCase> TbStandardCases() {
   auto last_rows = [](TbCase* c) {
     for (size_t t = 0; t < c->tables.size(); ++t) TbAddId(c, (int)t, c->tables[t].N - 1);
   };
-  {  // D = 32 (2,4,4), r = 16: five tables, hot prefixes, padding rows
-    TbCase c = TbStack("d32_five_tables", 2, 4, 4, 16, 16,
+  {  // D = 32 (2,4,4), r = 32 (compiled-in dims of the CUDA kernels): five tables, hot
+     // prefixes, padding rows
+    TbCase c = TbStack("d32_five_tables", 2, 4, 4, 32, 32,
                        {{1000, 10, 10, 10},
                         {5000, 20, 16, 16},
                         {7, 1, 2, 4},
@@ -301,7 +302,7 @@ inline std::vector<TbCase> TbStandardCases() {
     cases.push_back(c);
   }
   {  // one group holding every unique id (p1 = p2 = 1), plus a small table
-    TbCase c = TbStack("one_group", 2, 2, 4, 8, 8, {{3000, 1, 1, 3000}, {50, 5, 5, 2}});
+    TbCase c = TbStack("one_group", 2, 2, 4, 16, 16, {{3000, 1, 1, 3000}, {50, 5, 5, 2}});
     TbAddIds(&c, 0, 5000, 1.0, &rng);
     TbAddIds(&c, 1, 10, 1.0, &rng);
     last_rows(&c);

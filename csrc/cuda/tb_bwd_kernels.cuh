@@ -78,9 +78,9 @@ __global__ void tb_bounds_kernel(const int* __restrict__ order, const int* __res
 // added to the row's accumulator, owned by thread kp == 0 of column a (tb_dg1_term).
 // The fallback of the dg1 terms path (tb_dg1_reduce_kernel): it returns at once when that
 // path ran, i.e. when 0 <= num_groups <= e_cap.
-template <int Q1C, int VEC>
+template <int Q1C, int VEC, class DD>
 __global__ void __launch_bounds__(kTbThreads)
-    tb_dg1_kernel(TbDev d, TbDg1Geo geo, const float* __restrict__ g2, const float* __restrict__ g3,
+    tb_dg1_kernel(DD d, TbDg1Geo geo, const float* __restrict__ g2, const float* __restrict__ g3,
                   const float* __restrict__ d_rows, const int* __restrict__ u_i3,
                   const int* __restrict__ g_i2, const int* __restrict__ goffs,
                   const int* __restrict__ counts, int n, const int* __restrict__ bounds1, int e_cap,
@@ -211,9 +211,9 @@ __device__ __forceinline__ void tb_copy_owned(float* __restrict__ dst,
 // e_cap) the block also writes each group's dg1 term E[g] = dP_g . g2[I]^T ([q1][r1], tb_dg1_term
 // with VEC = e_vec ? 4 : 1, the g2 row I staged in shared memory once), summed per g1 row by
 // tb_dg1_reduce_kernel.
-template <int Q1C, int VEC>
+template <int Q1C, int VEC, class DD>
 __global__ void __launch_bounds__(kTbThreads, 3)
-    tb_dg2_kernel(TbDev d, const float* __restrict__ g1, const float* __restrict__ g2,
+    tb_dg2_kernel(DD d, const float* __restrict__ g1, const float* __restrict__ g2,
                   const float* __restrict__ g3, const float* __restrict__ d_rows,
                   const int* __restrict__ u_i3, const int* __restrict__ g_i1,
                   const int* __restrict__ goffs, const int* __restrict__ counts, int n,
@@ -340,8 +340,9 @@ __global__ void __launch_bounds__(kTbThreads, 3)
 // registers (float4, r2 % 4 == 0). Every element is fmaf(g1[x1][a], g2[a][j], acc) over
 // a ascending from 0, the chain of tb_warp_prefix: the stored P is bitwise the P that
 // tb_dg3_kernel forms when it recomputes.
+template <class DD>
 __global__ void __launch_bounds__(kTbThreads)
-    tb_pcache_kernel(TbDev d, TbTileGeo geo, const float* __restrict__ g1,
+    tb_pcache_kernel(DD d, TbTileGeo geo, const float* __restrict__ g1,
                      const float* __restrict__ g2, const int* __restrict__ g_i1,
                      const int* __restrict__ counts, int n, const int* __restrict__ bounds2,
                      const int* __restrict__ sorted_groups, int cap, int* ctr,
@@ -390,7 +391,7 @@ __global__ void __launch_bounds__(kTbThreads)
         staged = true;
       }
       tb_batch_P(d, g1, s_i1, nb, geo.ldA, As, G2s,
-                 [&](int row0, int c4, int nR, const float(&acc)[kTbRPT][4]) {
+                 [&](int row0, int c4, int nR, const float (&acc)[kTbRPT][4]) {
 #pragma unroll
                    for (int i = 0; i < kTbRPT; ++i) {
                      const int row = row0 + i;
@@ -412,7 +413,8 @@ __global__ void __launch_bounds__(kTbThreads)
 // tb_dg2_kernel wrote): a thread per output element. The same terms in the same order as
 // tb_dg1_kernel, so bitwise its result. Runs when 0 <= num_groups <= e_cap, else returns
 // at once (tb_dg1_kernel does the work).
-__global__ void tb_dg1_reduce_kernel(TbDev d, const float* __restrict__ E, int e_cap,
+template <class DD>
+__global__ void tb_dg1_reduce_kernel(DD d, const float* __restrict__ E, int e_cap,
                                      const int* __restrict__ counts, int n,
                                      const int* __restrict__ bounds1, float* __restrict__ dg1) {
   int U, G;
@@ -446,10 +448,9 @@ __global__ void tb_sorted_groups_kernel(const int* __restrict__ sorted_u,
 // row at poff) in order, added to lane b's accumulators acc[i][z] (b = lane + 32 i): each
 // term sum_m P[m][b] d[m][z] over m ascending. Q3C: q3 when 4 or 8 (float4 reads of the
 // d_rows row), else 0 (any q3).
-template <int Q3C>
-__device__ __forceinline__ void tb_dg3_chunk_terms(const TbDev& d, const float* S, int slot,
-                                                   int poff, int nc, int lane,
-                                                   float (&acc)[2][kTbQ3Max]) {
+template <int Q3C, class DD>
+__device__ __forceinline__ void tb_dg3_chunk_terms(const DD& d, const float* S, int slot, int poff,
+                                                   int nc, int lane, float (&acc)[2][kTbQ3Max]) {
   constexpr int NZ = Q3C ? Q3C : kTbQ3Max;
   for (int k = 0; k < nc; ++k) {
     const float* P = S + k * slot;
@@ -493,9 +494,9 @@ __device__ __forceinline__ void tb_dg3_chunk_terms(const TbDev& d, const float* 
 // formed by the warp, tb_warp_prefix) are staged in the warp's slice; then the ids in
 // order, lane b (and b + 32) owning the outputs (b, z): each term a sum over m ascending,
 // added to the accumulator.
-template <int Q1C, int VEC>
+template <int Q1C, int VEC, class DD>
 __global__ void __launch_bounds__(kTbThreads)
-    tb_dg3_kernel(TbDev d, const float* __restrict__ g1, const float* __restrict__ g2,
+    tb_dg3_kernel(DD d, const float* __restrict__ g1, const float* __restrict__ g2,
                   const float* __restrict__ d_rows, const int* __restrict__ g_i1,
                   const int* __restrict__ g_i2, const int* __restrict__ counts, int n,
                   const int* __restrict__ bounds3, const int* __restrict__ sorted_u,

@@ -23,9 +23,9 @@ namespace {  // internal linkage: one copy per including file
 
 // ------------------------------- forward -------------------------------------------
 
-template <int Q1C, int VEC>
+template <int Q1C, int VEC, class DD>
 __global__ void __launch_bounds__(kTbThreads)
-    tb_fwd_kernel(TbDev d, const float* __restrict__ g1, const float* __restrict__ g2,
+    tb_fwd_kernel(DD d, const float* __restrict__ g1, const float* __restrict__ g2,
                   const float* __restrict__ g3, const int* __restrict__ u_i3,
                   const int* __restrict__ g_i1, const int* __restrict__ g_i2,
                   const int* __restrict__ goffs, const int* __restrict__ counts, int n, int* ctr,
@@ -69,9 +69,9 @@ __global__ void __launch_bounds__(kTbThreads)
 // indices of each group. Phase 2, warps steal chunks of kTbChunk unique indices (ctr[1]):
 // the only work left in chunk [u0, u0 + kTbChunk) is the tail of the group holding u0
 // past its first kTbChunk ids, done as in tb_fwd_kernel (P recomputed by the warp).
-template <int Q3>
+template <int Q3, class DD>
 __global__ void __launch_bounds__(kTbThreads)
-    tb_fwd_tile_kernel(TbDev d, TbTileGeo geo, const float* __restrict__ g1,
+    tb_fwd_tile_kernel(DD d, TbTileGeo geo, const float* __restrict__ g1,
                        const float* __restrict__ g2, const float* __restrict__ g3,
                        const int* __restrict__ u_i3, const int* __restrict__ g_i1,
                        const int* __restrict__ g_i2, const int* __restrict__ goffs,
@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(kTbThreads)
       }
       __syncthreads();
       tb_batch_P(d, g1, s_i1, nb, geo.ldA, As, G2s,
-                 [&](int row0, int c4, int nR, const float(&acc)[kTbRPT][4]) {
+                 [&](int row0, int c4, int nR, const float (&acc)[kTbRPT][4]) {
                    const int x2 = (4 * c4) / d.r2, b0 = 4 * c4 - x2 * d.r2;  // r2 % 4 == 0
 #pragma unroll
                    for (int i = 0; i < kTbRPT; ++i) {

@@ -229,6 +229,10 @@ const char* tb_check_dims(const TbDims& t) {
   return nullptr;
 }
 
+bool tb_has_fixed_dims(const TbDims& t) {
+  return tb_with_dims(tb_dev(t), true, [](auto d) { return decltype(d)::kFixed; });
+}
+
 size_t tb_rows_fwd_scratch_bytes(const TbDims& t, int n) {
   return tb_fwd_layout(tb_dev(t), n, nullptr).bytes;
 }
@@ -236,27 +240,31 @@ size_t tb_rows_fwd_scratch_bytes(const TbDims& t, int n) {
 cudaError_t tb_rows_fwd(const TbDims& t, const float* g1, const float* g2, const float* g3,
                         const int* u_i3, const int* g_i1, const int* g_i2, const int* group_offsets,
                         const int* counts, int n, float* rows, void* scratch, cudaStream_t stream,
-                        bool tiles) {
-  const TbDev d = tb_dev(t);
-  const TbFwdScratch s = tb_fwd_layout(d, n, tb_base(scratch));
+                        bool tiles, bool fixed_dims) {
+  const TbDev rt = tb_dev(t);
+  const TbFwdScratch s = tb_fwd_layout(rt, n, tb_base(scratch));
   cudaError_t err = cudaMemsetAsync(s.ctr, 0, 2 * sizeof(int), stream);
   if (err != cudaSuccess) return err;
-  const TbTileGeo geo = tb_tile_geo(d, kTbTileSmemCap);
-  if (tiles && geo.GB > 0 && tb_aligned16(g2) && tb_aligned16(g3) && tb_aligned16(rows)) {
-    const int* sorted;
-    int* free_buf;
-    if ((err = tb_sort_groups(d, s.sort, g_i2, counts, n, &sorted, &free_buf, stream)) !=
-        cudaSuccess)
-      return err;
-    const size_t smem = std::max(geo.smem, tb_warp_slices_bytes(d));
-    auto kernel = d.q3 == 4 ? &tb_fwd_tile_kernel<4> : &tb_fwd_tile_kernel<8>;
-    return tb_launch(kernel, smem, stream, d, geo, g1, g2, g3, u_i3, g_i1, g_i2, group_offsets,
-                     counts, n, (const int*)s.sort.bounds2, sorted, s.ctr, rows);
-  }
-  const bool vec = d.K % 4 == 0 && tb_aligned16(g2);
-  auto kernel = vec ? TB_BY_Q1(tb_fwd_kernel, 4, d.q1) : TB_BY_Q1(tb_fwd_kernel, 1, d.q1);
-  return tb_launch(kernel, tb_warp_slices_bytes(d), stream, d, g1, g2, g3, u_i3, g_i1, g_i2,
-                   group_offsets, counts, n, s.ctr, rows);
+  const TbTileGeo geo = tb_tile_geo(rt, kTbTileSmemCap);
+  const int* sorted = nullptr;
+  int* free_buf;
+  const bool tile =
+      tiles && geo.GB > 0 && tb_aligned16(g2) && tb_aligned16(g3) && tb_aligned16(rows);
+  if (tile && (err = tb_sort_groups(rt, s.sort, g_i2, counts, n, &sorted, &free_buf, stream)) !=
+                  cudaSuccess)
+    return err;
+  return tb_with_dims(rt, fixed_dims, [&](auto d) {
+    using DD = decltype(d);
+    if (tile) {
+      const size_t smem = std::max(geo.smem, tb_warp_slices_bytes(d));
+      return tb_launch(TB_TILE_KERNEL(d.q3, DD), smem, stream, d, geo, g1, g2, g3, u_i3, g_i1, g_i2,
+                       group_offsets, counts, n, (const int*)s.sort.bounds2, sorted, s.ctr, rows);
+    }
+    const bool vec = d.K % 4 == 0 && tb_aligned16(g2);
+    auto kernel = vec ? TB_BY_Q1(tb_fwd_kernel, 4, d.q1, DD) : TB_BY_Q1(tb_fwd_kernel, 1, d.q1, DD);
+    return tb_launch(kernel, tb_warp_slices_bytes(d), stream, d, g1, g2, g3, u_i3, g_i1, g_i2,
+                     group_offsets, counts, n, s.ctr, rows);
+  });
 }
 
 size_t tb_rows_bwd_scratch_bytes(const TbDims& t, int n) {
@@ -266,9 +274,10 @@ size_t tb_rows_bwd_scratch_bytes(const TbDims& t, int n) {
 cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const float* g3,
                         const float* d_rows, const int* u_i3, const int* g_i1, const int* g_i2,
                         const int* group_offsets, const int* counts, int n, float* dg1, float* dg2,
-                        float* dg3, void* scratch, cudaStream_t stream, unsigned stages) {
-  const TbDev d = tb_dev(t);
-  const TbBwdScratch s = tb_bwd_layout(d, n, tb_base(scratch));
+                        float* dg3, void* scratch, cudaStream_t stream, unsigned stages,
+                        bool fixed_dims) {
+  const TbDev rt = tb_dev(t);
+  const TbBwdScratch s = tb_bwd_layout(rt, n, tb_base(scratch));
   cudaError_t err;
   if ((err = cudaMemsetAsync(s.zeroed, 0, s.zeroed_bytes, stream)) != cudaSuccess) return err;
   // the group of each unique index; the groups by g_i2 and the bounds of the g2 rows; the
@@ -277,69 +286,75 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
   tb_ug_kernel<<<bblocks, 256, 0, stream>>>(group_offsets, counts, n, s.ug);
   const int* sorted_groups;
   int* free_buf;
-  if ((err = tb_sort_groups(d, s.sort, g_i2, counts, n, &sorted_groups, &free_buf, stream)) !=
+  if ((err = tb_sort_groups(rt, s.sort, g_i2, counts, n, &sorted_groups, &free_buf, stream)) !=
       cudaSuccess)
     return err;
-  tb_bounds_kernel<<<bblocks, 256, 0, stream>>>(nullptr, g_i1, counts, 1, n, d.p1, s.bounds1);
+  tb_bounds_kernel<<<bblocks, 256, 0, stream>>>(nullptr, g_i1, counts, 1, n, rt.p1, s.bounds1);
   int *out = free_buf, *alt = s.vc;
-  if ((err = tb_radix_sort(s.sort.tmp, u_i3, d.p3, counts, 0, n, &out, &alt, stream)) !=
+  if ((err = tb_radix_sort(s.sort.tmp, u_i3, rt.p3, counts, 0, n, &out, &alt, stream)) !=
       cudaSuccess)
     return err;
   const int* sorted_u = out;
   int* sg = alt;  // free after the sort: the group of each sorted unique index
-  tb_bounds_kernel<<<bblocks, 256, 0, stream>>>(out, u_i3, counts, 0, n, d.p3, s.bounds3);
+  tb_bounds_kernel<<<bblocks, 256, 0, stream>>>(out, u_i3, counts, 0, n, rt.p3, s.bounds3);
   tb_sorted_groups_kernel<<<bblocks, 256, 0, stream>>>(sorted_u, s.ug, counts, n, sg);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
-  // dg2, and with it the dg1 terms E of every group (when they fit), then dg1: the sums
-  // of E per g1 row, or the merge kernel (each returns at once when the other runs)
-  const bool vec_g2 = d.K % 4 == 0 && tb_aligned16(g2);
-  if (stages & 3) {
-    const bool vec = d.K % 4 == 0 && d.r1 % 4 == 0 && tb_aligned16(dg2);
-    auto kernel = vec ? TB_BY_Q1(tb_dg2_kernel, 4, d.q1) : TB_BY_Q1(tb_dg2_kernel, 1, d.q1);
-    const int nbatch = tb_dg2_batch(d, s.e_cap >= 0);
-    if ((err = tb_launch(
-             kernel, tb_dg2_smem(d, s.e_cap >= 0, nbatch), stream, d, g1, g2, g3, d_rows, u_i3,
-             g_i1, group_offsets, counts, n, (const int*)s.sort.bounds2, sorted_groups, (int)vec_g2,
-             s.e_cap,
-             (int)(d.D % 4 == 0 && d.S3 % 4 == 0 && tb_aligned16(d_rows) && tb_aligned16(g3)),
-             nbatch, s.ctrl + 1, dg2, s.e_cap >= 0 ? s.Pc : nullptr)) != cudaSuccess)
-      return err;
-  }
-  if (stages & 1) {
-    if (s.e_cap >= 0) {
-      const long long total = (long long)d.p1 * d.Q1R1;
-      const int blocks = (int)std::max<long long>(
-          1, std::min<long long>(total / 256 + 1, (long long)tb_num_sms() * 8));
-      tb_dg1_reduce_kernel<<<blocks, 256, 0, stream>>>(d, (const float*)s.Pc, s.e_cap, counts, n,
-                                                       (const int*)s.bounds1, dg1);
-      if ((err = cudaGetLastError()) != cudaSuccess) return err;
-    }
-    const TbDg1Geo geo = tb_dg1_geo(d);
-    auto kernel = vec_g2 ? TB_BY_Q1(tb_dg1_kernel, 4, d.q1) : TB_BY_Q1(tb_dg1_kernel, 1, d.q1);
-    if ((err =
-             tb_launch(kernel, geo.smem, stream, d, geo, g2, g3, d_rows, u_i3, g_i2, group_offsets,
-                       counts, n, (const int*)s.bounds1, s.e_cap, s.ctrl + 0, dg1)) != cudaSuccess)
-      return err;
-  }
-  if (stages & 4) {
-    // P of the first cap groups once (bitwise the P dg3 would form), then dg3
-    const int cap = tb_aligned16(g2) ? s.cap : 0;
-    if (cap > 0) {
-      const TbTileGeo geo = tb_tile_geo(d, kTbTileSmemCap);
-      if ((err = tb_launch(&tb_pcache_kernel, tb_pcache_smem(d, geo), stream, d, geo, g1, g2, g_i1,
-                           counts, n, (const int*)s.sort.bounds2, sorted_groups, cap, s.ctrl + 3,
-                           s.Pc)) != cudaSuccess)
+  return tb_with_dims(rt, fixed_dims, [&](auto d) -> cudaError_t {
+    using DD = decltype(d);
+    // dg2, and with it the dg1 terms E of every group (when they fit), then dg1: the sums
+    // of E per g1 row, or the merge kernel (each returns at once when the other runs)
+    const bool vec_g2 = d.K % 4 == 0 && tb_aligned16(g2);
+    if (stages & 3) {
+      const bool vec = d.K % 4 == 0 && d.r1 % 4 == 0 && tb_aligned16(dg2);
+      auto kernel =
+          vec ? TB_BY_Q1(tb_dg2_kernel, 4, d.q1, DD) : TB_BY_Q1(tb_dg2_kernel, 1, d.q1, DD);
+      const int nbatch = tb_dg2_batch(d, s.e_cap >= 0);
+      if ((err = tb_launch(
+               kernel, tb_dg2_smem(d, s.e_cap >= 0, nbatch), stream, d, g1, g2, g3, d_rows, u_i3,
+               g_i1, group_offsets, counts, n, (const int*)s.sort.bounds2, sorted_groups,
+               (int)vec_g2, s.e_cap,
+               (int)(d.D % 4 == 0 && d.S3 % 4 == 0 && tb_aligned16(d_rows) && tb_aligned16(g3)),
+               nbatch, s.ctrl + 1, dg2, s.e_cap >= 0 ? s.Pc : nullptr)) != cudaSuccess)
         return err;
     }
-    auto kernel = vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1);
-    if ((err = tb_launch(kernel, tb_dg3_smem(d), stream, d, g1, g2, d_rows, g_i1, g_i2, counts, n,
-                         (const int*)s.bounds3, sorted_u, (const int*)sg, (const float*)s.Pc, cap,
-                         (int)(d.D % 4 == 0 && tb_aligned16(d_rows)), s.ctrl + 2, dg3)) !=
-        cudaSuccess)
-      return err;
-  }
-  return cudaSuccess;
+    if (stages & 1) {
+      if (s.e_cap >= 0) {
+        const long long total = (long long)d.p1 * d.Q1R1;
+        const int blocks = (int)std::max<long long>(
+            1, std::min<long long>(total / 256 + 1, (long long)tb_num_sms() * 8));
+        tb_dg1_reduce_kernel<DD><<<blocks, 256, 0, stream>>>(d, (const float*)s.Pc, s.e_cap, counts,
+                                                             n, (const int*)s.bounds1, dg1);
+        if ((err = cudaGetLastError()) != cudaSuccess) return err;
+      }
+      const TbDg1Geo geo = tb_dg1_geo(d);
+      auto kernel =
+          vec_g2 ? TB_BY_Q1(tb_dg1_kernel, 4, d.q1, DD) : TB_BY_Q1(tb_dg1_kernel, 1, d.q1, DD);
+      if ((err = tb_launch(kernel, geo.smem, stream, d, geo, g2, g3, d_rows, u_i3, g_i2,
+                           group_offsets, counts, n, (const int*)s.bounds1, s.e_cap, s.ctrl + 0,
+                           dg1)) != cudaSuccess)
+        return err;
+    }
+    if (stages & 4) {
+      // P of the first cap groups once (bitwise the P dg3 would form), then dg3
+      const int cap = tb_aligned16(g2) ? s.cap : 0;
+      if (cap > 0) {
+        const TbTileGeo geo = tb_tile_geo(d, kTbTileSmemCap);
+        if ((err = tb_launch(&tb_pcache_kernel<DD>, tb_pcache_smem(d, geo), stream, d, geo, g1, g2,
+                             g_i1, counts, n, (const int*)s.sort.bounds2, sorted_groups, cap,
+                             s.ctrl + 3, s.Pc)) != cudaSuccess)
+          return err;
+      }
+      auto kernel =
+          vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1, DD) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1, DD);
+      if ((err = tb_launch(kernel, tb_dg3_smem(d), stream, d, g1, g2, d_rows, g_i1, g_i2, counts, n,
+                           (const int*)s.bounds3, sorted_u, (const int*)sg, (const float*)s.Pc, cap,
+                           (int)(d.D % 4 == 0 && tb_aligned16(d_rows)), s.ctrl + 2, dg3)) !=
+          cudaSuccess)
+        return err;
+    }
+    return cudaSuccess;
+  });
 }
 
 }  // namespace flowtt::tb

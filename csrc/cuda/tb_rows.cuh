@@ -27,8 +27,10 @@ constexpr int kTbMaxG2Row = 24576;  // r1*q2*r2 bound (g2 rows staged in shared 
 constexpr int kTbTileGroups = 32;   // max groups per batch of the sorted-tile forward
 constexpr int kTbRPT = kTileRows;   // rows (group, q1) per thread of its prefix GEMM
 
-// Dims and derived sizes, by value into every kernel.
+// Dims and derived sizes, by value into every kernel (the kernels and helpers take any
+// dims type DD with these members: TbDev, or TbFixedDims below).
 struct TbDev {
+  static constexpr bool kFixed = false;
   int p1, p2, p3, q1, q2, q3, r1, r2;
   int K;     // q2*r2: a g2 row [r1][K], a prefix product P [q1][K] (= [M][r2])
   int M;     // q1*q2
@@ -62,6 +64,36 @@ inline TbDev tb_dev(const Dims& t) {
   return d;
 }
 
+// Dims with the column shape and ranks fixed at compile time (the row shape stays a
+// run-time value): the same kernels, with every index division and loop bound over q and
+// r a constant, so loops unroll and index math folds. Bitwise the TbDev kernels (the same
+// sums in the same order); the launchers take it for the shapes of TB_FIXED_SHAPES.
+template <int Q1, int Q2, int Q3, int R1, int R2>
+struct TbFixedDims {
+  static constexpr bool kFixed = true;
+  static constexpr int q1 = Q1, q2 = Q2, q3 = Q3, r1 = R1, r2 = R2;
+  static constexpr int K = Q2 * R2, M = Q1 * Q2, D = Q1 * Q2 * Q3, Q1R1 = Q1 * R1;
+  static constexpr int R1K = R1 * K, PSZ = M * R2, S3 = R2 * Q3, ldP = R2 + 1;
+  int p1, p2, p3;
+  static bool matches(const TbDev& d) {
+    return d.q1 == Q1 && d.q2 == Q2 && d.q3 == Q3 && d.r1 == R1 && d.r2 == R2;
+  }
+  static TbFixedDims of(const TbDev& d) { return {d.p1, d.p2, d.p3}; }
+};
+
+// The fixed shapes: (q1, q2, q3, r1, r2) of dim 32 at ranks 32 (the Meta-like
+// collections') and of dim 16 at rank 16 (examples/dlrm.py's). F(DD) is called with DD the
+// matching TbFixedDims (unless fixed is false: a test's comparison), else TbDev.
+#define TB_FIXED_SHAPES(X) X(2, 4, 4, 32, 32) X(2, 2, 4, 16, 16)
+template <class F>
+auto tb_with_dims(const TbDev& d, bool fixed, F&& f) {
+#define TB_FIXED_CASE(a, b, c, e, g) \
+  if (fixed && TbFixedDims<a, b, c, e, g>::matches(d)) return f(TbFixedDims<a, b, c, e, g>::of(d));
+  TB_FIXED_SHAPES(TB_FIXED_CASE)
+#undef TB_FIXED_CASE
+  return f(d);
+}
+
 __host__ __device__ inline int tb_align4(int x) { return (x + 3) & ~3; }
 
 // The sorted-tile forward (tb_fwd_tile_kernel): per batch of GB groups sharing a g2 row,
@@ -73,7 +105,8 @@ struct TbTileGeo {
   int GB, ldA, ldm, PT;
   size_t smem;
 };
-inline TbTileGeo tb_tile_geo(const TbDev& d, size_t smem_cap, int max_groups = kTbTileGroups) {
+template <class DD>
+inline TbTileGeo tb_tile_geo(const DD& d, size_t smem_cap, int max_groups = kTbTileGroups) {
   TbTileGeo g{0, 0, d.M + 1, d.r2 * (d.M + 1), 0};
   if (d.r2 % 4 != 0 || (d.q3 != 4 && d.q3 != 8)) return g;
   for (int gb = kTbTileGroups; gb >= 4; gb /= 2) {
@@ -93,7 +126,8 @@ inline TbTileGeo tb_tile_geo(const TbDev& d, size_t smem_cap, int max_groups = k
 
 // The P cache of the backward (tb_pcache_kernel, tb_tile_geo's GB and ldA): the g2 row
 // and the batch's g1 rows, no P tile (P goes straight to global memory).
-inline size_t tb_pcache_smem(const TbDev& d, const TbTileGeo& geo) {
+template <class DD>
+inline size_t tb_pcache_smem(const DD& d, const TbTileGeo& geo) {
   return sizeof(float) * ((size_t)tb_align4(d.R1K) + (size_t)d.r1 * geo.ldA);
 }
 
@@ -106,7 +140,8 @@ struct TbDg1Geo {
   int R, S, KMAX;
   size_t smem;
 };
-inline TbDg1Geo tb_dg1_geo(const TbDev& d) {
+template <class DD>
+inline TbDg1Geo tb_dg1_geo(const DD& d) {
   for (size_t budget : {size_t{110} << 10, size_t{200} << 10}) {
     for (int R = kTbDg1MaxRows; R >= 8; R /= 2) {
       for (int S = kTbDg1MaxSteps; S >= 1; S /= 2) {
@@ -127,35 +162,43 @@ inline TbDg1Geo tb_dg1_geo(const TbDev& d) {
 // shared memory: [align4(q1*r1)] (a g1 row, for a P recomputed) then per id
 // tb_dg3_slot(d) floats, at most kTbDg3SliceFloats per warp (up to 8 ids).
 constexpr int kTbDg3SliceFloats = 2432, kTbDg3MaxChunk = 8;
-__host__ __device__ inline int tb_dg3_slot(const TbDev& d) {
+template <class DD>
+__host__ __device__ inline int tb_dg3_slot(const DD& d) {
   return tb_align4(d.M * d.ldP) + tb_align4(d.D);
 }
-__host__ __device__ inline int tb_dg3_chunk(const TbDev& d) {
+template <class DD>
+__host__ __device__ inline int tb_dg3_chunk(const DD& d) {
   const int room = (kTbDg3SliceFloats - tb_align4(d.Q1R1)) / tb_dg3_slot(d);
   return room < 1 ? 1 : (room > kTbDg3MaxChunk ? kTbDg3MaxChunk : room);
 }
-__host__ __device__ inline int tb_dg3_slice(const TbDev& d) {
+template <class DD>
+__host__ __device__ inline int tb_dg3_slice(const DD& d) {
   return tb_align4(d.Q1R1) + tb_dg3_chunk(d) * tb_dg3_slot(d);
 }
 
 // Dynamic shared memory of the kernels: the per-warp slices (g1 row, P) of the forward
 // kernels; the per-warp slices of dg3; the dg2 accumulator row, the g2 row (when dg2
 // also writes the dg1 terms, `with_e`), the g1 rows and dP of a batch (dg2).
-inline size_t tb_warp_slices_bytes(const TbDev& d) {
+template <class DD>
+inline size_t tb_warp_slices_bytes(const DD& d) {
   return sizeof(float) * kTbWarps * (size_t)(tb_align4(d.Q1R1) + tb_align4(d.M * d.ldP));
 }
-inline size_t tb_dg3_smem(const TbDev& d) {
+template <class DD>
+inline size_t tb_dg3_smem(const DD& d) {
   return sizeof(float) * kTbWarps * (size_t)tb_dg3_slice(d);
 }
-inline size_t tb_stage_bytes(const TbDev& d);
-inline size_t tb_dg2_smem(const TbDev& d, bool with_e = false, int batch = 8) {
+template <class DD>
+inline size_t tb_stage_bytes(const DD& d);
+template <class DD>
+inline size_t tb_dg2_smem(const DD& d, bool with_e = false, int batch = 8) {
   return sizeof(float) * ((size_t)tb_align4(d.R1K) * (with_e ? 2 : 1) +
                           (size_t)batch * (tb_align4(d.Q1R1) + tb_align4(d.PSZ))) +
          tb_stage_bytes(d);
 }
 // Groups per batch of the dg2 kernel: kTbBatch when that still leaves room for three
 // blocks per SM (74 KB), else 8.
-inline int tb_dg2_batch(const TbDev& d, bool with_e) {
+template <class DD>
+inline int tb_dg2_batch(const DD& d, bool with_e) {
   return tb_dg2_smem(d, with_e, kTbBatch) <= size_t{74} * 1024 ? kTbBatch : 8;
 }
 
@@ -193,7 +236,8 @@ __device__ __forceinline__ int tb_find_group(const int* __restrict__ goffs, int 
 // The prefix GEMM of a batch of groups sharing a g2 row (tb_fwd_tile_kernel and
 // tb_pcache_kernel), in two steps. Staging: As[a][row] = g1[i1_k][x1][a] for the
 // nR = nb * q1 rows (group k, x1) of the batch, the block's threads over all elements.
-__device__ __forceinline__ void tb_stage_g1_rows(const TbDev& d, const float* __restrict__ g1,
+template <class DD>
+__device__ __forceinline__ void tb_stage_g1_rows(const DD& d, const float* __restrict__ g1,
                                                  const int* s_i1, int nR, int ldA, float* As) {
   for (int e = threadIdx.x; e < nR * d.r1; e += kTbThreads) {
     const int a = e / nR, row = e - a * nR;
@@ -204,8 +248,8 @@ __device__ __forceinline__ void tb_stage_g1_rows(const TbDev& d, const float* __
 
 // The whole prefix GEMM of a batch of nb groups: As staged, then each thread's register
 // tiles of P, handed to store(row0, c4, nR, acc) (rows row0 + i < nR, columns 4*c4 + c).
-template <class Store>
-__device__ __forceinline__ void tb_batch_P(const TbDev& d, const float* __restrict__ g1,
+template <class Store, class DD>
+__device__ __forceinline__ void tb_batch_P(const DD& d, const float* __restrict__ g1,
                                            const int* s_i1, int nb, int ldA, float* As,
                                            const float* G2s, Store&& store) {
   const int nR = nb * d.q1, NC4 = d.K / 4;
@@ -242,9 +286,9 @@ __device__ __forceinline__ int tb_warp_claim(int* ctr, int lane) {
 // fixed xor tree combines the 8 partials; every thread of the column returns the total in
 // part[x1]. dp: dP_g [q1][K]; g2r: the g2 row [r1][K] (shared memory, 16-byte aligned
 // rows when VEC == 4). Threads with a >= r1 add nothing but take part in the shuffles.
-template <int Q1C, int VEC>
-__device__ __forceinline__ void tb_dg1_term(const TbDev& d, const float* dp, const float* g2r,
-                                            int a, int kp, float (&part)[Q1C ? Q1C : kTbQ1Max]) {
+template <int Q1C, int VEC, class DD>
+__device__ __forceinline__ void tb_dg1_term(const DD& d, const float* dp, const float* g2r, int a,
+                                            int kp, float (&part)[Q1C ? Q1C : kTbQ1Max]) {
   constexpr int NQ1 = Q1C ? Q1C : kTbQ1Max;
   constexpr int KP = 8;
 #pragma unroll
@@ -289,8 +333,8 @@ __device__ __forceinline__ void tb_dg1_term(const TbDev& d, const float* dp, con
 // g1 row [q1][r1] in shared memory; g2r: the g2 row [r1][K] in global memory. Lanes own
 // 4 columns j each (one float4 per a when VEC == 4: K % 4 == 0, g2 16-byte aligned) and
 // every q1 row, so each g2 element loaded feeds q1 FMAs.
-template <int Q1C, int VEC>
-__device__ __forceinline__ void tb_warp_prefix(const TbDev& d, const float* G1s,
+template <int Q1C, int VEC, class DD>
+__device__ __forceinline__ void tb_warp_prefix(const DD& d, const float* G1s,
                                                const float* __restrict__ g2r, float* Pw, int lane) {
   constexpr int NQ1 = Q1C ? Q1C : kTbQ1Max;
   for (int j0 = 0; j0 < d.K; j0 += 128) {
@@ -341,8 +385,9 @@ __device__ __forceinline__ void tb_warp_prefix(const TbDev& d, const float* G1s,
 }
 
 // One warp copies the g1 row i1 into G1s.
-__device__ __forceinline__ void tb_warp_load_g1(const TbDev& d, const float* __restrict__ g1,
-                                                int i1, float* G1s, int lane) {
+template <class DD>
+__device__ __forceinline__ void tb_warp_load_g1(const DD& d, const float* __restrict__ g1, int i1,
+                                                float* G1s, int lane) {
   const float* src = g1 + (size_t)i1 * d.Q1R1;
   for (int i = lane; i < d.Q1R1; i += 32) G1s[i] = __ldg(src + i);
 }
@@ -351,7 +396,8 @@ __device__ __forceinline__ void tb_warp_load_g1(const TbDev& d, const float* __r
 // group (P in Pw as tb_warp_prefix leaves it); each output is a sum over b ascending.
 // D dividing 32: 32 / D ids at a time, a lane per output; else a lane per output, 32
 // outputs at a time.
-__device__ __forceinline__ void tb_warp_apply(const TbDev& d, const float* Pw,
+template <class DD>
+__device__ __forceinline__ void tb_warp_apply(const DD& d, const float* Pw,
                                               const float* __restrict__ g3,
                                               const int* __restrict__ u_i3, int ulo, int uhi,
                                               float* __restrict__ rows, int lane) {
@@ -375,8 +421,9 @@ __device__ __forceinline__ void tb_warp_apply(const TbDev& d, const float* Pw,
 
 // The block forms dP of the nb groups of a batch: dPs[k][m*r2 + b] = sum over u in
 // [s_gs[k], s_ge[k]) ascending of (sum_z d_rows[u][m*q3 + z] g3[u_i3[u]][b][z]).
-__device__ __forceinline__ void tb_block_dP(const TbDev& d, int nb, const int* s_gs,
-                                            const int* s_ge, const int* __restrict__ u_i3,
+template <class DD>
+__device__ __forceinline__ void tb_block_dP(const DD& d, int nb, const int* s_gs, const int* s_ge,
+                                            const int* __restrict__ u_i3,
                                             const float* __restrict__ g3,
                                             const float* __restrict__ d_rows, float* dPs) {
   for (int e = threadIdx.x; e < nb * d.PSZ; e += blockDim.x) {
@@ -400,14 +447,17 @@ __device__ __forceinline__ void tb_block_dP(const TbDev& d, int nb, const int* s
 // Staging of tb_block_dP_staged: the d_rows row and the g3 row of up to tb_stage_ids(d)
 // ids ([ids][tb_stage_ld(d)] floats, kTbStageFloats at most) per round.
 constexpr int kTbStageFloats = 5120, kTbStageMaxIds = 64;
-__host__ __device__ inline int tb_stage_ld(const TbDev& d) {
+template <class DD>
+__host__ __device__ inline int tb_stage_ld(const DD& d) {
   return tb_align4(d.D) + tb_align4(d.S3);
 }
-__host__ __device__ inline int tb_stage_ids(const TbDev& d) {
+template <class DD>
+__host__ __device__ inline int tb_stage_ids(const DD& d) {
   const int k = kTbStageFloats / tb_stage_ld(d);
   return k < 1 ? 1 : (k > kTbStageMaxIds ? kTbStageMaxIds : k);
 }
-inline size_t tb_stage_bytes(const TbDev& d) {
+template <class DD>
+inline size_t tb_stage_bytes(const DD& d) {
   return sizeof(float) * (size_t)tb_stage_ids(d) * tb_stage_ld(d);
 }
 
@@ -418,8 +468,8 @@ inline size_t tb_stage_bytes(const TbDev& d) {
 // One round of tb_block_dP_staged: each element of dPs adds the terms of the round's ids
 // of its group (ids [lo, hi) of the round), each term a sum over z ascending. Q3C: q3 when
 // 4 or 8 (float4 reads of the staged rows), else 0 (any q3).
-template <int Q3C>
-__device__ __forceinline__ void tb_stage_dP_round(const TbDev& d, int nb, int p0, int nr,
+template <int Q3C, class DD>
+__device__ __forceinline__ void tb_stage_dP_round(const DD& d, int nb, int p0, int nr,
                                                   const int* s_pre, const float* Stg, float* dPs) {
   const int ld = tb_stage_ld(d), ldD = tb_align4(d.D);
   for (int r = threadIdx.x; r < d.PSZ; r += blockDim.x) {  // element r of every group's dP
@@ -458,7 +508,8 @@ __device__ __forceinline__ void tb_stage_dP_round(const TbDev& d, int nb, int p0
 // multiples of 4, both arrays 16-byte aligned), then each element of dPs adds the round's
 // terms of its group in ascending u. Bitwise tb_block_dP (the same sums in the same
 // order). s_pre [nb + 1], s_u, s_i3 [kTbStageMaxIds]: shared scratch of the caller.
-__device__ __forceinline__ void tb_block_dP_staged(const TbDev& d, int nb, const int* s_gs,
+template <class DD>
+__device__ __forceinline__ void tb_block_dP_staged(const DD& d, int nb, const int* s_gs,
                                                    const int* s_ge, int* s_pre, int* s_u, int* s_i3,
                                                    float* Stg, bool vec,
                                                    const int* __restrict__ u_i3,
@@ -529,10 +580,31 @@ __device__ __forceinline__ void tb_block_dP_staged(const TbDev& d, int nb, const
 
 }  // namespace flowtt::tb
 
-// The kernel instance for q1 (register blocking over q1 when q1 is 1, 2, 4 or 8).
-#define TB_BY_Q1(KERNEL, VEC, q1) \
-  ((q1) == 1   ? &KERNEL<1, VEC>  \
-   : (q1) == 2 ? &KERNEL<2, VEC>  \
-   : (q1) == 4 ? &KERNEL<4, VEC>  \
-   : (q1) == 8 ? &KERNEL<8, VEC>  \
-               : &KERNEL<0, VEC>)
+// The Q1C template argument of the kernels for a TbFixedDims DD: its q1 when 1, 2, 4 or 8.
+template <class DD>
+constexpr int tb_fixed_q1c() {
+  return DD::q1 == 1 || DD::q1 == 2 || DD::q1 == 4 || DD::q1 == 8 ? DD::q1 : 0;
+}
+
+// The kernel instance for q1 and dims type DD (register blocking over q1 when q1 is 1, 2,
+// 4 or 8; a TbFixedDims DD has one q1). Inside a template (a launcher's generic lambda).
+#define TB_BY_Q1(KERNEL, VEC, Q1V, DD)             \
+  [&] {                                            \
+    if constexpr (DD::kFixed)                      \
+      return &KERNEL<tb_fixed_q1c<DD>(), VEC, DD>; \
+    else                                           \
+      return (Q1V) == 1   ? &KERNEL<1, VEC, DD>    \
+             : (Q1V) == 2 ? &KERNEL<2, VEC, DD>    \
+             : (Q1V) == 4 ? &KERNEL<4, VEC, DD>    \
+             : (Q1V) == 8 ? &KERNEL<8, VEC, DD>    \
+                          : &KERNEL<0, VEC, DD>;   \
+  }()
+
+// The sorted-tile forward for q3 (4 or 8) and dims type DD.
+#define TB_TILE_KERNEL(Q3V, DD)                                                    \
+  [&] {                                                                            \
+    if constexpr (DD::kFixed)                                                      \
+      return &tb_fwd_tile_kernel < DD::q3 == 8 ? 8 : 4, DD > ;                     \
+    else                                                                           \
+      return (Q3V) == 4 ? &tb_fwd_tile_kernel<4, DD> : &tb_fwd_tile_kernel<8, DD>; \
+  }()

@@ -17,6 +17,10 @@ namespace flowtt::tb {
 // core k over all tables of the group.
 using TbDims = TTDims;
 
+// Whether the kernels have compile-time instances for these column shapes and ranks
+// (TB_FIXED_SHAPES in cuda/tb_rows.cuh: index math and loop bounds folded).
+bool tb_has_fixed_dims(const TbDims& d);
+
 // nullptr when the kernels take these dims (q1 <= 8, q1*q2 <= 16, q3 <= 8, r1, r2 <= 64,
 // every extent >= 1, shared memory in bounds), else why not.
 const char* tb_check_dims(const TbDims& d);
@@ -26,11 +30,14 @@ const char* tb_check_dims(const TbDims& d);
 // (scratch: a radix sort of the group indices by g_i2, sized by n: about 9 bytes per plan
 // entry, and the bucket bounds of the g2 rows), others the chunked one (two counters).
 // `tiles` (profiling aid for the harness): false forces the chunked kernel.
+// `fixed_dims` (for the harness's comparison): false runs the run-time dims instances of
+// the kernels also for the column shapes and ranks compiled in (TB_FIXED_SHAPES in
+// cuda/tb_rows.cuh), bitwise the same results.
 size_t tb_rows_fwd_scratch_bytes(const TbDims& d, int n);
 cudaError_t tb_rows_fwd(const TbDims& d, const float* g1, const float* g2, const float* g3,
                         const int* u_i3, const int* g_i1, const int* g_i2, const int* group_offsets,
                         const int* counts, int n, float* rows, void* scratch, cudaStream_t stream,
-                        bool tiles = true);
+                        bool tiles = true, bool fixed_dims = true);
 
 // flowtt_tb_rows_bwd: dg1, dg2, dg3 (the packed cores' shapes), every element written, in
 // the contract's summation order (bitwise reproducible). Scratch: about 17 bytes per plan
@@ -43,13 +50,14 @@ cudaError_t tb_rows_fwd(const TbDims& d, const float* g1, const float* g2, const
 // of 1 KB), formed once so that dg3 reads it; dg3 forms P of the groups past the cap.
 // `stages` (profiling aid for the harness): bits 0, 1, 2 run dg1, dg2, dg3 (a gradient
 // whose bit is clear is left unwritten; the dg2 kernel runs for dg1 too, since it writes
-// E; the P cache runs with dg3); the sorts and bucket bounds always run.
+// E; the P cache runs with dg3); the sorts and bucket bounds always run. `fixed_dims`: as
+// for tb_rows_fwd.
 constexpr unsigned kTbAllStages = 0x7;
 size_t tb_rows_bwd_scratch_bytes(const TbDims& d, int n);
 cudaError_t tb_rows_bwd(const TbDims& d, const float* g1, const float* g2, const float* g3,
                         const float* d_rows, const int* u_i3, const int* g_i1, const int* g_i2,
                         const int* group_offsets, const int* counts, int n, float* dg1, float* dg2,
                         float* dg3, void* scratch, cudaStream_t stream,
-                        unsigned stages = kTbAllStages);
+                        unsigned stages = kTbAllStages, bool fixed_dims = true);
 
 }  // namespace flowtt::tb

@@ -39,18 +39,20 @@ struct Inputs {
   const int *u_i3, *g_i1, *g_i2, *goffs, *counts;
 };
 
-// tb_rows_fwd: rows [n, D].
-void EmuFwd(const Inputs& in, bool vec, float* rows) {
+// tb_rows_fwd: rows [n, D], the kernels' instances for dims type DD (TbDev, or the
+// TbFixedDims of in.d).
+template <class DD>
+void EmuFwd(const Inputs& in, const DD& d, bool vec, float* rows) {
   int ctr = 0;
-  const TbDev& d = in.d;
-  auto kernel =
-      vec && d.K % 4 == 0 ? TB_BY_Q1(tb_fwd_kernel, 4, d.q1) : TB_BY_Q1(tb_fwd_kernel, 1, d.q1);
+  auto kernel = vec && d.K % 4 == 0 ? TB_BY_Q1(tb_fwd_kernel, 4, d.q1, DD)
+                                    : TB_BY_Q1(tb_fwd_kernel, 1, d.q1, DD);
   tb_emu_launch(kGrid, kTbThreads, tb_warp_slices_bytes(d), kernel, d, in.g1, in.g2, in.g3, in.u_i3,
                 in.g_i1, in.g_i2, in.goffs, in.counts, in.n, &ctr, rows);
 }
 
 // Sorted-tile forward (when the dims take it): the group sort, then the tile kernel.
-void EmuFwdTile(const Inputs& in, const TbTileGeo& geo, float* rows);
+template <class DD>
+void EmuFwdTile(const Inputs& in, const DD& d, const TbTileGeo& geo, float* rows);
 
 int tb_end_bits(int max_key) {  // as tb_rows.cu's tb_end_bit
   int b = 1;
@@ -77,26 +79,27 @@ std::vector<int> EmuRadixSort(const int* key_src, int P, const int* counts, int 
   return in;
 }
 
-void EmuFwdTile(const Inputs& in, const TbTileGeo& geo, float* rows) {
-  const TbDev& d = in.d;
+template <class DD>
+void EmuFwdTile(const Inputs& in, const DD& d, const TbTileGeo& geo, float* rows) {
   const int n = in.n;
   std::vector<int> ctr(2, 0), bounds2(d.p2 + 1);
   const std::vector<int> sorted = EmuRadixSort(in.g_i2, d.p2, in.counts, 1, n);
   tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, sorted.data(), in.g_i2, in.counts, 1, n, d.p2,
                 bounds2.data());
-  auto kernel = d.q3 == 4 ? &tb_fwd_tile_kernel<4> : &tb_fwd_tile_kernel<8>;
-  tb_emu_launch(kGrid, kTbThreads, std::max(geo.smem, tb_warp_slices_bytes(d)), kernel, d, geo,
-                in.g1, in.g2, in.g3, in.u_i3, in.g_i1, in.g_i2, in.goffs, in.counts, n,
-                (const int*)bounds2.data(), sorted.data(), ctr.data(), rows);
+  tb_emu_launch(kGrid, kTbThreads, std::max(geo.smem, tb_warp_slices_bytes(d)),
+                TB_TILE_KERNEL(d.q3, DD), d, geo, in.g1, in.g2, in.g3, in.u_i3, in.g_i1, in.g_i2,
+                in.goffs, in.counts, n, (const int*)bounds2.data(), sorted.data(), ctr.data(),
+                rows);
 }
 
 // tb_rows_bwd: dg2 (and the dg1 terms E when e_cap >= 0), dg1 (the sums of E when
 // num_groups <= e_cap, else the merge kernel with geometry dg1_geo), dg3 (the P of the
 // groups below `cap` from the P cache built by tb_pcache_kernel with geometry pgeo, when
 // the dims take it and vec, else formed by dg3). E and the P cache share one buffer.
-void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, float* dg2, float* dg3,
-            int cap = 0, TbTileGeo pgeo = {}, int e_cap = -1, int nbatch = 8) {
-  const TbDev& d = in.d;
+template <class DD>
+void EmuBwd(const Inputs& in, const DD& d, bool vec, const TbDg1Geo& dg1_geo, float* dg1,
+            float* dg2, float* dg3, int cap = 0, TbTileGeo pgeo = {}, int e_cap = -1,
+            int nbatch = 8) {
   const int n = in.n;
   std::vector<int> ctrl(4, 0), bounds1(d.p1 + 1, 0), bounds2(d.p2 + 1), bounds3(d.p3 + 1);
   std::vector<int> ug(n, -1);
@@ -116,25 +119,25 @@ void EmuBwd(const Inputs& in, bool vec, const TbDg1Geo& dg1_geo, float* dg1, flo
   // NaN: an E or a P read but not written shows
   std::vector<float> cache(std::max((size_t)cap * d.PSZ, (size_t)std::max(e_cap, 0) * d.Q1R1), NAN);
   const bool vec_g2 = vec && d.K % 4 == 0;
-  auto k2 = vec && d.K % 4 == 0 && d.r1 % 4 == 0 ? TB_BY_Q1(tb_dg2_kernel, 4, d.q1)
-                                                 : TB_BY_Q1(tb_dg2_kernel, 1, d.q1);
+  auto k2 = vec && d.K % 4 == 0 && d.r1 % 4 == 0 ? TB_BY_Q1(tb_dg2_kernel, 4, d.q1, DD)
+                                                 : TB_BY_Q1(tb_dg2_kernel, 1, d.q1, DD);
   tb_emu_launch(kGrid, kTbThreads, tb_dg2_smem(d, e_cap >= 0, nbatch), k2, d, in.g1, in.g2, in.g3,
                 in.d_rows, in.u_i3, in.g_i1, in.goffs, in.counts, n, (const int*)bounds2.data(),
                 sorted_groups.data(), (int)vec_g2, e_cap,
                 (int)(vec && d.D % 4 == 0 && d.S3 % 4 == 0), nbatch, &ctrl[1], dg2,
                 e_cap >= 0 ? cache.data() : nullptr);
   if (e_cap >= 0)
-    tb_emu_launch(kGrid, 256, 0, tb_dg1_reduce_kernel, d, (const float*)cache.data(), e_cap,
+    tb_emu_launch(kGrid, 256, 0, tb_dg1_reduce_kernel<DD>, d, (const float*)cache.data(), e_cap,
                   in.counts, n, (const int*)bounds1.data(), dg1);
-  auto k1 = vec_g2 ? TB_BY_Q1(tb_dg1_kernel, 4, d.q1) : TB_BY_Q1(tb_dg1_kernel, 1, d.q1);
+  auto k1 = vec_g2 ? TB_BY_Q1(tb_dg1_kernel, 4, d.q1, DD) : TB_BY_Q1(tb_dg1_kernel, 1, d.q1, DD);
   tb_emu_launch(kGrid, kTbThreads, dg1_geo.smem, k1, d, dg1_geo, in.g2, in.g3, in.d_rows, in.u_i3,
                 in.g_i2, in.goffs, in.counts, n, (const int*)bounds1.data(), e_cap, &ctrl[0], dg1);
   std::fill(cache.begin(), cache.end(), NAN);
   if (cap > 0)
-    tb_emu_launch(kGrid, kTbThreads, tb_pcache_smem(d, pgeo), tb_pcache_kernel, d, pgeo, in.g1,
+    tb_emu_launch(kGrid, kTbThreads, tb_pcache_smem(d, pgeo), tb_pcache_kernel<DD>, d, pgeo, in.g1,
                   in.g2, in.g_i1, in.counts, n, (const int*)bounds2.data(), sorted_groups.data(),
                   cap, &ctrl[3], cache.data());
-  auto k3 = vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1);
+  auto k3 = vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1, DD) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1, DD);
   tb_emu_launch(kGrid, kTbThreads, tb_dg3_smem(d), k3, d, in.g1, in.g2, in.d_rows, in.g_i1, in.g_i2,
                 in.counts, n, (const int*)bounds3.data(), sorted_u.data(), (const int*)sg.data(),
                 (const float*)cache.data(), cap, (int)(vec && d.D % 4 == 0), &ctrl[2], dg3);
@@ -175,13 +178,22 @@ Run MakeRun(const TbCase& c, const TbHostPlan& p, uint64_t seed) {
   return r;
 }
 
-void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
-  const std::string tag = c.name + (vec ? " [vec]" : " [scalar]") + " (n=" + std::to_string(p.n) +
-                          " U=" + std::to_string(p.U) + " G=" + std::to_string(p.G) + ")";
+// One case on the kernels' instances for dims type DD: the forward (chunks, sorted tiles)
+// and backward (three configurations) against the oracle, dg1 / dg2 / dg3 bitwise equal
+// across the configurations. Returns every output, for RunCaseAllDims's comparison.
+template <class DD>
+std::vector<std::vector<float>> RunCase(const TbCase& c, const TbHostPlan& p, bool vec,
+                                        const DD& d) {
+  const std::string tag = c.name + (vec ? " [vec" : " [scalar") +
+                          (DD::kFixed ? ", compile-time dims]" : "]") +
+                          " (n=" + std::to_string(p.n) + " U=" + std::to_string(p.U) +
+                          " G=" + std::to_string(p.G) + ")";
   Run r = MakeRun(c, p, 11);
   const int64_t D = c.s.dim();
   std::vector<float> rows(p.n * D, NAN);
-  EmuFwd(r.in, vec, rows.data());
+  std::vector<std::vector<float>> outs;
+  EmuFwd(r.in, d, vec, rows.data());
+  outs.push_back(rows);
   const std::vector<double> ref = TbRefRows(c, p, r.k);
   const double e_rows = TbRelErr(rows.data(), ref.data(), ref.size());
   char buf[160];
@@ -193,7 +205,8 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
     const TbTileGeo geo = tb_tile_geo(r.in.d, 100 * 1024, max_groups);
     if (!vec || geo.GB == 0) break;
     std::fill(rows.begin(), rows.end(), NAN);
-    EmuFwdTile(r.in, geo, rows.data());
+    EmuFwdTile(r.in, d, geo, rows.data());
+    outs.push_back(rows);
     const double e = TbRelErr(rows.data(), ref.data(), ref.size());
     std::snprintf(buf, sizeof buf, " fwd (tiles of %d groups) rel err %.2e", geo.GB, e);
     TbReport(e < kTbTol, tag + buf);
@@ -227,7 +240,7 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
     std::vector<float> dg1(r.k.g1.size(), NAN), dg2(r.k.g2.size(), NAN), dg3(r.k.g3.size(), NAN);
     const int cap = vec && cfg.pgeo.GB > 0 ? cfg.cap : 0;
     caps[ci++] = cap;
-    EmuBwd(r.in, vec, geo, dg1.data(), dg2.data(), dg3.data(), cap, cfg.pgeo, cfg.e_cap,
+    EmuBwd(r.in, d, vec, geo, dg1.data(), dg2.data(), dg3.data(), cap, cfg.pgeo, cfg.e_cap,
            cfg.nbatch);
     const double e1 = TbRelErr(dg1.data(), r1.data(), r1.size());
     const double e2 = TbRelErr(dg2.data(), r2.data(), r2.size());
@@ -253,6 +266,27 @@ void RunCase(const TbCase& c, const TbHostPlan& p, bool vec) {
              tag +
                  " dg3 with the P cache (all / a third of the groups) bitwise equal to "
                  "dg3 recomputing P");
+  for (auto* v : {&dg1s, &dg2s, &dg3s}) outs.insert(outs.end(), v->begin(), v->end());
+  return outs;
+}
+
+// RunCase on the instances the launchers take for the case's dims; for dims compiled in
+// (TB_FIXED_SHAPES) also on the run-time dims instances, every output bitwise equal.
+void RunCaseAllDims(const TbCase& c, const TbHostPlan& p, bool vec) {
+  const TbDev rt = tb_dev(c.s);
+  tb_with_dims(rt, true, [&](auto d) {
+    const auto a = RunCase(c, p, vec, d);
+    if constexpr (decltype(d)::kFixed) {
+      const auto b = RunCase(c, p, vec, rt);
+      bool same = a.size() == b.size();
+      for (size_t i = 0; same && i < a.size(); ++i)
+        same = a[i].size() == b[i].size() &&
+               std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) == 0;
+      TbReport(same, c.name + (vec ? " [vec]" : " [scalar]") +
+                         " compile-time dims: every output bitwise equal to the run-time dims "
+                         "kernels'");
+    }
+  });
 }
 
 // Invalid plans: the kernels finish and (under the address sanitizer) read nothing out of
@@ -263,11 +297,15 @@ void InvalidPlans(int which) {
     Run r = MakeRun(c, p, 5);
     std::vector<float> rows(p.n * c.s.dim()), dg1(r.k.g1.size()), dg2(r.k.g2.size()),
         dg3(r.k.g3.size());
-    EmuFwd(r.in, true, rows.data());
     const TbTileGeo geo = tb_tile_geo(r.in.d, 100 * 1024);
-    if (geo.GB > 0) EmuFwdTile(r.in, geo, rows.data());
-    EmuBwd(r.in, true, tb_dg1_geo(r.in.d), dg1.data(), dg2.data(), dg3.data(), (int)p.n, geo,
-           (int)p.n, kTbBatch);
+    auto run = [&](auto d) {  // the launchers' instances and, for compiled-in dims, TbDev's
+      EmuFwd(r.in, d, true, rows.data());
+      if (geo.GB > 0) EmuFwdTile(r.in, d, geo, rows.data());
+      EmuBwd(r.in, d, true, tb_dg1_geo(r.in.d), dg1.data(), dg2.data(), dg3.data(), (int)p.n, geo,
+             (int)p.n, kTbBatch);
+      return decltype(d)::kFixed;
+    };
+    if (tb_with_dims(r.in.d, true, run)) run(r.in.d);
     TbReport(true, "invalid plan, finished: " + c.name + ", " + what);
   };
   TbForEachInvalidPlan(TbMakePlan(c, kTbPad), kTbPad, check);
@@ -282,14 +320,14 @@ int main() {
   CheckSort(30000, 29999, 3000, 4);
   for (const TbCase& c : TbStandardCases()) {
     const TbHostPlan p = TbMakePlan(c, kTbPad);
-    RunCase(c, p, true);
-    RunCase(c, p, false);
+    RunCaseAllDims(c, p, true);
+    RunCaseAllDims(c, p, false);
   }
   {  // num_unique = 0
     const auto [c, p] = TbNoUniqueIdsCase(kTbPad);
-    RunCase(c, p, true);
+    RunCaseAllDims(c, p, true);
   }
   InvalidPlans(2);  // the scalar paths
-  InvalidPlans(4);  // the vector paths and the sorted-tile forward
+  InvalidPlans(4);  // the vector paths and the sorted-tile forward, both dims instances
   return TbExitStatus();
 }

@@ -113,13 +113,13 @@ struct GpuCase {
     FillDRows<<<1024, 256>>>(d_rows.p, d_rows.count, (size_t)p.U * c.s.dim(), 23);
     CK(cudaGetLastError());
   }
-  cudaError_t fwd(bool tiles = true) {
+  cudaError_t fwd(bool tiles = true, bool fixed = true) {
     return tb_rows_fwd(t, g1.p, g2.p, g3.p, u_i3.p, g_i1.p, g_i2.p, goffs.p, counts.p, n, rows.p,
-                       scratch.p, 0, tiles);
+                       scratch.p, 0, tiles, fixed);
   }
-  cudaError_t bwd(unsigned stages = kTbAllStages) {
+  cudaError_t bwd(unsigned stages = kTbAllStages, bool fixed = true) {
     return tb_rows_bwd(t, g1.p, g2.p, g3.p, d_rows.p, u_i3.p, g_i1.p, g_i2.p, goffs.p, counts.p, n,
-                       dg1.p, dg2.p, dg3.p, scratch.p, 0, stages);
+                       dg1.p, dg2.p, dg3.p, scratch.p, 0, stages, fixed);
   }
 };
 
@@ -200,6 +200,38 @@ void CheckBackward(const TbCase& c, const TbHostPlan& p, const TbCores& k, GpuCa
   TbReport(e1 < kTbTol && e2 < kTbTol && e3 < kTbTol && same, Tag(c, p) + buf);
 }
 
+// Dims with compile-time instances (tb_has_fixed_dims): the forward (both kernels) and
+// the backward of those instances bitwise equal to the run-time dims instances'.
+void CheckFixedDims(const TbCase& c, const TbHostPlan& p, GpuCase& g) {
+  if (!tb_has_fixed_dims(g.t)) return;
+  auto run = [&](bool fixed) {
+    std::vector<std::vector<float>> out;
+    for (bool tiles : {true, false}) {
+      g.rows.poison();
+      CK(g.fwd(tiles, fixed));
+      CK(cudaDeviceSynchronize());
+      out.push_back(g.rows.get((size_t)p.U * c.s.dim()));
+    }
+    g.dg1.poison();
+    g.dg2.poison();
+    g.dg3.poison();
+    CK(g.bwd(kTbAllStages, fixed));
+    CK(cudaDeviceSynchronize());
+    out.push_back(g.dg1.get(g.dg1.count));
+    out.push_back(g.dg2.get(g.dg2.count));
+    out.push_back(g.dg3.get(g.dg3.count));
+    return out;
+  };
+  const auto a = run(true), b = run(false);
+  bool same = true;
+  for (size_t i = 0; i < a.size(); ++i)
+    same &= a[i].size() == b[i].size() &&
+            std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) == 0;
+  TbReport(same, Tag(c, p) +
+                     " compile-time dims: rows (tile, chunked), dg1, dg2, dg3 bitwise "
+                     "equal to the run-time dims kernels'");
+}
+
 void StandardCases() {
   std::vector<std::pair<TbCase, TbHostPlan>> runs;
   for (const TbCase& c : TbStandardCases()) runs.push_back({c, TbMakePlan(c, kTbPad)});
@@ -214,6 +246,7 @@ void StandardCases() {
     CheckForward(c, p, k, g, 0, true);
     CheckForward(c, p, k, g, 0, false);
     CheckBackward(c, p, k, g, true);
+    CheckFixedDims(c, p, g);
   }
 }
 
@@ -306,6 +339,7 @@ void Meta(bool full_check, bool hashed, int reps) {
   CheckForward(c, p, k, g, full_check ? 0 : 4000, true);
   CheckForward(c, p, k, g, full_check ? 0 : 4000, false);
   CheckBackward(c, p, k, g, full_check);
+  CheckFixedDims(c, p, g);
   const double fwd = MedianMs(reps, [&] { return g.fwd(); });
   const double fwd_chunked = MedianMs(reps, [&] { return g.fwd(false); });
   const double bwd = MedianMs(reps, [&] { return g.bwd(); });
@@ -317,6 +351,10 @@ void Meta(bool full_check, bool hashed, int reps) {
       "meta timing (median of %d, ms): fwd %.3f (chunked kernel %.3f)  bwd %.3f = "
       "sorts+bounds %.3f + dg1 %.3f + dg2 %.3f + dg3 %.3f\n",
       reps, fwd, fwd_chunked, bwd, sorts, b1 - sorts, b2 - sorts, b3 - sorts);
+  if (tb_has_fixed_dims(g.t))
+    std::printf("meta timing, run-time dims kernels (median of %d, ms): fwd %.3f  bwd %.3f\n", reps,
+                MedianMs(reps, [&] { return g.fwd(true, false); }),
+                MedianMs(reps, [&] { return g.bwd(kTbAllStages, false); }));
 }
 
 }  // namespace
