@@ -203,6 +203,69 @@ __device__ __forceinline__ void tb_copy_owned(float* __restrict__ dst,
   }
 }
 
+// The dg1 terms E[g_k] = dP_k . g2r^T ([q1][r1]) of a dg2 batch of nb <= kTbBatch groups,
+// bitwise tb_dg1_term<Q1C, 4>'s: per output the 8 partials over the float4 quads kp, kp + 8,
+// ... (kp = 0..7) combined as its xor tree does, ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3
+// + p7)), but every output summed by one thread (no shuffles, each g2 quad loaded once for
+// the thread's outputs): lane a (+ 32 per pass) of warp w owns the outputs (k, x1, a) of
+// the groups k = w, w + kTbWarps. g2r: the g2 row [r1][ld] in shared memory, ld = K + 4 (the
+// lanes' float4 reads at distinct banks); dPs [nb][PSZ].
+template <int Q1C, class DD>
+__device__ __forceinline__ void tb_dg1_terms_rows(const DD& d, int nb, const float* dPs,
+                                                  const float* g2r, int ld, const int* s_g,
+                                                  float* __restrict__ E) {
+  constexpr int KP = 8, NG = kTbBatch / kTbWarps;
+  static_assert(NG * kTbWarps == kTbBatch, "groups per warp");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, K4 = d.K / 4;
+  for (int pass = 0; pass * 32 < d.r1; ++pass) {
+    const int a = pass * 32 + lane;
+    if (a >= d.r1) break;
+    float part[NG][Q1C][KP];
+#pragma unroll
+    for (int i = 0; i < NG; ++i)
+#pragma unroll
+      for (int x1 = 0; x1 < Q1C; ++x1)
+#pragma unroll
+        for (int kp = 0; kp < KP; ++kp) part[i][x1][kp] = 0.f;
+    const float4* gr = reinterpret_cast<const float4*>(g2r + a * ld);
+    for (int q0 = 0; q0 < K4; q0 += KP) {
+#pragma unroll
+      for (int kp = 0; kp < KP; ++kp) {
+        const int q = q0 + kp;
+        if (q < K4) {
+          const float4 gv = gr[q];
+#pragma unroll
+          for (int i = 0; i < NG; ++i) {
+            const int k = warp + kTbWarps * i;
+            if (k < nb) {
+#pragma unroll
+              for (int x1 = 0; x1 < Q1C; ++x1) {
+                const float4 dv = reinterpret_cast<const float4*>(dPs + k * d.PSZ + x1 * d.K)[q];
+                float t = fmaf(dv.x, gv.x, part[i][x1][kp]);
+                t = fmaf(dv.y, gv.y, t);
+                t = fmaf(dv.z, gv.z, t);
+                part[i][x1][kp] = fmaf(dv.w, gv.w, t);
+              }
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < NG; ++i) {
+      const int k = warp + kTbWarps * i;
+      if (k < nb) {
+#pragma unroll
+        for (int x1 = 0; x1 < Q1C; ++x1) {
+          const float* p = part[i][x1];
+          E[(size_t)s_g[k] * d.Q1R1 + x1 * d.r1 + a] =
+              ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]));
+        }
+      }
+    }
+  }
+}
+
 // dg2[I] = sum over the groups of I in ascending g (sorted_groups[bounds2[I] ..
 // bounds2[I+1]), a stable sort by g_i2) of g1[g_i1[g]]^T . dP_g. The row [r1][K] is
 // accumulated in shared memory, each element owned by one thread: VEC == 4 (r1 and K
@@ -225,11 +288,15 @@ __global__ void __launch_bounds__(kTbThreads, 3)
   int U, G;
   tb_counts(counts, n, U, G);
   const bool with_e = E != nullptr && G <= e_cap;
-  float* acc = reinterpret_cast<float*>(tb_smem4);     // [r1][K]
-  float* G2s = acc + tb_align4(d.R1K);                 // [r1][K] (with_e)
-  float* G1b = G2s + (with_e ? tb_align4(d.R1K) : 0);  // [nbatch][ld1]
-  float* dPs = G1b + nbatch * ld1;                     // [nbatch][PSZ]
-  float* Stg = dPs + nbatch * tb_align4(d.PSZ);        // tb_block_dP_staged's
+  // the dg1 terms one per thread (tb_dg1_terms_rows) from the g2 row at row stride K + 4,
+  // else by tb_dg1_term (stride K)
+  const bool e_rows = VEC == 4 && (Q1C == 1 || Q1C == 2) && e_vec;
+  const int ldg2 = e_rows ? d.K + 4 : d.K;
+  float* acc = reinterpret_cast<float*>(tb_smem4);        // [r1][K]
+  float* G2s = acc + tb_align4(d.R1K);                    // [r1][ldg2] (with_e)
+  float* G1b = G2s + (with_e ? tb_dg2_g2_floats(d) : 0);  // [nbatch][ld1]
+  float* dPs = G1b + nbatch * ld1;                        // [nbatch][PSZ]
+  float* Stg = dPs + nbatch * tb_align4(d.PSZ);           // tb_block_dP_staged's
   __shared__ int s_item, s_gs[kTbBatch], s_ge[kTbBatch], s_i1[kTbBatch], s_g[kTbBatch];
   __shared__ int s_pre[kTbBatch + 1], s_u[kTbStageMaxIds], s_i3[kTbStageMaxIds];
   const int tid = threadIdx.x;
@@ -242,7 +309,10 @@ __global__ void __launch_bounds__(kTbThreads, 3)
     const int lo = tb_clamp(bounds2[I], 0, n), hi = tb_clamp(bounds2[I + 1], lo, n);
     tb_copy_owned<VEC>(acc, nullptr, d.K, owned);
     if (with_e && lo < hi)
-      for (int i = tid; i < d.R1K; i += kTbThreads) G2s[i] = __ldg(g2 + (size_t)I * d.R1K + i);
+      for (int i = tid; i < d.R1K; i += kTbThreads) {
+        const int a = i / d.K;
+        G2s[a * ldg2 + (i - a * d.K)] = __ldg(g2 + (size_t)I * d.R1K + i);
+      }
     for (int j0 = lo; j0 < hi; j0 += nbatch) {
       const int nb = min(nbatch, hi - j0);
       __syncthreads();  // the previous batch's G1b / dPs are read
@@ -308,7 +378,10 @@ __global__ void __launch_bounds__(kTbThreads, 3)
           acc[t] = v;
         }
       }
-      if (with_e) {  // the batch's dg1 terms (dPs and G2s are read-only until the next batch)
+      if (with_e && e_rows) {  // the batch's dg1 terms (dPs, G2s read-only until the next batch)
+        if constexpr (VEC == 4 && (Q1C == 1 || Q1C == 2))
+          tb_dg1_terms_rows<Q1C>(d, nb, dPs, G2s, ldg2, s_g, E);
+      } else if (with_e) {
         for (int k = 0; k < nb; ++k) {
           for (int pass = 0; pass * 32 < d.r1; ++pass) {
             const int a = pass * 32 + tid / 8, kp = tid % 8;

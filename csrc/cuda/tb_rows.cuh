@@ -189,9 +189,14 @@ inline size_t tb_dg3_smem(const DD& d) {
 }
 template <class DD>
 inline size_t tb_stage_bytes(const DD& d);
+// Floats of the dg2 kernel's staged g2 row (row stride up to K + 4).
+template <class DD>
+__host__ __device__ inline int tb_dg2_g2_floats(const DD& d) {
+  return tb_align4(d.R1K + 4 * d.r1);
+}
 template <class DD>
 inline size_t tb_dg2_smem(const DD& d, bool with_e = false, int batch = 8) {
-  return sizeof(float) * ((size_t)tb_align4(d.R1K) * (with_e ? 2 : 1) +
+  return sizeof(float) * ((size_t)tb_align4(d.R1K) + (with_e ? tb_dg2_g2_floats(d) : 0) +
                           (size_t)batch * (tb_align4(d.Q1R1) + tb_align4(d.PSZ))) +
          tb_stage_bytes(d);
 }
