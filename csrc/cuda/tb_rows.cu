@@ -163,11 +163,16 @@ TbFwdScratch tb_fwd_layout(const TbDev& d, int n, char* base) {
 // (tb_dg2_kernel -> tb_dg1_reduce_kernel, q1*r1 floats per group), then for the P cache
 // (tb_pcache_kernel -> tb_dg3_kernel, P_g: q1*q2*r2 floats, 1 KB at q = (2, 4, *), r2 =
 // 32). E covers every group when num_groups <= e_cap (else tb_dg1_kernel merges per g1
-// row as before); the P cache the first `cap` groups (dg3 forms the others' P itself).
-constexpr size_t kTbPCacheBytes = size_t{2} << 30;
+// row as before); the P cache `cap` groups at a time (dg3 runs in passes over the groups,
+// each pass after the cache of its groups: ceil(n / cap) passes, those past num_groups
+// return at once).
+#ifndef FLOWTT_TB_PCACHE_MB  // a smaller budget forces passes (harness timing)
+#define FLOWTT_TB_PCACHE_MB 2048
+#endif
+constexpr size_t kTbPCacheBytes = size_t{FLOWTT_TB_PCACHE_MB} << 20;
 
 // Groups the P cache holds for these dims (0: the dims do not take the tile GEMM, dg3
-// recomputes every P).
+// forms every P itself in one pass).
 int tb_pcache_groups(const TbDev& d, int n) {
   if (tb_tile_geo(d, kTbTileSmemCap).GB == 0 || n <= 0) return 0;
   return (int)std::min<size_t>((size_t)n, kTbPCacheBytes / (sizeof(float) * (size_t)d.PSZ));
@@ -182,7 +187,11 @@ int tb_e_groups(const TbDev& d, int n) {
   return (int)std::min<size_t>((size_t)n, kTbPCacheBytes / (sizeof(float) * (size_t)d.Q1R1));
 }
 
-// Backward scratch: ctrl [4] and bounds1 [p1+1] (one memset), the group sort, a third
+// The dg3 passes: one per `cap` groups of at most n (one without a cache).
+int tb_dg3_passes(int cap, int n) { return cap > 0 ? (int)(((long long)n + cap - 1) / cap) : 1; }
+
+// Backward scratch: the work counters ctrl [2 + 2 * passes] (dg1's merge, dg2, then per
+// dg3 pass the P cache's and dg3's) and bounds1 [p1+1] (one memset), the group sort, a third
 // index buffer (the unique index sort uses it and the one the group sort left free),
 // bounds3, ug, the cache buffer (E [e_cap][q1*r1], then P [cap][PSZ]).
 struct TbBwdScratch {
@@ -198,15 +207,16 @@ struct TbBwdScratch {
 TbBwdScratch tb_bwd_layout(const TbDev& d, int n, char* base) {
   TbBump bp{base};
   TbBwdScratch s;
-  s.zeroed_bytes = sizeof(int) * (4 + (size_t)d.p1 + 1);
-  s.zeroed = bp.take<int>(4 + (size_t)d.p1 + 1);
+  s.cap = tb_pcache_groups(d, n);
+  const size_t nctrl = 2 + 2 * (size_t)tb_dg3_passes(s.cap, n);
+  s.zeroed_bytes = sizeof(int) * (nctrl + (size_t)d.p1 + 1);
+  s.zeroed = bp.take<int>(nctrl + (size_t)d.p1 + 1);
   s.ctrl = s.zeroed;
-  s.bounds1 = s.zeroed ? s.zeroed + 4 : nullptr;
+  s.bounds1 = s.zeroed ? s.zeroed + nctrl : nullptr;
   s.sort = tb_group_sort_layout(bp, d, n);
   s.bounds3 = bp.take<int>((size_t)d.p3 + 1);
   s.vc = bp.take<int>(n);
   s.ug = bp.take<int>(n);
-  s.cap = tb_pcache_groups(d, n);
   s.e_cap = tb_e_groups(d, n);
   s.Pc = bp.take<float>(std::max((size_t)s.cap * d.PSZ, (size_t)std::max(s.e_cap, 0) * d.Q1R1));
   s.bytes = bp.off + 256;
@@ -336,22 +346,25 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
         return err;
     }
     if (stages & 4) {
-      // P of the first cap groups once (bitwise the P dg3 would form), then dg3
+      // per pass: P of the pass's cap groups once (bitwise the P dg3 would form), then dg3
+      // over the ids of those groups
       const int cap = tb_aligned16(g2) ? s.cap : 0;
-      if (cap > 0) {
-        const TbTileGeo geo = tb_tile_geo(d, kTbTileSmemCap);
-        if ((err = tb_launch(&tb_pcache_kernel<DD>, tb_pcache_smem(d, geo), stream, d, geo, g1, g2,
-                             g_i1, counts, n, (const int*)s.sort.bounds2, sorted_groups, cap,
-                             s.ctrl + 3, s.Pc)) != cudaSuccess)
-          return err;
-      }
+      const TbTileGeo geo = tb_tile_geo(d, kTbTileSmemCap);
       auto kernel =
           vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1, DD) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1, DD);
-      if ((err = tb_launch(kernel, tb_dg3_smem(d), stream, d, g1, g2, d_rows, g_i1, g_i2, counts, n,
-                           (const int*)s.bounds3, sorted_u, (const int*)sg, (const float*)s.Pc, cap,
-                           (int)(d.D % 4 == 0 && tb_aligned16(d_rows)), s.ctrl + 2, dg3)) !=
-          cudaSuccess)
-        return err;
+      for (int pass = 0, passes = tb_dg3_passes(cap, n); pass < passes; ++pass) {
+        const int glo = pass * cap;  // < n
+        int* ctr = s.ctrl + 2 + 2 * pass;
+        if (cap > 0 && (err = tb_launch(&tb_pcache_kernel<DD>, tb_pcache_smem(d, geo), stream, d,
+                                        geo, g1, g2, g_i1, counts, n, (const int*)s.sort.bounds2,
+                                        sorted_groups, glo, cap, ctr, s.Pc)) != cudaSuccess)
+          return err;
+        if ((err = tb_launch(kernel, tb_dg3_smem(d), stream, d, g1, g2, d_rows, g_i1, g_i2, counts,
+                             n, (const int*)s.bounds3, sorted_u, (const int*)sg, (const float*)s.Pc,
+                             glo, cap, (int)(d.D % 4 == 0 && tb_aligned16(d_rows)), ctr + 1,
+                             dg3)) != cudaSuccess)
+          return err;
+      }
     }
     return cudaSuccess;
   });
