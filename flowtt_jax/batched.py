@@ -75,17 +75,13 @@ def _rows_bwd(packed, d_rows, plan: GroupPlan):
     return tuple(ffi.call("flowtt_tb_rows_bwd", outs, *packed, d_rows, *_plan_args(plan)))
 
 
-def _sort_plan(keys: jax.Array, num_keys: int):
-    return ffi.plan(keys, 1, num_keys)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _group_bags(layout, weighted, packed, weights, ids, tables, offsets, bag_ids):
     return _group_bags_fwd(layout, weighted, packed, weights, ids, tables, offsets, bag_ids)[0]
 
 
 def _group_bags_fwd(layout, weighted, packed, weights, ids, tables, offsets, bag_ids):
-    plan = make_group_plan(layout, ids, tables, _sort_plan)
+    plan = make_group_plan(layout, ids, tables, ffi.plan)
     rows = _rows_fwd(packed, plan, layout.dim)
     out = ffi.pool_fwd(rows, plan.inverse, weights, offsets)
     return out, (packed, weights, bag_ids, plan, ffi.rows_residual(rows, weighted))

@@ -5,7 +5,10 @@ A *shape group* is a set of 3-core TT tables with the same column shape and rank
 ``t``'s core k being rows ``[core_offsets[k][t], core_offsets[k][t+1])`` of the packed
 core, so a step never concatenates cores. ``make_group_plan`` sorts every (table, id)
 of a batch once and hands the kernels explicit packed core-row indices: one launch
-per stage serves the whole group.
+per stage serves the whole group. Where they fit int32, the sort keys are *prefix
+keys* ``S * (prefix_base[t] + id // p3_t) + id % p3_t`` (``S = max_t p3_t``): their order is
+the (table, id) order and ``key // S`` is the (table, i1, i2) prefix group, so the
+single-table plan op gives the groups too.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .plan import _starts_to_offsets, make_plan
+from .plan import Plan, _starts_to_offsets, make_plan
 from .spec import TTSpec
 
 __all__ = ["GroupLayout", "GroupPlan", "make_group_plan"]
@@ -72,6 +75,16 @@ class GroupLayout:
         sizes = [math.prod(s.row_shape) for s in self.specs]
         return tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]))
 
+    @property
+    def prefix_keys(self) -> tuple[int, tuple[int, ...]] | None:
+        """``(S, prefix_base)`` of the prefix keys: ``S = max_t p3_t`` and the ``T + 1`` offsets
+        of the tables' (i1, i2) prefixes (exclusive cumsum of p1 * p2); None when the key
+        space ``S * prefix_base[-1]`` passes int32."""
+        sizes = [s.row_shape[0] * s.row_shape[1] for s in self.specs]
+        base = tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]))
+        extent = max(s.row_shape[2] for s in self.specs)
+        return (extent, base) if extent * base[-1] <= _INT32_MAX else None
+
     def packed_shapes(self) -> tuple[tuple[int, ...], ...]:
         """Shapes of the packed cores: ``[sum_t p_k, r_{k-1}, q_k, r_k]``."""
         s0 = self.specs[0]
@@ -111,7 +124,7 @@ class GroupPlan(NamedTuple):
     """The plan of ``docs/batched_contract.md``; every field int32.
 
     perm [n], inverse [n], run_offsets [n+1], group_offsets [n+1] as the single-table
-    plan (keys are (table, id)); u_i3 [n]: packed g3 row per unique; g_i1, g_i2 [n]:
+    plan (keys in (table, id) order); u_i3 [n]: packed g3 row per unique; g_i1, g_i2 [n]:
     packed g1 / g2 rows per prefix group; counts [2]: (num_unique, num_groups).
     """
 
@@ -132,7 +145,7 @@ def _sorted_unique(layout: GroupLayout, ids: jax.Array, tables: jax.Array, sort_
     if base[-1] <= _INT32_MAX:
         # One int32 key per position: table base + id (only the needed bits are sorted).
         keys = jnp.asarray(base[:-1], jnp.int32)[tables] + ids
-        p = sort_plan(keys, base[-1])
+        p = sort_plan(keys, 1, base[-1])
         num_unique = p.counts[0]
         # the table of unique u: that of its first occurrence (past num_unique: masked later)
         ut = tables[p.perm[jnp.minimum(p.run_offsets[:n], n - 1)]]
@@ -158,23 +171,59 @@ def _sorted_unique(layout: GroupLayout, ids: jax.Array, tables: jax.Array, sort_
     return perm, inverse, run_offsets, num_unique, tables[first], ids[first]
 
 
-def _reference_sort_plan(keys: jax.Array, num_keys: int):
-    return make_plan(keys, 1)
+def _reference_sort_plan(keys: jax.Array, last_extent: int, num_keys: int) -> Plan:
+    return make_plan(keys, last_extent)
+
+
+def _prefix_key_plan(
+    layout: GroupLayout,
+    prefix_keys: tuple[int, tuple[int, ...]],
+    ids: jax.Array,
+    tables: jax.Array,
+    sort_plan,
+) -> GroupPlan:
+    """The plan from one ``sort_plan`` of the prefix keys: its runs and prefix groups are
+    the (table, id) uniques and the (table, i1, i2) groups."""
+    n = ids.shape[0]
+    meta = layout.table_arrays()
+    extent, base = prefix_keys
+    div, rem = jax.lax.div, jax.lax.rem  # live operands are >= 0: truncation is floor division
+    prefix_base = jnp.asarray(base[:-1], jnp.int32)
+    p3 = meta["p3"][tables]
+    p = sort_plan((prefix_base[tables] + div(ids, p3)) * extent + rem(ids, p3), extent, extent * base[-1])
+    num_unique, num_groups = p.counts[0], p.counts[1]
+    iota = jnp.arange(n, dtype=jnp.int32)
+    # the table of unique u: that of its first occurrence
+    ut = tables[p.perm[jnp.minimum(p.run_offsets[:n], n - 1)]]
+    u_i3 = jnp.where(iota < num_unique, meta["o3"][ut] + rem(p.unique_ids, extent), 0)
+    head = jnp.minimum(p.group_offsets[:n], n - 1)  # first unique index of each group
+    gt = ut[head]
+    local = div(p.unique_ids[head], extent) - prefix_base[gt]  # i1 * p2 + i2 in table gt
+    p2 = meta["p2"][gt]
+    g_live = iota < num_groups
+    g_i1 = jnp.where(g_live, meta["o1"][gt] + div(local, p2), 0)
+    g_i2 = jnp.where(g_live, meta["o2"][gt] + rem(local, p2), 0)
+    return GroupPlan(p.perm, p.inverse, p.run_offsets, p.group_offsets, u_i3, g_i1, g_i2, p.counts)
 
 
 def make_group_plan(layout: GroupLayout, ids: jax.Array, tables: jax.Array, sort_plan=None) -> GroupPlan:
     """Plan for ids [n] int32 (each in ``[0, N_t)`` of its table) and tables [n] int32
     (in ``[0, T)``); n >= 1.
 
-    ``sort_plan(keys, num_keys)`` sorts int32 keys in ``[0, num_keys)`` into a single-table
-    ``Plan`` with ``last_extent = 1`` (``flowtt_jax.ffi.plan``: cub radix sort on the GPU);
-    default: the pure-JAX ``make_plan``.
+    ``sort_plan(keys, last_extent, num_keys)`` is the single-table ``Plan`` of int32 keys
+    in ``[0, num_keys)`` (``flowtt_jax.ffi.plan``: cub radix sort + scan on the GPU);
+    default: the pure-JAX ``make_plan``. A ``GroupLayout`` whose prefix keys fit int32
+    takes one ``sort_plan`` for the whole plan; other layouts (``row_base`` keys, e.g. a
+    ``DeviceGroupLayout``) rebuild the groups in XLA.
     """
+    ids, tables = ids.astype(jnp.int32), tables.astype(jnp.int32)
+    sort_plan = sort_plan or _reference_sort_plan
+    prefix_keys = layout.prefix_keys if isinstance(layout, GroupLayout) else None
+    if prefix_keys is not None:
+        return _prefix_key_plan(layout, prefix_keys, ids, tables, sort_plan)
     n = ids.shape[0]
     meta = layout.table_arrays()
-    perm, inverse, run_offsets, num_unique, ut, uid = _sorted_unique(
-        layout, ids.astype(jnp.int32), tables.astype(jnp.int32), sort_plan or _reference_sort_plan
-    )
+    perm, inverse, run_offsets, num_unique, ut, uid = _sorted_unique(layout, ids, tables, sort_plan)
     iota = jnp.arange(n, dtype=jnp.int32)
     live = iota < num_unique
     ut = jnp.where(live, ut, 0)

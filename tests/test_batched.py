@@ -108,16 +108,28 @@ def _brute_force_plan(layout, ids, tables):
 
 
 BIG = ftt.TTSpec.create(1_500_000_000, 16, 4, col_shape=(2, 2, 4))
+# row_base keys fit int32, prefix keys (S = 46000 times 46M + 4 prefixes) do not
+WIDE = (
+    ftt.TTSpec.create(184_000, 16, 4, row_shape=(2, 2, 46_000), col_shape=(2, 2, 4)),
+    ftt.TTSpec.create(46_000_000, 16, 4, row_shape=(46_000, 1000, 1), col_shape=(2, 2, 4)),
+    SPECS[2],
+)
 
 
 @pytest.mark.parametrize(
-    "specs,key_bits",
-    [(SPECS, 31), ((BIG, SPECS[1], BIG), 32), ((BIG, SPECS[1], BIG, BIG), 33)],
-    ids=["int32_keys", "uint32_keys", "two_sorts"],
+    "specs,key_bits,prefix_keys",
+    [
+        (SPECS, 31, True),
+        (WIDE, 31, False),
+        ((BIG, SPECS[1], BIG), 32, False),
+        ((BIG, SPECS[1], BIG, BIG), 33, False),
+    ],
+    ids=["prefix_keys", "row_base_keys", "uint32_keys", "two_sorts"],
 )
-def test_plan_matches_brute_force(specs, key_bits):
+def test_plan_matches_brute_force(specs, key_bits, prefix_keys):
     layout = GroupLayout(specs)
     assert max((layout.row_base[-1] - 1).bit_length(), 31) == key_bits
+    assert (layout.prefix_keys is not None) == prefix_keys
     rng = np.random.default_rng(0)
     n = 400
     tables = rng.integers(0, len(specs), n).astype(np.int32)
@@ -125,6 +137,12 @@ def test_plan_matches_brute_force(specs, key_bits):
     ids = (rng.integers(0, 40, n) * (n_rows // 40) + rng.integers(0, 3, n)).astype(np.int32)
     ids = np.minimum(ids, n_rows - 1).astype(np.int32)
     plan = jax.jit(make_group_plan, static_argnums=0)(layout, jnp.asarray(ids), jnp.asarray(tables))
+    if ftt.ffi.available():  # the plan op (C++ on CPU) as sort_plan: the same plan bit for bit
+        with_op = jax.jit(make_group_plan, static_argnums=(0, 3))(
+            layout, jnp.asarray(ids), jnp.asarray(tables), ftt.ffi.plan
+        )
+        for a, b in zip(plan, with_op):
+            np.testing.assert_array_equal(a, b)
     keys, u_i3, groups = _brute_force_plan(layout, ids, tables)
     nu, ng = (int(x) for x in plan.counts)
     assert (nu, ng) == (len(keys), len(groups))
