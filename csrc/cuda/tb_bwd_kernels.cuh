@@ -15,18 +15,18 @@
 //     ids' d_rows and g3 rows staged in shared memory, a thread per element, u
 //     ascending), then g1[g_i1]^T . dP_g added into the row kept in shared memory (4x4
 //     tiles per thread); and, when every group fits the cache buffer (num_groups <=
-//     e_cap), each group's dg1 term E[g] = dP_g . g2[I]^T (tb_dg1_term: 8 threads per
-//     output, fixed shuffle tree) from the g2 row staged once;
+//     e_cap), each group's dg1 term E[g] = dP_g . g2[I]^T from the g2 row staged once
+//     (tb_dg1_terms_rows for q1 <= 2, one output per thread, else tb_dg1_term, 8 threads
+//     per output and a shuffle tree: both the same partials and tree, the same bits);
 //   dg1[I]: the sum of E[g] over the groups of I, ascending g (tb_dg1_reduce_kernel, a
 //     thread per element; the groups of a g1 row are consecutive); past e_cap the merge
 //     kernel tb_dg1_kernel instead (blocks of consecutive g1 rows, their group lists
 //     merged by g_i2, dP_g and the same tb_dg1_term): the same terms in the same order,
 //     so bitwise the same dg1;
 //   dg3[I]: a warp per g3 row over its ids in ascending u, in chunks: each id's P (from
-//     the P cache tb_pcache_kernel filled, or formed by the warp past its cap) and
-//     d_rows row staged in the warp's slice, then P^T . d_rows[u] (a sum over m
-//     ascending) added per output element in u order.
-#pragma once
+//     the P cache tb_pcache_kernel filled, in passes of `cap` groups when they do not all
+//     fit; without a cache formed by the warp) and d_rows row staged in the warp's slice,
+//     then P^T . d_rows[u] (a sum over m ascending) added per output element in u order.
 #pragma once
 
 #include "cuda/tb_rows.cuh"
