@@ -313,6 +313,13 @@ inline std::vector<TbCase> TbStandardCases() {
     TbAddId(&c, 0, 57);
     cases.push_back(c);
   }
+  {  // K = q2*r2 = 12: K/4 not a multiple of 8 (the dg1 terms' last quad partials empty)
+    TbCase c = TbStack("k12", 2, 3, 4, 8, 4, {{2000, 10, 10, 20}, {300, 6, 5, 10}});
+    TbAddIds(&c, 0, 1500, 2.0, &rng);
+    TbAddIds(&c, 1, 400, 1.0, &rng);
+    last_rows(&c);
+    cases.push_back(c);
+  }
   return cases;
 }
 
@@ -352,6 +359,7 @@ void TbForEachInvalidPlan(const TbHostPlan& good, int32_t pad, Check&& check) {
       [&](TbHostPlan& p) { std::shuffle(p.g_i1.begin(), p.g_i1.begin() + p.G, rng); });
   run("counts past n", [&](TbHostPlan& p) { p.counts = {(int32_t)p.n + 9, pad}; });
   run("counts negative", [&](TbHostPlan& p) { p.counts = {-4, -9}; });
+  run("no groups (num_groups 0, unique ids left)", [&](TbHostPlan& p) { p.counts = {p.U, 0}; });
   run("garbage group_offsets", [&](TbHostPlan& p) {
     for (int32_t& o : p.group_offsets) o = (int32_t)(rng() % (3 * p.n)) - (int32_t)p.n;
   });

@@ -16,8 +16,9 @@
 //     ascending), then g1[g_i1]^T . dP_g added into the row kept in shared memory (4x4
 //     tiles per thread); and, when every group fits the cache buffer (num_groups <=
 //     e_cap), each group's dg1 term E[g] = dP_g . g2[I]^T from the g2 row staged once
-//     (tb_dg1_terms_rows for q1 <= 2, one output per thread, else tb_dg1_term, 8 threads
-//     per output and a shuffle tree: both the same partials and tree, the same bits);
+//     (tb_dg1_terms_rows for q1 <= 2 and the vector path, one output per thread, else
+//     tb_dg1_term, 8 threads per output and a shuffle tree: the same partials and tree,
+//     the same bits);
 //   dg1[I]: the sum of E[g] over the groups of I, ascending g (tb_dg1_reduce_kernel, a
 //     thread per element; the groups of a g1 row are consecutive); past e_cap the merge
 //     kernel tb_dg1_kernel instead (blocks of consecutive g1 rows, their group lists
@@ -208,8 +209,8 @@ __device__ __forceinline__ void tb_copy_owned(float* __restrict__ dst,
 // ... (kp = 0..7) combined as its xor tree does, ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3
 // + p7)), but every output summed by one thread (no shuffles, each g2 quad loaded once for
 // the thread's outputs): lane a (+ 32 per pass) of warp w owns the outputs (k, x1, a) of
-// the groups k = w, w + kTbWarps. g2r: the g2 row [r1][ld] in shared memory, ld = K + 4 (the
-// lanes' float4 reads at distinct banks); dPs [nb][PSZ].
+// the groups k = w, w + kTbWarps. g2r: the g2 row [r1][ld] in shared memory (ld a multiple
+// of 4; K + 4 when K % 8 == 0: the lanes' float4 reads at distinct banks); dPs [nb][PSZ].
 template <int Q1C, class DD>
 __device__ __forceinline__ void tb_dg1_terms_rows(const DD& d, int nb, const float* dPs,
                                                   const float* g2r, int ld, const int* s_g,
@@ -271,9 +272,10 @@ __device__ __forceinline__ void tb_dg1_terms_rows(const DD& d, int nb, const flo
 // accumulated in shared memory, each element owned by one thread: VEC == 4 (r1 and K
 // multiples of 4) 4x4 tiles (a0..a0+3, j0..j0+3) per thread, else single elements.
 // Q1C: q1 when 1, 2, 4 or 8 (the dg1 terms' registers), else 0. With E (when 0 <= num_groups <=
-// e_cap) the block also writes each group's dg1 term E[g] = dP_g . g2[I]^T ([q1][r1], tb_dg1_term
-// with VEC = e_vec ? 4 : 1, the g2 row I staged in shared memory once), summed per g1 row by
-// tb_dg1_reduce_kernel.
+// e_cap) the block also writes each group's dg1 term E[g] = dP_g . g2[I]^T ([q1][r1], the g2
+// row I staged in shared memory once), summed per g1 row by tb_dg1_reduce_kernel: by
+// tb_dg1_terms_rows when Q1C is 1 or 2, VEC == 4 and e_vec (g2 16-byte aligned), else by
+// tb_dg1_term with VEC = e_vec ? 4 : 1 (the same bits as tb_dg1_terms_rows where both run).
 template <int Q1C, int VEC, class DD>
 __global__ void __launch_bounds__(kTbThreads, 3)
     tb_dg2_kernel(DD d, const float* __restrict__ g1, const float* __restrict__ g2,
@@ -288,10 +290,11 @@ __global__ void __launch_bounds__(kTbThreads, 3)
   int U, G;
   tb_counts(counts, n, U, G);
   const bool with_e = E != nullptr && G <= e_cap;
-  // the dg1 terms one per thread (tb_dg1_terms_rows) from the g2 row at row stride K + 4,
-  // else by tb_dg1_term (stride K)
+  // the dg1 terms one per thread (tb_dg1_terms_rows) from the g2 row at row stride K + 4
+  // (an odd number of float4s when K % 8 == 0: the lanes' reads at distinct banks), else by
+  // tb_dg1_term (stride K)
   const bool e_rows = VEC == 4 && (Q1C == 1 || Q1C == 2) && e_vec;
-  const int ldg2 = e_rows ? d.K + 4 : d.K;
+  const int ldg2 = e_rows && d.K % 8 == 0 ? d.K + 4 : d.K;
   float* acc = reinterpret_cast<float*>(tb_smem4);        // [r1][K]
   float* G2s = acc + tb_align4(d.R1K);                    // [r1][ldg2] (with_e)
   float* G1b = G2s + (with_e ? tb_dg2_g2_floats(d) : 0);  // [nbatch][ld1]
@@ -607,7 +610,8 @@ __global__ void __launch_bounds__(kTbThreads)
   int U, G;
   tb_counts(counts, n, U, G);
   const int gmax = max(G - 1, 0);
-  const bool cached = cap > 0;      // every id of the pass: P from Pc (tb_pcache_kernel)
+  // every id of the pass: P from Pc (tb_pcache_kernel); no groups (a bad plan): P formed
+  const bool cached = cap > 0 && G > 0;
   if (glo > 0 && glo >= G) return;  // a pass past the groups (the first writes every row)
   const int ghi = cached ? (int)min((long long)glo + cap, (long long)G) : G;
   const bool split = glo > 0 || ghi < G;  // the pass takes part of the groups

@@ -605,11 +605,18 @@ constexpr int tb_fixed_q1c() {
                           : &KERNEL<0, VEC, DD>;   \
   }()
 
+// The Q3 template argument of the sorted-tile forward for a TbFixedDims DD (the path runs
+// for q3 = 4 or 8 only: tb_tile_geo).
+template <class DD>
+constexpr int tb_tile_q3() {
+  return DD::q3 == 8 ? 8 : 4;
+}
+
 // The sorted-tile forward for q3 (4 or 8) and dims type DD.
 #define TB_TILE_KERNEL(Q3V, DD)                                                    \
   [&] {                                                                            \
     if constexpr (DD::kFixed)                                                      \
-      return &tb_fwd_tile_kernel < DD::q3 == 8 ? 8 : 4, DD > ;                     \
+      return &tb_fwd_tile_kernel<tb_tile_q3<DD>(), DD>;                            \
     else                                                                           \
       return (Q3V) == 4 ? &tb_fwd_tile_kernel<4, DD> : &tb_fwd_tile_kernel<8, DD>; \
   }()

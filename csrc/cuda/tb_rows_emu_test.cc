@@ -102,7 +102,7 @@ void EmuBwd(const Inputs& in, const DD& d, bool vec, const TbDg1Geo& dg1_geo, fl
             float* dg2, float* dg3, int cap = 0, TbTileGeo pgeo = {}, int e_cap = -1,
             int nbatch = 8) {
   const int n = in.n;
-  std::vector<int> ctrl(4, 0), bounds1(d.p1 + 1, 0), bounds2(d.p2 + 1), bounds3(d.p3 + 1);
+  std::vector<int> ctrl(2, 0), bounds1(d.p1 + 1, 0), bounds2(d.p2 + 1), bounds3(d.p3 + 1);
   std::vector<int> ug(n, -1);
   tb_emu_launch(kGrid, 256, 0, tb_ug_kernel, in.goffs, in.counts, n, ug.data());
   const std::vector<int> sorted_groups = EmuRadixSort(in.g_i2, d.p2, in.counts, 1, n);
@@ -307,11 +307,15 @@ void InvalidPlans(int which) {
     std::vector<float> rows(p.n * c.s.dim()), dg1(r.k.g1.size()), dg2(r.k.g2.size()),
         dg3(r.k.g3.size());
     const TbTileGeo geo = tb_tile_geo(r.in.d, 100 * 1024);
+    const TbTileGeo small = tb_tile_geo(r.in.d, 100 * 1024, 4);
     auto run = [&](auto d) {  // the launchers' instances and, for compiled-in dims, TbDev's
       EmuFwd(r.in, d, true, rows.data());
       if (geo.GB > 0) EmuFwdTile(r.in, d, geo, rows.data());
       EmuBwd(r.in, d, true, tb_dg1_geo(r.in.d), dg1.data(), dg2.data(), dg3.data(), (int)p.n, geo,
              (int)p.n, kTbBatch);
+      // dg3 in passes (a third of n per pass) and the merge dg1
+      EmuBwd(r.in, d, true, tb_dg1_geo(r.in.d), dg1.data(), dg2.data(), dg3.data(),
+             std::max(1, (int)p.n / 3), small, -1, 8);
       return decltype(d)::kFixed;
     };
     if (tb_with_dims(r.in.d, true, run)) run(r.in.d);
