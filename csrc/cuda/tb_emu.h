@@ -1,6 +1,6 @@
 // CPU emulation of the CUDA built-ins the table-batched kernels use
-// (cuda/tb_fwd_kernels.cuh, cuda/tb_bwd_kernels.cuh), to run the kernels' own code on a
-// machine without a GPU
+// (cuda/tb_fwd_kernels.cuh, cuda/tb_bwd_kernels.cuh, cuda/tb_dg3_kernels.cuh), to run the
+// kernels' own code on a machine without a GPU
 // (cuda/tb_rows_emu_test.cc). Include it before the kernels, never with a CUDA header.
 // A launch runs its blocks one after another; a block's threads are fibers (ucontext)
 // on the calling thread, switched round-robin at every barrier: __syncthreads and

@@ -1,6 +1,6 @@
 // Table-batched rows ops on CUDA: the launchers of cuda/tb_rows.h (scratch layouts, the
 // radix sorts, path choice, launch configuration). The kernels and their design:
-// cuda/tb_fwd_kernels.cuh, cuda/tb_bwd_kernels.cuh.
+// cuda/tb_fwd_kernels.cuh, cuda/tb_bwd_kernels.cuh, cuda/tb_dg3_kernels.cuh.
 #include "cuda/tb_rows.h"  // first (its own block): the header stands alone
 
 #include <cub/cub.cuh>
@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cuda/tb_bwd_kernels.cuh"
+#include "cuda/tb_dg3_kernels.cuh"
 #include "cuda/tb_fwd_kernels.cuh"
 #include "cuda/tb_sort.cuh"
 
@@ -186,9 +187,6 @@ int tb_e_groups(const TbDev& d, int n) {
   if (tb_dg2_smem(d, true, tb_dg2_batch(d, true)) > kTbDg2SmemCap) return -1;
   return (int)std::min<size_t>((size_t)n, kTbPCacheBytes / (sizeof(float) * (size_t)d.Q1R1));
 }
-
-// The dg3 passes: one per `cap` groups of at most n (one without a cache).
-int tb_dg3_passes(int cap, int n) { return cap > 0 ? (int)(((long long)n + cap - 1) / cap) : 1; }
 
 // Backward scratch: the work counters ctrl [2 + 2 * passes] (dg1's merge, dg2, then per
 // dg3 pass the P cache's and dg3's) and bounds1 [p1+1] (one memset), the group sort, a third

@@ -1,5 +1,5 @@
 // Device helpers of the table-batched rows kernels (cuda/tb_fwd_kernels.cuh,
-// cuda/tb_bwd_kernels.cuh). Every
+// cuda/tb_bwd_kernels.cuh, cuda/tb_dg3_kernels.cuh). Every
 // plan index read is clamped into its core or range: a bad plan gives wrong numbers,
 // never an out-of-bounds access. No CUDA header included (nvcc provides the built-ins;
 // cuda/tb_emu.h provides them for the CPU emulation test).
@@ -95,6 +95,12 @@ auto tb_with_dims(const TbDev& d, bool fixed, F&& f) {
 }
 
 __host__ __device__ inline int tb_align4(int x) { return (x + 3) & ~3; }
+
+// The backward's dg3 passes over the P cache: one per `cap` groups of at most n groups
+// (one without a cache, cap = 0).
+inline int tb_dg3_passes(int cap, int n) {
+  return cap > 0 ? (int)(((long long)n + cap - 1) / cap) : 1;
+}
 
 // The sorted-tile forward (tb_fwd_tile_kernel): per batch of GB groups sharing a g2 row,
 // the g2 row [r1][K], the g1 rows transposed As [r1][ldA] (rows (group, q1), ldA a

@@ -1,9 +1,9 @@
-// The CUDA table-batched kernels (cuda/tb_fwd_kernels.cuh, cuda/tb_bwd_kernels.cuh) run on
-// the CPU through the
-// emulation of cuda/tb_emu.h, against the float64 oracle (common/tb_testing.h): checks
-// the kernels' indexing, batching, barriers and shuffle trees where no GPU is at hand.
-// The launch sequence mirrors cuda/tb_rows.cu (a host exclusive scan in place of cub's);
-// the radix sort is also checked against std::stable_sort. Build and run (repository root):
+// The CUDA table-batched kernels (cuda/tb_fwd_kernels.cuh, cuda/tb_bwd_kernels.cuh,
+// cuda/tb_dg3_kernels.cuh) run on the CPU through the emulation of cuda/tb_emu.h, against the
+// float64 oracle (common/tb_testing.h): checks the kernels' indexing, batching, barriers and
+// shuffle trees where no GPU is at hand. The launch sequence mirrors cuda/tb_rows.cu (a host
+// exclusive scan in place of cub's); the radix sort is also checked against std::stable_sort. Build
+// and run (repository root):
 //   g++ -std=c++17 -O2 -Icsrc csrc/cuda/tb_rows_emu_test.cc -o tb_rows_emu_test
 //   ./tb_rows_emu_test     (add -fsanitize=address,undefined: invalid plans must not read
 //                           out of bounds)
@@ -12,6 +12,7 @@
 #include "cuda/tb_emu.h"  // first (its own block, kept first by clang-format): the CUDA built-ins
 
 #include "cuda/tb_bwd_kernels.cuh"
+#include "cuda/tb_dg3_kernels.cuh"
 #include "cuda/tb_fwd_kernels.cuh"
 #include "cuda/tb_sort.cuh"
 
@@ -134,9 +135,9 @@ void EmuBwd(const Inputs& in, const DD& d, bool vec, const TbDg1Geo& dg1_geo, fl
   tb_emu_launch(kGrid, kTbThreads, dg1_geo.smem, k1, d, dg1_geo, in.g2, in.g3, in.d_rows, in.u_i3,
                 in.g_i2, in.goffs, in.counts, n, (const int*)bounds1.data(), e_cap, &ctrl[0], dg1);
   auto k3 = vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1, DD) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1, DD);
-  // the passes of tb_rows.cu (ceil(n / cap) with a cache), up to the first past num_groups
-  // (the later ones return at once as it does)
-  const int passes = cap > 0 ? (n + cap - 1) / cap : 1;
+  // the passes of tb_rows.cu, up to the first past num_groups (the later ones return at
+  // once as it does)
+  const int passes = tb_dg3_passes(cap, n);
   for (int pass = 0; pass < passes && (pass == 0 || (pass - 1) * cap < in.counts[1]); ++pass) {
     int ctr[2] = {0, 0};
     std::fill(cache.begin(), cache.end(), NAN);
