@@ -5,7 +5,7 @@ flat ids array, feature-major offsets ``[F*B + 1]`` (bag b of feature f is
 ``ids[offsets[f*B + b] : offsets[f*B + b + 1]]``), optional per-id weights and a static
 feature -> table map (features may share a table), over the packed cores of a
 ``GroupLayout``. The pipeline: per-feature pooling weights and out-of-range policy ->
-one sort of all (table, id) keys (``make_group_plan``) -> unique rows of every table
+one sort of all (table, id) keys (``flowtt_tb_plan``, the plan of ``make_group_plan``) -> unique rows of every table
 (``flowtt_tb_rows_fwd``) -> fixed-order pooling of all ``F*B`` bags (the single-table
 ``flowtt_bag_pool_fwd``), under one ``jax.custom_vjp`` whose backward gives the packed
 core gradients (``flowtt_tb_rows_bwd``, bitwise reproducible) and the weights'. A group
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 IMPLS = ("auto", "ffi", "reference")
-_TARGETS = ("flowtt_tb_rows_fwd", "flowtt_tb_rows_bwd")
+_TARGETS = ("flowtt_tb_plan", "flowtt_tb_rows_fwd", "flowtt_tb_rows_bwd")
 
 
 def kernels_unsupported_reason(layout: GroupLayout) -> str | None:
@@ -80,8 +80,16 @@ def _group_bags(layout, weighted, packed, weights, ids, tables, offsets, bag_ids
     return _group_bags_fwd(layout, weighted, packed, weights, ids, tables, offsets, bag_ids)[0]
 
 
+def _plan(layout, ids, tables) -> GroupPlan:
+    """The plan op ``flowtt_tb_plan`` for a ``GroupLayout``; other layouts (a table-wise
+    ``DeviceGroupLayout``) sort with ``flowtt_plan`` and build the groups in XLA."""
+    if isinstance(layout, GroupLayout):
+        return ffi.tb_plan(ids, tables, *layout.tb_plan_meta())
+    return make_group_plan(layout, ids, tables, ffi.plan)
+
+
 def _group_bags_fwd(layout, weighted, packed, weights, ids, tables, offsets, bag_ids):
-    plan = make_group_plan(layout, ids, tables, ffi.plan)
+    plan = _plan(layout, ids, tables)
     rows = _rows_fwd(packed, plan, layout.dim)
     out = ffi.pool_fwd(rows, plan.inverse, weights, offsets)
     return out, (packed, weights, bag_ids, plan, ffi.rows_residual(rows, weighted))

@@ -85,6 +85,30 @@ class GroupLayout:
         extent = max(s.row_shape[2] for s in self.specs)
         return (extent, base) if extent * base[-1] <= _INT32_MAX else None
 
+    def tb_plan_meta(self) -> tuple[np.ndarray, int, int]:
+        """``(meta [7, T] int32, extent, num_keys)`` of the plan op ``flowtt_tb_plan``: per
+        table N, p2, p3, the packed core offsets o1, o2, o3 and the prefix base; the prefix
+        keys' ``S = max_t p3_t`` and key space ``S * sum_t p1_t * p2_t`` (any size below
+        2^63: keys of more than 32 bits sort as uint64 on the GPU)."""
+        sizes = [s.row_shape[0] * s.row_shape[1] for s in self.specs]
+        base = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        if base[-1] > _INT32_MAX:
+            raise ValueError(f"a shape group of {base[-1]} (i1, i2) prefixes: at most 2^31 - 1")
+        offs = self.core_offsets
+        meta = np.stack(
+            [
+                [s.num_embeddings for s in self.specs],
+                [s.row_shape[1] for s in self.specs],
+                [s.row_shape[2] for s in self.specs],
+                offs[0][:-1],
+                offs[1][:-1],
+                offs[2][:-1],
+                base[:-1],
+            ]
+        ).astype(np.int32)
+        extent = max(s.row_shape[2] for s in self.specs)
+        return meta, extent, extent * int(base[-1])
+
     def packed_shapes(self) -> tuple[tuple[int, ...], ...]:
         """Shapes of the packed cores: ``[sum_t p_k, r_{k-1}, q_k, r_k]``."""
         s0 = self.specs[0]

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .batched_plan import GroupPlan
 from .plan import Plan
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "disabled_safety_checks",
     "explain_ad_errors",
     "plan",
+    "tb_plan",
     "to_varying",
     "varying_axes",
     "rows_fwd",
@@ -232,6 +234,29 @@ def plan(ids: jax.Array, last_extent: int, num_rows: int) -> Plan:
             ids.astype(jnp.int32),
             last_extent=np.int64(last_extent),
             num_rows=np.int64(num_rows),
+        )
+    )
+
+
+def tb_plan(ids: jax.Array, tables: jax.Array, meta: np.ndarray, extent: int, num_keys: int):
+    """A shape group's plan (``batched_plan.make_group_plan``) as one call of target
+    ``flowtt_tb_plan``: a ``GroupPlan``.
+
+    ``ids``, ``tables`` [n] int32 (clamped to their table's rows and to ``[0, T)``);
+    ``meta`` [7, T] int32, ``extent`` and ``num_keys`` as ``GroupLayout.tb_plan_meta()``
+    gives them (static).
+    """
+    n = ids.shape[0]
+    outs = tuple(jax.ShapeDtypeStruct((m,), jnp.int32) for m in (n, n, n + 1, n + 1, n, n, n, 2))
+    return GroupPlan(
+        *_call(
+            "flowtt_tb_plan",
+            outs,
+            ids.astype(jnp.int32),
+            tables.astype(jnp.int32),
+            jnp.asarray(meta, jnp.int32),
+            extent=np.int64(extent),
+            num_keys=np.int64(num_keys),
         )
     )
 

@@ -27,6 +27,7 @@ struct OpHandlers {
   XLA_FFI_Handler* plan;
   XLA_FFI_Handler* tb_rows_fwd;  // table-batched rows ops (docs/batched_contract.md)
   XLA_FFI_Handler* tb_rows_bwd;
+  XLA_FFI_Handler* tb_plan;
 };
 
 // {target name: handler capsule}.
@@ -40,6 +41,7 @@ inline nanobind::dict Registrations(const OpHandlers& h) {
   d["flowtt_plan"] = EncapsulateFfiHandler(h.plan);
   d["flowtt_tb_rows_fwd"] = EncapsulateFfiHandler(h.tb_rows_fwd);
   d["flowtt_tb_rows_bwd"] = EncapsulateFfiHandler(h.tb_rows_bwd);
+  d["flowtt_tb_plan"] = EncapsulateFfiHandler(h.tb_plan);
   return d;
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "common/core_shape.h"
+#include "common/tb_plan_meta.h"
 
 namespace flowtt::tb {
 
@@ -110,6 +111,37 @@ std::string TbCheckBwd(const Dims& g1, const Dims& g2, const Dims& g3, const Dim
   if (std::string e = TbCheckMatrix(d_rows, *n, s->dim(), "d_rows"); !e.empty()) return e;
   if (!TbSameDims(dg1, g1) || !TbSameDims(dg2, g2) || !TbSameDims(dg3, g3)) {
     return "flowtt_tb: core gradients must have the packed cores' shapes";
+  }
+  return "";
+}
+
+// flowtt_tb_plan(ids [n], tables [n], meta [7, T]) -> perm, inverse [n], run_offsets,
+// group_offsets [n+1], u_i3, g_i1, g_i2 [n], counts [2]; 0 <= n, n + 1 < 2^31, T >= 1;
+// attrs 1 <= extent < 2^31, num_keys >= 1. Sets *n and *T.
+template <typename Dims>
+std::string TbCheckPlanOp(const Dims& ids, const Dims& tables, const Dims& meta, const Dims& perm,
+                          const Dims& inverse, const Dims& run_offsets, const Dims& group_offsets,
+                          const Dims& u_i3, const Dims& g_i1, const Dims& g_i2, const Dims& counts,
+                          int64_t extent, int64_t num_keys, int64_t* n, int64_t* T) {
+  *n = TbLength(ids);
+  if (*n < 0 || *n + 1 >= kTbInt32Limit || TbLength(tables) != *n) {
+    return "flowtt_tb_plan: ids and tables must be 1-D [n] with n + 1 < 2^31, got " +
+           TbDimsString(ids) + ", " + TbDimsString(tables);
+  }
+  if (meta.size() != 2 || meta[0] != kTbPlanMetaRows || meta[1] < 1 || meta[1] >= kTbInt32Limit) {
+    return "flowtt_tb_plan: meta must be [7, T] with T >= 1, got " + TbDimsString(meta);
+  }
+  *T = meta[1];
+  for (const Dims* d : {&perm, &inverse, &u_i3, &g_i1, &g_i2}) {
+    if (TbLength(*d) != *n) return "flowtt_tb_plan: perm, inverse, u_i3, g_i1, g_i2 must be [n]";
+  }
+  if (TbLength(run_offsets) != *n + 1 || TbLength(group_offsets) != *n + 1 ||
+      TbLength(counts) != 2) {
+    return "flowtt_tb_plan: run_offsets, group_offsets must be [n+1] and counts [2]";
+  }
+  if (extent < 1 || extent >= kTbInt32Limit || num_keys < 1) {
+    return "flowtt_tb_plan: need 1 <= extent < 2^31 and num_keys >= 1, got " +
+           std::to_string(extent) + ", " + std::to_string(num_keys);
   }
   return "";
 }

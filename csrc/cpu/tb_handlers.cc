@@ -1,12 +1,13 @@
-// XLA FFI handlers (platform cpu) of the table-batched rows ops: shape checks
-// (common/tb_contract.h), then the plain C++ implementation (cpu/tb_rows.h), which
-// checks the plan's values. Trailing operands are ignored (common/tb_ffi.h).
+// XLA FFI handlers (platform cpu) of the table-batched ops: shape checks
+// (common/tb_contract.h), then the plain C++ implementations (cpu/tb_rows.h, which
+// checks the plan's values; cpu/tb_plan.h). Trailing operands are ignored (common/tb_ffi.h).
 #include "cpu/tb_handlers.h"
 
 #include <cstdint>
 
 #include "common/tb_contract.h"
 #include "common/tb_ffi.h"
+#include "cpu/tb_plan.h"
 #include "cpu/tb_rows.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -46,6 +47,22 @@ ffi::Error TbRowsBwdCpuImpl(TbF32 g1, TbF32 g2, TbF32 g3, TbF32 d_rows, TbS32 u_
                                 dg1->typed_data(), dg2->typed_data(), dg3->typed_data()));
 }
 
+ffi::Error TbPlanCpuImpl(TbS32 ids, TbS32 tables, TbS32 meta, ffi::RemainingArgs, TbS32Out perm,
+                         TbS32Out inverse, TbS32Out run_offsets, TbS32Out group_offsets,
+                         TbS32Out u_i3, TbS32Out g_i1, TbS32Out g_i2, TbS32Out counts,
+                         int64_t extent, int64_t num_keys) {
+  ffi::ErrorOr<TbPlanChecked> c =
+      TbCheckPlanOpBuffers(ids, tables, meta, *perm, *inverse, *run_offsets, *group_offsets, *u_i3,
+                           *g_i1, *g_i2, *counts, extent, num_keys);
+  if (c.has_error()) return c.error();
+  flowtt::cpu::MakeTbPlan(ids.typed_data(), tables.typed_data(), c->n,
+                  TbPlanMeta{meta.typed_data(), static_cast<int>(c->T)}, extent, num_keys,
+                  {perm->typed_data(), inverse->typed_data(), run_offsets->typed_data(),
+                   group_offsets->typed_data(), u_i3->typed_data(), g_i1->typed_data(),
+                   g_i2->typed_data(), counts->typed_data()});
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace flowtt::tb
 
@@ -53,3 +70,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttTbRowsFwdCpu, flowtt::tb::TbRowsFwdCpuImpl,
                               flowtt::tb::TbBindRowsFwd(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttTbRowsBwdCpu, flowtt::tb::TbRowsBwdCpuImpl,
                               flowtt::tb::TbBindRowsBwd(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttTbPlanCpu, flowtt::tb::TbPlanCpuImpl,
+                              flowtt::tb::TbBindPlan(xla::ffi::Ffi::Bind()));

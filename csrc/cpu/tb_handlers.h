@@ -1,9 +1,10 @@
-// XLA FFI handler symbols (platform cpu) of the table-batched rows ops
+// XLA FFI handler symbols (platform cpu) of the table-batched ops
 // (docs/batched_contract.md), defined in cpu/tb_handlers.cc. Registered by the cpu
-// module's registrations() as "flowtt_tb_rows_fwd" / "flowtt_tb_rows_bwd".
+// module's registrations() as "flowtt_tb_rows_fwd" / "flowtt_tb_rows_bwd" / "flowtt_tb_plan".
 #pragma once
 
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttTbRowsFwdCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttTbRowsBwdCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlowttTbPlanCpu);

@@ -3,7 +3,8 @@
 // scratch_bytes() reports the handlers' run-time scratch (for benchmarks; chunk_rows
 // is flowtt_bag_fwd's attribute);
 // unsupported_reason() / tb_unsupported_reason() say why the (table-batched) kernels cannot
-// take a core shape (None if they can); tb_scratch_bytes() the table-batched ops' scratch.
+// take a core shape (None if they can); tb_scratch_bytes() the table-batched rows ops' scratch,
+// tb_plan_scratch_bytes() flowtt_tb_plan's.
 #include <string>
 
 #include "common/registrations.h"
@@ -11,6 +12,7 @@
 #include "cuda/ops.h"
 #include "cuda/plan.h"
 #include "cuda/tb_handlers.h"
+#include "cuda/tb_plan.h"
 #include "cuda/tb_rows.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
@@ -19,10 +21,10 @@ NB_MODULE(_flowtt_cuda, m) {
   namespace nb = nanobind;
   m.def("registrations", []() {
     // OpHandlers order: rows_fwd, rows_bwd, pool_fwd, pool_bwd, bag_fwd, plan, tb_rows_fwd,
-    // tb_rows_bwd
+    // tb_rows_bwd, tb_plan
     return flowtt::Registrations({FlowttRowsFwdCuda, FlowttRowsBwdCuda, FlowttPoolFwdCuda,
                                   FlowttPoolBwdCuda, FlowttBagFwdCuda, FlowttPlanCuda,
-                                  FlowttTbRowsFwdCuda, FlowttTbRowsBwdCuda});
+                                  FlowttTbRowsFwdCuda, FlowttTbRowsBwdCuda, FlowttTbPlanCuda});
   });
   m.def("unsupported_reason",
         [](int p1, int p2, int p3, int q1, int q2, int q3, int r1, int r2) -> nb::object {
@@ -42,6 +44,11 @@ NB_MODULE(_flowtt_cuda, m) {
           d["tb_rows_bwd"] = flowtt::tb::tb_rows_bwd_scratch_bytes(t, n);
           return d;
         });
+  m.def("tb_plan_scratch_bytes", [](int n, long long num_keys) -> nb::object {
+    size_t bytes = 0;
+    if (flowtt::tb::tb_plan_scratch_bytes(n, num_keys, &bytes) != cudaSuccess) return nb::none();
+    return nb::cast(bytes);
+  });
   m.def("scratch_bytes", [](int p1, int p2, int p3, int q1, int q2, int q3, int r1, int r2, int n,
                             long long chunk_rows) {
     flowtt::TTDims t{p1, p2, p3, q1, q2, q3, r1, r2};

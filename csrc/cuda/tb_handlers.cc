@@ -12,6 +12,7 @@
 #include "common/tb_contract.h"
 #include "common/tb_ffi.h"
 #include "cuda/ffi_status.h"
+#include "cuda/tb_plan.h"
 #include "cuda/tb_rows.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -69,6 +70,33 @@ ffi::Error TbRowsBwdCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       "tb_rows_bwd");
 }
 
+ffi::Error TbPlanCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, TbS32 ids,
+                          TbS32 tables, TbS32 meta, ffi::RemainingArgs, TbS32Out perm,
+                          TbS32Out inverse, TbS32Out run_offsets, TbS32Out group_offsets,
+                          TbS32Out u_i3, TbS32Out g_i1, TbS32Out g_i2, TbS32Out counts,
+                          int64_t extent, int64_t num_keys) {
+  ffi::ErrorOr<TbPlanChecked> c =
+      TbCheckPlanOpBuffers(ids, tables, meta, *perm, *inverse, *run_offsets, *group_offsets, *u_i3,
+                           *g_i1, *g_i2, *counts, extent, num_keys);
+  if (c.has_error()) return c.error();
+  const int n = static_cast<int>(c->n);
+  size_t bytes = 0;
+  if (cudaError_t err = tb_plan_scratch_bytes(n, num_keys, &bytes); err != cudaSuccess)
+    return CudaError(err, "tb_plan");
+  void* ws = nullptr;  // build_tb_plan realigns to 256 bytes
+  if (bytes > 0) {
+    if (ffi::Error e = AllocateScratch(scratch, bytes, &ws); e.failure()) return e;
+  }
+  const TbPlanOutputs out{perm->typed_data(),        inverse->typed_data(),
+                          run_offsets->typed_data(), group_offsets->typed_data(),
+                          u_i3->typed_data(),        g_i1->typed_data(),
+                          g_i2->typed_data(),        counts->typed_data()};
+  return CudaError(build_tb_plan(ids.typed_data(), tables.typed_data(), n, meta.typed_data(),
+                                 static_cast<int>(c->T), static_cast<int>(extent), num_keys, out,
+                                 ws, stream),
+                   "tb_plan");
+}
+
 }  // namespace
 }  // namespace flowtt::tb
 
@@ -83,3 +111,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     flowtt::tb::TbBindRowsBwd(xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::ScratchAllocator>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlowttTbPlanCuda, flowtt::tb::TbPlanCudaImpl,
+    flowtt::tb::TbBindPlan(xla::ffi::Ffi::Bind()
+                               .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                               .Ctx<xla::ffi::ScratchAllocator>()));

@@ -1,0 +1,22 @@
+// flowtt_tb_plan on the CPU (docs/batched_contract.md, "The plan op"), no XLA types: the
+// handler in cpu/tb_handlers.cc checks shapes and attributes, then calls MakeTbPlan.
+#pragma once
+
+#include <cstdint>
+
+#include "common/tb_plan_meta.h"
+
+namespace flowtt::cpu {
+
+// The plan's outputs (fields of flowtt_jax.batched_plan.GroupPlan): perm, inverse, u_i3,
+// g_i1, g_i2 [n], run_offsets, group_offsets [n+1], counts [2].
+struct TbPlanOut {
+  int32_t *perm, *inverse, *run_offsets, *group_offsets, *u_i3, *g_i1, *g_i2, *counts;
+};
+
+// ids [n] of tables [n] under `meta`: the plan of flowtt_jax.batched_plan.make_group_plan
+// bit for bit (for in-range operands), from the prefix keys TbPlanKey(..., num_keys - 1).
+void MakeTbPlan(const int32_t* ids, const int32_t* tables, int64_t n, const tb::TbPlanMeta& meta,
+                int64_t extent, int64_t num_keys, const TbPlanOut& out);
+
+}  // namespace flowtt::cpu

@@ -1,0 +1,125 @@
+// On-device plan of a shape group (flowtt_tb_plan), four steps on the caller's stream:
+//   1. tb_plan_keys_kernel: keys[i] = the prefix key of (tables[i], ids[i])
+//      (common/tb_plan_meta.h), positions[i] = i. Keys of at most 32 bits are uint32,
+//      else uint64 (Meta-like 788 tables: 33 bits).
+//   2. cub radix sort of (keys, positions) on the key bits in use only, stable.
+//   3. cub inclusive sum of the (new key, new group) flags (steps 2 and 3:
+//      cuda/plan_scan.cuh, shared with flowtt_plan).
+//   4. tb_plan_finalize_kernel over i in [0, n]: every output element written once;
+//      at a unique key's first position its u_i3, at a group's its g_i1 and g_i2 (the
+//      key's table by a binary search of the prefix bases), padding tails, counts.
+// No device synchronisation, no allocation: scratch comes from the caller.
+#include "cuda/tb_plan.h"
+
+#include <cstdint>
+
+#include "common/tb_plan_meta.h"
+#include "cuda/plan_scan.cuh"
+
+namespace flowtt::tb {
+namespace {
+
+using plan_scan::kBlock;
+using plan_scan::PlanFlags;
+using plan_scan::PlanScratch;
+using plan_scan::unpack;
+
+template <typename K>
+__global__ void tb_plan_keys_kernel(const int* __restrict__ ids, const int* __restrict__ tables,
+                                    int n, TbPlanMeta meta, int extent, uint64_t max_key,
+                                    K* __restrict__ keys, int* __restrict__ positions) {
+  const int64_t i = int64_t(blockIdx.x) * kBlock + threadIdx.x;
+  if (i >= n) return;
+  keys[i] = static_cast<K>(TbPlanKey(meta, tables[i], ids[i], extent, max_key));
+  positions[i] = static_cast<int>(i);
+}
+
+// One thread per i in [0, n]; sorted_keys, perm, scan are [n].
+template <typename K>
+__global__ void tb_plan_finalize_kernel(const K* __restrict__ sorted_keys,
+                                        const int* __restrict__ perm,
+                                        const uint64_t* __restrict__ scan, int n, int extent,
+                                        TbPlanMeta meta, TbPlanOutputs out) {
+  const int64_t i64 = int64_t(blockIdx.x) * kBlock + threadIdx.x;
+  if (i64 > n) return;
+  const int i = static_cast<int>(i64);
+  const int2 total = unpack(scan[n - 1]);  // (num_unique, num_groups)
+  if (i < n) {
+    const int2 c = unpack(scan[i]);
+    const int2 f = PlanFlags<K>{sorted_keys, static_cast<K>(extent)}.flags(i);
+    const int u = c.x - 1;
+    out.inverse[perm[i]] = u;
+    if (f.x) {
+      const TbPlanRows r = TbRowsOfKey(meta, sorted_keys[i], extent);
+      out.run_offsets[u] = i;
+      out.u_i3[u] = r.i3;
+      if (f.y) {
+        out.group_offsets[c.y - 1] = u;
+        out.g_i1[c.y - 1] = r.i1;
+        out.g_i2[c.y - 1] = r.i2;
+      }
+    }
+    if (i >= total.x) out.u_i3[i] = 0;
+    if (i >= total.y) out.g_i1[i] = out.g_i2[i] = 0;
+  }
+  if (i >= total.x) out.run_offsets[i] = n;
+  if (i >= total.y) out.group_offsets[i] = total.x;
+  if (i == 0) {
+    out.counts[0] = total.x;
+    out.counts[1] = total.y;
+  }
+}
+
+template <typename K>
+cudaError_t run(const int* ids, const int* tables, int n, TbPlanMeta meta, int extent,
+                int64_t num_keys, const TbPlanOutputs& out, void* scratch, cudaStream_t stream) {
+  const uint64_t max_key = static_cast<uint64_t>(num_keys - 1);
+  const int end_bit = plan_scan::end_bit_for(max_key);
+  PlanScratch<K> s;
+  cudaError_t err = plan_scan::plan_layout(n, end_bit, scratch, &s);
+  if (err != cudaSuccess) return err;
+  const unsigned blocks = static_cast<unsigned>(n / kBlock + 1);  // threads cover [0, n]
+  tb_plan_keys_kernel<K>
+      <<<blocks, kBlock, 0, stream>>>(ids, tables, n, meta, extent, max_key, s.keys, s.positions);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if ((err = plan_scan::sort_and_scan(s, n, end_bit, static_cast<K>(extent), out.perm, stream)) !=
+      cudaSuccess)
+    return err;
+  tb_plan_finalize_kernel<K>
+      <<<blocks, kBlock, 0, stream>>>(s.sorted_keys, out.perm, s.scan, n, extent, meta, out);
+  return cudaGetLastError();
+}
+
+bool narrow_keys(int64_t num_keys) { return num_keys <= (int64_t{1} << 32); }
+
+}  // namespace
+
+cudaError_t tb_plan_scratch_bytes(int n, int64_t num_keys, size_t* bytes) {
+  *bytes = 0;
+  if (n == 0) return cudaSuccess;
+  const int end_bit = plan_scan::end_bit_for(static_cast<uint64_t>(num_keys - 1));
+  cudaError_t err;
+  if (narrow_keys(num_keys)) {
+    PlanScratch<uint32_t> s;
+    err = plan_scan::plan_layout(n, end_bit, nullptr, &s);
+    *bytes = s.bytes;
+  } else {
+    PlanScratch<uint64_t> s;
+    err = plan_scan::plan_layout(n, end_bit, nullptr, &s);
+    *bytes = s.bytes;
+  }
+  if (err != cudaSuccess) *bytes = 0;
+  return err;
+}
+
+cudaError_t build_tb_plan(const int* ids, const int* tables, int n, const int* meta, int T,
+                          int extent, int64_t num_keys, const TbPlanOutputs& out, void* scratch,
+                          cudaStream_t stream) {
+  if (n == 0) return plan_scan::write_empty_plan(out.run_offsets, out.group_offsets, out.counts, stream);
+  const TbPlanMeta m{meta, T};
+  if (narrow_keys(num_keys))
+    return run<uint32_t>(ids, tables, n, m, extent, num_keys, out, scratch, stream);
+  return run<uint64_t>(ids, tables, n, m, extent, num_keys, out, scratch, stream);
+}
+
+}  // namespace flowtt::tb
