@@ -293,7 +293,7 @@ def batched_scratch_bytes(w: Workload, mode: str) -> int | None:
             continue
         (p1, _, q1, r1), (p2, _, q2, r2), (p3, _, q3, _) = layout.packed_shapes()
         tb = _flowtt_cuda.tb_scratch_bytes(p1, p2, p3, q1, q2, q3, r1, r2, n)
-        plan = _flowtt_cuda.tb_plan_scratch_bytes(n, layout.tb_plan_meta()[2]) or 0
+        plan = _flowtt_cuda.tb_plan_scratch_bytes(n, layout.tb_plan_meta()[3]) or 0
         keys = ("tb_rows_fwd",) if mode == "fwd" else ("tb_rows_fwd", "tb_rows_bwd")
         worst = max(worst, int(plan), *(int(tb[k]) for k in keys))
     return worst

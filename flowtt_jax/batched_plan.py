@@ -85,16 +85,19 @@ class GroupLayout:
         extent = max(s.row_shape[2] for s in self.specs)
         return (extent, base) if extent * base[-1] <= _INT32_MAX else None
 
-    def tb_plan_meta(self) -> tuple[np.ndarray, int, int]:
-        """``(meta [7, T] int32, extent, num_keys)`` of the plan op ``flowtt_tb_plan``: per
-        table N, p2, p3, the packed core offsets o1, o2, o3 and the prefix base; the prefix
-        keys' ``S = max_t p3_t`` and key space ``S * sum_t p1_t * p2_t`` (any size below
-        2^63: keys of more than 32 bits sort as uint64 on the GPU)."""
+    def tb_plan_meta(self) -> tuple[np.ndarray, int, bool, int]:
+        """``(meta [8, T] int32, extent, row_keys, num_keys)`` of the plan op
+        ``flowtt_tb_plan``: per table N, p2, p3, the packed core offsets o1, o2, o3, the
+        prefix base and the low 32 bits of ``row_base``; the key form: prefix keys
+        (``extent = S = max_t p3_t``, key space ``S * sum_t p1_t * p2_t``), or row keys
+        ``row_base[t] + id`` where only those fit 32 bits (one radix pass and half the key
+        bytes fewer on the GPU than 64-bit keys); keys past 32 bits sort as uint64."""
         sizes = [s.row_shape[0] * s.row_shape[1] for s in self.specs]
         base = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         if base[-1] > _INT32_MAX:
             raise ValueError(f"a shape group of {base[-1]} (i1, i2) prefixes: at most 2^31 - 1")
         offs = self.core_offsets
+        row_base = np.asarray(self.row_base, np.int64)
         meta = np.stack(
             [
                 [s.num_embeddings for s in self.specs],
@@ -104,10 +107,13 @@ class GroupLayout:
                 offs[1][:-1],
                 offs[2][:-1],
                 base[:-1],
+                (row_base[:-1] & _UINT32_MAX).astype(np.uint32).view(np.int32),
             ]
         ).astype(np.int32)
         extent = max(s.row_shape[2] for s in self.specs)
-        return meta, extent, extent * int(base[-1])
+        prefix_keys = extent * int(base[-1])
+        row_keys = prefix_keys > _UINT32_MAX + 1 and int(row_base[-1]) <= _UINT32_MAX + 1
+        return meta, extent, row_keys, int(row_base[-1]) if row_keys else prefix_keys
 
     def packed_shapes(self) -> tuple[tuple[int, ...], ...]:
         """Shapes of the packed cores: ``[sum_t p_k, r_{k-1}, q_k, r_k]``."""

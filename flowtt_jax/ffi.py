@@ -238,13 +238,15 @@ def plan(ids: jax.Array, last_extent: int, num_rows: int) -> Plan:
     )
 
 
-def tb_plan(ids: jax.Array, tables: jax.Array, meta: np.ndarray, extent: int, num_keys: int):
+def tb_plan(
+    ids: jax.Array, tables: jax.Array, meta: np.ndarray, extent: int, row_keys: bool, num_keys: int
+) -> GroupPlan:
     """A shape group's plan (``batched_plan.make_group_plan``) as one call of target
     ``flowtt_tb_plan``: a ``GroupPlan``.
 
     ``ids``, ``tables`` [n] int32 (clamped to their table's rows and to ``[0, T)``);
-    ``meta`` [7, T] int32, ``extent`` and ``num_keys`` as ``GroupLayout.tb_plan_meta()``
-    gives them (static).
+    ``meta`` [8, T] int32 and the key form ``extent``, ``row_keys``, ``num_keys`` as
+    ``GroupLayout.tb_plan_meta()`` gives them (static).
     """
     n = ids.shape[0]
     outs = tuple(jax.ShapeDtypeStruct((m,), jnp.int32) for m in (n, n, n + 1, n + 1, n, n, n, 2))
@@ -256,6 +258,7 @@ def tb_plan(ids: jax.Array, tables: jax.Array, meta: np.ndarray, extent: int, nu
             tables.astype(jnp.int32),
             jnp.asarray(meta, jnp.int32),
             extent=np.int64(extent),
+            row_keys=bool(row_keys),
             num_keys=np.int64(num_keys),
         )
     )

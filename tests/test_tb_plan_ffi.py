@@ -32,14 +32,17 @@ LAYOUTS = {
     "small": SMALL,
     "one_table": (spec(7919, (7, 31, 37)),),
     "keys_32_bits": (BIG, SMALL[1], BIG),  # S * prefixes in (2^31, 2^32]
+    # prefix keys past 32 bits, row keys within: row keys
+    "row_keys": (BIG, SMALL[1], spec(1_000_000_000, (1000, 100_000, 10)), SMALL[2], SMALL[3]),
     "keys_past_32_bits": (BIG, SMALL[1], BIG, BIG, SMALL[2]),
     "wide_p3": (spec(184_000, (2, 2, 46_000)), spec(46_000_000, (46_000, 1000, 1)), SMALL[2]),
 }
 
 
-def key_bits(layout: GroupLayout) -> int:
-    _, _, num_keys = layout.tb_plan_meta()
-    return (num_keys - 1).bit_length()
+def key_form(layout: GroupLayout) -> tuple[bool, int]:
+    """(row keys, key bits) of the layout's plan."""
+    _, _, row_keys, num_keys = layout.tb_plan_meta()
+    return row_keys, (num_keys - 1).bit_length()
 
 
 def draw(layout: GroupLayout, n: int, seed: int):
@@ -55,7 +58,7 @@ def draw(layout: GroupLayout, n: int, seed: int):
 
 
 def poisoned_tb_plan(layout: GroupLayout, ids, tables) -> GroupPlan:
-    meta, extent, num_keys = layout.tb_plan_meta()
+    meta, extent, row_keys, num_keys = layout.tb_plan_meta()
     n = ids.shape[0]
     outs = [jax.ShapeDtypeStruct((m,), jnp.int32) for m in (n, n, n + 1, n + 1, n, n, n, 2)]
     return GroupPlan(
@@ -66,6 +69,7 @@ def poisoned_tb_plan(layout: GroupLayout, ids, tables) -> GroupPlan:
             jnp.asarray(tables),
             jnp.asarray(meta),
             extent=np.int64(extent),
+            row_keys=bool(row_keys),
             num_keys=np.int64(num_keys),
         )
     )
@@ -81,9 +85,11 @@ def assert_plans_equal(got: GroupPlan, want: GroupPlan):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 
 
-def test_layouts_cover_the_key_widths():
-    bits = {name: key_bits(GroupLayout(s)) for name, s in LAYOUTS.items()}
-    assert bits["small"] <= 31 and bits["keys_32_bits"] == 32 and bits["keys_past_32_bits"] > 32
+def test_layouts_cover_the_key_forms():
+    forms = {name: key_form(GroupLayout(s)) for name, s in LAYOUTS.items()}
+    assert forms["small"][1] <= 31 and forms["keys_32_bits"] == (False, 32)
+    assert forms["row_keys"] == (True, 32) and not forms["keys_past_32_bits"][0]
+    assert forms["keys_past_32_bits"][1] > 32
 
 
 @device_param
@@ -134,18 +140,20 @@ def test_no_ids(device):
 
 
 @pytest.mark.parametrize(
-    "meta_shape, extent, num_keys, match",
+    "meta_shape, extent, row_keys, num_keys, match",
     [
-        ((6, 4), 10, 100, "meta must be"),
-        ((7, 0), 10, 100, "meta must be"),
-        ((7, 4), 0, 100, "extent"),
-        ((7, 4), 10, 0, "num_keys"),
+        ((7, 4), 10, False, 100, "meta must be"),
+        ((8, 0), 10, False, 100, "meta must be"),
+        ((8, 4), 0, False, 100, "extent"),
+        ((8, 4), 10, False, 0, "num_keys"),
+        ((8, 4), 10, True, 2**32 + 1, "row keys"),
     ],
 )
-def test_rejects_bad_operands(meta_shape, extent, num_keys, match):
+def test_rejects_bad_operands(meta_shape, extent, row_keys, num_keys, match):
     ids = jnp.arange(4, dtype=jnp.int32)
+    meta = np.zeros(meta_shape, np.int32)
     with pytest.raises(Exception, match=match):
-        jax.block_until_ready(ffi.tb_plan(ids, ids, np.zeros(meta_shape, np.int32), extent, num_keys))
+        jax.block_until_ready(ffi.tb_plan(ids, ids, meta, extent, row_keys, num_keys))
 
 
 def test_layout_meta_rejects_too_many_prefixes():

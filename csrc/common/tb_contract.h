@@ -115,21 +115,22 @@ std::string TbCheckBwd(const Dims& g1, const Dims& g2, const Dims& g3, const Dim
   return "";
 }
 
-// flowtt_tb_plan(ids [n], tables [n], meta [7, T]) -> perm, inverse [n], run_offsets,
+// flowtt_tb_plan(ids [n], tables [n], meta [8, T]) -> perm, inverse [n], run_offsets,
 // group_offsets [n+1], u_i3, g_i1, g_i2 [n], counts [2]; 0 <= n, n + 1 < 2^31, T >= 1;
-// attrs 1 <= extent < 2^31, num_keys >= 1. Sets *n and *T.
+// attrs 1 <= extent < 2^31, num_keys >= 1 (row keys: num_keys <= 2^32). Sets *n and *T.
 template <typename Dims>
 std::string TbCheckPlanOp(const Dims& ids, const Dims& tables, const Dims& meta, const Dims& perm,
                           const Dims& inverse, const Dims& run_offsets, const Dims& group_offsets,
                           const Dims& u_i3, const Dims& g_i1, const Dims& g_i2, const Dims& counts,
-                          int64_t extent, int64_t num_keys, int64_t* n, int64_t* T) {
+                          int64_t extent, bool row_keys, int64_t num_keys, int64_t* n,
+                          int64_t* T) {
   *n = TbLength(ids);
   if (*n < 0 || *n + 1 >= kTbInt32Limit || TbLength(tables) != *n) {
     return "flowtt_tb_plan: ids and tables must be 1-D [n] with n + 1 < 2^31, got " +
            TbDimsString(ids) + ", " + TbDimsString(tables);
   }
   if (meta.size() != 2 || meta[0] != kTbPlanMetaRows || meta[1] < 1 || meta[1] >= kTbInt32Limit) {
-    return "flowtt_tb_plan: meta must be [7, T] with T >= 1, got " + TbDimsString(meta);
+    return "flowtt_tb_plan: meta must be [8, T] with T >= 1, got " + TbDimsString(meta);
   }
   *T = meta[1];
   for (const Dims* d : {&perm, &inverse, &u_i3, &g_i1, &g_i2}) {
@@ -142,6 +143,9 @@ std::string TbCheckPlanOp(const Dims& ids, const Dims& tables, const Dims& meta,
   if (extent < 1 || extent >= kTbInt32Limit || num_keys < 1) {
     return "flowtt_tb_plan: need 1 <= extent < 2^31 and num_keys >= 1, got " +
            std::to_string(extent) + ", " + std::to_string(num_keys);
+  }
+  if (row_keys && num_keys > (int64_t{1} << 32)) {
+    return "flowtt_tb_plan: row keys need num_keys <= 2^32, got " + std::to_string(num_keys);
   }
   return "";
 }

@@ -88,13 +88,14 @@ struct TbPlanChecked {
 inline ffi::ErrorOr<TbPlanChecked> TbCheckPlanOpBuffers(
     const TbS32& ids, const TbS32& tables, const TbS32& meta, const TbS32& perm,
     const TbS32& inverse, const TbS32& run_offsets, const TbS32& group_offsets, const TbS32& u_i3,
-    const TbS32& g_i1, const TbS32& g_i2, const TbS32& counts, int64_t extent, int64_t num_keys) {
+    const TbS32& g_i1, const TbS32& g_i2, const TbS32& counts, int64_t extent, bool row_keys,
+    int64_t num_keys) {
   TbPlanChecked c{};
   const std::string e = TbCheckPlanOp(
       ids.dimensions(), tables.dimensions(), meta.dimensions(), perm.dimensions(),
       inverse.dimensions(), run_offsets.dimensions(), group_offsets.dimensions(),
       u_i3.dimensions(), g_i1.dimensions(), g_i2.dimensions(), counts.dimensions(), extent,
-      num_keys, &c.n, &c.T);
+      row_keys, num_keys, &c.n, &c.T);
   if (!e.empty()) return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(e));
   return c;
 }
@@ -102,10 +103,11 @@ inline ffi::ErrorOr<TbPlanChecked> TbCheckPlanOpBuffers(
 template <typename Binding>
 auto TbBindPlan(Binding b) {
   // ids tables meta -> perm inverse run_offsets group_offsets u_i3 g_i1 g_i2 counts;
-  // attrs extent, num_keys
+  // attrs extent, row_keys, num_keys
   return BindBuffers(std::move(b), Buffers<TbS32, TbS32, TbS32>{},
                      Buffers<TbS32, TbS32, TbS32, TbS32, TbS32, TbS32, TbS32, TbS32>{})
       .template Attr<int64_t>("extent")
+      .template Attr<bool>("row_keys")
       .template Attr<int64_t>("num_keys");
 }
 

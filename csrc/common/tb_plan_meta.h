@@ -13,39 +13,38 @@
 
 namespace flowtt::tb {
 
-// Rows of the meta array: each table's N, p2, p3, packed core offsets o1, o2, o3 and the
-// offset of its (i1, i2) prefixes in the key space (exclusive cumsum of p1 * p2).
-enum TbPlanMetaRow : int { kMetaRows = 0, kMetaP2, kMetaP3, kMetaO1, kMetaO2, kMetaO3, kMetaPrefixBase };
-constexpr int kTbPlanMetaRows = 7;
+// Rows of the meta array: each table's N, p2, p3, packed core offsets o1, o2, o3, the
+// offset of its (i1, i2) prefixes in the prefix key space (exclusive cumsum of p1 * p2)
+// and the low 32 bits of its offset in the row key space (exclusive cumsum of
+// p1 * p2 * p3; used only where that space has at most 2^32 keys).
+enum TbPlanMetaRow : int {
+  kMetaRows = 0,
+  kMetaP2,
+  kMetaP3,
+  kMetaO1,
+  kMetaO2,
+  kMetaO3,
+  kMetaPrefixBase,
+  kMetaRowBase
+};
+constexpr int kTbPlanMetaRows = 8;
 
 struct TbPlanMeta {
   const int32_t* m;  // [kTbPlanMetaRows, T]
   int T;             // >= 1
   FLOWTT_HD int32_t at(int row, int t) const { return m[static_cast<int64_t>(row) * T + t]; }
+  FLOWTT_HD uint32_t row_base(int t) const { return static_cast<uint32_t>(at(kMetaRowBase, t)); }
 };
 
 FLOWTT_HD int64_t TbClamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-// The prefix key of (table, id), both clamped first (table to [0, T), id to [0, N_t)):
-// (prefix_base[t] + id / p3_t) * extent + id % p3_t, at most max_key.
-FLOWTT_HD uint64_t TbPlanKey(const TbPlanMeta& meta, int32_t table, int32_t id, int64_t extent,
-                             uint64_t max_key) {
-  const int t = static_cast<int>(TbClamp64(table, 0, meta.T - 1));
-  const int64_t rows = TbClamp64(meta.at(kMetaRows, t), 1, INT32_MAX);
-  const int64_t i = TbClamp64(id, 0, rows - 1);
-  const int64_t p3 = TbClamp64(meta.at(kMetaP3, t), 1, INT32_MAX);
-  const int64_t base = TbClamp64(meta.at(kMetaPrefixBase, t), 0, INT32_MAX);
-  const uint64_t key = static_cast<uint64_t>(base + i / p3) * static_cast<uint64_t>(extent) +
-                       static_cast<uint64_t>(i % p3);
-  return key < max_key ? key : max_key;
-}
-
-// The table of a prefix: the last t with prefix_base[t] <= prefix (0 if none).
-FLOWTT_HD int TbTableOfPrefix(const TbPlanMeta& meta, uint64_t prefix) {
-  int lo = 0, hi = meta.T - 1;
+// The last t with base(t) <= x (0 if none), for non-decreasing base.
+template <typename Base>
+FLOWTT_HD int TbLastAtMost(int T, uint64_t x, Base base) {
+  int lo = 0, hi = T - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (static_cast<int64_t>(meta.at(kMetaPrefixBase, mid)) <= static_cast<int64_t>(prefix)) {
+    if (base(mid) <= static_cast<int64_t>(x)) {
       lo = mid;
     } else {
       hi = mid - 1;
@@ -54,21 +53,76 @@ FLOWTT_HD int TbTableOfPrefix(const TbPlanMeta& meta, uint64_t prefix) {
   return lo;
 }
 
-// The plan's packed core rows of a unique key: u_i3, and of a group's first key: g_i1,
-// g_i2 (int32 arithmetic wraps like the reference's for inconsistent meta; the rows ops
-// check the plan's values).
+// A unique key's packed core rows u_i3, and a group's first key's g_i1, g_i2 (int32
+// arithmetic wraps like the reference's for inconsistent meta; the rows ops check the
+// plan's values).
 struct TbPlanRows {
   int32_t i1, i2, i3;
 };
-FLOWTT_HD TbPlanRows TbRowsOfKey(const TbPlanMeta& meta, uint64_t key, int64_t extent) {
-  const uint64_t prefix = key / static_cast<uint64_t>(extent);
-  const int t = TbTableOfPrefix(meta, prefix);
-  const int64_t local = static_cast<int64_t>(prefix) - meta.at(kMetaPrefixBase, t);
-  const int64_t p2 = TbClamp64(meta.at(kMetaP2, t), 1, INT32_MAX);
-  return {static_cast<int32_t>(meta.at(kMetaO1, t) + local / p2),
-          static_cast<int32_t>(meta.at(kMetaO2, t) + local % p2),
-          static_cast<int32_t>(meta.at(kMetaO3, t) + static_cast<int64_t>(key - prefix * extent))};
-}
+
+// The two forms of the plan's sort keys (each monotone in (table, id), so the sorted
+// keys are the (table, id) order):
+//   prefix keys (extent >= 1): (prefix_base[t] + id / p3_t) * extent + id % p3_t with
+//     extent = max_t p3_t: a key's prefix group is key / extent;
+//   row keys (row_keys): row_base[t] + id, the denser form where the prefix keys pass
+//     32 bits but these do not (Meta-like 788 tables: 31.8 against 33 bits): a key's
+//     table by binary search of the row bases, then its group.
+// Table and id are clamped first (table to [0, T), id to [0, N_t)); keys to max_key.
+struct TbKeyForm {
+  TbPlanMeta meta;
+  int64_t extent;
+  bool row_keys;
+
+  FLOWTT_HD uint64_t key(int32_t table, int32_t id, uint64_t max_key) const {
+    const int t = static_cast<int>(TbClamp64(table, 0, meta.T - 1));
+    const int64_t rows = TbClamp64(meta.at(kMetaRows, t), 1, INT32_MAX);
+    const int64_t i = TbClamp64(id, 0, rows - 1);
+    uint64_t k;
+    if (row_keys) {
+      k = static_cast<uint64_t>(meta.row_base(t)) + static_cast<uint64_t>(i);
+    } else {
+      const int64_t p3 = p3_of(t);
+      const int64_t base = TbClamp64(meta.at(kMetaPrefixBase, t), 0, INT32_MAX);
+      k = static_cast<uint64_t>(base + i / p3) * static_cast<uint64_t>(extent) +
+          static_cast<uint64_t>(i % p3);
+    }
+    return k < max_key ? k : max_key;
+  }
+
+  // The prefix group of a key: a number that grows with (table, i1, i2).
+  FLOWTT_HD uint64_t group(uint64_t key) const {
+    if (!row_keys) return key / static_cast<uint64_t>(extent);
+    const int t = table_of_row_key(key);
+    return static_cast<uint64_t>(meta.at(kMetaPrefixBase, t)) +
+           (key - meta.row_base(t)) / static_cast<uint64_t>(p3_of(t));
+  }
+
+  FLOWTT_HD TbPlanRows rows(uint64_t key) const {
+    int t;
+    int64_t local, i3;  // the key's i1 * p2 + i2 and i3 in its table
+    if (row_keys) {
+      t = table_of_row_key(key);
+      const int64_t id = static_cast<int64_t>(key - meta.row_base(t));
+      local = id / p3_of(t);
+      i3 = id % p3_of(t);
+    } else {
+      const uint64_t prefix = key / static_cast<uint64_t>(extent);
+      t = TbLastAtMost(meta.T, prefix, [this](int u) -> int64_t { return meta.at(kMetaPrefixBase, u); });
+      local = static_cast<int64_t>(prefix) - meta.at(kMetaPrefixBase, t);
+      i3 = static_cast<int64_t>(key - prefix * static_cast<uint64_t>(extent));
+    }
+    const int64_t p2 = TbClamp64(meta.at(kMetaP2, t), 1, INT32_MAX);
+    return {static_cast<int32_t>(meta.at(kMetaO1, t) + local / p2),
+            static_cast<int32_t>(meta.at(kMetaO2, t) + local % p2),
+            static_cast<int32_t>(meta.at(kMetaO3, t) + i3)};
+  }
+
+ private:
+  FLOWTT_HD int64_t p3_of(int t) const { return TbClamp64(meta.at(kMetaP3, t), 1, INT32_MAX); }
+  FLOWTT_HD int table_of_row_key(uint64_t key) const {
+    return TbLastAtMost(meta.T, key, [this](int u) -> int64_t { return meta.row_base(u); });
+  }
+};
 
 }  // namespace flowtt::tb
 

@@ -50,13 +50,13 @@ ffi::Error TbRowsBwdCpuImpl(TbF32 g1, TbF32 g2, TbF32 g3, TbF32 d_rows, TbS32 u_
 ffi::Error TbPlanCpuImpl(TbS32 ids, TbS32 tables, TbS32 meta, ffi::RemainingArgs, TbS32Out perm,
                          TbS32Out inverse, TbS32Out run_offsets, TbS32Out group_offsets,
                          TbS32Out u_i3, TbS32Out g_i1, TbS32Out g_i2, TbS32Out counts,
-                         int64_t extent, int64_t num_keys) {
+                         int64_t extent, bool row_keys, int64_t num_keys) {
   ffi::ErrorOr<TbPlanChecked> c =
       TbCheckPlanOpBuffers(ids, tables, meta, *perm, *inverse, *run_offsets, *group_offsets, *u_i3,
-                           *g_i1, *g_i2, *counts, extent, num_keys);
+                           *g_i1, *g_i2, *counts, extent, row_keys, num_keys);
   if (c.has_error()) return c.error();
   flowtt::cpu::MakeTbPlan(ids.typed_data(), tables.typed_data(), c->n,
-                  TbPlanMeta{meta.typed_data(), static_cast<int>(c->T)}, extent, num_keys,
+                  TbKeyForm{{meta.typed_data(), static_cast<int>(c->T)}, extent, row_keys}, num_keys,
                   {perm->typed_data(), inverse->typed_data(), run_offsets->typed_data(),
                    group_offsets->typed_data(), u_i3->typed_data(), g_i1->typed_data(),
                    g_i2->typed_data(), counts->typed_data()});

@@ -20,6 +20,7 @@ namespace {
 
 using plan_scan::kBlock;
 using plan_scan::PlanFlags;
+using Group = plan_scan::DivGroup<int>;
 using plan_scan::unpack;
 using PlanScratch = plan_scan::PlanScratch<int>;
 
@@ -41,7 +42,7 @@ __global__ void finalize_kernel(const int* __restrict__ sorted_keys, const int* 
   const int2 total = unpack(scan[n - 1]);  // (num_unique, num_groups)
   if (i < n) {
     const int2 c = unpack(scan[i]);
-    const int2 f = PlanFlags<int>{sorted_keys, last_extent}.flags(i);
+    const int2 f = PlanFlags<int, Group>{sorted_keys, Group{last_extent}}.flags(i);
     const int u = c.x - 1;
     out.inverse[perm[i]] = u;
     if (f.x) {
@@ -65,7 +66,7 @@ cudaError_t plan_scratch_bytes(int n, int num_rows, size_t* bytes) {
   *bytes = 0;
   if (n == 0) return cudaSuccess;
   PlanScratch s;
-  cudaError_t err = plan_scan::plan_layout(n, plan_scan::end_bit_for(num_rows - 1), nullptr, &s);
+  cudaError_t err = plan_scan::plan_layout(n, plan_scan::end_bit_for(num_rows - 1), Group{1}, nullptr, &s);
   if (err == cudaSuccess) *bytes = s.bytes;
   return err;
 }
@@ -76,11 +77,11 @@ cudaError_t build_plan(const int* ids, int n, int last_extent, int num_rows, con
   cudaError_t err;
   const int end_bit = plan_scan::end_bit_for(num_rows - 1);
   PlanScratch s;
-  if ((err = plan_scan::plan_layout(n, end_bit, scratch, &s)) != cudaSuccess) return err;
+  if ((err = plan_scan::plan_layout(n, end_bit, Group{last_extent}, scratch, &s)) != cudaSuccess) return err;
   const unsigned blocks = static_cast<unsigned>(n / kBlock + 1);  // threads cover [0, n]
   clamp_kernel<<<blocks, kBlock, 0, stream>>>(ids, n, num_rows - 1, s.keys, s.positions);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  if ((err = plan_scan::sort_and_scan(s, n, end_bit, last_extent, out.perm, stream)) !=
+  if ((err = plan_scan::sort_and_scan(s, n, end_bit, Group{last_extent}, out.perm, stream)) !=
       cudaSuccess)
     return err;
   finalize_kernel<<<blocks, kBlock, 0, stream>>>(s.sorted_keys, out.perm, s.scan, n, last_extent,

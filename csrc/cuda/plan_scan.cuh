@@ -4,8 +4,8 @@
 // (new key, new prefix group) flags of each sorted position, packed as
 // new_key << 32 | new_group in one uint64 (computed on the fly by an iterator; neither
 // count can carry into the other, both are <= n < 2^31): scan[s] = (unique index + 1,
-// group index + 1), scan[n-1] = (num_unique, num_groups). A key's prefix group is
-// key / extent. Scratch comes from the caller, carved by plan_layout.
+// group index + 1), scan[n-1] = (num_unique, num_groups). A key's prefix group comes
+// from a functor (DivGroup: key / extent). Scratch comes from the caller, carved by plan_layout.
 #pragma once
 
 #include <thrust/iterator/counting_iterator.h>
@@ -20,16 +20,24 @@ namespace flowtt::plan_scan {
 constexpr int kBlock = 256;
 constexpr size_t kAlign = 256;  // cub's temp storage and every scratch array
 
-// (new key, new prefix group) at sorted position s of the sorted keys.
+// The prefix group key / extent (flowtt_plan, the prefix keys of flowtt_tb_plan).
 template <typename K>
+struct DivGroup {
+  K extent;
+  __host__ __device__ K operator()(K key) const { return key / extent; }
+};
+
+// (new key, new prefix group) at sorted position s of the sorted keys; Group maps a
+// key to its prefix group.
+template <typename K, typename Group>
 struct PlanFlags {
   const K* keys;
-  K extent;
+  Group group;
   __host__ __device__ int2 flags(int s) const {
     if (s == 0) return make_int2(1, 1);
     const K k = keys[s], prev = keys[s - 1];
     const int new_key = k != prev;
-    return make_int2(new_key, new_key && k / extent != prev / extent);
+    return make_int2(new_key, new_key && group(k) != group(prev));
   }
   __host__ __device__ uint64_t operator()(int s) const {  // packed for the scan
     const int2 f = flags(s);
@@ -37,12 +45,14 @@ struct PlanFlags {
   }
 };
 
-template <typename K>
-using FlagIter = thrust::transform_iterator<PlanFlags<K>, thrust::counting_iterator<int>>;
+template <typename K, typename Group>
+using FlagIter =
+    thrust::transform_iterator<PlanFlags<K, Group>, thrust::counting_iterator<int>>;
 
-template <typename K>
-FlagIter<K> flag_iter(const K* sorted_keys, K extent) {
-  return FlagIter<K>(thrust::counting_iterator<int>(0), PlanFlags<K>{sorted_keys, extent});
+template <typename K, typename Group>
+FlagIter<K, Group> flag_iter(const K* sorted_keys, Group group) {
+  return FlagIter<K, Group>(thrust::counting_iterator<int>(0),
+                            PlanFlags<K, Group>{sorted_keys, group});
 }
 
 __device__ __forceinline__ int2 unpack(uint64_t v) {
@@ -70,14 +80,14 @@ struct PlanScratch {
 
 // Carves `base` (nullptr: sizes only) into 256-byte aligned arrays; bytes includes the
 // slack to align base itself.
-template <typename K>
-cudaError_t plan_layout(int n, int end_bit, void* base, PlanScratch<K>* s) {
+template <typename K, typename Group>
+cudaError_t plan_layout(int n, int end_bit, Group group, void* base, PlanScratch<K>* s) {
   size_t sort_bytes = 0, scan_bytes = 0;
   cudaError_t err = cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, (const K*)nullptr,
                                                     (K*)nullptr, (const int*)nullptr, (int*)nullptr,
                                                     n, 0, end_bit);
   if (err != cudaSuccess) return err;
-  err = cub::DeviceScan::InclusiveSum(nullptr, scan_bytes, flag_iter<K>(nullptr, K(1)),
+  err = cub::DeviceScan::InclusiveSum(nullptr, scan_bytes, flag_iter<K>(nullptr, group),
                                       (uint64_t*)nullptr, n);
   if (err != cudaSuccess) return err;
   char* p = base ? reinterpret_cast<char*>(align_up(reinterpret_cast<uintptr_t>(base))) : nullptr;
@@ -99,15 +109,15 @@ cudaError_t plan_layout(int n, int end_bit, void* base, PlanScratch<K>* s) {
 
 // The sort (s.keys, s.positions -> s.sorted_keys, perm) and the scan of its flags into
 // s.scan, on `stream`.
-template <typename K>
-cudaError_t sort_and_scan(const PlanScratch<K>& s, int n, int end_bit, K extent, int* perm,
+template <typename K, typename Group>
+cudaError_t sort_and_scan(const PlanScratch<K>& s, int n, int end_bit, Group group, int* perm,
                           cudaStream_t stream) {
   size_t bytes = s.cub_bytes;
   cudaError_t err = cub::DeviceRadixSort::SortPairs(s.cub_tmp, bytes, s.keys, s.sorted_keys,
                                                     s.positions, perm, n, 0, end_bit, stream);
   if (err != cudaSuccess) return err;
   bytes = s.cub_bytes;
-  return cub::DeviceScan::InclusiveSum(s.cub_tmp, bytes, flag_iter<K>(s.sorted_keys, extent),
+  return cub::DeviceScan::InclusiveSum(s.cub_tmp, bytes, flag_iter<K>(s.sorted_keys, group),
                                        s.scan, n, stream);
 }
 

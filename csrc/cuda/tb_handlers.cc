@@ -74,10 +74,10 @@ ffi::Error TbPlanCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, Tb
                           TbS32 tables, TbS32 meta, ffi::RemainingArgs, TbS32Out perm,
                           TbS32Out inverse, TbS32Out run_offsets, TbS32Out group_offsets,
                           TbS32Out u_i3, TbS32Out g_i1, TbS32Out g_i2, TbS32Out counts,
-                          int64_t extent, int64_t num_keys) {
+                          int64_t extent, bool row_keys, int64_t num_keys) {
   ffi::ErrorOr<TbPlanChecked> c =
       TbCheckPlanOpBuffers(ids, tables, meta, *perm, *inverse, *run_offsets, *group_offsets, *u_i3,
-                           *g_i1, *g_i2, *counts, extent, num_keys);
+                           *g_i1, *g_i2, *counts, extent, row_keys, num_keys);
   if (c.has_error()) return c.error();
   const int n = static_cast<int>(c->n);
   size_t bytes = 0;
@@ -92,7 +92,7 @@ ffi::Error TbPlanCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, Tb
                           u_i3->typed_data(),        g_i1->typed_data(),
                           g_i2->typed_data(),        counts->typed_data()};
   return CudaError(build_tb_plan(ids.typed_data(), tables.typed_data(), n, meta.typed_data(),
-                                 static_cast<int>(c->T), static_cast<int>(extent), num_keys, out,
+                                 static_cast<int>(c->T), static_cast<int>(extent), row_keys, num_keys, out,
                                  ws, stream),
                    "tb_plan");
 }

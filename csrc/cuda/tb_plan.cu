@@ -1,13 +1,13 @@
 // On-device plan of a shape group (flowtt_tb_plan), four steps on the caller's stream:
-//   1. tb_plan_keys_kernel: keys[i] = the prefix key of (tables[i], ids[i])
-//      (common/tb_plan_meta.h), positions[i] = i. Keys of at most 32 bits are uint32,
-//      else uint64 (Meta-like 788 tables: 33 bits).
+//   1. tb_plan_keys_kernel: keys[i] = the sort key of (tables[i], ids[i]) in the key form
+//      the caller chose (common/tb_plan_meta.h: prefix keys, or row keys where only those
+//      fit 32 bits), positions[i] = i. Keys of at most 32 bits are uint32, else uint64.
 //   2. cub radix sort of (keys, positions) on the key bits in use only, stable.
 //   3. cub inclusive sum of the (new key, new group) flags (steps 2 and 3:
 //      cuda/plan_scan.cuh, shared with flowtt_plan).
 //   4. tb_plan_finalize_kernel over i in [0, n]: every output element written once;
 //      at a unique key's first position its u_i3, at a group's its g_i1 and g_i2 (the
-//      key's table by a binary search of the prefix bases), padding tails, counts.
+//      key's table by a binary search of the meta's bases), padding tails, counts.
 // No device synchronisation, no allocation: scratch comes from the caller.
 #include "cuda/tb_plan.h"
 
@@ -24,13 +24,20 @@ using plan_scan::PlanFlags;
 using plan_scan::PlanScratch;
 using plan_scan::unpack;
 
+// The key form's group of a key of type K (the scan's functor).
+template <typename K>
+struct FormGroup {
+  TbKeyForm form;
+  __host__ __device__ uint64_t operator()(K key) const { return form.group(key); }
+};
+
 template <typename K>
 __global__ void tb_plan_keys_kernel(const int* __restrict__ ids, const int* __restrict__ tables,
-                                    int n, TbPlanMeta meta, int extent, uint64_t max_key,
-                                    K* __restrict__ keys, int* __restrict__ positions) {
+                                    int n, TbKeyForm form, uint64_t max_key, K* __restrict__ keys,
+                                    int* __restrict__ positions) {
   const int64_t i = int64_t(blockIdx.x) * kBlock + threadIdx.x;
   if (i >= n) return;
-  keys[i] = static_cast<K>(TbPlanKey(meta, tables[i], ids[i], extent, max_key));
+  keys[i] = static_cast<K>(form.key(tables[i], ids[i], max_key));
   positions[i] = static_cast<int>(i);
 }
 
@@ -38,19 +45,19 @@ __global__ void tb_plan_keys_kernel(const int* __restrict__ ids, const int* __re
 template <typename K>
 __global__ void tb_plan_finalize_kernel(const K* __restrict__ sorted_keys,
                                         const int* __restrict__ perm,
-                                        const uint64_t* __restrict__ scan, int n, int extent,
-                                        TbPlanMeta meta, TbPlanOutputs out) {
+                                        const uint64_t* __restrict__ scan, int n, TbKeyForm form,
+                                        TbPlanOutputs out) {
   const int64_t i64 = int64_t(blockIdx.x) * kBlock + threadIdx.x;
   if (i64 > n) return;
   const int i = static_cast<int>(i64);
   const int2 total = unpack(scan[n - 1]);  // (num_unique, num_groups)
   if (i < n) {
     const int2 c = unpack(scan[i]);
-    const int2 f = PlanFlags<K>{sorted_keys, static_cast<K>(extent)}.flags(i);
+    const int2 f = PlanFlags<K, FormGroup<K>>{sorted_keys, FormGroup<K>{form}}.flags(i);
     const int u = c.x - 1;
     out.inverse[perm[i]] = u;
     if (f.x) {
-      const TbPlanRows r = TbRowsOfKey(meta, sorted_keys[i], extent);
+      const TbPlanRows r = form.rows(sorted_keys[i]);
       out.run_offsets[u] = i;
       out.u_i3[u] = r.i3;
       if (f.y) {
@@ -70,56 +77,57 @@ __global__ void tb_plan_finalize_kernel(const K* __restrict__ sorted_keys,
   }
 }
 
+int end_bit_of(int64_t num_keys) {
+  return plan_scan::end_bit_for(static_cast<uint64_t>(num_keys - 1));
+}
+
 template <typename K>
-cudaError_t run(const int* ids, const int* tables, int n, TbPlanMeta meta, int extent,
-                int64_t num_keys, const TbPlanOutputs& out, void* scratch, cudaStream_t stream) {
-  const uint64_t max_key = static_cast<uint64_t>(num_keys - 1);
-  const int end_bit = plan_scan::end_bit_for(max_key);
+cudaError_t run(const int* ids, const int* tables, int n, const TbKeyForm& form, int64_t num_keys,
+                const TbPlanOutputs& out, void* scratch, cudaStream_t stream) {
+  const int end_bit = end_bit_of(num_keys);
   PlanScratch<K> s;
-  cudaError_t err = plan_scan::plan_layout(n, end_bit, scratch, &s);
+  cudaError_t err = plan_scan::plan_layout(n, end_bit, FormGroup<K>{form}, scratch, &s);
   if (err != cudaSuccess) return err;
   const unsigned blocks = static_cast<unsigned>(n / kBlock + 1);  // threads cover [0, n]
-  tb_plan_keys_kernel<K>
-      <<<blocks, kBlock, 0, stream>>>(ids, tables, n, meta, extent, max_key, s.keys, s.positions);
+  tb_plan_keys_kernel<K><<<blocks, kBlock, 0, stream>>>(
+      ids, tables, n, form, static_cast<uint64_t>(num_keys - 1), s.keys, s.positions);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  if ((err = plan_scan::sort_and_scan(s, n, end_bit, static_cast<K>(extent), out.perm, stream)) !=
+  if ((err = plan_scan::sort_and_scan(s, n, end_bit, FormGroup<K>{form}, out.perm, stream)) !=
       cudaSuccess)
     return err;
   tb_plan_finalize_kernel<K>
-      <<<blocks, kBlock, 0, stream>>>(s.sorted_keys, out.perm, s.scan, n, extent, meta, out);
+      <<<blocks, kBlock, 0, stream>>>(s.sorted_keys, out.perm, s.scan, n, form, out);
   return cudaGetLastError();
 }
 
 bool narrow_keys(int64_t num_keys) { return num_keys <= (int64_t{1} << 32); }
+
+template <typename K>
+size_t layout_bytes(int n, int64_t num_keys, cudaError_t* err) {
+  PlanScratch<K> s;
+  *err = plan_scan::plan_layout(n, end_bit_of(num_keys), FormGroup<K>{}, nullptr, &s);
+  return *err == cudaSuccess ? s.bytes : 0;
+}
 
 }  // namespace
 
 cudaError_t tb_plan_scratch_bytes(int n, int64_t num_keys, size_t* bytes) {
   *bytes = 0;
   if (n == 0) return cudaSuccess;
-  const int end_bit = plan_scan::end_bit_for(static_cast<uint64_t>(num_keys - 1));
   cudaError_t err;
-  if (narrow_keys(num_keys)) {
-    PlanScratch<uint32_t> s;
-    err = plan_scan::plan_layout(n, end_bit, nullptr, &s);
-    *bytes = s.bytes;
-  } else {
-    PlanScratch<uint64_t> s;
-    err = plan_scan::plan_layout(n, end_bit, nullptr, &s);
-    *bytes = s.bytes;
-  }
-  if (err != cudaSuccess) *bytes = 0;
+  *bytes = narrow_keys(num_keys) ? layout_bytes<uint32_t>(n, num_keys, &err)
+                                 : layout_bytes<uint64_t>(n, num_keys, &err);
   return err;
 }
 
 cudaError_t build_tb_plan(const int* ids, const int* tables, int n, const int* meta, int T,
-                          int extent, int64_t num_keys, const TbPlanOutputs& out, void* scratch,
-                          cudaStream_t stream) {
-  if (n == 0) return plan_scan::write_empty_plan(out.run_offsets, out.group_offsets, out.counts, stream);
-  const TbPlanMeta m{meta, T};
-  if (narrow_keys(num_keys))
-    return run<uint32_t>(ids, tables, n, m, extent, num_keys, out, scratch, stream);
-  return run<uint64_t>(ids, tables, n, m, extent, num_keys, out, scratch, stream);
+                          int extent, bool row_keys, int64_t num_keys, const TbPlanOutputs& out,
+                          void* scratch, cudaStream_t stream) {
+  if (n == 0)
+    return plan_scan::write_empty_plan(out.run_offsets, out.group_offsets, out.counts, stream);
+  const TbKeyForm form{{meta, T}, extent, row_keys};
+  if (narrow_keys(num_keys)) return run<uint32_t>(ids, tables, n, form, num_keys, out, scratch, stream);
+  return run<uint64_t>(ids, tables, n, form, num_keys, out, scratch, stream);
 }
 
 }  // namespace flowtt::tb
