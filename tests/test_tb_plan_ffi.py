@@ -16,8 +16,8 @@ import pytest
 import flowtt_jax as ftt
 from flowtt_jax import ffi
 from flowtt_jax.batched_plan import GroupLayout, GroupPlan, make_group_plan
-from tests.test_plan_ffi import CPU, device_param
 from tests.helpers import poisoned_call
+from tests.test_plan_ffi import CPU, device_param
 
 pytestmark = pytest.mark.skipif(not ffi.available(), reason="compiled extension not built")
 

@@ -122,8 +122,7 @@ template <typename Dims>
 std::string TbCheckPlanOp(const Dims& ids, const Dims& tables, const Dims& meta, const Dims& perm,
                           const Dims& inverse, const Dims& run_offsets, const Dims& group_offsets,
                           const Dims& u_i3, const Dims& g_i1, const Dims& g_i2, const Dims& counts,
-                          int64_t extent, bool row_keys, int64_t num_keys, int64_t* n,
-                          int64_t* T) {
+                          int64_t extent, bool row_keys, int64_t num_keys, int64_t* n, int64_t* T) {
   *n = TbLength(ids);
   if (*n < 0 || *n + 1 >= kTbInt32Limit || TbLength(tables) != *n) {
     return "flowtt_tb_plan: ids and tables must be 1-D [n] with n + 1 < 2^31, got " +

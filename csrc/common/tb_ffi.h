@@ -91,11 +91,11 @@ inline ffi::ErrorOr<TbPlanChecked> TbCheckPlanOpBuffers(
     const TbS32& g_i1, const TbS32& g_i2, const TbS32& counts, int64_t extent, bool row_keys,
     int64_t num_keys) {
   TbPlanChecked c{};
-  const std::string e = TbCheckPlanOp(
-      ids.dimensions(), tables.dimensions(), meta.dimensions(), perm.dimensions(),
-      inverse.dimensions(), run_offsets.dimensions(), group_offsets.dimensions(),
-      u_i3.dimensions(), g_i1.dimensions(), g_i2.dimensions(), counts.dimensions(), extent,
-      row_keys, num_keys, &c.n, &c.T);
+  const std::string e =
+      TbCheckPlanOp(ids.dimensions(), tables.dimensions(), meta.dimensions(), perm.dimensions(),
+                    inverse.dimensions(), run_offsets.dimensions(), group_offsets.dimensions(),
+                    u_i3.dimensions(), g_i1.dimensions(), g_i2.dimensions(), counts.dimensions(),
+                    extent, row_keys, num_keys, &c.n, &c.T);
   if (!e.empty()) return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(e));
   return c;
 }

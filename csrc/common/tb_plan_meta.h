@@ -36,7 +36,9 @@ struct TbPlanMeta {
   FLOWTT_HD uint32_t row_base(int t) const { return static_cast<uint32_t>(at(kMetaRowBase, t)); }
 };
 
-FLOWTT_HD int64_t TbClamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+FLOWTT_HD int64_t TbClamp64(int64_t v, int64_t lo, int64_t hi) {
+  return v < lo ? lo : (v > hi ? hi : v);
+}
 
 // The last t with base(t) <= x (0 if none), for non-decreasing base.
 template <typename Base>
@@ -66,7 +68,7 @@ struct TbPlanRows {
 //     extent = max_t p3_t: a key's prefix group is key / extent;
 //   row keys (row_keys): row_base[t] + id, the denser form where the prefix keys pass
 //     32 bits but these do not (Meta-like 788 tables: 31.8 against 33 bits): a key's
-//     table by binary search of the row bases, then its group.
+//     table by binary search of the row bases, then its group; extent = max_t p3_t still.
 // Table and id are clamped first (table to [0, T), id to [0, N_t)); keys to max_key.
 struct TbKeyForm {
   TbPlanMeta meta;
@@ -89,12 +91,18 @@ struct TbKeyForm {
     return k < max_key ? k : max_key;
   }
 
-  // The prefix group of a key: a number that grows with (table, i1, i2).
-  FLOWTT_HD uint64_t group(uint64_t key) const {
-    if (!row_keys) return key / static_cast<uint64_t>(extent);
+  // Whether sorted keys prev < key are in different (table, i1, i2) prefix groups. Row
+  // keys: a group spans fewer than p3_t <= extent keys, so keys extent apart differ;
+  // else the table of key (binary search) decides.
+  FLOWTT_HD bool new_group(uint64_t key, uint64_t prev) const {
+    const uint64_t e = static_cast<uint64_t>(extent);
+    if (!row_keys) return key / e != prev / e;
+    if (key - prev >= e) return true;
     const int t = table_of_row_key(key);
-    return static_cast<uint64_t>(meta.at(kMetaPrefixBase, t)) +
-           (key - meta.row_base(t)) / static_cast<uint64_t>(p3_of(t));
+    const uint64_t base = meta.row_base(t);
+    if (prev < base) return true;
+    const uint64_t p3 = static_cast<uint64_t>(p3_of(t));
+    return (key - base) / p3 != (prev - base) / p3;
   }
 
   FLOWTT_HD TbPlanRows rows(uint64_t key) const {
@@ -107,7 +115,8 @@ struct TbKeyForm {
       i3 = id % p3_of(t);
     } else {
       const uint64_t prefix = key / static_cast<uint64_t>(extent);
-      t = TbLastAtMost(meta.T, prefix, [this](int u) -> int64_t { return meta.at(kMetaPrefixBase, u); });
+      t = TbLastAtMost(meta.T, prefix,
+                       [this](int u) -> int64_t { return meta.at(kMetaPrefixBase, u); });
       local = static_cast<int64_t>(prefix) - meta.at(kMetaPrefixBase, t);
       i3 = static_cast<int64_t>(key - prefix * static_cast<uint64_t>(extent));
     }

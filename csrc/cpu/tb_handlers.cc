@@ -56,10 +56,11 @@ ffi::Error TbPlanCpuImpl(TbS32 ids, TbS32 tables, TbS32 meta, ffi::RemainingArgs
                            *g_i1, *g_i2, *counts, extent, row_keys, num_keys);
   if (c.has_error()) return c.error();
   flowtt::cpu::MakeTbPlan(ids.typed_data(), tables.typed_data(), c->n,
-                  TbKeyForm{{meta.typed_data(), static_cast<int>(c->T)}, extent, row_keys}, num_keys,
-                  {perm->typed_data(), inverse->typed_data(), run_offsets->typed_data(),
-                   group_offsets->typed_data(), u_i3->typed_data(), g_i1->typed_data(),
-                   g_i2->typed_data(), counts->typed_data()});
+                          TbKeyForm{{meta.typed_data(), static_cast<int>(c->T)}, extent, row_keys},
+                          num_keys,
+                          {perm->typed_data(), inverse->typed_data(), run_offsets->typed_data(),
+                           group_offsets->typed_data(), u_i3->typed_data(), g_i1->typed_data(),
+                           g_i2->typed_data(), counts->typed_data()});
   return ffi::Error::Success();
 }
 

@@ -46,7 +46,7 @@ void MakeTbPlan(const int32_t* ids, const int32_t* tables, int64_t n, const tb::
       const tb::TbPlanRows r = form.rows(key);
       out.run_offsets[++u] = int32_t(s);
       out.u_i3[u] = r.i3;
-      if (s == 0 || form.group(key) != form.group(sorted[s - 1].first)) {
+      if (s == 0 || form.new_group(key, sorted[s - 1].first)) {
         out.group_offsets[++g] = u;
         out.g_i1[g] = r.i1;
         out.g_i2[g] = r.i2;

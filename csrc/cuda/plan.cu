@@ -6,8 +6,8 @@
 //      the sorted positions are perm, as jax.lax.sort(is_stable=True) gives.
 //   3. cub single-pass inclusive sum of the (new id, new prefix group) flags
 //      (steps 2 and 3: cuda/plan_scan.cuh, shared with flowtt_tb_plan).
-//   4. finalize_kernel over i in [0, n]: every output element written once
-//      (scatters at run / group starts, padding tails, counts).
+//   4. finalize_kernel over i in [0, n] (the flags from the scan): every output element
+//      written once (scatters at run / group starts, padding tails, counts).
 // No device synchronisation, no allocation: scratch comes from the caller.
 #include "cuda/plan.h"
 
@@ -19,8 +19,8 @@ namespace flowtt {
 namespace {
 
 using plan_scan::kBlock;
-using plan_scan::PlanFlags;
-using Group = plan_scan::DivGroup<int>;
+using Group = plan_scan::DivNewGroup<int>;
+using plan_scan::flags_from_scan;
 using plan_scan::unpack;
 using PlanScratch = plan_scan::PlanScratch<int>;
 
@@ -34,15 +34,14 @@ __global__ void clamp_kernel(const int* __restrict__ ids, int n, int max_id, int
 
 // One thread per i in [0, n]; sorted_keys, perm, scan are [n].
 __global__ void finalize_kernel(const int* __restrict__ sorted_keys, const int* __restrict__ perm,
-                                const uint64_t* __restrict__ scan, int n, int last_extent,
-                                PlanOutputs out) {
+                                const uint64_t* __restrict__ scan, int n, PlanOutputs out) {
   const int64_t i64 = int64_t(blockIdx.x) * kBlock + threadIdx.x;
   if (i64 > n) return;
   const int i = static_cast<int>(i64);
   const int2 total = unpack(scan[n - 1]);  // (num_unique, num_groups)
   if (i < n) {
     const int2 c = unpack(scan[i]);
-    const int2 f = PlanFlags<int, Group>{sorted_keys, Group{last_extent}}.flags(i);
+    const int2 f = flags_from_scan(scan, i, c);
     const int u = c.x - 1;
     out.inverse[perm[i]] = u;
     if (f.x) {
@@ -66,26 +65,28 @@ cudaError_t plan_scratch_bytes(int n, int num_rows, size_t* bytes) {
   *bytes = 0;
   if (n == 0) return cudaSuccess;
   PlanScratch s;
-  cudaError_t err = plan_scan::plan_layout(n, plan_scan::end_bit_for(num_rows - 1), Group{1}, nullptr, &s);
+  cudaError_t err =
+      plan_scan::plan_layout(n, plan_scan::end_bit_for(num_rows - 1), Group{1}, nullptr, &s);
   if (err == cudaSuccess) *bytes = s.bytes;
   return err;
 }
 
 cudaError_t build_plan(const int* ids, int n, int last_extent, int num_rows, const PlanOutputs& out,
                        void* scratch, cudaStream_t stream) {
-  if (n == 0) return plan_scan::write_empty_plan(out.run_offsets, out.group_offsets, out.counts, stream);
+  if (n == 0)
+    return plan_scan::write_empty_plan(out.run_offsets, out.group_offsets, out.counts, stream);
   cudaError_t err;
   const int end_bit = plan_scan::end_bit_for(num_rows - 1);
   PlanScratch s;
-  if ((err = plan_scan::plan_layout(n, end_bit, Group{last_extent}, scratch, &s)) != cudaSuccess) return err;
+  if ((err = plan_scan::plan_layout(n, end_bit, Group{last_extent}, scratch, &s)) != cudaSuccess)
+    return err;
   const unsigned blocks = static_cast<unsigned>(n / kBlock + 1);  // threads cover [0, n]
   clamp_kernel<<<blocks, kBlock, 0, stream>>>(ids, n, num_rows - 1, s.keys, s.positions);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   if ((err = plan_scan::sort_and_scan(s, n, end_bit, Group{last_extent}, out.perm, stream)) !=
       cudaSuccess)
     return err;
-  finalize_kernel<<<blocks, kBlock, 0, stream>>>(s.sorted_keys, out.perm, s.scan, n, last_extent,
-                                                 out);
+  finalize_kernel<<<blocks, kBlock, 0, stream>>>(s.sorted_keys, out.perm, s.scan, n, out);
   return cudaGetLastError();
 }
 

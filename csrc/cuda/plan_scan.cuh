@@ -4,8 +4,9 @@
 // (new key, new prefix group) flags of each sorted position, packed as
 // new_key << 32 | new_group in one uint64 (computed on the fly by an iterator; neither
 // count can carry into the other, both are <= n < 2^31): scan[s] = (unique index + 1,
-// group index + 1), scan[n-1] = (num_unique, num_groups). A key's prefix group comes
-// from a functor (DivGroup: key / extent). Scratch comes from the caller, carved by plan_layout.
+// group index + 1), scan[n-1] = (num_unique, num_groups). Whether two keys are in
+// different prefix groups comes from a functor (DivNewGroup: key / extent). Scratch comes from the
+// caller, carved by plan_layout.
 #pragma once
 
 #include <thrust/iterator/counting_iterator.h>
@@ -20,43 +21,47 @@ namespace flowtt::plan_scan {
 constexpr int kBlock = 256;
 constexpr size_t kAlign = 256;  // cub's temp storage and every scratch array
 
-// The prefix group key / extent (flowtt_plan, the prefix keys of flowtt_tb_plan).
+// Whether sorted keys prev < key are in different prefix groups key / extent (flowtt_plan,
+// the prefix keys of flowtt_tb_plan).
 template <typename K>
-struct DivGroup {
+struct DivNewGroup {
   K extent;
-  __host__ __device__ K operator()(K key) const { return key / extent; }
+  __host__ __device__ bool operator()(K key, K prev) const { return key / extent != prev / extent; }
 };
 
-// (new key, new prefix group) at sorted position s of the sorted keys; Group maps a
-// key to its prefix group.
-template <typename K, typename Group>
+// (new key, new prefix group) at sorted position s of the sorted keys; NewGroup(key, prev)
+// says whether two different sorted keys are in different prefix groups.
+template <typename K, typename NewGroup>
 struct PlanFlags {
   const K* keys;
-  Group group;
-  __host__ __device__ int2 flags(int s) const {
-    if (s == 0) return make_int2(1, 1);
-    const K k = keys[s], prev = keys[s - 1];
-    const int new_key = k != prev;
-    return make_int2(new_key, new_key && group(k) != group(prev));
-  }
+  NewGroup new_group;
   __host__ __device__ uint64_t operator()(int s) const {  // packed for the scan
-    const int2 f = flags(s);
-    return (uint64_t(f.x) << 32) | uint64_t(f.y);
+    if (s == 0) return (uint64_t(1) << 32) | 1u;
+    const K k = keys[s], prev = keys[s - 1];
+    if (k == prev) return 0;
+    return (uint64_t(1) << 32) | uint64_t(new_group(k, prev) ? 1 : 0);
   }
 };
 
+__device__ __forceinline__ int2 unpack(uint64_t v) {
+  return make_int2(int(v >> 32), int(v & 0xffffffffu));
+}
+
+// The flags of sorted position s from the scan (s's counts against s - 1's): what
+// PlanFlags gave there, without the keys.
+__device__ __forceinline__ int2 flags_from_scan(const uint64_t* scan, int s, int2 c) {
+  if (s == 0) return make_int2(1, 1);
+  const int2 p = unpack(scan[s - 1]);
+  return make_int2(c.x != p.x, c.y != p.y);
+}
+
 template <typename K, typename Group>
-using FlagIter =
-    thrust::transform_iterator<PlanFlags<K, Group>, thrust::counting_iterator<int>>;
+using FlagIter = thrust::transform_iterator<PlanFlags<K, Group>, thrust::counting_iterator<int>>;
 
 template <typename K, typename Group>
 FlagIter<K, Group> flag_iter(const K* sorted_keys, Group group) {
   return FlagIter<K, Group>(thrust::counting_iterator<int>(0),
                             PlanFlags<K, Group>{sorted_keys, group});
-}
-
-__device__ __forceinline__ int2 unpack(uint64_t v) {
-  return make_int2(int(v >> 32), int(v & 0xffffffffu));
 }
 
 // Bit length of max_key, at least 1: the radix sort's end_bit.
@@ -70,11 +75,11 @@ inline size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 template <typename K>
 struct PlanScratch {
-  K* keys;           // [n]
-  K* sorted_keys;    // [n]
-  int* positions;    // [n] 0..n-1
-  uint64_t* scan;    // [n] inclusive (unique, group) counts, packed
-  void* cub_tmp;     // shared by the sort and the scan (they run in turn)
+  K* keys;         // [n]
+  K* sorted_keys;  // [n]
+  int* positions;  // [n] 0..n-1
+  uint64_t* scan;  // [n] inclusive (unique, group) counts, packed
+  void* cub_tmp;   // shared by the sort and the scan (they run in turn)
   size_t cub_bytes, bytes;
 };
 
@@ -83,9 +88,9 @@ struct PlanScratch {
 template <typename K, typename Group>
 cudaError_t plan_layout(int n, int end_bit, Group group, void* base, PlanScratch<K>* s) {
   size_t sort_bytes = 0, scan_bytes = 0;
-  cudaError_t err = cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, (const K*)nullptr,
-                                                    (K*)nullptr, (const int*)nullptr, (int*)nullptr,
-                                                    n, 0, end_bit);
+  cudaError_t err =
+      cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, (const K*)nullptr, (K*)nullptr,
+                                      (const int*)nullptr, (int*)nullptr, n, 0, end_bit);
   if (err != cudaSuccess) return err;
   err = cub::DeviceScan::InclusiveSum(nullptr, scan_bytes, flag_iter<K>(nullptr, group),
                                       (uint64_t*)nullptr, n);
@@ -117,8 +122,8 @@ cudaError_t sort_and_scan(const PlanScratch<K>& s, int n, int end_bit, Group gro
                                                     s.positions, perm, n, 0, end_bit, stream);
   if (err != cudaSuccess) return err;
   bytes = s.cub_bytes;
-  return cub::DeviceScan::InclusiveSum(s.cub_tmp, bytes, flag_iter<K>(s.sorted_keys, group),
-                                       s.scan, n, stream);
+  return cub::DeviceScan::InclusiveSum(s.cub_tmp, bytes, flag_iter<K>(s.sorted_keys, group), s.scan,
+                                       n, stream);
 }
 
 // The plan of no positions: run_offsets = group_offsets = [0], counts = (0, 0).

@@ -92,8 +92,8 @@ ffi::Error TbPlanCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, Tb
                           u_i3->typed_data(),        g_i1->typed_data(),
                           g_i2->typed_data(),        counts->typed_data()};
   return CudaError(build_tb_plan(ids.typed_data(), tables.typed_data(), n, meta.typed_data(),
-                                 static_cast<int>(c->T), static_cast<int>(extent), row_keys, num_keys, out,
-                                 ws, stream),
+                                 static_cast<int>(c->T), static_cast<int>(extent), row_keys,
+                                 num_keys, out, ws, stream),
                    "tb_plan");
 }
 

@@ -5,7 +5,8 @@
 //   2. cub radix sort of (keys, positions) on the key bits in use only, stable.
 //   3. cub inclusive sum of the (new key, new group) flags (steps 2 and 3:
 //      cuda/plan_scan.cuh, shared with flowtt_plan).
-//   4. tb_plan_finalize_kernel over i in [0, n]: every output element written once;
+//   4. tb_plan_finalize_kernel over i in [0, n] (the flags from the scan, not the keys):
+//      every output element written once;
 //      at a unique key's first position its u_i3, at a group's its g_i1 and g_i2 (the
 //      key's table by a binary search of the meta's bases), padding tails, counts.
 // No device synchronisation, no allocation: scratch comes from the caller.
@@ -19,16 +20,16 @@
 namespace flowtt::tb {
 namespace {
 
+using plan_scan::flags_from_scan;
 using plan_scan::kBlock;
-using plan_scan::PlanFlags;
 using plan_scan::PlanScratch;
 using plan_scan::unpack;
 
-// The key form's group of a key of type K (the scan's functor).
+// The key form's group test for keys of type K (the scan's functor).
 template <typename K>
 struct FormGroup {
   TbKeyForm form;
-  __host__ __device__ uint64_t operator()(K key) const { return form.group(key); }
+  __host__ __device__ bool operator()(K key, K prev) const { return form.new_group(key, prev); }
 };
 
 template <typename K>
@@ -53,7 +54,7 @@ __global__ void tb_plan_finalize_kernel(const K* __restrict__ sorted_keys,
   const int2 total = unpack(scan[n - 1]);  // (num_unique, num_groups)
   if (i < n) {
     const int2 c = unpack(scan[i]);
-    const int2 f = PlanFlags<K, FormGroup<K>>{sorted_keys, FormGroup<K>{form}}.flags(i);
+    const int2 f = flags_from_scan(scan, i, c);
     const int u = c.x - 1;
     out.inverse[perm[i]] = u;
     if (f.x) {
@@ -126,7 +127,8 @@ cudaError_t build_tb_plan(const int* ids, const int* tables, int n, const int* m
   if (n == 0)
     return plan_scan::write_empty_plan(out.run_offsets, out.group_offsets, out.counts, stream);
   const TbKeyForm form{{meta, T}, extent, row_keys};
-  if (narrow_keys(num_keys)) return run<uint32_t>(ids, tables, n, form, num_keys, out, scratch, stream);
+  if (narrow_keys(num_keys))
+    return run<uint32_t>(ids, tables, n, form, num_keys, out, scratch, stream);
   return run<uint64_t>(ids, tables, n, form, num_keys, out, scratch, stream);
 }
 

@@ -28,9 +28,9 @@ cudaError_t tb_plan_scratch_bytes(int n, int64_t num_keys, size_t* bytes);
 // Plan of ids [n] of tables [n] (n + 1 < 2^31) under the table metadata meta [8, T]:
 // each position's key TbKeyForm{meta, extent, row_keys}.key(table, id, num_keys - 1)
 // (common/tb_plan_meta.h: prefix keys, or with row_keys the row keys), sorted stably;
-// unique keys are the (table, id) uniques, the form's key groups the prefix groups. For in-range operands and GroupLayout's meta the plan equals
-// flowtt_jax.batched_plan.make_group_plan bit for bit. All work is queued on `stream`;
-// `scratch` holds tb_plan_scratch_bytes(n, num_keys) bytes.
+// unique keys are the (table, id) uniques, the form's key groups the prefix groups. For in-range
+// operands and GroupLayout's meta the plan equals flowtt_jax.batched_plan.make_group_plan bit for
+// bit. All work is queued on `stream`; `scratch` holds tb_plan_scratch_bytes(n, num_keys) bytes.
 cudaError_t build_tb_plan(const int* ids, const int* tables, int n, const int* meta, int T,
                           int extent, bool row_keys, int64_t num_keys, const TbPlanOutputs& out,
                           void* scratch, cudaStream_t stream);
