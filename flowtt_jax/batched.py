@@ -9,8 +9,8 @@ one sort of all (table, id) keys (``flowtt_tb_plan``, the plan of ``make_group_p
 -> unique rows of every table (``flowtt_tb_rows_fwd``) -> fixed-order pooling of all
 ``F*B`` bags (the single-table ``flowtt_bag_pool_fwd``), under one ``jax.custom_vjp``
 whose backward gives the packed core gradients (``flowtt_tb_rows_bwd``, bitwise
-reproducible) and the weights'. A group of one table takes the single-table kernels instead (``ops.fused_bag``: T = 1 is the
-single-table op).
+reproducible) and the weights'. A group of one table takes the single-table kernels
+instead (``ops.fused_bag``: T = 1 is the single-table op).
 
 ``impl``: ``"auto"`` (the kernels when built and the group's shapes are supported, else
 the reference), ``"ffi"`` (require them), ``"reference"`` (per-position gathers in
