@@ -11,6 +11,7 @@
 
 #include "common/ffi_binding.h"
 #include "common/tb_contract.h"
+#include "common/tb_plan_meta.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace flowtt::tb {
@@ -81,23 +82,29 @@ auto TbBindRowsBwd(Binding b) {
                      Buffers<TbF32, TbF32, TbF32>{});
 }
 
-// TbCheckPlanOp on a handler's buffers: (n, T).
+// TbCheckPlanOp on a handler's buffers: n, the key form and the output pointers.
 struct TbPlanChecked {
-  int64_t n, T;
+  int64_t n;
+  TbKeyForm form;
+  TbPlanOut out;
 };
 inline ffi::ErrorOr<TbPlanChecked> TbCheckPlanOpBuffers(
     const TbS32& ids, const TbS32& tables, const TbS32& meta, const TbS32& perm,
     const TbS32& inverse, const TbS32& run_offsets, const TbS32& group_offsets, const TbS32& u_i3,
     const TbS32& g_i1, const TbS32& g_i2, const TbS32& counts, int64_t extent, bool row_keys,
     int64_t num_keys) {
-  TbPlanChecked c{};
+  int64_t n = 0, T = 0;
   const std::string e =
       TbCheckPlanOp(ids.dimensions(), tables.dimensions(), meta.dimensions(), perm.dimensions(),
                     inverse.dimensions(), run_offsets.dimensions(), group_offsets.dimensions(),
                     u_i3.dimensions(), g_i1.dimensions(), g_i2.dimensions(), counts.dimensions(),
-                    extent, row_keys, num_keys, &c.n, &c.T);
+                    extent, row_keys, num_keys, &n, &T);
   if (!e.empty()) return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(e));
-  return c;
+  return TbPlanChecked{n,
+                       TbKeyForm{{meta.typed_data(), static_cast<int>(T)}, extent, row_keys},
+                       {perm.typed_data(), inverse.typed_data(), run_offsets.typed_data(),
+                        group_offsets.typed_data(), u_i3.typed_data(), g_i1.typed_data(),
+                        g_i2.typed_data(), counts.typed_data()}};
 }
 
 template <typename Binding>

@@ -55,12 +55,7 @@ ffi::Error TbPlanCpuImpl(TbS32 ids, TbS32 tables, TbS32 meta, ffi::RemainingArgs
       TbCheckPlanOpBuffers(ids, tables, meta, *perm, *inverse, *run_offsets, *group_offsets, *u_i3,
                            *g_i1, *g_i2, *counts, extent, row_keys, num_keys);
   if (c.has_error()) return c.error();
-  flowtt::cpu::MakeTbPlan(ids.typed_data(), tables.typed_data(), c->n,
-                          TbKeyForm{{meta.typed_data(), static_cast<int>(c->T)}, extent, row_keys},
-                          num_keys,
-                          {perm->typed_data(), inverse->typed_data(), run_offsets->typed_data(),
-                           group_offsets->typed_data(), u_i3->typed_data(), g_i1->typed_data(),
-                           g_i2->typed_data(), counts->typed_data()});
+  flowtt::cpu::MakeTbPlan(ids.typed_data(), tables.typed_data(), c->n, c->form, num_keys, c->out);
   return ffi::Error::Success();
 }
 

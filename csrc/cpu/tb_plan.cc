@@ -37,7 +37,7 @@ std::vector<std::pair<uint64_t, int32_t>> SortedKeys(const int32_t* ids, const i
 }  // namespace
 
 void MakeTbPlan(const int32_t* ids, const int32_t* tables, int64_t n, const tb::TbKeyForm& form,
-                int64_t num_keys, const TbPlanOut& out) {
+                int64_t num_keys, const tb::TbPlanOut& out) {
   const auto sorted = SortedKeys(ids, tables, n, form, uint64_t(num_keys - 1));
   int32_t u = -1, g = -1;  // unique and group index of the current sorted position
   for (int64_t s = 0; s < n; ++s) {

@@ -8,16 +8,10 @@
 
 namespace flowtt::cpu {
 
-// The plan's outputs (fields of flowtt_jax.batched_plan.GroupPlan): perm, inverse, u_i3,
-// g_i1, g_i2 [n], run_offsets, group_offsets [n+1], counts [2].
-struct TbPlanOut {
-  int32_t *perm, *inverse, *run_offsets, *group_offsets, *u_i3, *g_i1, *g_i2, *counts;
-};
-
 // ids [n] of tables [n] in key form `form`: the plan of
 // flowtt_jax.batched_plan.make_group_plan bit for bit (for in-range operands), from the
 // keys form.key(table, id, num_keys - 1).
 void MakeTbPlan(const int32_t* ids, const int32_t* tables, int64_t n, const tb::TbKeyForm& form,
-                int64_t num_keys, const TbPlanOut& out);
+                int64_t num_keys, const tb::TbPlanOut& out);
 
 }  // namespace flowtt::cpu

@@ -30,6 +30,14 @@ inline xla::ffi::Error AllocateScratch(xla::ffi::ScratchAllocator& scratch, size
   return xla::ffi::Error::Success();
 }
 
+// XLA scratch of `bytes` for a plan launcher (none, *out = nullptr, when bytes == 0; the
+// launchers realign to 256 bytes).
+inline xla::ffi::Error AllocatePlanScratch(xla::ffi::ScratchAllocator& scratch, size_t bytes,
+                                           void** out) {
+  *out = nullptr;
+  return bytes > 0 ? AllocateScratch(scratch, bytes, out) : xla::ffi::Error::Success();
+}
+
 // What a rows launch takes once its operands passed the contract's check: the kernels'
 // dims (Dims), n, and its XLA scratch.
 template <typename Dims>

@@ -136,10 +136,8 @@ ffi::Error PlanImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, S32 ids,
   if (cudaError_t err = plan_scratch_bytes(n, static_cast<int>(num_rows), &bytes);
       err != cudaSuccess)
     return CudaError(err, "plan");
-  void* ws = nullptr;  // build_plan realigns to 256 bytes
-  if (bytes > 0) {
-    if (ffi::Error e = AllocateScratch(scratch, bytes, &ws); e.failure()) return e;
-  }
+  void* ws;
+  if (ffi::Error e = AllocatePlanScratch(scratch, bytes, &ws); e.failure()) return e;
   const PlanOutputs out{perm->typed_data(),          inverse->typed_data(),
                         unique_ids->typed_data(),    run_offsets->typed_data(),
                         group_offsets->typed_data(), counts->typed_data()};

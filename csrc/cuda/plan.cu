@@ -7,7 +7,8 @@
 //   3. cub single-pass inclusive sum of the (new id, new prefix group) flags
 //      (steps 2 and 3: cuda/plan_scan.cuh, shared with flowtt_tb_plan).
 //   4. finalize_kernel over i in [0, n] (the flags from the scan): every output element
-//      written once (scatters at run / group starts, padding tails, counts).
+//      written once (plan_scan::finalize_common, shared with flowtt_tb_plan, then the
+//      unique ids at run starts and their padding tail).
 // No device synchronisation, no allocation: scratch comes from the caller.
 #include "cuda/plan.h"
 
@@ -20,8 +21,6 @@ namespace {
 
 using plan_scan::kBlock;
 using Group = plan_scan::DivNewGroup<int>;
-using plan_scan::flags_from_scan;
-using plan_scan::unpack;
 using PlanScratch = plan_scan::PlanScratch<int>;
 
 __global__ void clamp_kernel(const int* __restrict__ ids, int n, int max_id, int* __restrict__ keys,
@@ -38,25 +37,10 @@ __global__ void finalize_kernel(const int* __restrict__ sorted_keys, const int* 
   const int64_t i64 = int64_t(blockIdx.x) * kBlock + threadIdx.x;
   if (i64 > n) return;
   const int i = static_cast<int>(i64);
-  const int2 total = unpack(scan[n - 1]);  // (num_unique, num_groups)
-  if (i < n) {
-    const int2 c = unpack(scan[i]);
-    const int2 f = flags_from_scan(scan, i, c);
-    const int u = c.x - 1;
-    out.inverse[perm[i]] = u;
-    if (f.x) {
-      out.run_offsets[u] = i;
-      out.unique_ids[u] = sorted_keys[i];
-    }
-    if (f.y) out.group_offsets[c.y - 1] = u;
-    if (i >= total.x) out.unique_ids[i] = 0;
-  }
-  if (i >= total.x) out.run_offsets[i] = n;
-  if (i >= total.y) out.group_offsets[i] = total.x;
-  if (i == 0) {
-    out.counts[0] = total.x;
-    out.counts[1] = total.y;
-  }
+  const plan_scan::FinalizeAt a = plan_scan::finalize_common(
+      scan, perm, n, i, out.inverse, out.run_offsets, out.group_offsets, out.counts);
+  if (a.key_start) out.unique_ids[a.u] = sorted_keys[i];
+  if (i < n && i >= a.total.x) out.unique_ids[i] = 0;
 }
 
 }  // namespace

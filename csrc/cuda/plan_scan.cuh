@@ -55,6 +55,41 @@ __device__ __forceinline__ int2 flags_from_scan(const uint64_t* scan, int s, int
   return make_int2(c.x != p.x, c.y != p.y);
 }
 
+// Sorted position i in [0, n] of a plan's finalize: its unique index u and group (i < n),
+// whether a unique key / a group starts there (never at i == n), and (num_unique,
+// num_groups).
+struct FinalizeAt {
+  int u, group;
+  bool key_start, group_start;
+  int2 total;
+};
+
+// What every plan's finalize writes at sorted position i in [0, n] (one thread per i, each
+// element written once): inverse[perm[i]], run_offsets (a unique key's first position, n
+// past num_unique), group_offsets (a group's first unique index, num_unique past
+// num_groups) and counts; the op's own outputs are the caller's, from the result.
+__device__ __forceinline__ FinalizeAt finalize_common(const uint64_t* __restrict__ scan,
+                                                      const int* __restrict__ perm, int n, int i,
+                                                      int* inverse, int* run_offsets,
+                                                      int* group_offsets, int* counts) {
+  FinalizeAt a{0, 0, false, false, unpack(scan[n - 1])};
+  if (i < n) {
+    const int2 c = unpack(scan[i]);
+    const int2 f = flags_from_scan(scan, i, c);
+    a = {c.x - 1, c.y - 1, f.x != 0, f.y != 0, a.total};
+    inverse[perm[i]] = a.u;
+    if (a.key_start) run_offsets[a.u] = i;
+    if (a.group_start) group_offsets[a.group] = a.u;
+  }
+  if (i >= a.total.x) run_offsets[i] = n;
+  if (i >= a.total.y) group_offsets[i] = a.total.x;
+  if (i == 0) {
+    counts[0] = a.total.x;
+    counts[1] = a.total.y;
+  }
+  return a;
+}
+
 template <typename K, typename Group>
 using FlagIter = thrust::transform_iterator<PlanFlags<K, Group>, thrust::counting_iterator<int>>;
 

@@ -83,17 +83,10 @@ ffi::Error TbPlanCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, Tb
   size_t bytes = 0;
   if (cudaError_t err = tb_plan_scratch_bytes(n, num_keys, &bytes); err != cudaSuccess)
     return CudaError(err, "tb_plan");
-  void* ws = nullptr;  // build_tb_plan realigns to 256 bytes
-  if (bytes > 0) {
-    if (ffi::Error e = AllocateScratch(scratch, bytes, &ws); e.failure()) return e;
-  }
-  const TbPlanOutputs out{perm->typed_data(),        inverse->typed_data(),
-                          run_offsets->typed_data(), group_offsets->typed_data(),
-                          u_i3->typed_data(),        g_i1->typed_data(),
-                          g_i2->typed_data(),        counts->typed_data()};
-  return CudaError(build_tb_plan(ids.typed_data(), tables.typed_data(), n, meta.typed_data(),
-                                 static_cast<int>(c->T), static_cast<int>(extent), row_keys,
-                                 num_keys, out, ws, stream),
+  void* ws;
+  if (ffi::Error e = AllocatePlanScratch(scratch, bytes, &ws); e.failure()) return e;
+  return CudaError(build_tb_plan(ids.typed_data(), tables.typed_data(), n, c->form, num_keys,
+                                 c->out, ws, stream),
                    "tb_plan");
 }
 

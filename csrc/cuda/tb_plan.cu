@@ -6,9 +6,10 @@
 //   3. cub inclusive sum of the (new key, new group) flags (steps 2 and 3:
 //      cuda/plan_scan.cuh, shared with flowtt_plan).
 //   4. tb_plan_finalize_kernel over i in [0, n] (the flags from the scan, not the keys):
-//      every output element written once;
-//      at a unique key's first position its u_i3, at a group's its g_i1 and g_i2 (the
-//      key's table by a binary search of the meta's bases), padding tails, counts.
+//      every output element written once: inverse, run and group offsets and counts as
+//      flowtt_plan's (plan_scan::finalize_common), then at a unique key's first position
+//      its u_i3, at a group's its g_i1 and g_i2 (the key's table by a binary search of
+//      the meta's bases), and their padding tails.
 // No device synchronisation, no allocation: scratch comes from the caller.
 #include "cuda/tb_plan.h"
 
@@ -20,10 +21,10 @@
 namespace flowtt::tb {
 namespace {
 
-using plan_scan::flags_from_scan;
+using plan_scan::finalize_common;
+using plan_scan::FinalizeAt;
 using plan_scan::kBlock;
 using plan_scan::PlanScratch;
-using plan_scan::unpack;
 
 // The key form's group test for keys of type K (the scan's functor).
 template <typename K>
@@ -47,35 +48,22 @@ template <typename K>
 __global__ void tb_plan_finalize_kernel(const K* __restrict__ sorted_keys,
                                         const int* __restrict__ perm,
                                         const uint64_t* __restrict__ scan, int n, TbKeyForm form,
-                                        TbPlanOutputs out) {
+                                        TbPlanOut out) {
   const int64_t i64 = int64_t(blockIdx.x) * kBlock + threadIdx.x;
   if (i64 > n) return;
   const int i = static_cast<int>(i64);
-  const int2 total = unpack(scan[n - 1]);  // (num_unique, num_groups)
-  if (i < n) {
-    const int2 c = unpack(scan[i]);
-    const int2 f = flags_from_scan(scan, i, c);
-    const int u = c.x - 1;
-    out.inverse[perm[i]] = u;
-    if (f.x) {
-      const TbPlanRows r = form.rows(sorted_keys[i]);
-      out.run_offsets[u] = i;
-      out.u_i3[u] = r.i3;
-      if (f.y) {
-        out.group_offsets[c.y - 1] = u;
-        out.g_i1[c.y - 1] = r.i1;
-        out.g_i2[c.y - 1] = r.i2;
-      }
+  const FinalizeAt a = finalize_common(scan, perm, n, i, out.inverse, out.run_offsets,
+                                       out.group_offsets, out.counts);
+  if (a.key_start) {
+    const TbPlanRows r = form.rows(sorted_keys[i]);
+    out.u_i3[a.u] = r.i3;
+    if (a.group_start) {
+      out.g_i1[a.group] = r.i1;
+      out.g_i2[a.group] = r.i2;
     }
-    if (i >= total.x) out.u_i3[i] = 0;
-    if (i >= total.y) out.g_i1[i] = out.g_i2[i] = 0;
   }
-  if (i >= total.x) out.run_offsets[i] = n;
-  if (i >= total.y) out.group_offsets[i] = total.x;
-  if (i == 0) {
-    out.counts[0] = total.x;
-    out.counts[1] = total.y;
-  }
+  if (i < n && i >= a.total.x) out.u_i3[i] = 0;
+  if (i < n && i >= a.total.y) out.g_i1[i] = out.g_i2[i] = 0;
 }
 
 int end_bit_of(int64_t num_keys) {
@@ -84,7 +72,7 @@ int end_bit_of(int64_t num_keys) {
 
 template <typename K>
 cudaError_t run(const int* ids, const int* tables, int n, const TbKeyForm& form, int64_t num_keys,
-                const TbPlanOutputs& out, void* scratch, cudaStream_t stream) {
+                const TbPlanOut& out, void* scratch, cudaStream_t stream) {
   const int end_bit = end_bit_of(num_keys);
   PlanScratch<K> s;
   cudaError_t err = plan_scan::plan_layout(n, end_bit, FormGroup<K>{form}, scratch, &s);
@@ -121,12 +109,11 @@ cudaError_t tb_plan_scratch_bytes(int n, int64_t num_keys, size_t* bytes) {
   return err;
 }
 
-cudaError_t build_tb_plan(const int* ids, const int* tables, int n, const int* meta, int T,
-                          int extent, bool row_keys, int64_t num_keys, const TbPlanOutputs& out,
-                          void* scratch, cudaStream_t stream) {
+cudaError_t build_tb_plan(const int* ids, const int* tables, int n, const TbKeyForm& form,
+                          int64_t num_keys, const TbPlanOut& out, void* scratch,
+                          cudaStream_t stream) {
   if (n == 0)
     return plan_scan::write_empty_plan(out.run_offsets, out.group_offsets, out.counts, stream);
-  const TbKeyForm form{{meta, T}, extent, row_keys};
   if (narrow_keys(num_keys))
     return run<uint32_t>(ids, tables, n, form, num_keys, out, scratch, stream);
   return run<uint64_t>(ids, tables, n, form, num_keys, out, scratch, stream);
