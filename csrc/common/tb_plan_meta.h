@@ -58,15 +58,14 @@ FLOWTT_HD int TbLastAtMost(int T, uint64_t x, Base base) {
 // The plan's outputs (fields of flowtt_jax.batched_plan.GroupPlan), written by the CPU and
 // the CUDA plan alike.
 struct TbPlanOut {
-  int32_t* perm;         // [n]   positions sorted by (table, id) (stable)
-  int32_t* inverse;      // [n]   position -> unique index
-  int32_t* run_offsets;  // [n+1] first sorted position of each unique (table, id), then n
-  int32_t*
-      group_offsets;  // [n+1] first unique index of each (table, i1, i2) group, then num_unique
-  int32_t* u_i3;      // [n]   packed g3 row of each unique, then 0
-  int32_t* g_i1;      // [n]   packed g1 row of each group, then 0
-  int32_t* g_i2;      // [n]   packed g2 row of each group, then 0
-  int32_t* counts;    // [2]   (num_unique, num_groups)
+  int32_t* perm;           // [n]   positions sorted by (table, id) (stable)
+  int32_t* inverse;        // [n]   position -> unique index
+  int32_t* run_offsets;    // [n+1] each unique (table, id)'s first sorted position, then n
+  int32_t* group_offsets;  // [n+1] each (table, i1, i2) group's first unique, then num_unique
+  int32_t* u_i3;           // [n]   packed g3 row of each unique, then 0
+  int32_t* g_i1;           // [n]   packed g1 row of each group, then 0
+  int32_t* g_i2;           // [n]   packed g2 row of each group, then 0
+  int32_t* counts;         // [2]   (num_unique, num_groups)
 };
 
 // A unique key's packed core rows u_i3, and a group's first key's g_i1, g_i2 (int32
