@@ -320,19 +320,20 @@ def _ours_batched(w: Workload) -> Fwd:
         outs = [None] * w.num_features
         for g, (layout, _) in enumerate(groups):
             feats = [f for f, (fg, _) in enumerate(feature_group) if fg == g]
-            if len(groups) == 1:
-                g_ids, g_offsets = ids, offsets
-            else:  # this group's features' slices, re-packed feature-major
-                g_ids = jnp.concatenate([ids[bounds[f] : bounds[f + 1]] for f in feats])
-                starts = np.cumsum([0] + [bounds[f + 1] - bounds[f] for f in feats])
-                g_offsets = jnp.concatenate(
-                    [offsets[f * b : (f + 1) * b] - bounds[f] + int(s) for f, s in zip(feats, starts)]
-                    + [jnp.full((1,), starts[-1], offsets.dtype)]
-                )
             tables = tuple(feature_group[f][1] for f in feats)
+            if len(groups) == 1:  # [B, F, D] as the pooling writes it -> [B, F*D]
+                out = tt_embedding_bag_group(
+                    params[g], layout, ids, offsets, tables, impl="ffi", batch_major=True
+                )
+                return out.reshape(b, -1)
+            # this group's features' slices, re-packed feature-major
+            g_ids = jnp.concatenate([ids[bounds[f] : bounds[f + 1]] for f in feats])
+            starts = np.cumsum([0] + [bounds[f + 1] - bounds[f] for f in feats])
+            g_offsets = jnp.concatenate(
+                [offsets[f * b : (f + 1) * b] - bounds[f] + int(s) for f, s in zip(feats, starts)]
+                + [jnp.full((1,), starts[-1], offsets.dtype)]
+            )
             out = tt_embedding_bag_group(params[g], layout, g_ids, g_offsets, tables, impl="ffi")
-            if len(groups) == 1:  # [F, B, D] -> [B, F*D]
-                return jnp.transpose(out, (1, 0, 2)).reshape(b, -1)
             # split, not indexing: an index's transpose pads to the whole [F, B, D] (F^2 work)
             for f, part in zip(feats, jnp.split(out, len(feats))):
                 outs[f] = part[0]

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import ffi, reference
-from .bag import MODES, apply_bags_oob, canonical_bags
+from .bag import MODES, apply_bags_oob, canonical_bags, segment_of_positions
 from .batched_plan import GroupLayout, GroupPlan, make_group_plan
 from .oob import apply_table_oob, as_ids
 from .ops import choose_impl as choose_single_table_impl
@@ -75,9 +75,9 @@ def _rows_bwd(packed, d_rows, plan: GroupPlan):
     return tuple(ffi.call("flowtt_tb_rows_bwd", outs, *packed, d_rows, *_plan_args(plan)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _group_bags(layout, weighted, packed, weights, ids, tables, offsets, bag_ids):
-    return _group_bags_fwd(layout, weighted, packed, weights, ids, tables, offsets, bag_ids)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _group_bags(layout, weighted, batch, packed, weights, ids, tables, offsets, bag_ids):
+    return _group_bags_fwd(layout, weighted, batch, packed, weights, ids, tables, offsets, bag_ids)[0]
 
 
 def _plan(layout, ids, tables) -> GroupPlan:
@@ -88,17 +88,18 @@ def _plan(layout, ids, tables) -> GroupPlan:
     return make_group_plan(layout, ids, tables, ffi.plan)
 
 
-def _group_bags_fwd(layout, weighted, packed, weights, ids, tables, offsets, bag_ids):
+def _group_bags_fwd(layout, weighted, batch, packed, weights, ids, tables, offsets, bag_ids):
     plan = _plan(layout, ids, tables)
     rows = _rows_fwd(packed, plan, layout.dim)
-    out = ffi.pool_fwd(rows, plan.inverse, weights, offsets)
+    out = ffi.pool_fwd(rows, plan.inverse, weights, offsets, batch)
     return out, (packed, weights, bag_ids, plan, ffi.rows_residual(rows, weighted))
 
 
-def _group_bags_bwd(layout, weighted, res, dout):
+def _group_bags_bwd(layout, weighted, batch, res, dout):
     packed, weights, bag_ids, plan, rows = res
     single = Plan(plan.perm, plan.inverse, plan.u_i3, plan.run_offsets, plan.group_offsets, plan.counts)
-    d_rows, d_weights = ffi.pool_bwd(dout, rows, weights, bag_ids, single, with_d_weights=weighted)
+    out_rows = batch_major_rows(bag_ids, dout.shape[0], batch)  # dout's row of each position's bag
+    d_rows, d_weights = ffi.pool_bwd(dout, rows, weights, out_rows, single, with_d_weights=weighted)
     d_packed = _rows_bwd(packed, d_rows, plan)
     if d_weights is None:
         d_weights = jnp.zeros_like(weights)
@@ -106,6 +107,22 @@ def _group_bags_bwd(layout, weighted, res, dout):
 
 
 _group_bags.defvjp(_group_bags_fwd, _group_bags_bwd)
+
+
+def batch_major_rows(bags: jax.Array, num_bags: int, batch: int) -> jax.Array:
+    """Rows of feature-major bags ``f*batch + b`` in the batch-major layout: ``b*F + f`` with
+    ``F = num_bags // batch``; ``bags`` as they are when ``batch`` is 0."""
+    if batch == 0:
+        return bags
+    return (bags % batch) * (num_bags // batch) + bags // batch
+
+
+def to_batch_major(out: jax.Array, batch: int) -> jax.Array:
+    """Feature-major bags ``[F*batch, D]`` as ``[batch*F, D]`` (row ``b*F + f``); ``out`` as it
+    is when ``batch`` is 0."""
+    if batch == 0:
+        return out
+    return jnp.swapaxes(out.reshape(-1, batch, out.shape[-1]), 0, 1).reshape(out.shape)
 
 
 def _reference_bags(layout: GroupLayout, packed, weights, ids, tables, bag_ids, num_bags):
@@ -174,8 +191,11 @@ def tt_embedding_bag_group(
     oob: str = "zero",
     impl: str = "auto",
     dtype: jnp.dtype | None = None,
+    batch_major: bool = False,
 ) -> jax.Array:
-    """Pooled bags of every feature of a shape group: ``[F, B, D]`` in ``dtype``.
+    """Pooled bags of every feature of a shape group: ``[F, B, D]`` in ``dtype``, or
+    ``[B, F, D]`` with ``batch_major`` (FBGEMM's layout: the pooling kernel writes it, so a
+    model that wants ``[B, F*D]`` needs no transpose, nor its transpose in the backward).
 
     Args:
       packed: the group's packed cores (``GroupLayout.packed_shapes()``).
@@ -217,11 +237,13 @@ def tt_embedding_bag_group(
     ids = as_ids(ids, oob)
     if ids.ndim != 1:
         raise ValueError(f"ids must be a flat int array [n], got {ids.dtype}{list(ids.shape)}")
+    out_shape = (batch, num_features, dim) if batch_major else (num_features, batch, dim)
     if ids.shape[0] == 0 or batch == 0:
-        return jnp.zeros((num_features, batch, dim), out_dtype)
+        return jnp.zeros(out_shape, out_dtype)
 
     bags = canonical_bags(ids, offsets=offsets, weights=weights, mode="sum", check_offsets=oob == "error")
-    feature = bags.bag_ids // batch
+    # each position's feature from the F + 1 feature starts (the forward needs no bag ids)
+    feature = segment_of_positions(bags.offsets[::batch], ids.shape[0])
     tables = jnp.asarray(feature_tables, jnp.int32)[feature]
     flat, valid = apply_table_oob(bags.ids, tables, layout.table_arrays()["num_rows"], oob)
     bags, tables = apply_bags_oob(bags, flat, valid, tables)  # dropped positions add no rows
@@ -237,8 +259,9 @@ def tt_embedding_bag_group(
         w,
         weighted=weights is not None,
         impl=impl,
+        batch=batch if batch_major else 0,
     )
-    return out.reshape(num_features, batch, dim).astype(out_dtype)
+    return out.reshape(out_shape).astype(out_dtype)
 
 
 def pooled_group(
@@ -252,24 +275,31 @@ def pooled_group(
     *,
     weighted: bool,
     impl: str,
+    batch: int = 0,
 ) -> jax.Array:
     """Weighted bag sums ``[num_bags, D]`` (float32, float64 cores stay float64) of
     prepared inputs: ids [n] int32 in range of their tables [n] int32, valid CSR
     ``offsets [num_bags + 1]``, ``bag_ids [n]`` in ``[0, num_bags)`` and effective weights
     [n] (modes and dropped ids folded in); n >= 1. ``weighted`` (static): the weights'
-    gradient is wanted; ``impl``: ``"ffi"`` or ``"reference"`` (as ``choose_impl`` gives).
+    gradient is wanted; ``impl``: ``"ffi"`` or ``"reference"`` (as ``choose_impl`` gives);
+    ``batch`` (static): 0, row j is bag j; else ``batch`` divides num_bags, the bags are
+    feature-major (``f*batch + b``) and the rows batch-major (``b*F + f``).
     """
     c32 = tuple(c.astype(jnp.promote_types(c.dtype, jnp.float32)) for c in packed)
     num_bags = offsets.shape[0] - 1
+    if batch and num_bags % batch:
+        raise ValueError(f"batch {batch} does not divide the {num_bags} bags")
     if impl == "reference":
-        return _reference_bags(layout, c32, weights.astype(c32[0].dtype), ids, tables, bag_ids, num_bags)
+        out = _reference_bags(layout, c32, weights.astype(c32[0].dtype), ids, tables, bag_ids, num_bags)
+        return to_batch_major(out, batch)
     ffi.check_kernel_nnz(ids.shape[0])
     axes = ffi.varying_axes(c32, weights, ids, tables, offsets, bag_ids)  # ffi.py: inside shard_map
     c32, weights = ffi.to_varying((c32, weights), axes)
+    weights = weights.astype(jnp.float32)
     with ffi.explain_ad_errors():
         if _takes_single_table_kernels(layout, c32):
-            return fused_bag(weighted, c32, weights.astype(jnp.float32), ids, offsets, bag_ids)
-        return _group_bags(layout, weighted, c32, weights.astype(jnp.float32), ids, tables, offsets, bag_ids)
+            return to_batch_major(fused_bag(weighted, c32, weights, ids, offsets, bag_ids), batch)
+        return _group_bags(layout, weighted, batch, c32, weights, ids, tables, offsets, bag_ids)
 
 
 def _takes_single_table_kernels(layout, packed) -> bool:

@@ -284,10 +284,17 @@ def rows_bwd(cores, d_rows: jax.Array, plan: Plan) -> tuple[jax.Array, ...]:
     )
 
 
-def pool_fwd(rows: jax.Array, inverse: jax.Array, weights: jax.Array, offsets: jax.Array) -> jax.Array:
-    """Bags [B, D]: weighted sums of unique rows through the inverse map, fixed order."""
+def pool_fwd(
+    rows: jax.Array, inverse: jax.Array, weights: jax.Array, offsets: jax.Array, batch: int = 0
+) -> jax.Array:
+    """Bags [B, D]: weighted sums of unique rows through the inverse map, fixed order.
+
+    ``batch`` (static): 0, row j is bag j; else the bags are feature-major (bag
+    ``f*batch + b`` of ``F = B / batch`` features) and row ``b*F + f`` holds bag
+    ``f*batch + b``: the ``[batch, F, D]`` layout, written so by the kernel.
+    """
     out = _f32((offsets.shape[0] - 1, rows.shape[1]))
-    return _call("flowtt_bag_pool_fwd", out, rows, inverse, weights, offsets)
+    return _call("flowtt_bag_pool_fwd", out, rows, inverse, weights, offsets, batch=np.int64(batch))
 
 
 def bag_fwd(cores, plan: Plan, weights: jax.Array, offsets: jax.Array, chunk_rows: int) -> jax.Array:

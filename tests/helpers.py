@@ -12,6 +12,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import flowtt_jax as ftt
 
@@ -134,12 +135,29 @@ def target_rows_fwd(call, cores, plan):
     return rows
 
 
-def target_pool_fwd(call, rows, plan, weights, offsets):
-    """flowtt_bag_pool_fwd: bags [B, D] float32 from rows [n, D] and CSR offsets [B+1]."""
+def target_pool_fwd(call, rows, plan, weights, offsets, batch: int = 0):
+    """flowtt_bag_pool_fwd: bags [B, D] float32 from rows [n, D] and CSR offsets [B+1]
+    (``batch`` > 0: feature-major bags written batch-major, as ``ffi.pool_fwd``)."""
+    out_shape = [f32((len(offsets) - 1, rows.shape[1]))]
     (out,) = call(
-        "flowtt_bag_pool_fwd", [f32((len(offsets) - 1, rows.shape[1]))], rows, plan.inverse, weights, offsets
+        "flowtt_bag_pool_fwd", out_shape, rows, plan.inverse, weights, offsets, batch=np.int64(batch)
     )
     return out
+
+
+def check_pool_batch_major(call, rows, plan, weights, offsets, batch: int) -> None:
+    """flowtt_bag_pool_fwd with ``batch`` (0: the smallest proper divisor of the bags): every
+    row written (``call`` poisons), row ``b*F + f`` bit for bit the plain call's bag
+    ``f*batch + b``; a ``batch`` that does not divide the bags is refused by name."""
+    num_bags = len(offsets) - 1
+    batch = batch or next((b for b in range(2, num_bags) if num_bags % b == 0), num_bags)
+    plain = np.asarray(target_pool_fwd(call, rows, plan, weights, offsets))
+    got = np.asarray(target_pool_fwd(call, rows, plan, weights, offsets, batch=batch))
+    want = plain.reshape(num_bags // batch, batch, -1).transpose(1, 0, 2).reshape(plain.shape)
+    assert np.isfinite(got).all() and got.tobytes() == want.tobytes()
+    bad = next(b for b in range(2, num_bags + 1) if num_bags % b)
+    with pytest.raises(Exception, match="batch must be 0 or divide"):
+        jax.block_until_ready(target_pool_fwd(call, rows, plan, weights, offsets, batch=bad))
 
 
 def target_pool_bwd(call, dout, rows, weights, plan, bag_ids, with_d_weights: bool = True):

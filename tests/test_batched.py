@@ -230,6 +230,44 @@ def test_gradients_match_per_table_loop(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_batch_major_is_the_transposed_output_and_gradient(impl):
+    """``batch_major=True``: ``[B, F, D]``, bit for bit the feature-major output transposed
+    (the kernels write that layout; the same sums in the same order), and the gradients of
+    a cotangent given batch-major equal those of its transpose, bit for bit."""
+    packed = make_packed(21)
+    ids, offsets, weights = make_batch(22)
+    batch = (len(offsets) - 1) // len(FEATURE_TABLES)
+    dout = jax.random.normal(jax.random.key(23), (batch, len(FEATURE_TABLES), 16))
+
+    def run(batch_major):
+        def loss(c, w):
+            out = tt_embedding_bag_group(
+                c,
+                LAYOUT,
+                ids,
+                offsets,
+                FEATURE_TABLES,
+                weights=w,
+                mode=MODES,
+                impl=impl,
+                batch_major=batch_major,
+            )
+            return jnp.sum(out * (dout if batch_major else jnp.swapaxes(dout, 0, 1))), out
+
+        return jax.jit(jax.grad(loss, (0, 1), has_aux=True))(packed, weights)
+
+    (dc_bm, dw_bm), out_bm = run(True)
+    (dc, dw), out = run(False)
+    assert out_bm.shape == (batch, len(FEATURE_TABLES), 16)
+    assert np.asarray(out_bm).tobytes() == np.asarray(jnp.swapaxes(out, 0, 1)).tobytes()
+    np.testing.assert_allclose(
+        out_bm, jnp.swapaxes(per_table_loop(packed, ids, offsets, weights, MODES), 0, 1), rtol=2e-5, atol=2e-6
+    )
+    for a, b in zip((*dc_bm, dw_bm), (*dc, dw)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("oob", ["zero", "clip"])
 def test_out_of_range_ids_follow_the_policy_per_table(impl, oob):
     packed = make_packed(8)

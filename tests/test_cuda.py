@@ -27,6 +27,7 @@ from tests.helpers import (
     bag_fwd_shape_errors,
     bag_ids_of,
     check_bag_fwd,
+    check_pool_batch_major,
     check_rows_past_num_unique_unread,
     cuda_device,
     custom_call_targets,
@@ -185,6 +186,7 @@ def test_raw_targets_write_every_element(kind, dim, rank, seeds):
     assert np.all(np.isfinite(rows[:nu]))
     out = target_pool_fwd(_poisoned, rows, plan, weights, offsets)
     assert np.all(np.isfinite(out))
+    check_pool_batch_major(_poisoned, rows, plan, weights, offsets, batch=0)
     d_rows, d_w = target_pool_bwd(_poisoned, cot, rows, weights, plan, bag_ids_of(offsets, ids.shape[0]))
     assert np.all(np.isfinite(d_rows[:nu])) and np.all(np.isfinite(d_w))
     grads = target_rows_bwd(_poisoned, cores, d_rows, plan)

@@ -20,6 +20,7 @@ from tests.helpers import (
     bag_fwd_shape_errors,
     bag_ids_of,
     check_bag_fwd,
+    check_pool_batch_major,
     check_rows_past_num_unique_unread,
     f32,
     hot_prefix_ids,
@@ -57,6 +58,7 @@ def test_all_targets_write_every_output(kind):
     assert rel_err(rows[:nu], table[np.asarray(plan.unique_ids[:nu])]) < 1e-5
 
     out = target_pool_fwd(poisoned_call, rows, plan, weights, offsets)
+    check_pool_batch_major(poisoned_call, rows, plan, weights, offsets, batch=10)
     expected = jax.ops.segment_sum(
         np.asarray(weights, np.float64)[:, None] * table[np.asarray(ids)], np.asarray(bag_ids), num_bags
     )

@@ -305,7 +305,14 @@ def test_pooling_sums_in_the_documented_order(platform):
     plan = ftt.make_plan(ids, 1)
     device = _device(platform)
     (out,) = poisoned_call(
-        "flowtt_bag_pool_fwd", [f32((len(seqs), dim))], rows, plan.inverse, weights, offsets, device=device
+        "flowtt_bag_pool_fwd",
+        [f32((len(seqs), dim))],
+        rows,
+        plan.inverse,
+        weights,
+        offsets,
+        device=device,
+        batch=np.int64(0),
     )
     want = np.array([_seq_f32(s) for s in seqs], np.float32)
     assert want[0] == 0 and _seq_f32(seqs[0][::-1]) == 2  # the order shows

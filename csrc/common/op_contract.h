@@ -115,16 +115,23 @@ ffi::Error CheckRowsBwd(const FBuf& g1, const FBuf& g2, const FBuf& g3, const FB
   return ffi::Error::Success();
 }
 
-// flowtt_bag_pool_fwd: rows [n, dim] and the pooling operands; sets n, dim and num_bags.
+// flowtt_bag_pool_fwd: rows [n, dim], the pooling operands and the output layout
+// (batch 0, or batch >= 1 dividing num_bags: common/pool_layout.h); sets n, dim and
+// num_bags.
 template <typename FBuf, typename IBuf, typename OBuf>
 ffi::Error CheckPoolFwd(const FBuf& rows, const IBuf& inverse, const FBuf& weights,
-                        const IBuf& offsets, const OBuf& out, int64_t* n, int64_t* dim,
-                        int64_t* num_bags) {
+                        const IBuf& offsets, const OBuf& out, int64_t batch, int64_t* n,
+                        int64_t* dim, int64_t* num_bags) {
   *n = Length(inverse);
   *dim = rows.dimensions().size() == 2 ? rows.dimensions()[1] : -1;
   if (ffi::Error e = CheckPooling(inverse, weights, offsets, out, *n, *dim, num_bags);
       e.failure()) {
     return e;
+  }
+  if (batch < 0 || (batch > 0 && *num_bags % batch != 0)) {
+    return ffi::Error::InvalidArgument("flowtt_bag_pool_fwd: batch must be 0 or divide the " +
+                                       std::to_string(*num_bags) + " bags, got " +
+                                       std::to_string(batch));
   }
   return CheckMatrix(rows, *n, *dim, "rows");
 }
@@ -221,9 +228,10 @@ auto BindRowsBwd(Binding b) {  // g1 g2 g3 d_rows unique_ids group_offsets count
 }
 
 template <typename Binding>
-auto BindPoolFwd(Binding b) {  // rows inverse weights offsets -> out
+auto BindPoolFwd(Binding b) {  // rows inverse weights offsets -> out; attr batch
   return BindBuffers(std::move(b), Buffers<F32Buffer, S32Buffer, F32Buffer, S32Buffer>{},
-                     Buffers<F32Buffer>{});
+                     Buffers<F32Buffer>{})
+      .template Attr<int64_t>("batch");
 }
 
 template <typename Binding>

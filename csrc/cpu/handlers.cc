@@ -59,14 +59,14 @@ ffi::Error RowsBwdImpl(F32 g1, F32 g2, F32 g3, F32 d_rows, S32 unique_ids, S32 g
 }
 
 ffi::Error PoolFwdImpl(F32 rows, S32 inverse, F32 weights, S32 offsets, ffi::RemainingArgs,
-                       F32Out out) {
+                       F32Out out, int64_t batch) {
   int64_t n, d, bags;
-  if (ffi::Error e = CheckPoolFwd(rows, inverse, weights, offsets, *out, &n, &d, &bags);
+  if (ffi::Error e = CheckPoolFwd(rows, inverse, weights, offsets, *out, batch, &n, &d, &bags);
       e.failure()) {
     return e;
   }
   return FromMessage(cpu::PoolFwd(rows.typed_data(), n, d, inverse.typed_data(),
-                                  weights.typed_data(), offsets.typed_data(), bags,
+                                  weights.typed_data(), offsets.typed_data(), bags, batch,
                                   out->typed_data()));
 }
 

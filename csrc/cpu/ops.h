@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/core_shape.h"
+#include "common/pool_layout.h"
 
 namespace flowtt::cpu {
 
@@ -173,12 +174,13 @@ inline std::string CheckOffsets(const int32_t* offsets, int64_t num_bags, int64_
 // out[b] += weights[k] * rows[inverse[k] - u_begin] for k in bag b, in increasing k, over the
 // positions whose inverse[k] lies in [u_begin, u_end) and whose weight is not 0 (the others
 // are skipped, their rows never read: a zero weight gives 0 even for a non-finite row).
-// rows holds the unique rows [u_begin, u_end); offsets are checked.
+// rows holds the unique rows [u_begin, u_end); offsets are checked. Bag b's sum is row
+// PoolOutRow(b, num_bags, batch) of out.
 inline void PoolRange(const float* rows, int64_t d, const int32_t* inverse, const float* weights,
                       const int32_t* offsets, int64_t num_bags, int64_t u_begin, int64_t u_end,
-                      float* out) {
+                      int64_t batch, float* out) {
   for (int64_t b = 0; b < num_bags; ++b) {
-    float* o = out + b * d;
+    float* o = out + PoolOutRow(b, num_bags, batch) * d;
     for (int32_t k = offsets[b]; k < offsets[b + 1]; ++k) {
       const int64_t u = inverse[k];
       const float w = weights[k];
@@ -191,13 +193,13 @@ inline void PoolRange(const float* rows, int64_t d, const int32_t* inverse, cons
 
 inline std::string PoolFwd(const float* rows, int64_t n, int64_t d, const int32_t* inverse,
                            const float* weights, const int32_t* offsets, int64_t num_bags,
-                           float* out) {
+                           int64_t batch, float* out) {
   if (std::string e = CheckOffsets(offsets, num_bags, n); !e.empty()) return e;
   for (int64_t k = offsets[0]; k < offsets[num_bags]; ++k) {  // the positions in some bag
     if (inverse[k] < 0 || inverse[k] >= n) return "inverse index out of range";
   }
   std::memset(out, 0, sizeof(float) * num_bags * d);
-  PoolRange(rows, d, inverse, weights, offsets, num_bags, 0, n, out);
+  PoolRange(rows, d, inverse, weights, offsets, num_bags, 0, n, batch, out);
   return "";
 }
 
@@ -220,7 +222,7 @@ inline std::string BagFwd(const Shape& s, const float* g1, const float* g2, cons
   for (int64_t u0 = 0; u0 < p.num_unique; u0 += c) {
     const int64_t u1 = std::min<int64_t>(u0 + c, p.num_unique);
     RowsRange(s, g1, g2, g3, p, int32_t(u0), int32_t(u1), prefix.data(), rows.data());
-    PoolRange(rows.data(), d, inverse, weights, offsets, num_bags, u0, u1, out);
+    PoolRange(rows.data(), d, inverse, weights, offsets, num_bags, u0, u1, 0, out);
   }
   return "";
 }

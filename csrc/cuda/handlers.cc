@@ -93,15 +93,15 @@ ffi::Error BagFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 g1
 }
 
 ffi::Error PoolFwdImpl(cudaStream_t stream, F32 rows, S32 inverse, F32 weights, S32 offsets,
-                       ffi::RemainingArgs, F32Out out) {
+                       ffi::RemainingArgs, F32Out out, int64_t batch) {
   int64_t n, d, bags;
-  if (ffi::Error e = CheckPoolFwd(rows, inverse, weights, offsets, *out, &n, &d, &bags);
+  if (ffi::Error e = CheckPoolFwd(rows, inverse, weights, offsets, *out, batch, &n, &d, &bags);
       e.failure())
     return e;
-  return CudaError(
-      bag_pool_fwd(rows.typed_data(), inverse.typed_data(), weights.typed_data(),
-                   offsets.typed_data(), (int)n, (int)bags, (int)d, out->typed_data(), stream),
-      "bag_pool_fwd");
+  return CudaError(bag_pool_fwd(rows.typed_data(), inverse.typed_data(), weights.typed_data(),
+                                offsets.typed_data(), (int)n, (int)bags, (int)d, (int)batch,
+                                out->typed_data(), stream),
+                   "bag_pool_fwd");
 }
 
 ffi::Error PoolBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 dout, F32 rows,

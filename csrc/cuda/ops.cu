@@ -69,7 +69,7 @@ cudaError_t bag_fwd(const TTDims& t, const float* g1, const float* g2, const flo
                                      lo / C, s.rows, stream)) != cudaSuccess)
       return err;
     if ((err = launch_pool_fwd(s.rows, inverse, weights, bag_offsets, n, B, d.D, lo, lo + C, counts,
-                               lo > 0, out, stream)) != cudaSuccess)
+                               lo > 0, 0, out, stream)) != cudaSuccess)
       return err;
   }
   return cudaSuccess;

@@ -47,8 +47,9 @@ cudaError_t rows_bwd(const TTDims& d, const float* g1, const float* g2, const fl
                      cudaStream_t stream);
 
 // ---- op 2: flowtt_bag_pool_fwd ----
+// batch: the output layout (common/pool_layout.h; 0: row b is bag b).
 cudaError_t bag_pool_fwd(const float* rows, const int* inverse, const float* weights,
-                         const int* bag_offsets, int n, int B, int D, float* out,
+                         const int* bag_offsets, int n, int B, int D, int batch, float* out,
                          cudaStream_t stream);
 
 // ---- op 3: flowtt_bag_pool_bwd ----

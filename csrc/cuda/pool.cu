@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/pool_layout.h"
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
 #include "cuda/stages.h"
@@ -55,13 +56,14 @@ __device__ __forceinline__ float4 vzero<float4>() {
 // increasing k. Only positions whose unique index is in [lo, hi) (hi capped
 // at num_unique when counts is given) and whose weight is not 0 add
 // w * rows[idx - lo] (a zero weight never reads its row: 0, not 0 * inf = NaN);
-// accumulate: start from out (the fused forward's later chunks), else from 0.
+// accumulate: start from out (the fused forward's later chunks), else from 0. Bag b's
+// sum is row PoolOutRow(b, B, batch) of out.
 template <int VEC>
 __global__ void pool_fwd_kernel(const float* __restrict__ rows, const int* __restrict__ inverse,
                                 const float* __restrict__ weights,
                                 const int* __restrict__ bag_offsets, int n, int B, int D, int TS,
                                 int lo, int hi, const int* __restrict__ counts, bool accumulate,
-                                float* __restrict__ out) {
+                                int batch, float* __restrict__ out) {
   using T = typename VecT<VEC>::T;
   if (counts != nullptr) hi = min(hi, clampi(counts[0], 0, n));
   if (accumulate && lo >= hi) return;
@@ -73,16 +75,16 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows, const int* __res
   const int DV = D / VEC;
   const unsigned span = (unsigned)max(hi - lo, 0);
   const T* rv = reinterpret_cast<const T*>(rows);
-  T* ov = reinterpret_cast<T*>(out);
+  T* ov = reinterpret_cast<T*>(out) + (size_t)PoolOutRow(bag, B, batch) * DV;
   for (int dv = lane; dv < DV; dv += TS) {
-    T acc = accumulate ? ov[(size_t)bag * DV + dv] : vzero<T>();
+    T acc = accumulate ? ov[dv] : vzero<T>();
 #pragma unroll 4
     for (int k = kb; k < ke; ++k) {
       const unsigned idx = (unsigned)(__ldg(inverse + k) - lo);
       const float w = __ldg(weights + k);
       if (idx < span && w != 0.f) vfma(acc, w, rv[(size_t)idx * DV + dv]);
     }
-    ov[(size_t)bag * DV + dv] = acc;
+    ov[dv] = acc;
   }
 }
 
@@ -283,7 +285,8 @@ int team_size(int DV) {
 
 cudaError_t launch_pool_fwd(const float* rows, const int* inverse, const float* weights,
                             const int* bag_offsets, int n, int B, int D, int lo, int hi,
-                            const int* counts, bool accumulate, float* out, cudaStream_t stream) {
+                            const int* counts, bool accumulate, int batch, float* out,
+                            cudaStream_t stream) {
   if (B <= 0) return cudaSuccess;
   const bool v4 = (D % 4) == 0 && (reinterpret_cast<uintptr_t>(rows) % 16) == 0 &&
                   (reinterpret_cast<uintptr_t>(out) % 16) == 0;
@@ -292,16 +295,16 @@ cudaError_t launch_pool_fwd(const float* rows, const int* inverse, const float* 
   const int blocks = (int)(((long long)B * TS + 255) / 256);
   with_vec(v4, [&](auto vec) {
     pool_fwd_kernel<vec()><<<blocks, 256, 0, stream>>>(rows, inverse, weights, bag_offsets, n, B, D,
-                                                       TS, lo, hi, counts, accumulate, out);
+                                                       TS, lo, hi, counts, accumulate, batch, out);
   });
   return cudaGetLastError();
 }
 
 cudaError_t bag_pool_fwd(const float* rows, const int* inverse, const float* weights,
-                         const int* bag_offsets, int n, int B, int D, float* out,
+                         const int* bag_offsets, int n, int B, int D, int batch, float* out,
                          cudaStream_t stream) {
-  return launch_pool_fwd(rows, inverse, weights, bag_offsets, n, B, D, 0, n, nullptr, false, out,
-                         stream);
+  return launch_pool_fwd(rows, inverse, weights, bag_offsets, n, B, D, 0, n, nullptr, false, batch,
+                         out, stream);
 }
 
 cudaError_t bag_pool_bwd(const float* dout, const float* rows, const float* weights,

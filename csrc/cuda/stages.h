@@ -59,9 +59,11 @@ cudaError_t launch_dg3(const Dev& d, const float* d_rows, int n, const BwdScratc
 
 // ---- cuda/pool.cu ----
 // Pooling of the unique rows [lo, hi) (hi capped at num_unique when counts is given)
-// held in rows[idx - lo]; accumulate: add to out (later chunks of flowtt_bag_fwd).
+// held in rows[idx - lo]; accumulate: add to out (later chunks of flowtt_bag_fwd);
+// batch: the output layout (common/pool_layout.h).
 cudaError_t launch_pool_fwd(const float* rows, const int* inverse, const float* weights,
                             const int* bag_offsets, int n, int B, int D, int lo, int hi,
-                            const int* counts, bool accumulate, float* out, cudaStream_t stream);
+                            const int* counts, bool accumulate, int batch, float* out,
+                            cudaStream_t stream);
 
 }  // namespace flowtt
