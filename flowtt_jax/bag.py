@@ -41,7 +41,6 @@ __all__ = [
     "canonical_bags",
     "check_sizes",
     "prepare_bags",
-    "segment_of_positions",
 ]
 
 MODES = ("sum", "mean", "sqrtn")
@@ -98,20 +97,6 @@ def bag_of_positions(offsets: jax.Array, n: int) -> jax.Array:
     """
     marks = jnp.zeros((n + 1,), jnp.int32).at[jnp.clip(offsets, 0, n)].add(1)
     return jnp.cumsum(marks[:n], dtype=jnp.int32) - 1
-
-
-def segment_of_positions(starts: jax.Array, n: int) -> jax.Array:
-    """``[n]`` int32: the segment ``s`` with ``starts[s] <= p < starts[s + 1]`` of each position
-    p, for non-decreasing ``starts [S + 1]`` (S >= 1; positions before ``starts[0]`` in segment
-    0, from ``starts[S]`` on in segment S - 1).
-
-    A binary search of the S - 1 inner starts per position, fused into its consumers: for
-    few segments (a packed batch's features), cheaper than ``bag_of_positions``' scatter and
-    [n] cumulative sum.
-    """
-    pos = jnp.arange(n, dtype=jnp.int32)
-    inner = jnp.asarray(starts, jnp.int32)[1:-1]
-    return jnp.searchsorted(inner, pos, side="right", method="scan_unrolled").astype(jnp.int32)
 
 
 def canonical_bags(

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import ffi, reference
-from .bag import MODES, apply_bags_oob, canonical_bags, segment_of_positions
+from .bag import MODES, apply_bags_oob, canonical_bags
 from .batched_plan import GroupLayout, GroupPlan, make_group_plan
 from .oob import apply_table_oob, as_ids
 from .ops import choose_impl as choose_single_table_impl
@@ -242,8 +242,7 @@ def tt_embedding_bag_group(
         return jnp.zeros(out_shape, out_dtype)
 
     bags = canonical_bags(ids, offsets=offsets, weights=weights, mode="sum", check_offsets=oob == "error")
-    # each position's feature from the F + 1 feature starts (the forward needs no bag ids)
-    feature = segment_of_positions(bags.offsets[::batch], ids.shape[0])
+    feature = bags.bag_ids // batch
     tables = jnp.asarray(feature_tables, jnp.int32)[feature]
     flat, valid = apply_table_oob(bags.ids, tables, layout.table_arrays()["num_rows"], oob)
     bags, tables = apply_bags_oob(bags, flat, valid, tables)  # dropped positions add no rows
