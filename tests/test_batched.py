@@ -233,7 +233,8 @@ def test_gradients_match_per_table_loop(impl):
 def test_batch_major_is_the_transposed_output_and_gradient(impl):
     """``batch_major=True``: ``[B, F, D]``, bit for bit the feature-major output transposed
     (the kernels write that layout; the same sums in the same order), and the gradients of
-    a cotangent given batch-major equal those of its transpose, bit for bit."""
+    a cotangent given batch-major equal those of its transpose, bit for bit (to rounding for
+    the reference on a GPU, whose scatter-add has no fixed order)."""
     packed = make_packed(21)
     ids, offsets, weights = make_batch(22)
     batch = (len(offsets) - 1) // len(FEATURE_TABLES)
@@ -259,12 +260,15 @@ def test_batch_major_is_the_transposed_output_and_gradient(impl):
     (dc_bm, dw_bm), out_bm = run(True)
     (dc, dw), out = run(False)
     assert out_bm.shape == (batch, len(FEATURE_TABLES), 16)
-    assert np.asarray(out_bm).tobytes() == np.asarray(jnp.swapaxes(out, 0, 1)).tobytes()
     np.testing.assert_allclose(
         out_bm, jnp.swapaxes(per_table_loop(packed, ids, offsets, weights, MODES), 0, 1), rtol=2e-5, atol=2e-6
     )
-    for a, b in zip((*dc_bm, dw_bm), (*dc, dw)):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    exact = impl == "ffi" or jax.default_backend() == "cpu"
+    for a, b in zip((out_bm, *dc_bm, dw_bm), (jnp.swapaxes(out, 0, 1), *dc, dw)):
+        if exact:
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
