@@ -4,8 +4,8 @@
 flat ids array, feature-major offsets ``[F*B + 1]`` (bag b of feature f is
 ``ids[offsets[f*B + b] : offsets[f*B + b + 1]]``), optional per-id weights and a static
 feature -> table map (features may share a table), over the packed cores of a
-``GroupLayout``. The pipeline: per-feature pooling weights and out-of-range policy ->
-one sort of all (table, id) keys (``flowtt_tb_plan``, the plan of ``make_group_plan``)
+``GroupLayout``. The pipeline: each position's bag, table and out-of-range policy
+(``flowtt_tb_bags``, one pass), per-feature pooling weights -> one sort of all (table, id) keys (``flowtt_tb_plan``, the plan of ``make_group_plan``)
 -> unique rows of every table (``flowtt_tb_rows_fwd``) -> fixed-order pooling of all
 ``F*B`` bags (the single-table ``flowtt_bag_pool_fwd``), under one ``jax.custom_vjp``
 whose backward gives the packed core gradients (``flowtt_tb_rows_bwd``, bitwise
@@ -27,15 +27,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import ffi, reference
-from .bag import MODES, apply_bags_oob, canonical_bags
+from .bag import MODES, CanonicalBags, apply_bags_oob, canonical_bags
 from .batched_plan import GroupLayout, GroupPlan, make_group_plan
-from .oob import apply_table_oob, as_ids
+from .oob import apply_table_oob, as_ids, saturate_int32
 from .ops import choose_impl as choose_single_table_impl
 from .ops import fused_bag
 from .plan import Plan
 
 __all__ = [
     "tt_embedding_bag_group",
+    "packed_bags",
     "pooled_group",
     "choose_impl",
     "scale_by_modes",
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 IMPLS = ("auto", "ffi", "reference")
-_TARGETS = ("flowtt_tb_plan", "flowtt_tb_rows_fwd", "flowtt_tb_rows_bwd")
+_TARGETS = ("flowtt_tb_bags", "flowtt_tb_plan", "flowtt_tb_rows_fwd", "flowtt_tb_rows_bwd")
 
 
 def kernels_unsupported_reason(layout: GroupLayout) -> str | None:
@@ -241,11 +242,8 @@ def tt_embedding_bag_group(
     if ids.shape[0] == 0 or batch == 0:
         return jnp.zeros(out_shape, out_dtype)
 
-    bags = canonical_bags(ids, offsets=offsets, weights=weights, mode="sum", check_offsets=oob == "error")
-    feature = bags.bag_ids // batch
-    tables = jnp.asarray(feature_tables, jnp.int32)[feature]
-    flat, valid = apply_table_oob(bags.ids, tables, layout.table_arrays()["num_rows"], oob)
-    bags, tables = apply_bags_oob(bags, flat, valid, tables)  # dropped positions add no rows
+    num_rows = layout.table_arrays()["num_rows"]
+    bags, tables = packed_bags(ids, offsets, weights, feature_tables, num_rows, oob, kernel=impl == "ffi")
     w = scale_by_modes(bags.weights, bags.offsets, bags.bag_ids, modes, batch)
 
     out = pooled_group(
@@ -261,6 +259,35 @@ def tt_embedding_bag_group(
         batch=batch if batch_major else 0,
     )
     return out.reshape(out_shape).astype(out_dtype)
+
+
+def packed_bags(
+    ids: jax.Array,
+    offsets: jax.Array,
+    weights: jax.Array | None,
+    feature_tables: Sequence[int],
+    num_rows: jax.Array,
+    oob: str,
+    *,
+    kernel: bool,
+) -> tuple[CanonicalBags, jax.Array]:
+    """A packed feature-major batch (ids [n], n >= 1, offsets [F*B + 1], optional weights)
+    as ``(CanonicalBags, tables [n] int32)``: each position's bag and its feature's table,
+    the ``oob`` policy against that table's ``num_rows``, weights 0 and ids parked where a
+    position is dropped (``apply_bags_oob``). ``kernel``: one ``flowtt_tb_bags`` call for
+    ``"clip"`` / ``"zero"`` (``"error"`` takes the jax.numpy path, for its checks), the
+    same values as the jax.numpy path, its oracle."""
+    batch = (offsets.shape[0] - 1) // len(feature_tables)
+    bags = canonical_bags(ids, offsets=offsets, weights=weights, mode="sum", check_offsets=oob == "error")
+    if kernel and oob != "error":
+        flat, tables, live, bag_ids = ffi.tb_bags(
+            saturate_int32(bags.ids), bags.offsets, feature_tables, num_rows, batch, oob == "clip"
+        )
+        w = live if weights is None else jnp.where(live != 0, bags.weights, 0.0)
+        return bags._replace(ids=flat, weights=w, bag_ids=bag_ids, keep=live != 0), tables
+    tables = jnp.asarray(feature_tables, jnp.int32)[bags.bag_ids // batch]
+    flat, valid = apply_table_oob(bags.ids, tables, num_rows, oob)
+    return apply_bags_oob(bags, flat, valid, tables)  # dropped positions add no rows
 
 
 def pooled_group(

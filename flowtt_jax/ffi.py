@@ -264,6 +264,39 @@ def tb_plan(
     )
 
 
+def tb_bags(
+    ids: jax.Array, offsets: jax.Array, feature_tables: jax.Array, num_rows: jax.Array, batch: int, clip: bool
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The positions of a packed feature-major batch as target ``flowtt_tb_bags`` prepares
+    them: ``(ids, tables, live, bag_ids)``, each [n] (``live`` float32 1/0, the others int32).
+
+    ``ids`` [n] int32 (n >= 1), ``offsets`` [F*batch + 1] a valid CSR over them,
+    ``feature_tables`` [F] and ``num_rows`` [T] int32; ``batch`` (static) bags per feature;
+    ``clip`` (static): the ``"clip"`` policy, else ``"zero"``. Equal to ``batched.packed_bags``'
+    jax.numpy path: bag of each position (clipped to the bags), its feature's table, its id
+    clipped into the table (``"zero"``: 0 where out of range), live where the position is in
+    a bag (and, under ``"zero"``, in range), dropped positions parked on the first live one.
+    """
+    n = ids.shape[0]
+    outs = (
+        *(jax.ShapeDtypeStruct((n,), jnp.int32) for _ in range(2)),
+        _f32((n,)),
+        jax.ShapeDtypeStruct((n,), jnp.int32),
+    )
+    return tuple(
+        _call(
+            "flowtt_tb_bags",
+            outs,
+            ids.astype(jnp.int32),
+            offsets.astype(jnp.int32),
+            jnp.asarray(feature_tables, jnp.int32),
+            jnp.asarray(num_rows, jnp.int32),
+            batch=np.int64(batch),
+            clip=bool(clip),
+        )
+    )
+
+
 def _dim(cores) -> int:
     return cores[0].shape[2] * cores[1].shape[2] * cores[2].shape[2]
 

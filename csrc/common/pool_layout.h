@@ -19,3 +19,5 @@ FLOWTT_POOL_HD int64_t PoolOutRow(int64_t bag, int64_t num_bags, int64_t batch) 
 }
 
 }  // namespace flowtt
+
+#undef FLOWTT_POOL_HD

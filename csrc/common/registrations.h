@@ -28,6 +28,7 @@ struct OpHandlers {
   XLA_FFI_Handler* tb_rows_fwd;  // table-batched rows ops (docs/batched_contract.md)
   XLA_FFI_Handler* tb_rows_bwd;
   XLA_FFI_Handler* tb_plan;
+  XLA_FFI_Handler* tb_bags;
 };
 
 // {target name: handler capsule}.
@@ -42,6 +43,7 @@ inline nanobind::dict Registrations(const OpHandlers& h) {
   d["flowtt_tb_rows_fwd"] = EncapsulateFfiHandler(h.tb_rows_fwd);
   d["flowtt_tb_rows_bwd"] = EncapsulateFfiHandler(h.tb_rows_bwd);
   d["flowtt_tb_plan"] = EncapsulateFfiHandler(h.tb_plan);
+  d["flowtt_tb_bags"] = EncapsulateFfiHandler(h.tb_bags);
   return d;
 }
 

@@ -8,9 +8,9 @@
 NB_MODULE(_flowtt_cpu, m) {
   m.def("registrations", []() {
     // OpHandlers order: rows_fwd, rows_bwd, pool_fwd, pool_bwd, bag_fwd, plan, tb_rows_fwd,
-    // tb_rows_bwd, tb_plan
-    return flowtt::Registrations({FlowttRowsFwdCpu, FlowttRowsBwdCpu, FlowttPoolFwdCpu,
-                                  FlowttPoolBwdCpu, FlowttBagFwdCpu, FlowttPlanCpu,
-                                  FlowttTbRowsFwdCpu, FlowttTbRowsBwdCpu, FlowttTbPlanCpu});
+    // tb_rows_bwd, tb_plan, tb_bags
+    return flowtt::Registrations(
+        {FlowttRowsFwdCpu, FlowttRowsBwdCpu, FlowttPoolFwdCpu, FlowttPoolBwdCpu, FlowttBagFwdCpu,
+         FlowttPlanCpu, FlowttTbRowsFwdCpu, FlowttTbRowsBwdCpu, FlowttTbPlanCpu, FlowttTbBagsCpu});
   });
 }

@@ -7,6 +7,7 @@
 
 #include "common/tb_contract.h"
 #include "common/tb_ffi.h"
+#include "cpu/tb_bags.h"
 #include "cpu/tb_plan.h"
 #include "cpu/tb_rows.h"
 #include "xla/ffi/api/ffi.h"
@@ -59,6 +60,16 @@ ffi::Error TbPlanCpuImpl(TbS32 ids, TbS32 tables, TbS32 meta, ffi::RemainingArgs
   return ffi::Error::Success();
 }
 
+ffi::Error TbBagsCpuImpl(TbS32 ids, TbS32 offsets, TbS32 feature_tables, TbS32 num_rows,
+                         ffi::RemainingArgs, TbS32Out ids_out, TbS32Out tables, TbF32Out live,
+                         TbS32Out bag_ids, int64_t batch, bool clip) {
+  ffi::ErrorOr<TbBagsChecked> c = TbCheckBagsBuffers(ids, offsets, feature_tables, num_rows,
+                                                     ids_out, tables, live, bag_ids, batch, clip);
+  if (c.has_error()) return c.error();
+  flowtt::cpu::MakeTbBags(c->in, c->out);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace flowtt::tb
 
@@ -68,3 +79,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttTbRowsBwdCpu, flowtt::tb::TbRowsBwdCpuImpl,
                               flowtt::tb::TbBindRowsBwd(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttTbPlanCpu, flowtt::tb::TbPlanCpuImpl,
                               flowtt::tb::TbBindPlan(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttTbBagsCpu, flowtt::tb::TbBagsCpuImpl,
+                              flowtt::tb::TbBindBags(xla::ffi::Ffi::Bind()));

@@ -21,10 +21,11 @@ NB_MODULE(_flowtt_cuda, m) {
   namespace nb = nanobind;
   m.def("registrations", []() {
     // OpHandlers order: rows_fwd, rows_bwd, pool_fwd, pool_bwd, bag_fwd, plan, tb_rows_fwd,
-    // tb_rows_bwd, tb_plan
+    // tb_rows_bwd, tb_plan, tb_bags
     return flowtt::Registrations({FlowttRowsFwdCuda, FlowttRowsBwdCuda, FlowttPoolFwdCuda,
                                   FlowttPoolBwdCuda, FlowttBagFwdCuda, FlowttPlanCuda,
-                                  FlowttTbRowsFwdCuda, FlowttTbRowsBwdCuda, FlowttTbPlanCuda});
+                                  FlowttTbRowsFwdCuda, FlowttTbRowsBwdCuda, FlowttTbPlanCuda,
+                                  FlowttTbBagsCuda});
   });
   m.def("unsupported_reason",
         [](int p1, int p2, int p3, int q1, int q2, int q3, int r1, int r2) -> nb::object {

@@ -12,6 +12,7 @@
 #include "common/tb_contract.h"
 #include "common/tb_ffi.h"
 #include "cuda/ffi_status.h"
+#include "cuda/tb_bags.h"
 #include "cuda/tb_plan.h"
 #include "cuda/tb_rows.h"
 #include "xla/ffi/api/ffi.h"
@@ -90,6 +91,18 @@ ffi::Error TbPlanCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, Tb
                    "tb_plan");
 }
 
+ffi::Error TbBagsCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, TbS32 ids,
+                          TbS32 offsets, TbS32 feature_tables, TbS32 num_rows, ffi::RemainingArgs,
+                          TbS32Out ids_out, TbS32Out tables, TbF32Out live, TbS32Out bag_ids,
+                          int64_t batch, bool clip) {
+  ffi::ErrorOr<TbBagsChecked> c = TbCheckBagsBuffers(ids, offsets, feature_tables, num_rows,
+                                                     ids_out, tables, live, bag_ids, batch, clip);
+  if (c.has_error()) return c.error();
+  void* ws;
+  if (ffi::Error e = AllocateScratch(scratch, kTbBagsScratchBytes, &ws); e.failure()) return e;
+  return CudaError(tb_bags(c->in, c->out, ws, stream), "tb_bags");
+}
+
 }  // namespace
 }  // namespace flowtt::tb
 
@@ -107,5 +120,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     FlowttTbPlanCuda, flowtt::tb::TbPlanCudaImpl,
     flowtt::tb::TbBindPlan(xla::ffi::Ffi::Bind()
+                               .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                               .Ctx<xla::ffi::ScratchAllocator>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlowttTbBagsCuda, flowtt::tb::TbBagsCudaImpl,
+    flowtt::tb::TbBindBags(xla::ffi::Ffi::Bind()
                                .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                .Ctx<xla::ffi::ScratchAllocator>()));
