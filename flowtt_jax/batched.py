@@ -5,12 +5,13 @@ flat ids array, feature-major offsets ``[F*B + 1]`` (bag b of feature f is
 ``ids[offsets[f*B + b] : offsets[f*B + b + 1]]``), optional per-id weights and a static
 feature -> table map (features may share a table), over the packed cores of a
 ``GroupLayout``. The pipeline: each position's bag, table and out-of-range policy
-(``flowtt_tb_bags``, one pass), per-feature pooling weights -> one sort of all (table, id) keys (``flowtt_tb_plan``, the plan of ``make_group_plan``)
--> unique rows of every table (``flowtt_tb_rows_fwd``) -> fixed-order pooling of all
-``F*B`` bags (the single-table ``flowtt_bag_pool_fwd``), under one ``jax.custom_vjp``
-whose backward gives the packed core gradients (``flowtt_tb_rows_bwd``, bitwise
-reproducible) and the weights'. A group of one table takes the single-table kernels
-instead (``ops.fused_bag``: T = 1 is the single-table op).
+(``flowtt_tb_bags``, one pass), per-feature pooling weights -> one sort of all (table,
+id) keys (``flowtt_tb_plan``, the plan of ``make_group_plan``) -> unique rows of every
+table (``flowtt_tb_rows_fwd``) -> fixed-order pooling of all ``F*B`` bags (the
+single-table ``flowtt_bag_pool_fwd``), under one ``jax.custom_vjp`` whose backward gives
+the packed core gradients (``flowtt_tb_rows_bwd``, bitwise reproducible) and the weights'.
+A group of one table takes the single-table kernels instead (``ops.fused_bag``: T = 1 is
+the single-table op).
 
 ``impl``: ``"auto"`` (the kernels when built and the group's shapes are supported, else
 the reference), ``"ffi"`` (require them), ``"reference"`` (per-position gathers in
