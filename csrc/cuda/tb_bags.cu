@@ -13,6 +13,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kPerThread = 16;
+constexpr int kBatch = 4;  // positions searched together
 constexpr int64_t kSpan = int64_t{kThreads} * kPerThread;
 
 __global__ void __launch_bounds__(kThreads)
@@ -27,12 +28,33 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) block_first = UINT_MAX;
   __syncthreads();
   unsigned mine = UINT_MAX;
-  for (int i = 0; i < kPerThread; ++i) {
-    const int64_t p = p0 + (int64_t)i * kThreads + threadIdx.x;
-    if (p > p1) break;
-    // positions of the span have upper bounds in [range[0], range[1]] (monotone in p)
-    const int64_t k = TbUpperBound(a.offsets, range[0], range[1], p);
-    if (TbBagsPosition(a, p, k, o) && mine == UINT_MAX) mine = (unsigned)p;
+  // positions of the span have upper bounds in [range[0], range[1]] (monotone in p): each
+  // searches there, kBatch positions at once with one trip count for the whole block, so
+  // their load chains overlap
+  const int64_t lo = range[0], len = range[1] - range[0];
+  for (int i0 = 0; i0 < kPerThread; i0 += kBatch) {
+    int64_t base[kBatch], p[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      base[j] = lo;
+      p[j] = p0 + (int64_t)(i0 + j) * kThreads + threadIdx.x;
+    }
+    // the branchless lower bound: base stays in [lo, lo + len), m halves alike for all
+    for (int64_t m = len; m > 1;) {
+      const int64_t half = m / 2;
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (a.offsets[base[j] + half] <= p[j]) base[j] += half;
+      }
+      m -= half;
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      if (len > 0 && a.offsets[base[j]] <= p[j]) ++base[j];
+      if (p[j] <= p1 && TbBagsPosition(a, p[j], base[j], o) && mine == UINT_MAX) {
+        mine = (unsigned)p[j];
+      }
+    }
   }
   for (int off = 16; off > 0; off >>= 1) mine = min(mine, __shfl_xor_sync(0xffffffffu, mine, off));
   if ((threadIdx.x & 31) == 0 && mine != UINT_MAX) atomicMin(&block_first, mine);
