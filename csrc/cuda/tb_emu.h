@@ -9,6 +9,7 @@
 // runs at a time); the dynamic shared memory is one buffer filled with NaN before each
 // block (a read of an element not written first shows).
 #pragma once
+#define FLOWTT_TB_EMU 1  // cuda/mma_tf32.cuh: the emulated tensor-core product
 
 #include <ucontext.h>
 
@@ -22,6 +23,10 @@
 #include <limits>
 #include <vector>
 
+struct float2 {
+  float x, y;
+};
+inline float2 make_float2(float x, float y) { return {x, y}; }
 struct float4 {
   float x, y, z, w;
 };

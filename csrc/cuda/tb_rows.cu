@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cuda/tb_bwd_kernels.cuh"
+#include "cuda/tb_dg2_mma_kernel.cuh"
 #include "cuda/tb_dg3_kernels.cuh"
 #include "cuda/tb_fwd_kernels.cuh"
 #include "cuda/tb_sort.cuh"
@@ -314,17 +315,25 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
     // of E per g1 row, or the merge kernel (each returns at once when the other runs)
     const bool vec_g2 = d.K % 4 == 0 && tb_aligned16(g2);
     if (stages & 3) {
-      const bool vec = d.K % 4 == 0 && d.r1 % 4 == 0 && tb_aligned16(dg2);
-      auto kernel =
-          vec ? TB_BY_Q1(tb_dg2_kernel, 4, d.q1, DD) : TB_BY_Q1(tb_dg2_kernel, 1, d.q1, DD);
-      const int nbatch = tb_dg2_batch(d, s.e_cap >= 0);
-      if ((err = tb_launch(
-               kernel, tb_dg2_smem(d, s.e_cap >= 0, nbatch), stream, d, g1, g2, g3, d_rows, u_i3,
-               g_i1, group_offsets, counts, n, (const int*)s.sort.bounds2, sorted_groups,
-               (int)vec_g2, s.e_cap,
-               (int)(d.D % 4 == 0 && d.S3 % 4 == 0 && tb_aligned16(d_rows) && tb_aligned16(g3)),
-               nbatch, s.ctrl + 1, dg2, s.e_cap >= 0 ? s.Pc : nullptr)) != cudaSuccess)
-        return err;
+      const int stage_vec =
+          (int)(d.D % 4 == 0 && d.S3 % 4 == 0 && tb_aligned16(d_rows) && tb_aligned16(g3));
+      float* E = s.e_cap >= 0 ? s.Pc : nullptr;
+      if (tb_dg2_mma_tiles(d) > 0 && tb_aligned16(dg2)) {
+        const int nbatch = tb_dg2_mma_batch(d, s.e_cap >= 0);
+        err = tb_launch(&tb_dg2_mma_kernel<DD>, tb_dg2_mma_smem(d, s.e_cap >= 0, nbatch), stream, d,
+                        g1, g2, g3, d_rows, u_i3, g_i1, group_offsets, counts, n,
+                        (const int*)s.sort.bounds2, sorted_groups, s.e_cap, stage_vec, nbatch,
+                        s.ctrl + 1, dg2, E);
+      } else {
+        const bool vec = d.K % 4 == 0 && d.r1 % 4 == 0 && tb_aligned16(dg2);
+        auto kernel =
+            vec ? TB_BY_Q1(tb_dg2_kernel, 4, d.q1, DD) : TB_BY_Q1(tb_dg2_kernel, 1, d.q1, DD);
+        const int nbatch = tb_dg2_batch(d, s.e_cap >= 0);
+        err = tb_launch(kernel, tb_dg2_smem(d, s.e_cap >= 0, nbatch), stream, d, g1, g2, g3, d_rows,
+                        u_i3, g_i1, group_offsets, counts, n, (const int*)s.sort.bounds2,
+                        sorted_groups, (int)vec_g2, s.e_cap, stage_vec, nbatch, s.ctrl + 1, dg2, E);
+      }
+      if (err != cudaSuccess) return err;
     }
     if (stages & 1) {
       if (s.e_cap >= 0) {

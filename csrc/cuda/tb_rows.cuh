@@ -478,17 +478,20 @@ inline size_t tb_stage_bytes(const DD& d) {
 
 // One round of tb_block_dP_staged: each element of dPs adds the terms of the round's ids
 // of its group (ids [lo, hi) of the round), each term a sum over z ascending. Q3C: q3 when
-// 4 or 8 (float4 reads of the staged rows), else 0 (any q3).
+// 4 or 8 (float4 reads of the staged rows), else 0 (any q3). Element r = x1 * K + j of
+// group k's dP at dPs[(k * q1 + x1) * ldq + j] (ldq >= K; ldq == K: dPs[k * PSZ + r]).
 template <int Q3C, class DD>
 __device__ __forceinline__ void tb_stage_dP_round(const DD& d, int nb, int p0, int nr,
-                                                  const int* s_pre, const float* Stg, float* dPs) {
-  const int ld = tb_stage_ld(d), ldD = tb_align4(d.D);
+                                                  const int* s_pre, const float* Stg, int ldq,
+                                                  float* dPs) {
+  const int ld = tb_stage_ld(d), ldD = tb_align4(d.D), gstride = d.q1 * ldq;
   for (int r = threadIdx.x; r < d.PSZ; r += blockDim.x) {  // element r of every group's dP
     const int m = r / d.r2, b = r - m * d.r2;
+    const int ro = r + (r / d.K) * (ldq - d.K);
     for (int k = 0; k < nb; ++k) {
       const int lo = max(s_pre[k], p0) - p0, hi = min(s_pre[k + 1], p0 + nr) - p0;
       if (lo >= hi) continue;
-      float acc = dPs[k * d.PSZ + r];
+      float acc = dPs[k * gstride + ro];
       for (int i = lo; i < hi; ++i) {
         const float* dr = Stg + i * ld + m * d.q3;
         const float* c = Stg + i * ld + ldD + b * d.q3;
@@ -508,7 +511,7 @@ __device__ __forceinline__ void tb_stage_dP_round(const DD& d, int nb, int p0, i
         }
         acc += t;
       }
-      dPs[k * d.PSZ + r] = acc;
+      dPs[k * gstride + ro] = acc;
     }
   }
 }
@@ -518,14 +521,14 @@ __device__ __forceinline__ void tb_stage_dP_round(const DD& d, int nb, int p0, i
 // load each), then their d_rows and g3 rows into Stg (float4 when vec: D and S3
 // multiples of 4, both arrays 16-byte aligned), then each element of dPs adds the round's
 // terms of its group in ascending u. Bitwise tb_block_dP (the same sums in the same
-// order). s_pre [nb + 1], s_u, s_i3 [kTbStageMaxIds]: shared scratch of the caller.
+// order). dPs rows (group, x1) at stride ldq (tb_stage_dP_round; ldq == K: [nb][PSZ]),
+// the whole [nb * q1][ldq] zeroed first. s_pre [nb + 1], s_u, s_i3 [kTbStageMaxIds]:
+// shared scratch of the caller.
 template <class DD>
-__device__ __forceinline__ void tb_block_dP_staged(const DD& d, int nb, const int* s_gs,
-                                                   const int* s_ge, int* s_pre, int* s_u, int* s_i3,
-                                                   float* Stg, bool vec,
-                                                   const int* __restrict__ u_i3,
-                                                   const float* __restrict__ g3,
-                                                   const float* __restrict__ d_rows, float* dPs) {
+__device__ __forceinline__ void tb_block_dP_staged(
+    const DD& d, int nb, const int* s_gs, const int* s_ge, int* s_pre, int* s_u, int* s_i3,
+    float* Stg, bool vec, const int* __restrict__ u_i3, const float* __restrict__ g3,
+    const float* __restrict__ d_rows, float* dPs, int ldq) {
   const int tid = threadIdx.x, nt = blockDim.x;
   const int NU = tb_stage_ids(d), ld = tb_stage_ld(d), ldD = tb_align4(d.D);
   if (tid == 0) {
@@ -536,7 +539,7 @@ __device__ __forceinline__ void tb_block_dP_staged(const DD& d, int nb, const in
     }
     s_pre[nb] = p;
   }
-  for (int e = tid; e < nb * d.PSZ; e += nt) dPs[e] = 0.f;
+  for (int e = tid; e < nb * d.q1 * ldq; e += nt) dPs[e] = 0.f;
   __syncthreads();
   const int total = s_pre[nb];
   for (int p0 = 0; p0 < total; p0 += NU) {
@@ -584,7 +587,7 @@ __device__ __forceinline__ void tb_block_dP_staged(const DD& d, int nb, const in
       }
     }
     __syncthreads();
-    TB_BY_Q3(d.q3, tb_stage_dP_round, d, nb, p0, nr, s_pre, Stg, dPs);
+    TB_BY_Q3(d.q3, tb_stage_dP_round, d, nb, p0, nr, s_pre, Stg, ldq, dPs);
     __syncthreads();  // the round's staging is read
   }
 }

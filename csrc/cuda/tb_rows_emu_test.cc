@@ -12,6 +12,7 @@
 #include "cuda/tb_emu.h"  // first (its own block, kept first by clang-format): the CUDA built-ins
 
 #include "cuda/tb_bwd_kernels.cuh"
+#include "cuda/tb_dg2_mma_kernel.cuh"
 #include "cuda/tb_dg3_kernels.cuh"
 #include "cuda/tb_fwd_kernels.cuh"
 #include "cuda/tb_sort.cuh"
@@ -121,13 +122,20 @@ void EmuBwd(const Inputs& in, const DD& d, bool vec, const TbDg1Geo& dg1_geo, fl
   // NaN: an E or a P read but not written shows
   std::vector<float> cache(std::max((size_t)cap * d.PSZ, (size_t)std::max(e_cap, 0) * d.Q1R1), NAN);
   const bool vec_g2 = vec && d.K % 4 == 0;
-  auto k2 = vec && d.K % 4 == 0 && d.r1 % 4 == 0 ? TB_BY_Q1(tb_dg2_kernel, 4, d.q1, DD)
-                                                 : TB_BY_Q1(tb_dg2_kernel, 1, d.q1, DD);
-  tb_emu_launch(kGrid, kTbThreads, tb_dg2_smem(d, e_cap >= 0, nbatch), k2, d, in.g1, in.g2, in.g3,
-                in.d_rows, in.u_i3, in.g_i1, in.goffs, in.counts, n, (const int*)bounds2.data(),
-                sorted_groups.data(), (int)vec_g2, e_cap,
-                (int)(vec && d.D % 4 == 0 && d.S3 % 4 == 0), nbatch, &ctrl[1], dg2,
-                e_cap >= 0 ? cache.data() : nullptr);
+  const int stage_vec = (int)(vec && d.D % 4 == 0 && d.S3 % 4 == 0);
+  float* E = e_cap >= 0 ? cache.data() : nullptr;
+  if (vec && tb_dg2_mma_tiles(d) > 0) {  // the launcher's choice (cuda/tb_rows.cu)
+    tb_emu_launch(kGrid, kTbThreads, tb_dg2_mma_smem(d, e_cap >= 0, nbatch), tb_dg2_mma_kernel<DD>,
+                  d, in.g1, in.g2, in.g3, in.d_rows, in.u_i3, in.g_i1, in.goffs, in.counts, n,
+                  (const int*)bounds2.data(), sorted_groups.data(), e_cap, stage_vec, nbatch,
+                  &ctrl[1], dg2, E);
+  } else {
+    auto k2 = vec && d.K % 4 == 0 && d.r1 % 4 == 0 ? TB_BY_Q1(tb_dg2_kernel, 4, d.q1, DD)
+                                                   : TB_BY_Q1(tb_dg2_kernel, 1, d.q1, DD);
+    tb_emu_launch(kGrid, kTbThreads, tb_dg2_smem(d, e_cap >= 0, nbatch), k2, d, in.g1, in.g2, in.g3,
+                  in.d_rows, in.u_i3, in.g_i1, in.goffs, in.counts, n, (const int*)bounds2.data(),
+                  sorted_groups.data(), (int)vec_g2, e_cap, stage_vec, nbatch, &ctrl[1], dg2, E);
+  }
   if (e_cap >= 0)
     tb_emu_launch(kGrid, 256, 0, tb_dg1_reduce_kernel<DD>, d, (const float*)cache.data(), e_cap,
                   in.counts, n, (const int*)bounds1.data(), dg1);
@@ -267,8 +275,12 @@ std::vector<std::vector<float>> RunCase(const TbCase& c, const TbHostPlan& p, bo
   auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
     return std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
   };
-  TbReport(same(dg1s[0], dg1s[2]) && same(dg1s[1], dg1s[2]),
-           tag + " dg1 from the terms E bitwise equal to the merge kernel's");
+  if (vec && tb_dg2_mma_tiles(d) > 0)  // E on tensor cores: the merge's terms are FMA sums
+    TbReport(same(dg1s[1], dg1s[2]),
+             tag + " dg1 of the merge kernel bitwise equal across geometries");
+  else
+    TbReport(same(dg1s[0], dg1s[2]) && same(dg1s[1], dg1s[2]),
+             tag + " dg1 from the terms E bitwise equal to the merge kernel's");
   TbReport(same(dg2s[0], dg2s[2]) && same(dg2s[1], dg2s[2]),
            tag + " dg2 bitwise equal across batch sizes (8, 16)");
   if (caps[0] > 0 || caps[1] > 0)
