@@ -328,7 +328,9 @@ __global__ void __launch_bounds__(kTbThreads, 3)
         G1b[k * ld1 + r] = __ldg(g1 + (size_t)s_i1[k] * d.Q1R1 + r);
       }
       tb_block_dP_staged(d, nb, s_gs, s_ge, s_pre, s_u, s_i3, Stg, stage_vec != 0, u_i3, g3, d_rows,
-                         dPs, d.K);
+                         dPs, d.K, [&](int p0, int nr) {
+                           TB_BY_Q3(d.q3, tb_stage_dP_round, d, nb, p0, nr, s_pre, Stg, d.K, dPs);
+                         });
       for (int t = tid; t < owned; t += kTbThreads) {
         if (VEC == 4) {
           const int a0 = 4 * (t / K4), c0 = 4 * (t % K4);

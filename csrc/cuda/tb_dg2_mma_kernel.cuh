@@ -3,9 +3,11 @@
 // tb_dg2_mma_tiles accepts (r1 and K = q2*r2 multiples of 16, the [r1][K] row at most
 // kTbMmaMaxTiles 16x8 tiles per warp; the Meta-like (2, 4, 4) r32 and DLRM's (2, 2, 4) r16
 // shapes), else tb_dg2_kernel (cuda/tb_bwd_kernels.cuh) does the same work on the FMA
-// pipes. The same blocks, batches and dP_g as tb_dg2_kernel: a block per g2 row I over
-// its groups (sorted by g_i2, stable: ascending g) in batches of up to nbatch; per batch
-// dP of each group (tb_block_dP_staged, rows (group, x1) at stride K + 8), then
+// pipes. The same blocks and batches as tb_dg2_kernel: a block per g2 row I over its
+// groups (sorted by g_i2, stable: ascending g) in batches of up to nbatch; per batch dP of
+// each group (tb_block_dP_staged, rows (group, x1) at stride K + 8; the terms of each
+// staging round on tensor cores too, tb_mma_dP_round, when q3 is 4 or 8 and r2 % 16 == 0),
+// then
 //   dg2[I] += G1^T . dP: A = the batch's g1 rows transposed ([r1][nb*q1], G1t rows
 //     (group, x1) at stride r1 + 8), B = dP ([nb*q1][K]); each warp keeps its tiles of
 //     the row in registers across batches (k-steps of 8 rows (group, x1) ascending);
@@ -22,15 +24,30 @@
 namespace flowtt::tb {
 
 constexpr int kTbMmaMaxTiles = 4;  // dg2 accumulator tiles per warp (16 floats per lane)
+#ifndef FLOWTT_TB_DG2_MMA_MINB     // blocks per SM the registers are bounded for (harness tuning)
+#define FLOWTT_TB_DG2_MMA_MINB 3
+#endif
+#ifndef FLOWTT_TB_DG2_MMA_BATCH  // groups per batch at most (harness tuning)
+#define FLOWTT_TB_DG2_MMA_BATCH kTbBatch
+#endif
 
 // The dg2 row's 16x8 tiles per warp (r1/16 * K/8 tiles over kTbWarps warps, a warp's
 // tiles consecutive in one tile row), 0 when the dims do not take the tensor-core path.
 template <class DD>
 __host__ __device__ inline int tb_dg2_mma_tiles(const DD& d) {
+#ifdef FLOWTT_TB_DG2_NO_MMA  // harness A/B
+  return 0;
+#endif
   if (d.r1 % 16 != 0 || d.K % 16 != 0) return 0;
   const int nn = d.K / 8, tiles = (d.r1 / 16) * nn;
   const int per = (tiles + kTbWarps - 1) / kTbWarps;
   return per <= kTbMmaMaxTiles && nn % per == 0 ? per : 0;
+}
+
+// Whether the dP rounds run on tensor cores too (tb_mma_dP_round), else the FMA round.
+template <class DD>
+__host__ __device__ inline bool tb_dg2_mma_dp(const DD& d) {
+  return (d.q3 == 4 || d.q3 == 8) && d.r2 % 16 == 0;
 }
 
 // Rows (group, x1) of the batch buffers: nbatch * q1 rounded up to E's 16-row tiles.
@@ -52,13 +69,67 @@ inline size_t tb_dg2_mma_smem(const DD& d, bool with_e, int nbatch) {
 // Groups per batch: kTbBatch when that leaves room for three blocks per SM (74 KB), else 8.
 template <class DD>
 inline int tb_dg2_mma_batch(const DD& d, bool with_e) {
-  return tb_dg2_mma_smem(d, with_e, kTbBatch) <= size_t{74} * 1024 ? kTbBatch : 8;
+  constexpr int kMax = FLOWTT_TB_DG2_MMA_BATCH;
+  return tb_dg2_mma_smem(d, with_e, kMax) <= size_t{74} * 1024 ? kMax : 8;
 }
 
 namespace {  // internal linkage: one copy per including file
 
+// One round of tb_block_dP_staged on tensor cores (q3 = Q3 in {4, 8}, r2 % 16 == 0):
+// warp w takes the groups k = w, w + kTbWarps, ...; dP_k^T [r2][M] += A . B over the
+// round's ids of k, A[b][(i, z)] = g3 row of id i at (b, z), B[(i, z)][m] = its d_rows row
+// at (m, z), in k-steps of 8 / Q3 ids (ascending; past the group's last id 0), each tile
+// read from and written back to dPs (rows (k, x1) at stride ldq) between the rounds.
+template <int Q3, class DD>
+__device__ __forceinline__ void tb_mma_dP_round(const DD& d, int nb, int p0, int nr,
+                                                const int* s_pre, const float* Stg, int ldq,
+                                                float* dPs) {
+  constexpr int IPS = 8 / Q3;  // ids per k-step
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int ld = tb_stage_ld(d), ldD = tb_align4(d.D);
+  auto at = [&](int k, int b, int m) {  // dP_k element (m, b) in dPs
+    const int x1 = m / d.q2;
+    return (k * d.q1 + x1) * ldq + (m - x1 * d.q2) * d.r2 + b;
+  };
+  for (int k = warp; k < nb; k += kTbWarps) {
+    const int lo = max(s_pre[k], p0) - p0, hi = min(s_pre[k + 1], p0 + nr) - p0;
+    if (lo >= hi) continue;  // warp-uniform
+    for (int b0 = 0; b0 < d.r2; b0 += 16) {
+      for (int m0 = 0; m0 < d.M; m0 += 8) {
+        float c[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int m = m0 + 2 * t + i % 2;
+          c[i] = m < d.M ? dPs[at(k, b0 + g + 8 * (i / 2), m)] : 0.f;
+        }
+        const int mB = m0 + g;
+        for (int i0 = lo; i0 < hi; i0 += IPS) {
+          auto A = [&](int b, int kk) {
+            const int i = i0 + kk / Q3;
+            return i < hi ? Stg[i * ld + ldD + b * Q3 + kk % Q3] : 0.f;
+          };
+          auto B = [&](int kk) {
+            const int i = i0 + kk / Q3;
+            return i < hi && mB < d.M ? Stg[i * ld + mB * Q3 + kk % Q3] : 0.f;
+          };
+          const TbTf32 a[4] = {tb_split_tf32(A(b0 + g, t)), tb_split_tf32(A(b0 + g + 8, t)),
+                               tb_split_tf32(A(b0 + g, t + 4)),
+                               tb_split_tf32(A(b0 + g + 8, t + 4))};
+          const TbTf32 bf[2] = {tb_split_tf32(B(t)), tb_split_tf32(B(t + 4))};
+          tb_mma_3xtf32(c, a, bf);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int m = m0 + 2 * t + i % 2;
+          if (m < d.M) dPs[at(k, b0 + g + 8 * (i / 2), m)] = c[i];
+        }
+      }
+    }
+  }
+}
+
 template <class DD>
-__global__ void __launch_bounds__(kTbThreads, 3)
+__global__ void __launch_bounds__(kTbThreads, FLOWTT_TB_DG2_MMA_MINB)
     tb_dg2_mma_kernel(DD d, const float* __restrict__ g1, const float* __restrict__ g2,
                       const float* __restrict__ g3, const float* __restrict__ d_rows,
                       const int* __restrict__ u_i3, const int* __restrict__ g_i1,
@@ -82,6 +153,7 @@ __global__ void __launch_bounds__(kTbThreads, 3)
   const bool has_tiles = tile0 < (d.r1 / 16) * nn;  // warp-uniform
   const int m0 = (tile0 / nn) * 16, n0 = (tile0 % nn) * 8;
   const int gmax = max(G - 1, 0);
+  const bool mma_dp = tb_dg2_mma_dp(d);
   for (;;) {
     const int I = tb_claim(ctr, &s_item);
     if (I >= d.p2) break;
@@ -113,8 +185,16 @@ __global__ void __launch_bounds__(kTbThreads, 3)
         G1t[row * ldA + a] = v;
       }
       for (int e = tid; e < (kr - rows) * ldq; e += kTbThreads) dPs[rows * ldq + e] = 0.f;
+      // dP (ends with a barrier: G1t and dPs complete)
       tb_block_dP_staged(d, nb, s_gs, s_ge, s_pre, s_u, s_i3, Stg, stage_vec != 0, u_i3, g3, d_rows,
-                         dPs, ldq);  // ends with a barrier: G1t and dPs complete
+                         dPs, ldq, [&](int p0, int nr) {
+                           if (mma_dp && d.q3 == 4)
+                             tb_mma_dP_round<4>(d, nb, p0, nr, s_pre, Stg, ldq, dPs);
+                           else if (mma_dp)
+                             tb_mma_dP_round<8>(d, nb, p0, nr, s_pre, Stg, ldq, dPs);
+                           else
+                             TB_BY_Q3(d.q3, tb_stage_dP_round, d, nb, p0, nr, s_pre, Stg, ldq, dPs);
+                         });
       if (has_tiles) {
         for (int s0 = 0; s0 < rows; s0 += 8) {  // dg2 += A . B, A[a][row] = G1t[row][a]
           const float* ap = G1t + (s0 + t) * ldA + m0 + g;

@@ -457,7 +457,10 @@ __device__ __forceinline__ void tb_block_dP(const DD& d, int nb, const int* s_gs
 
 // Staging of tb_block_dP_staged: the d_rows row and the g3 row of up to tb_stage_ids(d)
 // ids ([ids][tb_stage_ld(d)] floats, kTbStageFloats at most) per round.
-constexpr int kTbStageFloats = 5120, kTbStageMaxIds = 64;
+#ifndef FLOWTT_TB_STAGE_FLOATS  // harness tuning
+#define FLOWTT_TB_STAGE_FLOATS 5120
+#endif
+constexpr int kTbStageFloats = FLOWTT_TB_STAGE_FLOATS, kTbStageMaxIds = 64;
 template <class DD>
 __host__ __device__ inline int tb_stage_ld(const DD& d) {
   return tb_align4(d.D) + tb_align4(d.S3);
@@ -522,13 +525,14 @@ __device__ __forceinline__ void tb_stage_dP_round(const DD& d, int nb, int p0, i
 // multiples of 4, both arrays 16-byte aligned), then each element of dPs adds the round's
 // terms of its group in ascending u. Bitwise tb_block_dP (the same sums in the same
 // order). dPs rows (group, x1) at stride ldq (tb_stage_dP_round; ldq == K: [nb][PSZ]),
-// the whole [nb * q1][ldq] zeroed first. s_pre [nb + 1], s_u, s_i3 [kTbStageMaxIds]:
-// shared scratch of the caller.
-template <class DD>
+// the whole [nb * q1][ldq] zeroed first. terms(p0, nr): the terms of a round's staged ids
+// (tb_stage_dP_round, or the tensor-core round of cuda/tb_dg2_mma_kernel.cuh). s_pre
+// [nb + 1], s_u, s_i3 [kTbStageMaxIds]: shared scratch of the caller.
+template <class DD, class Round>
 __device__ __forceinline__ void tb_block_dP_staged(
     const DD& d, int nb, const int* s_gs, const int* s_ge, int* s_pre, int* s_u, int* s_i3,
     float* Stg, bool vec, const int* __restrict__ u_i3, const float* __restrict__ g3,
-    const float* __restrict__ d_rows, float* dPs, int ldq) {
+    const float* __restrict__ d_rows, float* dPs, int ldq, Round&& terms) {
   const int tid = threadIdx.x, nt = blockDim.x;
   const int NU = tb_stage_ids(d), ld = tb_stage_ld(d), ldD = tb_align4(d.D);
   if (tid == 0) {
@@ -587,7 +591,7 @@ __device__ __forceinline__ void tb_block_dP_staged(
       }
     }
     __syncthreads();
-    TB_BY_Q3(d.q3, tb_stage_dP_round, d, nb, p0, nr, s_pre, Stg, ldq, dPs);
+    terms(p0, nr);
     __syncthreads();  // the round's staging is read
   }
 }
