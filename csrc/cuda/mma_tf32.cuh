@@ -1,7 +1,8 @@
 // 3xTF32 tensor-core products (sm_80+ mma.sync m16n8k8, f32 accumulate) at float32
 // accuracy: x = hi + lo with hi = tf32(x) and lo = tf32(x - hi) (round to nearest, ties
 // away), and a . b ~ a_lo . b_hi + a_hi . b_lo + a_hi . b_hi, the small terms first
-// (CUTLASS's "3xTF32"; the dropped a_lo . b_lo is ~2^-22 of the product). Fragments of
+// (CUTLASS's "3xTF32"; the dropped a_lo . b_lo is ~2^-22 of the product), each k-step's
+// product added to the caller's accumulator in float32. Fragments of
 // one m16n8k8 tile, per lane (g = lane / 4, t = lane % 4; PTX ISA "mma.m16n8k8"):
 //   A [16][8]: a[0] (g, t), a[1] (g + 8, t), a[2] (g, t + 4), a[3] (g + 8, t + 4);
 //   B [8][8]:  b[0] (t, g), b[1] (t + 4, g);
@@ -76,12 +77,18 @@ __device__ __forceinline__ void tb_mma_tf32(float (&c)[4], uint32_t a0, uint32_t
 #endif
 }
 
-// c += a . b at float32 accuracy (3xTF32) from split fragments.
-__device__ __forceinline__ void tb_mma_3xtf32(float (&c)[4], const TbTf32 (&a)[4],
+// acc += a . b at float32 accuracy (3xTF32) from split fragments: the three products
+// from 0, then one IEEE float32 addition per element (the tensor cores' accumulation
+// does not round to nearest; a long chain of k-steps inside one accumulator drifts,
+// ~1e-4 relative over thousands of steps).
+__device__ __forceinline__ void tb_mma_3xtf32(float (&acc)[4], const TbTf32 (&a)[4],
                                               const TbTf32 (&b)[2]) {
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
   tb_mma_tf32(c, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b[0].hi, b[1].hi);
   tb_mma_tf32(c, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b[0].lo, b[1].lo);
   tb_mma_tf32(c, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b[0].hi, b[1].hi);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] += c[i];
 }
 
 }  // namespace flowtt::tb

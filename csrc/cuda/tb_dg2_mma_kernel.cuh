@@ -12,8 +12,8 @@
 //     (group, x1) at stride r1 + 8), B = dP ([nb*q1][K]); each warp keeps its tiles of
 //     the row in registers across batches (k-steps of 8 rows (group, x1) ascending);
 //   E[g] = dP_g . g2[I]^T (when 0 <= num_groups <= e_cap): M = the rows (group, x1), N =
-//     r1, the K = q2*r2 products in k-steps of 8, four accumulators by k-step mod 4 summed
-//     ((c0 + c1) + (c2 + c3)) (independent mma chains).
+//     r1, the K = q2*r2 products in k-steps of 8 ascending.
+// Each k-step's 3xTF32 product is added to its accumulator in float32 (tb_mma_3xtf32).
 // The strides put the fragments' shared-memory reads at distinct banks. Deterministic
 // (a fixed sequence of products, no atomics), not bitwise tb_dg2_kernel's.
 #pragma once
@@ -214,24 +214,17 @@ __global__ void __launch_bounds__(kTbThreads, FLOWTT_TB_DG2_MMA_MINB)
         const int ntn = d.r1 / 8, tiles = (rows + 15) / 16 * ntn;
         for (int te = warp; te < tiles; te += kTbWarps) {
           const int em0 = (te / ntn) * 16, en0 = (te % ntn) * 8;
-          float ce[4][4];
-          zero_fill(ce);
+          float ce[4] = {0.f, 0.f, 0.f, 0.f};
           const float* ap = dPs + (em0 + g) * ldq + 2 * t;
           const float* bp = G2s + (en0 + g) * ldq + 2 * t;
-          for (int s0 = 0; s0 < d.K; s0 += 32) {
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              const int j = s0 + 8 * q;
-              if (j < d.K) {
-                const float2 x0 = *reinterpret_cast<const float2*>(ap + j);
-                const float2 x1 = *reinterpret_cast<const float2*>(ap + 8 * ldq + j);
-                const float2 y = *reinterpret_cast<const float2*>(bp + j);
-                const TbTf32 a[4] = {tb_split_tf32(x0.x), tb_split_tf32(x1.x), tb_split_tf32(x0.y),
-                                     tb_split_tf32(x1.y)};
-                const TbTf32 b[2] = {tb_split_tf32(y.x), tb_split_tf32(y.y)};
-                tb_mma_3xtf32(ce[q], a, b);
-              }
-            }
+          for (int j = 0; j < d.K; j += 8) {
+            const float2 x0 = *reinterpret_cast<const float2*>(ap + j);
+            const float2 x1 = *reinterpret_cast<const float2*>(ap + 8 * ldq + j);
+            const float2 y = *reinterpret_cast<const float2*>(bp + j);
+            const TbTf32 a[4] = {tb_split_tf32(x0.x), tb_split_tf32(x1.x), tb_split_tf32(x0.y),
+                                 tb_split_tf32(x1.y)};
+            const TbTf32 b[2] = {tb_split_tf32(y.x), tb_split_tf32(y.y)};
+            tb_mma_3xtf32(ce, a, b);
           }
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
@@ -239,9 +232,7 @@ __global__ void __launch_bounds__(kTbThreads, FLOWTT_TB_DG2_MMA_MINB)
             if (row < rows) {
               const int k = row / d.q1;
               float* o = E + (size_t)s_g[k] * d.Q1R1 + (row - k * d.q1) * d.r1 + en0 + 2 * t;
-              *reinterpret_cast<float2*>(o) = make_float2(
-                  (ce[0][2 * h] + ce[1][2 * h]) + (ce[2][2 * h] + ce[3][2 * h]),
-                  (ce[0][2 * h + 1] + ce[1][2 * h + 1]) + (ce[2][2 * h + 1] + ce[3][2 * h + 1]));
+              *reinterpret_cast<float2*>(o) = make_float2(ce[2 * h], ce[2 * h + 1]);
             }
           }
         }
