@@ -24,18 +24,12 @@
 namespace flowtt::tb {
 
 constexpr int kTbMmaMaxTiles = 4;  // dg2 accumulator tiles per warp (16 floats per lane)
-#ifndef FLOWTT_TB_DG2_MMA_MINB     // blocks per SM the registers are bounded for (harness tuning)
-#define FLOWTT_TB_DG2_MMA_MINB 3
-#endif
-#ifndef FLOWTT_TB_DG2_MMA_BATCH  // groups per batch at most (harness tuning)
-#define FLOWTT_TB_DG2_MMA_BATCH kTbBatch
-#endif
 
 // The dg2 row's 16x8 tiles per warp (r1/16 * K/8 tiles over kTbWarps warps, a warp's
 // tiles consecutive in one tile row), 0 when the dims do not take the tensor-core path.
 template <class DD>
 __host__ __device__ inline int tb_dg2_mma_tiles(const DD& d) {
-#ifdef FLOWTT_TB_DG2_NO_MMA  // harness A/B
+#ifdef FLOWTT_TB_DG2_NO_MMA  // harness A/B: tb_dg2_kernel for every shape
   return 0;
 #endif
   if (d.r1 % 16 != 0 || d.K % 16 != 0) return 0;
@@ -69,8 +63,7 @@ inline size_t tb_dg2_mma_smem(const DD& d, bool with_e, int nbatch) {
 // Groups per batch: kTbBatch when that leaves room for three blocks per SM (74 KB), else 8.
 template <class DD>
 inline int tb_dg2_mma_batch(const DD& d, bool with_e) {
-  constexpr int kMax = FLOWTT_TB_DG2_MMA_BATCH;
-  return tb_dg2_mma_smem(d, with_e, kMax) <= size_t{74} * 1024 ? kMax : 8;
+  return tb_dg2_mma_smem(d, with_e, kTbBatch) <= size_t{74} * 1024 ? kTbBatch : 8;
 }
 
 namespace {  // internal linkage: one copy per including file
@@ -129,7 +122,7 @@ __device__ __forceinline__ void tb_mma_dP_round(const DD& d, int nb, int p0, int
 }
 
 template <class DD>
-__global__ void __launch_bounds__(kTbThreads, FLOWTT_TB_DG2_MMA_MINB)
+__global__ void __launch_bounds__(kTbThreads, 3)
     tb_dg2_mma_kernel(DD d, const float* __restrict__ g1, const float* __restrict__ g2,
                       const float* __restrict__ g3, const float* __restrict__ d_rows,
                       const int* __restrict__ u_i3, const int* __restrict__ g_i1,

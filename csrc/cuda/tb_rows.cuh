@@ -457,10 +457,7 @@ __device__ __forceinline__ void tb_block_dP(const DD& d, int nb, const int* s_gs
 
 // Staging of tb_block_dP_staged: the d_rows row and the g3 row of up to tb_stage_ids(d)
 // ids ([ids][tb_stage_ld(d)] floats, kTbStageFloats at most) per round.
-#ifndef FLOWTT_TB_STAGE_FLOATS  // harness tuning
-#define FLOWTT_TB_STAGE_FLOATS 5120
-#endif
-constexpr int kTbStageFloats = FLOWTT_TB_STAGE_FLOATS, kTbStageMaxIds = 64;
+constexpr int kTbStageFloats = 5120, kTbStageMaxIds = 64;
 template <class DD>
 __host__ __device__ inline int tb_stage_ld(const DD& d) {
   return tb_align4(d.D) + tb_align4(d.S3);
