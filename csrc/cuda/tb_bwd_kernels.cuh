@@ -10,7 +10,9 @@
 //   indices radix-sorted by u_i3, the bounds of each g3 row and the group of each sorted
 //   index (sg). Then, work stealing over packed rows (a row no group touches is written
 //   0), every gradient row summed in a fixed order:
-//   dg2[I]: a block per g2 row over its groups (sorted by g_i2, stable: ascending g), in
+//   dg2[I] (dims with r1 and q2*r2 multiples of 16: on tensor cores instead,
+//     cuda/tb_dg2_mma_kernel.cuh): a block per g2 row over its groups (sorted by g_i2,
+//     stable: ascending g), in
 //     batches of up to kTbBatch (tb_dg2_batch): dP_g (tb_block_dP_staged: the batch's
 //     ids' d_rows and g3 rows staged in shared memory, a thread per element, u
 //     ascending), then g1[g_i1]^T . dP_g added into the row kept in shared memory (4x4

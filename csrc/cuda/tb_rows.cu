@@ -1,6 +1,7 @@
 // Table-batched rows ops on CUDA: the launchers of cuda/tb_rows.h (scratch layouts, the
 // radix sorts, path choice, launch configuration). The kernels and their design:
-// cuda/tb_fwd_kernels.cuh, cuda/tb_bwd_kernels.cuh, cuda/tb_dg3_kernels.cuh.
+// cuda/tb_fwd_kernels.cuh, cuda/tb_bwd_kernels.cuh, cuda/tb_dg2_mma_kernel.cuh,
+// cuda/tb_dg3_kernels.cuh.
 #include "cuda/tb_rows.h"  // first (its own block): the header stands alone
 
 #include <cub/cub.cuh>
