@@ -15,6 +15,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 namespace flowtt::tb {
 
@@ -48,45 +49,51 @@ __device__ __forceinline__ TbTf32 tb_split_tf32(float x) {
   return {hi, tb_to_tf32(x - tb_bits_float(hi))};
 }
 
+#if defined(__CUDA_ARCH__)
 // c += a . b, one m16n8k8 TF32 product (fragments as above, operands tf32 bit patterns).
 __device__ __forceinline__ void tb_mma_tf32(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                             uint32_t a3, uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__)
   asm volatile(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#elif defined(FLOWTT_TB_EMU)
-  const uint32_t mine[6] = {a0, a1, a2, a3, b0, b1};
-  std::array<uint32_t, 32> all[6];
-  for (int i = 0; i < 6; ++i) all[i] = tb_emu_exchange(mine[i]);
-  const int lane = (int)(threadIdx.x % 32), g = lane / 4, t = lane % 4;
-  auto A = [&](int row, int col) {
-    return tb_bits_float(all[(row >= 8) + 2 * (col >= 4)][(row % 8) * 4 + col % 4]);
-  };
-  auto B = [&](int row, int col) { return tb_bits_float(all[4 + (row >= 4)][col * 4 + row % 4]); };
-  for (int i = 0; i < 4; ++i) {
-    const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
-    float s = c[i];
-    for (int k = 0; k < 8; ++k) s = fmaf(A(row, k), B(k, col), s);
-    c[i] = s;
-  }
-#else
-  (void)c, (void)a0, (void)a1, (void)a2, (void)a3, (void)b0, (void)b1;
-#endif
 }
+#endif
 
 // acc += a . b at float32 accuracy (3xTF32) from split fragments: the three products
 // from 0, then one IEEE float32 addition per element (the tensor cores' accumulation
 // does not round to nearest; a long chain of k-steps inside one accumulator drifts,
-// ~1e-4 relative over thousands of steps).
+// ~1e-4 relative over thousands of steps). Emulated: the warp's 12 fragment values in
+// one exchange, each product a float32 fmaf chain over k.
 __device__ __forceinline__ void tb_mma_3xtf32(float (&acc)[4], const TbTf32 (&a)[4],
                                               const TbTf32 (&b)[2]) {
   float c[4] = {0.f, 0.f, 0.f, 0.f};
+#if defined(__CUDA_ARCH__)
   tb_mma_tf32(c, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b[0].hi, b[1].hi);
   tb_mma_tf32(c, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b[0].lo, b[1].lo);
   tb_mma_tf32(c, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b[0].hi, b[1].hi);
+#elif defined(FLOWTT_TB_EMU)
+  const uint32_t mine[12] = {a[0].hi, a[1].hi, a[2].hi, a[3].hi, b[0].hi, b[1].hi,
+                             a[0].lo, a[1].lo, a[2].lo, a[3].lo, b[0].lo, b[1].lo};
+  const std::array<uint32_t, 32 * 12> all = tb_emu_exchange_n<12>(mine);
+  const int lane = (int)(threadIdx.x % 32), g = lane / 4, t = lane % 4;
+  auto A = [&](int part, int row, int col) {  // part 0: hi, 1: lo
+    return tb_bits_float(
+        all[((row % 8) * 4 + col % 4) * 12 + 6 * part + (row >= 8) + 2 * (col >= 4)]);
+  };
+  auto B = [&](int part, int row, int col) {
+    return tb_bits_float(all[(col * 4 + row % 4) * 12 + 6 * part + 4 + (row >= 4)]);
+  };
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+    for (const auto [pa, pb] : {std::pair{1, 0}, std::pair{0, 1}, std::pair{0, 0}}) {
+      float s = c[i];
+      for (int k = 0; k < 8; ++k) s = fmaf(A(pa, row, k), B(pb, k, col), s);
+      c[i] = s;
+    }
+  }
+#endif
 #pragma unroll
   for (int i = 0; i < 4; ++i) acc[i] += c[i];
 }

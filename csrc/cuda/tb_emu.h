@@ -65,6 +65,7 @@ struct Barrier {
 struct Warp {
   Barrier bar{32};
   uint32_t buf[32];
+  std::vector<uint32_t> wide;  // tb_emu_exchange_n's
 };
 
 inline ucontext_t g_sched;            // the scheduler's context
@@ -111,6 +112,20 @@ std::array<T, 32> tb_emu_exchange(T v) {
   tb_emu::wait(w.bar);
   std::array<T, 32> all;
   std::memcpy(all.data(), w.buf, sizeof w.buf);
+  tb_emu::wait(w.bar);
+  return all;
+}
+
+// Each lane publishes N 32-bit values and reads the warp's 32 x N (one exchange for a
+// whole mma fragment set).
+template <int N>
+std::array<uint32_t, 32 * N> tb_emu_exchange_n(const uint32_t (&v)[N]) {
+  tb_emu::Warp& w = tb_emu::g_warps[threadIdx.x / 32];
+  if (w.wide.size() < 32 * N) w.wide.resize(32 * N);
+  std::memcpy(&w.wide[(threadIdx.x % 32) * N], v, sizeof v);
+  tb_emu::wait(w.bar);
+  std::array<uint32_t, 32 * N> all;
+  std::memcpy(all.data(), w.wide.data(), sizeof all);
   tb_emu::wait(w.bar);
   return all;
 }
