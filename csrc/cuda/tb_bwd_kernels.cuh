@@ -310,20 +310,11 @@ __global__ void __launch_bounds__(kTbThreads, 3)
     if (I >= d.p2) break;
     const int lo = tb_clamp(bounds2[I], 0, n), hi = tb_clamp(bounds2[I + 1], lo, n);
     tb_copy_owned<VEC>(acc, nullptr, d.K, owned);
-    if (with_e && lo < hi)
-      for (int i = tid; i < d.R1K; i += kTbThreads) {
-        const int a = i / d.K;
-        G2s[a * ldg2 + (i - a * d.K)] = __ldg(g2 + (size_t)I * d.R1K + i);
-      }
+    if (with_e && lo < hi) tb_stage_g2_row(d, g2, I, ldg2, G2s);
     for (int j0 = lo; j0 < hi; j0 += nbatch) {
       const int nb = min(nbatch, hi - j0);
       __syncthreads();  // the previous batch's G1b / dPs are read
-      if (tid < nb) {
-        const int g = tb_clamp(__ldg(sorted_groups + j0 + tid), 0, gmax);
-        tb_group_range(goffs, g, U, s_gs[tid], s_ge[tid]);
-        s_i1[tid] = tb_clamp(__ldg(g_i1 + g), 0, d.p1 - 1);
-        s_g[tid] = g;
-      }
+      tb_load_batch_groups(d, sorted_groups, goffs, g_i1, j0, nb, gmax, U, s_gs, s_ge, s_i1, s_g);
       __syncthreads();
       for (int e = tid; e < nb * d.Q1R1; e += kTbThreads) {
         const int k = e / d.Q1R1, r = e - k * d.Q1R1;

@@ -153,20 +153,11 @@ __global__ void __launch_bounds__(kTbThreads, 3)
     const int lo = tb_clamp(bounds2[I], 0, n), hi = tb_clamp(bounds2[I + 1], lo, n);
     float c[kTbMmaMaxTiles][4];
     zero_fill(c);
-    if (with_e && lo < hi)
-      for (int i = tid; i < d.R1K; i += kTbThreads) {
-        const int a = i / d.K;
-        G2s[a * ldq + (i - a * d.K)] = __ldg(g2 + (size_t)I * d.R1K + i);
-      }
+    if (with_e && lo < hi) tb_stage_g2_row(d, g2, I, ldq, G2s);
     for (int j0 = lo; j0 < hi; j0 += nbatch) {
       const int nb = min(nbatch, hi - j0), rows = nb * d.q1;
       __syncthreads();  // the previous batch's G1t / dPs are read
-      if (tid < nb) {
-        const int gr = tb_clamp(__ldg(sorted_groups + j0 + tid), 0, gmax);
-        tb_group_range(goffs, gr, U, s_gs[tid], s_ge[tid]);
-        s_i1[tid] = tb_clamp(__ldg(g_i1 + gr), 0, d.p1 - 1);
-        s_g[tid] = gr;
-      }
+      tb_load_batch_groups(d, sorted_groups, goffs, g_i1, j0, nb, gmax, U, s_gs, s_ge, s_i1, s_g);
       __syncthreads();
       for (int e = tid; e < kr * d.r1; e += kTbThreads) {  // G1t, rows past the batch's 0
         const int row = e / d.r1, a = e - row * d.r1;

@@ -8,6 +8,7 @@
 //     then P^T . d_rows[u] (a sum over m ascending) added per output element in u order.
 #pragma once
 
+#include "cuda/mma_tf32.cuh"
 #include "cuda/tb_rows.cuh"
 
 namespace flowtt::tb {
@@ -15,15 +16,59 @@ namespace {  // internal linkage: one copy per including file
 
 // ------------------------------- backward: the P cache -------------------------------
 
+// P of a batch on tensor cores (tb_pcache_mma dims): A = the batch's g1 rows Am [rows][r1 + 4]
+// (row (k, x1) = g1 row x1 of group s_g[k]; rows past nR are 0), B = the g2 row G2m
+// [r1][K + 8]; warp w takes the items (16 rows, 32 columns) w, w + kTbWarps, ..., each
+// element the sum over r1 in k-steps of 8 ascending, each k-step's 3xTF32 product added in
+// float32 (tb_mma_3xtf32), stored as float2 to Pc[s_g[k] - glo][x1][col].
+template <class DD>
+__device__ __forceinline__ void tb_pcache_batch_mma(const DD& d, int nR, const float* Am,
+                                                    const float* G2m, const int* s_g, int glo,
+                                                    float* __restrict__ Pc) {
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int lda = d.r1 + 4, ldb = d.K + 8, nc = d.K / 32, items = (nR + 15) / 16 * nc;
+  for (int item = warp; item < items; item += kTbWarps) {  // warp-uniform
+    const int m0 = item / nc * 16, n0 = item % nc * 32;
+    float acc[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+    for (int k0 = 0; k0 < d.r1; k0 += 8) {
+      const float* a = Am + (m0 + g) * lda + k0 + t;
+      const TbTf32 af[4] = {tb_split_tf32(a[0]), tb_split_tf32(a[8 * lda]), tb_split_tf32(a[4]),
+                            tb_split_tf32(a[8 * lda + 4])};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float* b = G2m + (k0 + t) * ldb + n0 + 8 * j + g;
+        const TbTf32 bf[2] = {tb_split_tf32(b[0]), tb_split_tf32(b[4 * ldb])};
+        tb_mma_3xtf32(acc[j], af, bf);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = m0 + g + 8 * h;
+      if (row >= nR) continue;
+      const int k = row / d.q1, x1 = row - k * d.q1;
+      float* dst = Pc + (size_t)(s_g[k] - glo) * d.PSZ + x1 * d.K + n0 + 2 * t;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+    }
+  }
+}
+
 // Pc[g - glo] = P_g = g1[g_i1[g]] . g2[g_i2[g]] as [q1][K] (= [M][r2]) for the groups g in
 // [glo, glo + cap) below num_groups (one pass of tb_rows_bwd's dg3 loop), so that dg3 reads
 // P_g (PSZ floats) instead of forming it per block; returns at once when glo >= num_groups. Phase 1
 // of tb_fwd_tile_kernel without the rows (geometry tb_tile_geo, smem tb_pcache_smem): blocks steal
 // packed g2 rows I (ctr), the g2 row staged once for all its groups (sorted_groups[bounds2[I] ..
 // bounds2[I+1])), batches of up to geo.GB of them (groups outside the pass dropped), P of a batch
-// by one GEMM, stored straight from the registers (float4, r2 % 4 == 0). Every element is
-// fmaf(g1[x1][a], g2[a][j], acc) over a ascending from 0, the chain of tb_warp_prefix: the stored P
-// is bitwise the P that tb_dg3_kernel forms when it recomputes.
+// by one GEMM, stored straight from the registers (float4, r2 % 4 == 0). On tensor cores
+// for tb_pcache_mma dims (tb_pcache_batch_mma: deterministic, its bits independent of the
+// batch size, not those of the FMA chain); else every element is fmaf(g1[x1][a], g2[a][j],
+// acc) over a ascending from 0, the chain of tb_warp_prefix: the stored P is bitwise the P
+// that tb_dg3_kernel forms when it recomputes.
 template <class DD>
 __global__ void __launch_bounds__(kTbThreads)
     tb_pcache_kernel(DD d, TbTileGeo geo, const float* __restrict__ g1,
@@ -33,8 +78,8 @@ __global__ void __launch_bounds__(kTbThreads)
                      float* __restrict__ Pc) {
   TB_DYNAMIC_SMEM(tb_smem4);
   float* smem = reinterpret_cast<float*>(tb_smem4);
-  float* G2s = smem;                   // [r1][K]
-  float* As = G2s + tb_align4(d.R1K);  // [r1][ldA]
+  float* G2s = smem;                   // [r1][K] ([r1][K + 8] on the mma path)
+  float* As = G2s + tb_align4(d.R1K);  // [r1][ldA] (the FMA path)
   __shared__ int s_item, s_nb;
   __shared__ int s_g[kTbTileGroups], s_i1[kTbTileGroups];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -69,11 +114,30 @@ __global__ void __launch_bounds__(kTbThreads)
       __syncthreads();
       const int nb = s_nb;
       if (nb == 0) continue;
+      const bool mma = tb_pcache_mma(d);
       if (!staged) {
         const float4* src = reinterpret_cast<const float4*>(g2 + (size_t)I * d.R1K);
-        for (int i = tid; i < d.R1K / 4; i += kTbThreads)
-          reinterpret_cast<float4*>(G2s)[i] = __ldg(src + i);
+        for (int i = tid; i < d.R1K / 4; i += kTbThreads) {
+          const int a = mma ? 4 * i / d.K : 0;  // [r1][K + 8] rows on the mma path
+          reinterpret_cast<float4*>(G2s + 8 * a)[i] = __ldg(src + i);
+        }
         staged = true;
+      }
+      if (mma) {
+        float* Am = G2s + d.r1 * (d.K + 8);  // [rows][r1 + 4]
+        const int nR = nb * d.q1, rows = (nR + 15) / 16 * 16;
+        for (int e = tid; e < rows * d.r1; e += kTbThreads) {
+          const int row = e / d.r1, a = e - row * d.r1;
+          float v = 0.f;
+          if (row < nR) {
+            const int k = row / d.q1;
+            v = __ldg(g1 + (size_t)s_i1[k] * d.Q1R1 + (row - k * d.q1) * d.r1 + a);
+          }
+          Am[row * (d.r1 + 4) + a] = v;
+        }
+        __syncthreads();
+        tb_pcache_batch_mma(d, nR, Am, G2s, s_g, glo, Pc);
+        continue;
       }
       tb_batch_P(d, g1, s_i1, nb, geo.ldA, As, G2s,
                  [&](int row0, int c4, int nR, const float (&acc)[kTbRPT][4]) {

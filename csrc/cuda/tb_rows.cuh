@@ -130,10 +130,27 @@ inline TbTileGeo tb_tile_geo(const DD& d, size_t smem_cap, int max_groups = kTbT
   return g;
 }
 
+// Whether tb_pcache_kernel forms P on tensor cores (3xTF32, tb_pcache_batch_mma): k-steps
+// of 8 over r1 and column chunks of 32 over K.
+template <class DD>
+__host__ __device__ inline bool tb_pcache_mma(const DD& d) {
+  return d.r1 % 8 == 0 && d.K % 32 == 0;
+}
+
+// Rows (group, x1) of a P cache batch on the tensor-core path: GB * q1 rounded up to 16.
+__host__ __device__ inline int tb_pcache_mma_rows(int q1, const TbTileGeo& geo) {
+  return (geo.GB * q1 + 15) / 16 * 16;
+}
+
 // The P cache of the backward (tb_pcache_kernel, tb_tile_geo's GB and ldA): the g2 row
-// and the batch's g1 rows, no P tile (P goes straight to global memory).
+// and the batch's g1 rows, no P tile (P goes straight to global memory). On the
+// tensor-core path the g2 row [r1][K + 8] and the g1 rows [rows][r1 + 4] (strides that put
+// a fragment's reads at distinct banks).
 template <class DD>
 inline size_t tb_pcache_smem(const DD& d, const TbTileGeo& geo) {
+  if (tb_pcache_mma(d))
+    return sizeof(float) *
+           ((size_t)d.r1 * (d.K + 8) + (size_t)tb_pcache_mma_rows(d.q1, geo) * (d.r1 + 4));
   return sizeof(float) * ((size_t)tb_align4(d.R1K) + (size_t)d.r1 * geo.ldA);
 }
 
@@ -242,6 +259,34 @@ __device__ __forceinline__ int tb_find_group(const int* __restrict__ goffs, int 
       hi = mid;
   }
   return lo;
+}
+
+// A batch of the dg2 kernels (tb_dg2_kernel, tb_dg2_mma_kernel): the groups
+// sorted_groups[j0 + k], k < nb (nb <= kTbThreads), with their unique ranges [s_gs, s_ge),
+// g1 rows s_i1 and ids s_g in shared memory (the caller's barrier follows).
+template <class DD>
+__device__ __forceinline__ void tb_load_batch_groups(const DD& d,
+                                                     const int* __restrict__ sorted_groups,
+                                                     const int* __restrict__ goffs,
+                                                     const int* __restrict__ g_i1, int j0, int nb,
+                                                     int gmax, int U, int* s_gs, int* s_ge,
+                                                     int* s_i1, int* s_g) {
+  const int tid = threadIdx.x;
+  if (tid >= nb) return;
+  const int g = tb_clamp(__ldg(sorted_groups + j0 + tid), 0, gmax);
+  tb_group_range(goffs, g, U, s_gs[tid], s_ge[tid]);
+  s_i1[tid] = tb_clamp(__ldg(g_i1 + g), 0, d.p1 - 1);
+  s_g[tid] = g;
+}
+
+// The g2 row I [r1][K] into shared memory rows of stride ld (the dg1 terms' operand).
+template <class DD>
+__device__ __forceinline__ void tb_stage_g2_row(const DD& d, const float* __restrict__ g2, int I,
+                                                int ld, float* G2s) {
+  for (int i = threadIdx.x; i < d.R1K; i += kTbThreads) {
+    const int a = i / d.K;
+    G2s[a * ld + (i - a * d.K)] = __ldg(g2 + (size_t)I * d.R1K + i);
+  }
 }
 
 // The prefix GEMM of a batch of groups sharing a g2 row (tb_fwd_tile_kernel and
