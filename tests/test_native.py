@@ -4,7 +4,7 @@
   invalid plans and shapes refused;
 - ``csrc/cuda/tb_rows_emu_test.cc``: the CUDA table-batched kernels' own code run in
   emulation (``csrc/cuda/tb_emu.h``) against the oracle, with the paths a device run
-  rarely takes (the dg1 merge fallback, dg3 in passes over the unique ids, both dg2 batch sizes)
+  rarely takes (the dg1 merge fallback, groups past the P cache, both dg2 batch sizes)
   checked bit for bit against the usual ones, and invalid plans run to completion.
 
 Each prints PASS/FAIL lines and exits 1 on any failure. Skipped without a C++ compiler.

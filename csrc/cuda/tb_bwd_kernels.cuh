@@ -26,7 +26,7 @@
 //     kernel tb_dg1_kernel instead (blocks of consecutive g1 rows, their group lists
 //     merged by g_i2, dP_g and the same tb_dg1_term): the same terms in the same order,
 //     so bitwise the same dg1;
-//   dg3[I]: the dg3 terms and their sums, cuda/tb_dg3_kernels.cuh.
+//   dg3[I]: the P cache and dg3 kernels, cuda/tb_dg3_kernels.cuh.
 #pragma once
 
 #include "cuda/tb_rows.cuh"

@@ -1,13 +1,11 @@
-// Table-batched rows kernels, backward: dg3 (sm_90), launched by cuda/tb_rows.cu after the
-// kernels of cuda/tb_bwd_kernels.cuh (and on the CPU by the emulation test
-// cuda/tb_rows_emu_test.cc); docs/batched_contract.md.
+// Table-batched rows kernels, backward: dg3 and its P cache (sm_90), launched by
+// cuda/tb_rows.cu after the kernels of cuda/tb_bwd_kernels.cuh (and on the CPU by the
+// emulation test cuda/tb_rows_emu_test.cc); docs/batched_contract.md.
 //
-//   dg3[I] = sum over the unique indices u of I in ascending u of the term
-//     P_{g(u)}^T . d_rows[u] ([r2][q3], each element a sum over m ascending). Where the dims
-//     take the tile GEMM (tb_tile_geo): tb_dg3_terms_kernel writes every id's term in the
-//     order of the groups (P of a batch of groups once, in shared memory), in passes of
-//     `cap` ids when they do not all fit, and tb_dg3_sum_kernel adds them per g3 row in u
-//     order; else tb_dg3_kernel, a warp per g3 row, forms each id's P itself.
+//   dg3[I]: a warp per g3 row over its ids in ascending u, in chunks: each id's P (from
+//     the P cache tb_pcache_kernel filled, in passes of `cap` groups when they do not all
+//     fit; without a cache formed by the warp) and d_rows row staged in the warp's slice,
+//     then P^T . d_rows[u] (a sum over m ascending) added per output element in u order.
 #pragma once
 
 #include "cuda/mma_tf32.cuh"
@@ -16,17 +14,17 @@
 namespace flowtt::tb {
 namespace {  // internal linkage: one copy per including file
 
-// ------------------------------- backward: the dg3 terms ---------------------------
+// ------------------------------- backward: the P cache -------------------------------
 
-// P of a batch on tensor cores (tb_p_mma dims): A = the batch's g1 rows Am [rows][r1 + 4]
-// (row (k, x1) = g1 row x1 of the batch's group k; rows past nR are 0), B = the g2 row G2m
+// P of a batch on tensor cores (tb_pcache_mma dims): A = the batch's g1 rows Am [rows][r1 + 4]
+// (row (k, x1) = g1 row x1 of group s_g[k]; rows past nR are 0), B = the g2 row G2m
 // [r1][K + 8]; warp w takes the items (16 rows, 32 columns) w, w + kTbWarps, ..., each
 // element the sum over r1 in k-steps of 8 ascending, each k-step's 3xTF32 product added in
-// float32 (tb_mma_3xtf32; a row's bits do not depend on the batch around it), stored as
-// float2 to Ps[k][x1][col] (PSZ floats per group).
+// float32 (tb_mma_3xtf32), stored as float2 to Pc[s_g[k] - glo][x1][col].
 template <class DD>
-__device__ __forceinline__ void tb_batch_P_mma(const DD& d, int nR, const float* Am,
-                                               const float* G2m, float* Ps) {
+__device__ __forceinline__ void tb_pcache_batch_mma(const DD& d, int nR, const float* Am,
+                                                    const float* G2m, const int* s_g, int glo,
+                                                    float* __restrict__ Pc) {
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int lda = d.r1 + 4, ldb = d.K + 8, nc = d.K / 32, items = (nR + 15) / 16 * nc;
   for (int item = warp; item < items; item += kTbWarps) {  // warp-uniform
@@ -52,7 +50,7 @@ __device__ __forceinline__ void tb_batch_P_mma(const DD& d, int nR, const float*
       const int row = m0 + g + 8 * h;
       if (row >= nR) continue;
       const int k = row / d.q1, x1 = row - k * d.q1;
-      float* dst = Ps + k * d.PSZ + x1 * d.K + n0 + 2 * t;
+      float* dst = Pc + (size_t)(s_g[k] - glo) * d.PSZ + x1 * d.K + n0 + 2 * t;
 #pragma unroll
       for (int j = 0; j < 4; ++j)
         *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
@@ -60,38 +58,36 @@ __device__ __forceinline__ void tb_batch_P_mma(const DD& d, int nR, const float*
   }
 }
 
-// E[u - ulo] = the dg3 term of unique index u, P_{g(u)}^T . d_rows[u] as [r2][Q3] (element
-// (b, z) = sum_m P[m][b] d_rows[u][m][z] by fmaf over m ascending from 0, the chain of
-// tb_dg3_chunk_terms), for the u in [ulo, ulo + cap) below num_unique: one pass of
-// tb_rows_bwd's dg3 loop; returns at once when ulo >= num_unique. Blocks steal packed g2
-// rows I (ctr); the g2 row is staged once for the groups of I (sorted_groups[bounds2[I] ..
-// bounds2[I+1])) holding ids of the pass, in batches of up to geo.GB: P of a batch by one
-// GEMM into Ps [GB][M][r2] (smem tb_dg3_terms_smem), on tensor cores for tb_p_mma dims
-// (tb_batch_P_mma: deterministic, not the bits of the FMA chain), else by the FMA tiles of
-// tb_batch_P (every element fmaf(g1[x1][a], g2[a][j], acc) over a ascending: bitwise the
-// P of tb_dg3_kernel), then a thread per (id of the batch, b) writes E[u][b][0..Q3).
-// Q3 = q3, 4 or 8; d_rows and E 16-byte aligned.
-template <int Q3, class DD>
+// Pc[g - glo] = P_g = g1[g_i1[g]] . g2[g_i2[g]] as [q1][K] (= [M][r2]) for the groups g in
+// [glo, glo + cap) below num_groups (one pass of tb_rows_bwd's dg3 loop), so that dg3 reads
+// P_g (PSZ floats) instead of forming it per block; returns at once when glo >= num_groups. Phase 1
+// of tb_fwd_tile_kernel without the rows (geometry tb_tile_geo, smem tb_pcache_smem): blocks steal
+// packed g2 rows I (ctr), the g2 row staged once for all its groups (sorted_groups[bounds2[I] ..
+// bounds2[I+1])), batches of up to geo.GB of them (groups outside the pass dropped), P of a batch
+// by one GEMM, stored straight from the registers (float4, r2 % 4 == 0). On tensor cores
+// for tb_pcache_mma dims (tb_pcache_batch_mma: deterministic, its bits independent of the
+// batch size, not those of the FMA chain); else every element is fmaf(g1[x1][a], g2[a][j],
+// acc) over a ascending from 0, the chain of tb_warp_prefix: the stored P is bitwise the P
+// that tb_dg3_kernel forms when it recomputes.
+template <class DD>
 __global__ void __launch_bounds__(kTbThreads)
-    tb_dg3_terms_kernel(DD d, TbTileGeo geo, const float* __restrict__ g1,
-                        const float* __restrict__ g2, const float* __restrict__ d_rows,
-                        const int* __restrict__ g_i1, const int* __restrict__ goffs,
-                        const int* __restrict__ counts, int n, const int* __restrict__ bounds2,
-                        const int* __restrict__ sorted_groups, int ulo, int cap, int* ctr,
-                        float* __restrict__ E) {
+    tb_pcache_kernel(DD d, TbTileGeo geo, const float* __restrict__ g1,
+                     const float* __restrict__ g2, const int* __restrict__ g_i1,
+                     const int* __restrict__ counts, int n, const int* __restrict__ bounds2,
+                     const int* __restrict__ sorted_groups, int glo, int cap, int* ctr,
+                     float* __restrict__ Pc) {
   TB_DYNAMIC_SMEM(tb_smem4);
   float* smem = reinterpret_cast<float*>(tb_smem4);
-  const bool mma = tb_p_mma(d);
-  float* G2s = smem;  // [r1][K] ([r1][K + 8] on the mma path)
-  float* As = G2s + (mma ? d.r1 * (d.K + 8) : tb_align4(d.R1K));  // As [r1][ldA] or Am
-  float* Ps = smem + tb_dg3_terms_ps(d, geo);                     // [GB][M][r2]
-  __shared__ int s_item, s_nb, s_w;
-  __shared__ int s_a[kTbTileGroups], s_pref[kTbTileGroups], s_i1[kTbTileGroups];
+  float* G2s = smem;                   // [r1][K] ([r1][K + 8] on the mma path)
+  float* As = G2s + tb_align4(d.R1K);  // [r1][ldA] (the FMA path)
+  __shared__ int s_item, s_nb;
+  __shared__ int s_g[kTbTileGroups], s_i1[kTbTileGroups];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int U, G;
   tb_counts(counts, n, U, G);
-  if (ulo >= U) return;
-  const int uhi = (int)min((long long)ulo + cap, (long long)U), gmax = max(G - 1, 0);
+  const int gmax = max(G - 1, 0);
+  if (glo >= G) return;
+  const int ghi = (int)min((long long)glo + cap, (long long)G);
   for (;;) {
     const int I = tb_claim(ctr, &s_item);
     if (I >= d.p2) break;
@@ -99,34 +95,26 @@ __global__ void __launch_bounds__(kTbThreads)
     bool staged = false;
     for (int j0 = lo; j0 < hi; j0 += geo.GB) {
       const int nc = min(geo.GB, hi - j0);
-      __syncthreads();  // the previous batch's As / Ps are read
-      if (warp == 0) {  // the batch's groups with ids in the pass, compacted; their ids' scan
-        int cnt = 0, a = 0, g = 0;
+      __syncthreads();  // the previous batch's As is read
+      if (warp == 0) {  // the batch's cached groups, compacted
+        int g = 0;
+        bool keep = false;
         if (lane < nc) {
           g = tb_clamp(__ldg(sorted_groups + j0 + lane), 0, gmax);
-          int gs, ge;
-          tb_group_range(goffs, g, U, gs, ge);
-          a = max(gs, ulo);
-          cnt = max(min(ge, uhi) - a, 0);
+          keep = g >= glo && g < ghi;
         }
-        const unsigned kept = __ballot_sync(0xffffffffu, cnt > 0);
-        int incl = cnt;
-        for (int off = 1; off < 32; off <<= 1) {
-          const int v = __shfl_up_sync(0xffffffffu, incl, off);
-          if (lane >= off) incl += v;
-        }
-        if (cnt > 0) {
+        const unsigned kept = __ballot_sync(0xffffffffu, keep);
+        if (keep) {
           const int pos = __popc(kept & ((1u << lane) - 1u));
-          s_a[pos] = a;
-          s_pref[pos] = incl - cnt;
+          s_g[pos] = g;
           s_i1[pos] = tb_clamp(__ldg(g_i1 + g), 0, d.p1 - 1);
         }
-        if (lane == 31) s_w = incl;
         if (lane == 0) s_nb = __popc(kept);
       }
       __syncthreads();
       const int nb = s_nb;
       if (nb == 0) continue;
+      const bool mma = tb_pcache_mma(d);
       if (!staged) {
         const float4* src = reinterpret_cast<const float4*>(g2 + (size_t)I * d.R1K);
         for (int i = tid; i < d.R1K / 4; i += kTbThreads) {
@@ -136,59 +124,34 @@ __global__ void __launch_bounds__(kTbThreads)
         staged = true;
       }
       if (mma) {
+        float* Am = G2s + d.r1 * (d.K + 8);  // [rows][r1 + 4]
         const int nR = nb * d.q1, rows = (nR + 15) / 16 * 16;
-        for (int e = tid; e < rows * d.r1; e += kTbThreads) {  // Am [rows][r1 + 4]
+        for (int e = tid; e < rows * d.r1; e += kTbThreads) {
           const int row = e / d.r1, a = e - row * d.r1;
           float v = 0.f;
           if (row < nR) {
             const int k = row / d.q1;
             v = __ldg(g1 + (size_t)s_i1[k] * d.Q1R1 + (row - k * d.q1) * d.r1 + a);
           }
-          As[row * (d.r1 + 4) + a] = v;
+          Am[row * (d.r1 + 4) + a] = v;
         }
         __syncthreads();
-        tb_batch_P_mma(d, nR, As, G2s, Ps);
-      } else {
-        tb_batch_P(d, g1, s_i1, nb, geo.ldA, As, G2s,
-                   [&](int row0, int c4, int nR, const float (&acc)[kTbRPT][4]) {
+        tb_pcache_batch_mma(d, nR, Am, G2s, s_g, glo, Pc);
+        continue;
+      }
+      tb_batch_P(d, g1, s_i1, nb, geo.ldA, As, G2s,
+                 [&](int row0, int c4, int nR, const float (&acc)[kTbRPT][4]) {
 #pragma unroll
-                     for (int i = 0; i < kTbRPT; ++i) {
-                       const int row = row0 + i;
-                       if (row < nR)
-                         *reinterpret_cast<float4*>(Ps + row * d.K + 4 * c4) =
-                             make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+                   for (int i = 0; i < kTbRPT; ++i) {
+                     const int row = row0 + i;
+                     if (row < nR) {
+                       const int k = row / d.q1, x1 = row - k * d.q1;
+                       *reinterpret_cast<float4*>(Pc + (size_t)(s_g[k] - glo) * d.PSZ + x1 * d.K +
+                                                  4 * c4) =
+                           make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
                      }
-                   });
-      }
-      __syncthreads();
-      const int W = s_w;
-      for (int it = tid; it < W * d.r2; it += kTbThreads) {  // E[u][b][0..Q3) of one id
-        const int uq = it / d.r2, b = it - uq * d.r2;
-        int k = 0;  // the last group of the batch with s_pref[k] <= uq
-        for (int step = kTbTileGroups / 2; step > 0; step >>= 1)
-          if (k + step < nb && s_pref[k + step] <= uq) k += step;
-        const int u = s_a[k] + (uq - s_pref[k]);
-        const float* P = Ps + k * d.PSZ + b;
-        const float4* dr = reinterpret_cast<const float4*>(d_rows + (size_t)u * d.D);
-        float c[Q3];
-#pragma unroll
-        for (int z = 0; z < Q3; ++z) c[z] = 0.f;
-        for (int m = 0; m < d.M; ++m) {
-          const float p = P[m * d.r2];
-#pragma unroll
-          for (int h = 0; h < Q3 / 4; ++h) {
-            const float4 v = __ldg(dr + m * (Q3 / 4) + h);
-            c[4 * h] = fmaf(p, v.x, c[4 * h]);
-            c[4 * h + 1] = fmaf(p, v.y, c[4 * h + 1]);
-            c[4 * h + 2] = fmaf(p, v.z, c[4 * h + 2]);
-            c[4 * h + 3] = fmaf(p, v.w, c[4 * h + 3]);
-          }
-        }
-        float4* out = reinterpret_cast<float4*>(E + (size_t)(u - ulo) * d.S3 + b * Q3);
-#pragma unroll
-        for (int h = 0; h < Q3 / 4; ++h)
-          out[h] = make_float4(c[4 * h], c[4 * h + 1], c[4 * h + 2], c[4 * h + 3]);
-      }
+                   }
+                 });
     }
   }
 }
@@ -263,95 +226,27 @@ __device__ __forceinline__ void tb_dg3_chunk_terms(const DD& d, const float* S, 
   }
 }
 
-// float4s of a g3 row per lane in tb_dg3_sum_kernel: ceil(S3 / 128), at most 4.
-template <class DD>
-__host__ __device__ constexpr int tb_dg3_sum_nj() {
-  if constexpr (DD::kFixed)
-    return (DD::S3 / 4 + 31) / 32;
-  else
-    return kTbRMax * kTbQ3Max / 128;
-}
-
-// dg3[I] (+)= sum over the ids u of I in [ulo, ulo + cap) below num_unique, in ascending u,
-// of their terms E[u - ulo] (tb_dg3_terms_kernel): a warp per g3 row (work stealing by
-// warps), the row's ids of the pass a contiguous part of its list (sorted_u[bounds3[I] ..
-// bounds3[I+1]), u ascending: tb_warp_lower_bound), lane l owning the float4s l, l + 32, ...
-// of the row's S3 outputs, four ids' terms in flight. The first pass (ulo = 0) writes every
-// row, a later one adds its part to the row it reads back: the additions of tb_dg3_kernel
-// over the whole list, in its order. A pass at ulo >= num_unique returns at once.
-template <class DD>
-__global__ void __launch_bounds__(kTbThreads)
-    tb_dg3_sum_kernel(DD d, const float* __restrict__ E, const int* __restrict__ counts, int n,
-                      const int* __restrict__ bounds3, const int* __restrict__ sorted_u, int ulo,
-                      int cap, int* ctr, float* __restrict__ dg3) {
-  constexpr int NJ = tb_dg3_sum_nj<DD>();
-  const int lane = threadIdx.x & 31, S4 = d.S3 / 4;
-  int U, G;
-  tb_counts(counts, n, U, G);
-  if (ulo > 0 && ulo >= U) return;
-  const int uhi = (int)min((long long)ulo + cap, (long long)U);
-  for (;;) {
-    const int I = tb_warp_claim(ctr, lane);
-    if (I >= d.p3) break;
-    int lo = tb_clamp(bounds3[I], 0, n), hi = tb_clamp(bounds3[I + 1], lo, n);
-    lo = tb_warp_lower_bound(sorted_u, lo, hi, ulo, lane);
-    hi = tb_warp_lower_bound(sorted_u, lo, hi, uhi, lane);
-    if (ulo > 0 && lo == hi) continue;  // no id of this pass: the row stays
-    float4* row = reinterpret_cast<float4*>(dg3 + (size_t)I * d.S3);
-    float4 acc[NJ];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      const int e = lane + 32 * j;
-      acc[j] = ulo > 0 && e < S4 ? row[e] : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    for (int h0 = lo; h0 < hi; h0 += 32) {
-      const int nh = min(32, hi - h0);
-      const int mine = lane < nh ? tb_clamp(__ldg(sorted_u + h0 + lane), ulo, uhi - 1) - ulo : 0;
-      for (int k0 = 0; k0 < nh; k0 += 4) {
-        float4 v[4][NJ];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int u = __shfl_sync(0xffffffffu, mine, (k0 + k) & 31);
-#pragma unroll
-          for (int j = 0; j < NJ; ++j) {
-            const int e = lane + 32 * j;
-            if (k0 + k < nh && e < S4)
-              v[k][j] = __ldg(reinterpret_cast<const float4*>(E + (size_t)u * d.S3) + e);
-          }
-        }
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-#pragma unroll
-          for (int j = 0; j < NJ; ++j)
-            if (k0 + k < nh) {
-              acc[j].x += v[k][j].x;
-              acc[j].y += v[k][j].y;
-              acc[j].z += v[k][j].z;
-              acc[j].w += v[k][j].w;
-            }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-      if (lane + 32 * j < S4) row[lane + 32 * j] = acc[j];
-  }
-}
-
 // dg3[I] = sum over the unique indices u of I in ascending u (sorted_u[bounds3[I] ..
-// bounds3[I+1]), a stable sort by u_i3) of P_{g(u)}^T . d_rows[u], for dims without the
-// terms path (one launch does every id). A warp per g3 row (work stealing by warps): the
-// row's ids in chunks of tb_dg3_chunk(d), the next chunk's ids and groups (sg,
-// tb_sorted_groups_kernel) read ahead; per chunk each id's d_rows row is staged in the
-// warp's slice and its P formed there by the warp (tb_warp_prefix); then the ids in order,
-// lane b (and b + 32) owning the outputs (b, z): each term a sum over m ascending, added
-// to the accumulator.
+// bounds3[I+1]), a stable sort by u_i3) of P_{g(u)}^T . d_rows[u]. A warp per g3 row
+// (work stealing by warps): the row's ids in chunks of tb_dg3_chunk(d), the next chunk's
+// ids and groups (sg, tb_sorted_groups_kernel) read ahead; per chunk each id's d_rows row
+// and P (from the P cache Pc, float4 loads in flight together; without a cache formed by
+// the warp, tb_warp_prefix) are staged in the warp's slice; then the ids in order, lane b
+// (and b + 32) owning the outputs (b, z): each term a sum over m ascending, added to the
+// accumulator. With a cache (cap > 0) one launch is one pass of tb_rows_bwd's loop over
+// the groups [glo, glo + cap), whose P the cache holds: a row's ids of those groups are a
+// contiguous part of its list (u ascending, so g too: tb_warp_lower_bound finds it), the
+// first pass (glo = 0) writes every row, a later one adds its part to the row it reads
+// back (the same additions in the same order as one pass over the whole list); a later
+// pass at glo >= num_groups returns at once. Without (cap == 0) one launch does every id.
 template <int Q1C, int VEC, class DD>
 __global__ void __launch_bounds__(kTbThreads)
     tb_dg3_kernel(DD d, const float* __restrict__ g1, const float* __restrict__ g2,
                   const float* __restrict__ d_rows, const int* __restrict__ g_i1,
                   const int* __restrict__ g_i2, const int* __restrict__ counts, int n,
                   const int* __restrict__ bounds3, const int* __restrict__ sorted_u,
-                  const int* __restrict__ sg, int dvec, int* ctr, float* __restrict__ dg3) {
+                  const int* __restrict__ sg, const float* __restrict__ Pc, int glo, int cap,
+                  int dvec, int* ctr, float* __restrict__ dg3) {
   TB_DYNAMIC_SMEM(tb_smem4);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int CH = tb_dg3_chunk(d), slot = tb_dg3_slot(d), poff = tb_align4(d.M * d.ldP);
@@ -361,15 +256,29 @@ __global__ void __launch_bounds__(kTbThreads)
   int U, G;
   tb_counts(counts, n, U, G);
   const int gmax = max(G - 1, 0);
+  // every id of the pass: P from Pc (tb_pcache_kernel); no groups (a bad plan): P formed
+  const bool cached = cap > 0 && G > 0;
+  if (glo > 0 && glo >= G) return;  // a pass past the groups (the first writes every row)
+  const int ghi = cached ? (int)min((long long)glo + cap, (long long)G) : G;
+  const bool split = glo > 0 || ghi < G;  // the pass takes part of the groups
+  const int P4 = d.PSZ / 4;               // float4s of a cached P (r2 % 4 == 0 when cap > 0)
   for (;;) {
     const int I = tb_warp_claim(ctr, lane);
     if (I >= d.p3) break;
-    const int lo = tb_clamp(bounds3[I], 0, n), hi = tb_clamp(bounds3[I + 1], lo, n);
+    int lo = tb_clamp(bounds3[I], 0, n), hi = tb_clamp(bounds3[I + 1], lo, n);
+    if (split) {
+      lo = tb_warp_lower_bound(sg, lo, hi, glo, lane);
+      hi = tb_warp_lower_bound(sg, lo, hi, ghi, lane);
+      if (glo > 0 && lo == hi) continue;  // no id of this pass: the row stays
+    }
     float acc[2][kTbQ3Max];
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < 2; ++i) {
+      const int b = lane + 32 * i;
 #pragma unroll
-      for (int z = 0; z < kTbQ3Max; ++z) acc[i][z] = 0.f;
+      for (int z = 0; z < kTbQ3Max; ++z)
+        acc[i][z] = glo > 0 && b < d.r2 && z < d.q3 ? dg3[(size_t)I * d.S3 + b * d.q3 + z] : 0.f;
+    }
     int un = 0, gn = 0;  // lane < CH: the next chunk's id and group
     if (lane < min(CH, hi - lo)) {
       un = __ldg(sorted_u + lo + lane);
@@ -386,20 +295,52 @@ __global__ void __launch_bounds__(kTbThreads)
         gn = __ldg(sg + h0 + CH + lane);
       }
       __syncwarp();
-      if (dvec) {  // the d_rows rows, float4s
-        for (int e4 = lane; e4 < nc * (d.D / 4); e4 += 32) {
-          const int k = e4 / (d.D / 4), q = e4 - k * (d.D / 4);
-          *reinterpret_cast<float4*>(S + k * slot + poff + 4 * q) =
-              __ldg(reinterpret_cast<const float4*>(d_rows + (size_t)s_u[warp][k] * d.D) + q);
+      // the cached P (float4 items [0, nc*P4)) and, when dvec, the d_rows rows (float4
+      // items after them), eight loads in flight per lane
+      const int nP = nc * P4, nI = nP + (dvec ? nc * (d.D / 4) : 0);
+      for (int base = lane; base < nI; base += 8 * 32) {
+        float4 v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int e4 = base + 32 * j;
+          if (e4 < nP) {
+            const int k = e4 / P4, slot_g = tb_clamp(s_g[warp][k] - glo, 0, cap - 1);
+            if (cached)
+              v[j] = __ldg(reinterpret_cast<const float4*>(Pc + (size_t)slot_g * d.PSZ) +
+                           (e4 - k * P4));
+          } else if (e4 < nI) {
+            const int k = (e4 - nP) / (d.D / 4), q = e4 - nP - k * (d.D / 4);
+            v[j] = __ldg(reinterpret_cast<const float4*>(d_rows + (size_t)s_u[warp][k] * d.D) + q);
+          }
         }
-      } else {
-        for (int e = lane; e < nc * d.D; e += 32) {  // one float at a time
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int e4 = base + 32 * j;
+          if (e4 < nP) {
+            const int k = e4 / P4, q = e4 - k * P4;
+            if (cached) {
+              const int m = (4 * q) / d.r2, b = 4 * q - m * d.r2;
+              float* dst = S + k * slot + m * d.ldP + b;
+              dst[0] = v[j].x;
+              dst[1] = v[j].y;
+              dst[2] = v[j].z;
+              dst[3] = v[j].w;
+            }
+          } else if (e4 < nI) {
+            const int k = (e4 - nP) / (d.D / 4), q = e4 - nP - k * (d.D / 4);
+            *reinterpret_cast<float4*>(S + k * slot + poff + 4 * q) = v[j];
+          }
+        }
+      }
+      if (!dvec) {
+        for (int e = lane; e < nc * d.D; e += 32) {  // the d_rows rows, one float at a time
           const int k = e / d.D, o = e - k * d.D;
           S[k * slot + poff + o] = __ldg(d_rows + (size_t)s_u[warp][k] * d.D + o);
         }
       }
-      for (int k = 0; k < nc; ++k) {  // each id's P, formed by the warp
+      for (int k = 0; k < nc; ++k) {  // the P not cached, formed by the warp
         const int g = s_g[warp][k];
+        if (cached) break;
         __syncwarp();
         tb_warp_load_g1(d, g1, tb_clamp(__ldg(g_i1 + g), 0, d.p1 - 1), G1s, lane);
         __syncwarp();

@@ -111,9 +111,8 @@ cudaError_t tb_radix_sort(const TbSortTmp& t, const int* key_src, int P, const i
   return cudaSuccess;
 }
 
-// Shared memory cap of the sorted-tile forward (room for two blocks per SM), and of the
-// dg3 terms kernel (its P tile on top of the forward's operands).
-constexpr size_t kTbTileSmemCap = 100 * 1024, kTbTermsSmemCap = 200 * 1024;
+// Shared memory cap of the sorted-tile forward (room for two blocks per SM).
+constexpr size_t kTbTileSmemCap = 100 * 1024;
 
 // The groups stably sorted by g_i2 (both ops): two index buffers, the sort's scratch,
 // bounds2 [p2+1].
@@ -164,22 +163,22 @@ TbFwdScratch tb_fwd_layout(const TbDev& d, int n, char* base) {
 }
 
 // Byte budget of the backward's cache buffer, used twice: first for the dg1 terms E
-// (tb_dg2_kernel -> tb_dg1_reduce_kernel, q1*r1 floats per group), then for the dg3 terms
-// (tb_dg3_terms_kernel -> tb_dg3_sum_kernel, r2*q3 floats per unique index, 512 B at r2 =
-// 32, q3 = 4). E covers every group when num_groups <= e_cap (else tb_dg1_kernel merges
-// per g1 row as before); the dg3 terms `cap` unique indices at a time (dg3 runs in passes
-// over the unique indices: ceil(n / cap) passes, those past num_unique return at once).
+// (tb_dg2_kernel -> tb_dg1_reduce_kernel, q1*r1 floats per group), then for the P cache
+// (tb_pcache_kernel -> tb_dg3_kernel, P_g: q1*q2*r2 floats, 1 KB at q = (2, 4, *), r2 =
+// 32). E covers every group when num_groups <= e_cap (else tb_dg1_kernel merges per g1
+// row as before); the P cache `cap` groups at a time (dg3 runs in passes over the groups,
+// each pass after the cache of its groups: ceil(n / cap) passes, those past num_groups
+// return at once).
 #ifndef FLOWTT_TB_PCACHE_MB  // a smaller budget forces passes (harness timing)
 #define FLOWTT_TB_PCACHE_MB 2048
 #endif
 constexpr size_t kTbPCacheBytes = size_t{FLOWTT_TB_PCACHE_MB} << 20;
 
-// Unique indices the dg3 terms hold per pass for these dims (0: the dims do not take the
-// tile GEMM, tb_dg3_kernel forms every P itself in one pass).
-int tb_dg3_term_ids(const TbDev& d, int n) {
-  const TbTileGeo geo = tb_tile_geo(d, kTbTileSmemCap);
-  if (geo.GB == 0 || n <= 0 || tb_dg3_terms_smem(d, geo) > kTbTermsSmemCap) return 0;
-  return (int)std::min<size_t>((size_t)n, kTbPCacheBytes / (sizeof(float) * (size_t)d.S3));
+// Groups the P cache holds for these dims (0: the dims do not take the tile GEMM, dg3
+// forms every P itself in one pass).
+int tb_pcache_groups(const TbDev& d, int n) {
+  if (tb_tile_geo(d, kTbTileSmemCap).GB == 0 || n <= 0) return 0;
+  return (int)std::min<size_t>((size_t)n, kTbPCacheBytes / (sizeof(float) * (size_t)d.PSZ));
 }
 
 // Shared memory cap of the dg2 kernel (with the staged g2 row when it writes E).
@@ -192,9 +191,9 @@ int tb_e_groups(const TbDev& d, int n) {
 }
 
 // Backward scratch: the work counters ctrl [2 + 2 * passes] (dg1's merge, dg2, then per
-// dg3 pass the terms' and the sums') and bounds1 [p1+1] (one memset), the group sort, a third
+// dg3 pass the P cache's and dg3's) and bounds1 [p1+1] (one memset), the group sort, a third
 // index buffer (the unique index sort uses it and the one the group sort left free),
-// bounds3, ug, the cache buffer (E [e_cap][q1*r1], then the dg3 terms [cap][S3]).
+// bounds3, ug, the cache buffer (E [e_cap][q1*r1], then P [cap][PSZ]).
 struct TbBwdScratch {
   int* zeroed;
   size_t zeroed_bytes;
@@ -208,7 +207,7 @@ struct TbBwdScratch {
 TbBwdScratch tb_bwd_layout(const TbDev& d, int n, char* base) {
   TbBump bp{base};
   TbBwdScratch s;
-  s.cap = tb_dg3_term_ids(d, n);
+  s.cap = tb_pcache_groups(d, n);
   const size_t nctrl = 2 + 2 * (size_t)tb_dg3_passes(s.cap, n);
   s.zeroed_bytes = sizeof(int) * (nctrl + (size_t)d.p1 + 1);
   s.zeroed = bp.take<int>(nctrl + (size_t)d.p1 + 1);
@@ -219,7 +218,7 @@ TbBwdScratch tb_bwd_layout(const TbDev& d, int n, char* base) {
   s.vc = bp.take<int>(n);
   s.ug = bp.take<int>(n);
   s.e_cap = tb_e_groups(d, n);
-  s.Pc = bp.take<float>(std::max((size_t)s.cap * d.S3, (size_t)std::max(s.e_cap, 0) * d.Q1R1));
+  s.Pc = bp.take<float>(std::max((size_t)s.cap * d.PSZ, (size_t)std::max(s.e_cap, 0) * d.Q1R1));
   s.bytes = bp.off + 256;
   return s;
 }
@@ -268,9 +267,8 @@ cudaError_t tb_rows_fwd(const TbDims& t, const float* g1, const float* g2, const
     using DD = decltype(d);
     if (tile) {
       const size_t smem = std::max(geo.smem, tb_warp_slices_bytes(d));
-      return tb_launch(TB_TILE_KERNEL(tb_fwd_tile_kernel, d.q3, DD), smem, stream, d, geo, g1, g2,
-                       g3, u_i3, g_i1, g_i2, group_offsets, counts, n, (const int*)s.sort.bounds2,
-                       sorted, s.ctr, rows);
+      return tb_launch(TB_TILE_KERNEL(d.q3, DD), smem, stream, d, geo, g1, g2, g3, u_i3, g_i1, g_i2,
+                       group_offsets, counts, n, (const int*)s.sort.bounds2, sorted, s.ctr, rows);
     }
     const bool vec = d.K % 4 == 0 && tb_aligned16(g2);
     auto kernel = vec ? TB_BY_Q1(tb_fwd_kernel, 4, d.q1, DD) : TB_BY_Q1(tb_fwd_kernel, 1, d.q1, DD);
@@ -356,27 +354,23 @@ cudaError_t tb_rows_bwd(const TbDims& t, const float* g1, const float* g2, const
         return err;
     }
     if (stages & 4) {
-      // per pass: the terms of the pass's cap unique indices, then their sums per g3 row;
-      // or, for dims without the tile GEMM (or unaligned buffers), tb_dg3_kernel once
-      const int cap = tb_aligned16(g2) && tb_aligned16(d_rows) && tb_aligned16(dg3) ? s.cap : 0;
-      if (cap == 0) {
-        auto kernel =
-            vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1, DD) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1, DD);
-        return tb_launch(kernel, tb_dg3_smem(d), stream, d, g1, g2, d_rows, g_i1, g_i2, counts, n,
-                         (const int*)s.bounds3, sorted_u, (const int*)sg,
-                         (int)(d.D % 4 == 0 && tb_aligned16(d_rows)), s.ctrl + 2, dg3);
-      }
+      // per pass: P of the pass's cap groups once (bitwise the P dg3 would form), then dg3
+      // over the ids of those groups
+      const int cap = tb_aligned16(g2) ? s.cap : 0;
       const TbTileGeo geo = tb_tile_geo(d, kTbTileSmemCap);
-      auto terms = TB_TILE_KERNEL(tb_dg3_terms_kernel, d.q3, DD);
+      auto kernel =
+          vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1, DD) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1, DD);
       for (int pass = 0, passes = tb_dg3_passes(cap, n); pass < passes; ++pass) {
-        const int ulo = pass * cap;  // < n
+        const int glo = pass * cap;  // < n
         int* ctr = s.ctrl + 2 + 2 * pass;
-        if ((err = tb_launch(terms, tb_dg3_terms_smem(d, geo), stream, d, geo, g1, g2, d_rows, g_i1,
-                             group_offsets, counts, n, (const int*)s.sort.bounds2, sorted_groups,
-                             ulo, cap, ctr, s.Pc)) != cudaSuccess ||
-            (err = tb_launch(&tb_dg3_sum_kernel<DD>, 0, stream, d, (const float*)s.Pc, counts, n,
-                             (const int*)s.bounds3, sorted_u, ulo, cap, ctr + 1, dg3)) !=
-                cudaSuccess)
+        if (cap > 0 && (err = tb_launch(&tb_pcache_kernel<DD>, tb_pcache_smem(d, geo), stream, d,
+                                        geo, g1, g2, g_i1, counts, n, (const int*)s.sort.bounds2,
+                                        sorted_groups, glo, cap, ctr, s.Pc)) != cudaSuccess)
+          return err;
+        if ((err = tb_launch(kernel, tb_dg3_smem(d), stream, d, g1, g2, d_rows, g_i1, g_i2, counts,
+                             n, (const int*)s.bounds3, sorted_u, (const int*)sg, (const float*)s.Pc,
+                             glo, cap, (int)(d.D % 4 == 0 && tb_aligned16(d_rows)), ctr + 1,
+                             dg3)) != cudaSuccess)
           return err;
       }
     }

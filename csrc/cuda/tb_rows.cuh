@@ -96,8 +96,8 @@ auto tb_with_dims(const TbDev& d, bool fixed, F&& f) {
 
 __host__ __device__ inline int tb_align4(int x) { return (x + 3) & ~3; }
 
-// The backward's dg3 passes over the terms buffer: one per `cap` unique indices of at most n
-// (one without terms, cap = 0).
+// The backward's dg3 passes over the P cache: one per `cap` groups of at most n groups
+// (one without a cache, cap = 0).
 inline int tb_dg3_passes(int cap, int n) {
   return cap > 0 ? (int)(((long long)n + cap - 1) / cap) : 1;
 }
@@ -130,29 +130,28 @@ inline TbTileGeo tb_tile_geo(const DD& d, size_t smem_cap, int max_groups = kTbT
   return g;
 }
 
-// Whether tb_dg3_terms_kernel forms P on tensor cores (3xTF32, tb_batch_P_mma): k-steps of
-// 8 over r1 and column chunks of 32 over K.
+// Whether tb_pcache_kernel forms P on tensor cores (3xTF32, tb_pcache_batch_mma): k-steps
+// of 8 over r1 and column chunks of 32 over K.
 template <class DD>
-__host__ __device__ inline bool tb_p_mma(const DD& d) {
+__host__ __device__ inline bool tb_pcache_mma(const DD& d) {
   return d.r1 % 8 == 0 && d.K % 32 == 0;
 }
 
-// Rows (group, x1) of a batch of gb groups on the tensor-core path: gb * q1 rounded up to 16.
-__host__ __device__ inline int tb_p_mma_rows(int q1, int gb) { return (gb * q1 + 15) / 16 * 16; }
-
-// tb_dg3_terms_kernel's shared memory (tb_tile_geo's GB and ldA): the g2 row and the
-// batch's g1 rows, on the tensor-core path G2m [r1][K + 8] and Am [tb_p_mma_rows][r1 + 4]
-// (strides that put a fragment's reads at distinct banks), else G2s [r1][K] and As
-// [r1][ldA]; then P of the batch's groups Ps [GB][PSZ] at tb_dg3_terms_ps (floats).
-template <class DD>
-__host__ __device__ inline size_t tb_dg3_terms_ps(const DD& d, const TbTileGeo& geo) {
-  if (tb_p_mma(d))
-    return (size_t)d.r1 * (d.K + 8) + (size_t)tb_p_mma_rows(d.q1, geo.GB) * (d.r1 + 4);
-  return (size_t)tb_align4(d.R1K) + (size_t)d.r1 * geo.ldA;
+// Rows (group, x1) of a P cache batch on the tensor-core path: GB * q1 rounded up to 16.
+__host__ __device__ inline int tb_pcache_mma_rows(int q1, const TbTileGeo& geo) {
+  return (geo.GB * q1 + 15) / 16 * 16;
 }
+
+// The P cache of the backward (tb_pcache_kernel, tb_tile_geo's GB and ldA): the g2 row
+// and the batch's g1 rows, no P tile (P goes straight to global memory). On the
+// tensor-core path the g2 row [r1][K + 8] and the g1 rows [rows][r1 + 4] (strides that put
+// a fragment's reads at distinct banks).
 template <class DD>
-inline size_t tb_dg3_terms_smem(const DD& d, const TbTileGeo& geo) {
-  return sizeof(float) * (tb_dg3_terms_ps(d, geo) + (size_t)geo.GB * d.PSZ);
+inline size_t tb_pcache_smem(const DD& d, const TbTileGeo& geo) {
+  if (tb_pcache_mma(d))
+    return sizeof(float) *
+           ((size_t)d.r1 * (d.K + 8) + (size_t)tb_pcache_mma_rows(d.q1, geo) * (d.r1 + 4));
+  return sizeof(float) * ((size_t)tb_align4(d.R1K) + (size_t)d.r1 * geo.ldA);
 }
 
 // The dg1 kernel (tb_dg1_kernel): a block takes R consecutive g1 rows; a super-step
@@ -291,7 +290,7 @@ __device__ __forceinline__ void tb_stage_g2_row(const DD& d, const float* __rest
 }
 
 // The prefix GEMM of a batch of groups sharing a g2 row (tb_fwd_tile_kernel and
-// tb_dg3_terms_kernel), in two steps. Staging: As[a][row] = g1[i1_k][x1][a] for the
+// tb_pcache_kernel), in two steps. Staging: As[a][row] = g1[i1_k][x1][a] for the
 // nR = nb * q1 rows (group k, x1) of the batch, the block's threads over all elements.
 template <class DD>
 __device__ __forceinline__ void tb_stage_g1_rows(const DD& d, const float* __restrict__ g1,
@@ -661,18 +660,18 @@ constexpr int tb_fixed_q1c() {
                           : &KERNEL<0, VEC, DD>;   \
   }()
 
-// The Q3 template argument of the tile kernels (the sorted-tile forward, the dg3 terms) for
-// a TbFixedDims DD (the paths run for q3 = 4 or 8 only: tb_tile_geo).
+// The Q3 template argument of the sorted-tile forward for a TbFixedDims DD (the path runs
+// for q3 = 4 or 8 only: tb_tile_geo).
 template <class DD>
 constexpr int tb_tile_q3() {
   return DD::q3 == 8 ? 8 : 4;
 }
 
-// A tile kernel KERNEL<Q3, DD> for q3 (4 or 8) and dims type DD.
-#define TB_TILE_KERNEL(KERNEL, Q3V, DD)                    \
-  [&] {                                                    \
-    if constexpr (DD::kFixed)                              \
-      return &KERNEL<tb_tile_q3<DD>(), DD>;                \
-    else                                                   \
-      return (Q3V) == 4 ? &KERNEL<4, DD> : &KERNEL<8, DD>; \
+// The sorted-tile forward for q3 (4 or 8) and dims type DD.
+#define TB_TILE_KERNEL(Q3V, DD)                                                    \
+  [&] {                                                                            \
+    if constexpr (DD::kFixed)                                                      \
+      return &tb_fwd_tile_kernel<tb_tile_q3<DD>(), DD>;                            \
+    else                                                                           \
+      return (Q3V) == 4 ? &tb_fwd_tile_kernel<4, DD> : &tb_fwd_tile_kernel<8, DD>; \
   }()

@@ -46,14 +46,13 @@ cudaError_t tb_rows_fwd(const TbDims& d, const float* g1, const float* g2, const
 // bucket bounds of every packed core row, plus one cache buffer of at most 2 GiB (kTbPCacheBytes in
 // tb_rows.cu) used twice: first for the dg1 terms E of every group (q1*r1 floats each; when they do
 // not all fit, dg1 runs the merge kernel instead), then, for dims of the sorted-tile
-// forward, the dg3 terms: P_g^T . d_rows[u] (r2*q3 floats) of cap = min(n, 2 GiB / term)
-// unique indices (4M of 512 B) at a time, each group's P formed once for its ids, then
-// summed per g3 row: dg3 runs in passes of cap unique indices (ceil(n / cap) launches of
-// each kernel, those past num_unique return at once), in the same summation order as one
-// pass.
+// forward, the P cache: P_g (q1*q2*r2 floats) of cap = min(n, 2 GiB / P) groups (2M
+// groups of 1 KB) at a time, formed once so that dg3 reads it: dg3 runs in passes of cap
+// groups (ceil(n / cap) launches of each kernel, those past num_groups return at once),
+// in the same summation order as one pass.
 // `stages` (profiling aid for the harness): bits 0, 1, 2 run dg1, dg2, dg3 (a gradient
 // whose bit is clear is left unwritten; the dg2 kernel runs for dg1 too, since it writes
-// E; the dg3 terms run with dg3); the sorts and bucket bounds always run. `fixed_dims`: as
+// E; the P cache runs with dg3); the sorts and bucket bounds always run. `fixed_dims`: as
 // for tb_rows_fwd.
 constexpr unsigned kTbAllStages = 0x7;
 size_t tb_rows_bwd_scratch_bytes(const TbDims& d, int n);

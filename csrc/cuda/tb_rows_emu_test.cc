@@ -89,16 +89,16 @@ void EmuFwdTile(const Inputs& in, const DD& d, const TbTileGeo& geo, float* rows
   tb_emu_launch(kGrid, 256, 0, tb_bounds_kernel, sorted.data(), in.g_i2, in.counts, 1, n, d.p2,
                 bounds2.data());
   tb_emu_launch(kGrid, kTbThreads, std::max(geo.smem, tb_warp_slices_bytes(d)),
-                TB_TILE_KERNEL(tb_fwd_tile_kernel, d.q3, DD), d, geo, in.g1, in.g2, in.g3, in.u_i3,
-                in.g_i1, in.g_i2, in.goffs, in.counts, n, (const int*)bounds2.data(), sorted.data(),
-                ctr.data(), rows);
+                TB_TILE_KERNEL(d.q3, DD), d, geo, in.g1, in.g2, in.g3, in.u_i3, in.g_i1, in.g_i2,
+                in.goffs, in.counts, n, (const int*)bounds2.data(), sorted.data(), ctr.data(),
+                rows);
 }
 
 // tb_rows_bwd: dg2 (and the dg1 terms E when e_cap >= 0), dg1 (the sums of E when
-// num_groups <= e_cap, else the merge kernel with geometry dg1_geo), dg3 (the terms of
-// `cap` unique indices per pass by tb_dg3_terms_kernel with geometry pgeo, summed per g3
-// row by tb_dg3_sum_kernel, when the dims take it and vec, else tb_dg3_kernel in one
-// pass). E and the dg3 terms share one buffer.
+// num_groups <= e_cap, else the merge kernel with geometry dg1_geo), dg3 (the P of the
+// groups from the P cache built by tb_pcache_kernel with geometry pgeo, `cap` groups per
+// pass, when the dims take it and vec, else formed by dg3 in one pass). E and the P cache
+// share one buffer.
 template <class DD>
 void EmuBwd(const Inputs& in, const DD& d, bool vec, const TbDg1Geo& dg1_geo, float* dg1,
             float* dg2, float* dg3, int cap = 0, TbTileGeo pgeo = {}, int e_cap = -1,
@@ -120,7 +120,7 @@ void EmuBwd(const Inputs& in, const DD& d, bool vec, const TbDg1Geo& dg1_geo, fl
                 in.counts, n, sg.data());
   if (!vec || pgeo.GB == 0) cap = 0;
   // NaN: an E or a P read but not written shows
-  std::vector<float> cache(std::max((size_t)cap * d.S3, (size_t)std::max(e_cap, 0) * d.Q1R1), NAN);
+  std::vector<float> cache(std::max((size_t)cap * d.PSZ, (size_t)std::max(e_cap, 0) * d.Q1R1), NAN);
   const bool vec_g2 = vec && d.K % 4 == 0;
   const int stage_vec = (int)(vec && d.D % 4 == 0 && d.S3 % 4 == 0);
   float* E = e_cap >= 0 ? cache.data() : nullptr;
@@ -142,27 +142,21 @@ void EmuBwd(const Inputs& in, const DD& d, bool vec, const TbDg1Geo& dg1_geo, fl
   auto k1 = vec_g2 ? TB_BY_Q1(tb_dg1_kernel, 4, d.q1, DD) : TB_BY_Q1(tb_dg1_kernel, 1, d.q1, DD);
   tb_emu_launch(kGrid, kTbThreads, dg1_geo.smem, k1, d, dg1_geo, in.g2, in.g3, in.d_rows, in.u_i3,
                 in.g_i2, in.goffs, in.counts, n, (const int*)bounds1.data(), e_cap, &ctrl[0], dg1);
-  if (cap == 0) {
-    auto k3 = vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1, DD) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1, DD);
-    int ctr = 0;
-    tb_emu_launch(kGrid, kTbThreads, tb_dg3_smem(d), k3, d, in.g1, in.g2, in.d_rows, in.g_i1,
-                  in.g_i2, in.counts, n, (const int*)bounds3.data(), sorted_u.data(),
-                  (const int*)sg.data(), (int)(vec && d.D % 4 == 0), &ctr, dg3);
-    return;
-  }
-  // the passes of tb_rows.cu, up to the first past num_unique (the later ones return at
+  auto k3 = vec_g2 ? TB_BY_Q1(tb_dg3_kernel, 4, d.q1, DD) : TB_BY_Q1(tb_dg3_kernel, 1, d.q1, DD);
+  // the passes of tb_rows.cu, up to the first past num_groups (the later ones return at
   // once as it does)
   const int passes = tb_dg3_passes(cap, n);
-  for (int pass = 0; pass < passes && (pass == 0 || (pass - 1) * cap < in.counts[0]); ++pass) {
+  for (int pass = 0; pass < passes && (pass == 0 || (pass - 1) * cap < in.counts[1]); ++pass) {
     int ctr[2] = {0, 0};
     std::fill(cache.begin(), cache.end(), NAN);
-    tb_emu_launch(kGrid, kTbThreads, tb_dg3_terms_smem(d, pgeo),
-                  TB_TILE_KERNEL(tb_dg3_terms_kernel, d.q3, DD), d, pgeo, in.g1, in.g2, in.d_rows,
-                  in.g_i1, in.goffs, in.counts, n, (const int*)bounds2.data(), sorted_groups.data(),
-                  pass * cap, cap, &ctr[0], cache.data());
-    tb_emu_launch(kGrid, kTbThreads, 0, tb_dg3_sum_kernel<DD>, d, (const float*)cache.data(),
-                  in.counts, n, (const int*)bounds3.data(), sorted_u.data(), pass * cap, cap,
-                  &ctr[1], dg3);
+    if (cap > 0)
+      tb_emu_launch(kGrid, kTbThreads, tb_pcache_smem(d, pgeo), tb_pcache_kernel<DD>, d, pgeo,
+                    in.g1, in.g2, in.g_i1, in.counts, n, (const int*)bounds2.data(),
+                    sorted_groups.data(), pass * cap, cap, &ctr[0], cache.data());
+    tb_emu_launch(kGrid, kTbThreads, tb_dg3_smem(d), k3, d, in.g1, in.g2, in.d_rows, in.g_i1,
+                  in.g_i2, in.counts, n, (const int*)bounds3.data(), sorted_u.data(),
+                  (const int*)sg.data(), (const float*)cache.data(), pass * cap, cap,
+                  (int)(vec && d.D % 4 == 0), &ctr[1], dg3);
   }
 }
 
@@ -236,11 +230,11 @@ std::vector<std::vector<float>> RunCase(const TbCase& c, const TbHostPlan& p, bo
   }
   std::vector<double> r1, r2, r3;
   TbRefGrads(c, p, r.k, r.d_rows, &r1, &r2, &r3);
-  // the default dg1 geometry with every dg3 term in one pass (default tile geometry) and
-  // the dg1 terms path; a small merge geometry (8 rows, one g2 row and 8 groups per step)
-  // with the dg3 terms of a third of the unique indices per pass (batches of 4 groups) and
-  // E too small (the merge kernel runs); then no dg3 terms and no E: dg1 and dg3 bitwise
-  // equal across the runs
+  // the default dg1 geometry with every P cached (default P cache geometry) and the dg1
+  // terms path; a small merge geometry (8 rows, one g2 row and 8 groups per step) with the
+  // P cache of a third of the groups (dg3 in passes; batches of 4 groups) and E too small
+  // (the merge kernel runs); then no P cached and no E: dg1 and dg3 bitwise equal across
+  // the runs
   const int n = (int)p.n;
   const TbTileGeo pg_full = tb_tile_geo(r.in.d, 100 * 1024),
                   pg_small = tb_tile_geo(r.in.d, 100 * 1024, 4);
@@ -255,7 +249,7 @@ std::vector<std::vector<float>> RunCase(const TbCase& c, const TbHostPlan& p, bo
   int caps[3];
   int ci = 0;
   for (Cfg cfg : {Cfg{tb_dg1_geo(r.in.d), n, pg_full, n, tb_dg2_batch(r.in.d, true)},
-                  Cfg{TbDg1Geo{8, 1, 8, 0}, (p.U + 2) / 3, pg_small, p.G - 1, 8},
+                  Cfg{TbDg1Geo{8, 1, 8, 0}, p.G / 3, pg_small, p.G - 1, 8},
                   Cfg{tb_dg1_geo(r.in.d), 0, TbTileGeo{}, -1, kTbBatch}}) {
     TbDg1Geo geo = cfg.geo;
     if (geo.smem == 0)
@@ -269,11 +263,10 @@ std::vector<std::vector<float>> RunCase(const TbCase& c, const TbHostPlan& p, bo
     const double e1 = TbRelErr(dg1.data(), r1.data(), r1.size());
     const double e2 = TbRelErr(dg2.data(), r2.data(), r2.size());
     const double e3 = TbRelErr(dg3.data(), r3.data(), r3.size());
-    std::snprintf(
-        buf, sizeof buf,
-        " bwd (dg1 %s, dg2 batches of %d, dg3 terms of %d ids per pass) rel err dg1 %.2e dg2 "
-        "%.2e dg3 %.2e",
-        p.G <= cfg.e_cap ? "terms" : "merge", cfg.nbatch, cap, e1, e2, e3);
+    std::snprintf(buf, sizeof buf,
+                  " bwd (dg1 %s, dg2 batches of %d, P cache %d groups) rel err dg1 %.2e dg2 "
+                  "%.2e dg3 %.2e",
+                  p.G <= cfg.e_cap ? "terms" : "merge", cfg.nbatch, cap, e1, e2, e3);
     TbReport(e1 < kTbTol && e2 < kTbTol && e3 < kTbTol, tag + buf);
     dg1s.push_back(std::move(dg1));
     dg2s.push_back(std::move(dg2));
@@ -294,17 +287,17 @@ std::vector<std::vector<float>> RunCase(const TbCase& c, const TbHostPlan& p, bo
   if (!mma_dp)
     TbReport(same(dg2s[0], dg2s[2]) && same(dg2s[1], dg2s[2]),
              tag + " dg2 bitwise equal across batch sizes (8, 16)");
-  if (tb_p_mma(d)) {  // P on tensor cores: not the FMA chain, so only the term runs compare
+  if (tb_pcache_mma(d)) {  // P on tensor cores: not the FMA chain, so only cached runs compare
     if (caps[0] > 0 && caps[1] > 0)
       TbReport(same(dg3s[0], dg3s[1]),
                tag +
-                   " dg3 from the terms bitwise equal across passes and batches (every id in "
-                   "one pass / a third per pass in batches of 4)");
+                   " dg3 with the P cache bitwise equal across passes and batches (all groups "
+                   "in one pass / a third per pass in batches of 4)");
   } else if (caps[0] > 0 || caps[1] > 0) {
     TbReport(same(dg3s[0], dg3s[2]) && same(dg3s[1], dg3s[2]),
              tag +
-                 " dg3 from the terms (every id in one pass / a third per pass) bitwise "
-                 "equal to tb_dg3_kernel's");
+                 " dg3 with the P cache (all groups in one pass / a third per pass) bitwise "
+                 "equal to dg3 recomputing P");
   }
   for (auto* v : {&dg1s, &dg2s, &dg3s}) outs.insert(outs.end(), v->begin(), v->end());
   return outs;
