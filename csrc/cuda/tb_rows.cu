@@ -4,8 +4,6 @@
 // cuda/tb_dg3_kernels.cuh.
 #include "cuda/tb_rows.h"  // first (its own block): the header stands alone
 
-#include <cub/cub.cuh>
-
 #include <algorithm>
 #include <cstdint>
 
@@ -67,24 +65,18 @@ int tb_end_bit(int max_key) {  // bits that hold keys in [0, max_key]
   return b;
 }
 
-// Radix sort scratch (cuda/tb_sort.cuh): the digit histograms and their exclusive scan,
-// [kTbRadix][tiles] each, and cub's scan storage.
+// Radix sort scratch (cuda/tb_sort.cuh): the digit histograms [kTbRadix][tiles] (scanned
+// in place) and the digits' totals [kTbRadix].
 struct TbSortTmp {
-  int *hist, *offsets;
-  void* scan_tmp;
-  size_t scan_bytes;
+  int *hist, *totals;
   int tiles;
 };
 
 TbSortTmp tb_sort_tmp_layout(TbBump& bp, int n) {
   TbSortTmp t;
   t.tiles = tb_sort_tiles(n);
-  const size_t m = (size_t)kTbRadix * t.tiles;
-  t.hist = bp.take<int>(m);
-  t.offsets = bp.take<int>(m);
-  t.scan_bytes = 0;
-  cub::DeviceScan::ExclusiveSum(nullptr, t.scan_bytes, (int*)nullptr, (int*)nullptr, (int)m);
-  t.scan_tmp = bp.take<char>(t.scan_bytes);
+  t.hist = bp.take<int>((size_t)kTbRadix * t.tiles);
+  t.totals = bp.take<int>(kTbRadix);
   return t;
 }
 
@@ -93,17 +85,17 @@ TbSortTmp tb_sort_tmp_layout(TbBump& bp, int n) {
 // points at the sorted indices, *alt at the other buffer.
 cudaError_t tb_radix_sort(const TbSortTmp& t, const int* key_src, int P, const int* counts,
                           int which, int n, int** out, int** alt, cudaStream_t stream) {
-  const int* in = nullptr;  // the identity
+  const int* in = nullptr;                                            // the identity
+  const int grid = std::max(1, std::min(t.tiles, tb_num_sms() * 8));  // over the live tiles
   for (int shift = 0; shift < tb_end_bit(P - 1); shift += kTbRadixBits) {
-    tb_radix_hist_kernel<<<t.tiles, kTbThreads, 0, stream>>>(in, key_src, P - 1, counts, which, n,
-                                                             shift, t.tiles, t.hist);
-    size_t bytes = t.scan_bytes;
-    cudaError_t err = cub::DeviceScan::ExclusiveSum(t.scan_tmp, bytes, t.hist, t.offsets,
-                                                    kTbRadix * t.tiles, stream);
+    tb_radix_hist_kernel<<<grid, kTbThreads, 0, stream>>>(in, key_src, P - 1, counts, which, n,
+                                                          shift, t.tiles, t.hist);
+    tb_radix_scan_kernel<<<kTbRadix, kTbThreads, 0, stream>>>(counts, which, n, t.tiles, t.hist,
+                                                              t.totals);
+    tb_radix_scatter_kernel<<<grid, kTbThreads, 0, stream>>>(
+        in, key_src, P - 1, counts, which, n, shift, t.tiles, t.hist, t.totals, *out);
+    cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    tb_radix_scatter_kernel<<<t.tiles, kTbThreads, 0, stream>>>(in, key_src, P - 1, counts, which,
-                                                                n, shift, t.tiles, t.offsets, *out);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
     in = *out;
     std::swap(*out, *alt);
   }

@@ -1,8 +1,8 @@
 // The CUDA table-batched kernels (cuda/tb_fwd_kernels.cuh, cuda/tb_bwd_kernels.cuh,
 // cuda/tb_dg3_kernels.cuh) run on the CPU through the emulation of cuda/tb_emu.h, against the
 // float64 oracle (common/tb_testing.h): checks the kernels' indexing, batching, barriers and
-// shuffle trees where no GPU is at hand. The launch sequence mirrors cuda/tb_rows.cu (a host
-// exclusive scan in place of cub's); the radix sort is also checked against std::stable_sort. Build
+// shuffle trees where no GPU is at hand. The launch sequence mirrors cuda/tb_rows.cu; the
+// radix sort is also checked against std::stable_sort. Build
 // and run (repository root):
 //   g++ -std=c++17 -O2 -Icsrc csrc/cuda/tb_rows_emu_test.cc -o tb_rows_emu_test
 //   ./tb_rows_emu_test     (add -fsanitize=address,undefined: invalid plans must not read
@@ -66,16 +66,19 @@ int tb_end_bits(int max_key) {  // as tb_rows.cu's tb_end_bit
 // stably sorted by key_src[i] clamped into [0, P).
 std::vector<int> EmuRadixSort(const int* key_src, int P, const int* counts, int which, int n) {
   const int tiles = tb_sort_tiles(n);
-  std::vector<int> hist((size_t)kTbRadix * tiles), offsets(hist.size());
+  // poisoned: only the live tiles' entries may be read; a grid below the tiles (grid
+  // stride)
+  std::vector<int> hist((size_t)kTbRadix * tiles, -1 << 20), totals(kTbRadix, -1 << 20);
   std::vector<int> out(n, -7), in;
+  const int grid = std::max(1, std::min(tiles, 3));
   for (int shift = 0; shift < tb_end_bits(P - 1); shift += kTbRadixBits) {
     const int* vals = in.empty() ? nullptr : in.data();
-    tb_emu_launch(tiles, kTbThreads, 0, tb_radix_hist_kernel, vals, key_src, P - 1, counts, which,
-                  n, shift, tiles, hist.data());
-    int run = 0;
-    for (size_t i = 0; i < hist.size(); ++i) offsets[i] = run, run += hist[i];
-    tb_emu_launch(tiles, kTbThreads, 0, tb_radix_scatter_kernel, vals, key_src, P - 1, counts,
-                  which, n, shift, tiles, (const int*)offsets.data(), out.data());
+    tb_emu_launch(grid, kTbThreads, 0, tb_radix_hist_kernel, vals, key_src, P - 1, counts, which, n,
+                  shift, tiles, hist.data());
+    tb_emu_launch(kTbRadix, kTbThreads, 0, tb_radix_scan_kernel, counts, which, n, tiles,
+                  hist.data(), totals.data());
+    tb_emu_launch(grid, kTbThreads, 0, tb_radix_scatter_kernel, vals, key_src, P - 1, counts, which,
+                  n, shift, tiles, (const int*)hist.data(), (const int*)totals.data(), out.data());
     in = out;
   }
   return in;
@@ -355,6 +358,7 @@ int main() {
   CheckSort(5000, 0, 300, 2);
   CheckSort(9000, 4097, 1 << 20, 3);  // three passes, a partial last tile
   CheckSort(30000, 29999, 3000, 4);
+  CheckSort(30000, 12000, 70000, 5);  // live tiles past the grid, dead tiles after them
   for (const TbCase& c : TbStandardCases()) {
     const TbHostPlan p = TbMakePlan(c, kTbPad);
     RunCaseAllDims(c, p, true);
