@@ -59,12 +59,6 @@ char* tb_base(void* scratch) {
   return reinterpret_cast<char*>(tb_align256(reinterpret_cast<uintptr_t>(scratch)));
 }
 
-int tb_end_bit(int max_key) {  // bits that hold keys in [0, max_key]
-  int b = 1;
-  while (b < 31 && (1LL << b) <= max_key) ++b;
-  return b;
-}
-
 // Radix sort scratch (cuda/tb_sort.cuh): the digit histograms [kTbRadix][tiles] (scanned
 // in place) and the digits' totals [kTbRadix].
 struct TbSortTmp {
@@ -87,13 +81,15 @@ cudaError_t tb_radix_sort(const TbSortTmp& t, const int* key_src, int P, const i
                           int which, int n, int** out, int** alt, cudaStream_t stream) {
   const int* in = nullptr;                                            // the identity
   const int grid = std::max(1, std::min(t.tiles, tb_num_sms() * 8));  // over the live tiles
-  for (int shift = 0; shift < tb_end_bit(P - 1); shift += kTbRadixBits) {
+  const TbSortPasses passes = tb_sort_passes(P - 1);
+  for (int pass = 0; pass < passes.count; ++pass) {
+    const int shift = pass * passes.bits, bits = passes.bits;
     tb_radix_hist_kernel<<<grid, kTbThreads, 0, stream>>>(in, key_src, P - 1, counts, which, n,
-                                                          shift, t.tiles, t.hist);
+                                                          shift, bits, t.tiles, t.hist);
     tb_radix_scan_kernel<<<kTbRadix, kTbThreads, 0, stream>>>(counts, which, n, t.tiles, t.hist,
                                                               t.totals);
     tb_radix_scatter_kernel<<<grid, kTbThreads, 0, stream>>>(
-        in, key_src, P - 1, counts, which, n, shift, t.tiles, t.hist, t.totals, *out);
+        in, key_src, P - 1, counts, which, n, shift, bits, t.tiles, t.hist, t.totals, *out);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     in = *out;

@@ -56,12 +56,6 @@ void EmuFwd(const Inputs& in, const DD& d, bool vec, float* rows) {
 template <class DD>
 void EmuFwdTile(const Inputs& in, const DD& d, const TbTileGeo& geo, float* rows);
 
-int tb_end_bits(int max_key) {  // as tb_rows.cu's tb_end_bit
-  int b = 1;
-  while (b < 31 && (1LL << b) <= max_key) ++b;
-  return b;
-}
-
 // tb_radix_sort: the indices [0, num_groups) (which == 1) / [0, num_unique) (which == 0)
 // stably sorted by key_src[i] clamped into [0, P).
 std::vector<int> EmuRadixSort(const int* key_src, int P, const int* counts, int which, int n) {
@@ -71,14 +65,17 @@ std::vector<int> EmuRadixSort(const int* key_src, int P, const int* counts, int 
   std::vector<int> hist((size_t)kTbRadix * tiles, -1 << 20), totals(kTbRadix, -1 << 20);
   std::vector<int> out(n, -7), in;
   const int grid = std::max(1, std::min(tiles, 3));
-  for (int shift = 0; shift < tb_end_bits(P - 1); shift += kTbRadixBits) {
+  const TbSortPasses passes = tb_sort_passes(P - 1);
+  for (int pass = 0; pass < passes.count; ++pass) {
+    const int shift = pass * passes.bits, bits = passes.bits;
     const int* vals = in.empty() ? nullptr : in.data();
     tb_emu_launch(grid, kTbThreads, 0, tb_radix_hist_kernel, vals, key_src, P - 1, counts, which, n,
-                  shift, tiles, hist.data());
+                  shift, bits, tiles, hist.data());
     tb_emu_launch(kTbRadix, kTbThreads, 0, tb_radix_scan_kernel, counts, which, n, tiles,
                   hist.data(), totals.data());
     tb_emu_launch(grid, kTbThreads, 0, tb_radix_scatter_kernel, vals, key_src, P - 1, counts, which,
-                  n, shift, tiles, (const int*)hist.data(), (const int*)totals.data(), out.data());
+                  n, shift, bits, tiles, (const int*)hist.data(), (const int*)totals.data(),
+                  out.data());
     in = out;
   }
   return in;

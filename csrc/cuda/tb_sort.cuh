@@ -3,9 +3,11 @@
 // (which == 1) or num_unique (which == 0) indices: a count on the device, so the cost
 // follows the live entries, not the plan's static size n, and no key buffers are kept.
 // The entries form tiles of kTbSortTile; only the live tiles (those holding entries below
-// the count, tb_sort_live_tiles) are read or written, by grid-stride blocks. One pass per
-// 8-bit digit (launched by cuda/tb_rows.cu, emulated by cuda/tb_rows_emu_test.cc); `vals`
-// null means the identity (the first pass):
+// the count, tb_sort_live_tiles) are read or written, by grid-stride blocks. The key bits
+// in use (tb_end_bit) go in the fewest passes of at most kTbRadixMaxBits bits each, of
+// equal width (TbSortPasses: 17 bits in two passes of 9). Per pass (launched by
+// cuda/tb_rows.cu, emulated by cuda/tb_rows_emu_test.cc; `vals` null means the identity,
+// the first pass), over kTbRadix digit slots (thread t owns digits 2t and 2t + 1):
 //   tb_radix_hist_kernel: a block per live tile counts its digits into hist[digit][tile];
 //   tb_radix_scan_kernel: a block per digit turns its row into the exclusive prefix over
 //     the live tiles, in place, and writes the digit's total;
@@ -22,11 +24,27 @@ namespace {  // internal linkage: one copy per including file
 
 constexpr int kTbSortItems = 8;                         // entries per thread of a tile
 constexpr int kTbSortTile = kTbThreads * kTbSortItems;  // entries per tile
-constexpr int kTbRadixBits = 8, kTbRadix = 1 << kTbRadixBits;
-static_assert(kTbRadix == kTbThreads, "a thread per digit");
+constexpr int kTbRadixMaxBits = 9, kTbRadix = 1 << kTbRadixMaxBits;
+static_assert(kTbRadix == 2 * kTbThreads, "two digits per thread");
 
 // Tiles of the sort for n entries (hist has kTbRadix rows of them).
 inline int tb_sort_tiles(int n) { return (n + kTbSortTile - 1) / kTbSortTile; }
+
+// Bits that hold keys in [0, max_key] (at least 1).
+inline int tb_end_bit(int max_key) {
+  int b = 1;
+  while (b < 31 && (1LL << b) <= max_key) ++b;
+  return b;
+}
+
+// The passes over keys in [0, max_key]: `count` passes of `bits` bits (pass p: shift p*bits).
+struct TbSortPasses {
+  int count, bits;
+};
+inline TbSortPasses tb_sort_passes(int max_key) {
+  const int end = tb_end_bit(max_key), count = (end + kTbRadixMaxBits - 1) / kTbRadixMaxBits;
+  return {count, (end + count - 1) / count};
+}
 
 // The number of entries to sort: num_groups (which == 1) or num_unique (which == 0).
 __device__ __forceinline__ int tb_sort_count(const int* counts, int n, int which) {
@@ -62,32 +80,32 @@ __device__ __forceinline__ int tb_block_exclusive_scan(int v, int* s_w, int& tot
   return below + incl - v;
 }
 
-// The sort key of entry j.
-__device__ __forceinline__ int tb_sort_key(const int* __restrict__ vals,
-                                           const int* __restrict__ key_src, int key_max, int j,
-                                           int& v) {
+// The digit of entry j (its sort key's bits [shift, shift + bits)); v: the index it sorts.
+__device__ __forceinline__ int tb_sort_digit(const int* __restrict__ vals,
+                                             const int* __restrict__ key_src, int key_max, int j,
+                                             int shift, int bits, int& v) {
   v = vals != nullptr ? __ldg(vals + j) : j;
-  return tb_clamp(__ldg(key_src + v), 0, key_max);
+  return (tb_clamp(__ldg(key_src + v), 0, key_max) >> shift) & ((1 << bits) - 1);
 }
 
 __global__ void __launch_bounds__(kTbThreads)
     tb_radix_hist_kernel(const int* __restrict__ vals, const int* __restrict__ key_src, int key_max,
-                         const int* __restrict__ counts, int which, int n, int shift, int tiles,
-                         int* __restrict__ hist) {
+                         const int* __restrict__ counts, int which, int n, int shift, int bits,
+                         int tiles, int* __restrict__ hist) {
   __shared__ int s_cnt[kTbRadix];
   const int cnt = tb_sort_count(counts, n, which), live = tb_sort_live_tiles(counts, n, which);
   const int tid = threadIdx.x;
   for (int tile = blockIdx.x; tile < live; tile += gridDim.x) {
-    s_cnt[tid] = 0;  // this thread read its count of the previous tile
+    s_cnt[2 * tid] = s_cnt[2 * tid + 1] = 0;  // this thread read them for the previous tile
     __syncthreads();
     for (int i = 0; i < kTbSortItems; ++i) {
       const int j = tile * kTbSortTile + i * kTbThreads + tid;
       int v;
-      if (j < cnt)
-        atomicAdd(&s_cnt[(tb_sort_key(vals, key_src, key_max, j, v) >> shift) & (kTbRadix - 1)], 1);
+      if (j < cnt) atomicAdd(&s_cnt[tb_sort_digit(vals, key_src, key_max, j, shift, bits, v)], 1);
     }
     __syncthreads();
-    hist[(size_t)tid * tiles + tile] = s_cnt[tid];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) hist[(size_t)(2 * tid + h) * tiles + tile] = s_cnt[2 * tid + h];
   }
 }
 
@@ -114,7 +132,7 @@ __global__ void __launch_bounds__(kTbThreads)
 __global__ void __launch_bounds__(kTbThreads)
     tb_radix_scatter_kernel(const int* __restrict__ vals, const int* __restrict__ key_src,
                             int key_max, const int* __restrict__ counts, int which, int n,
-                            int shift, int tiles, const int* __restrict__ offsets,
+                            int shift, int bits, int tiles, const int* __restrict__ offsets,
                             const int* __restrict__ totals, int* __restrict__ vals_out) {
   __shared__ int s_next[kTbRadix];            // the digit's next output position
   __shared__ int s_warp[kTbWarps][kTbRadix];  // per round: entries per (warp, digit)
@@ -122,30 +140,39 @@ __global__ void __launch_bounds__(kTbThreads)
   const int cnt = tb_sort_count(counts, n, which), live = tb_sort_live_tiles(counts, n, which);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if ((int)blockIdx.x >= live) return;  // block-uniform
-  int all;
-  const int digit_base = tb_block_exclusive_scan(totals[tid], s_w, all);
+  int base_d[2];                        // the base of digits 2 tid, 2 tid + 1
+  {
+    const int t0 = totals[2 * tid], t1 = totals[2 * tid + 1];
+    int all;
+    base_d[0] = tb_block_exclusive_scan(t0 + t1, s_w, all);
+    base_d[1] = base_d[0] + t0;
+  }
   for (int tile = blockIdx.x; tile < live; tile += gridDim.x) {
     const int base = tile * kTbSortTile;
-    s_next[tid] = digit_base + offsets[(size_t)tid * tiles + tile];  // read by this thread only
+#pragma unroll
+    for (int h = 0; h < 2; ++h)  // read and written by this thread only
+      s_next[2 * tid + h] = base_d[h] + offsets[(size_t)(2 * tid + h) * tiles + tile];
     for (int i = 0; i < kTbSortItems; ++i) {
-      for (int w = 0; w < kTbWarps; ++w) s_warp[w][tid] = 0;
+      for (int w = 0; w < kTbWarps; ++w) s_warp[w][2 * tid] = s_warp[w][2 * tid + 1] = 0;
       __syncthreads();
       const int j = base + i * kTbThreads + tid;
       const bool valid = j < cnt;
       int v = 0, digit = -1;
-      if (valid) digit = (tb_sort_key(vals, key_src, key_max, j, v) >> shift) & (kTbRadix - 1);
+      if (valid) digit = tb_sort_digit(vals, key_src, key_max, j, shift, bits, v);
       const unsigned peers = __match_any_sync(0xffffffffu, digit);
       const int rank = __popc(peers & ((1u << lane) - 1u));
       if (valid && rank == 0) s_warp[warp][digit] = __popc(peers);
       __syncthreads();
-      {  // thread tid = digit: exclusive prefix over the warps, from the digit's next position
-        int run = s_next[tid];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // digit 2 tid + h: exclusive prefix over the warps
+        const int dg = 2 * tid + h;
+        int run = s_next[dg];
         for (int w = 0; w < kTbWarps; ++w) {
-          const int c = s_warp[w][tid];
-          s_warp[w][tid] = run;
+          const int c = s_warp[w][dg];
+          s_warp[w][dg] = run;
           run += c;
         }
-        s_next[tid] = run;
+        s_next[dg] = run;
       }
       __syncthreads();
       if (valid) vals_out[s_warp[warp][digit] + rank] = v;
