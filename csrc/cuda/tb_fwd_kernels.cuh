@@ -111,11 +111,7 @@ __global__ void __launch_bounds__(kTbThreads)
           s_gs[lane] = gs;
           s_i1[lane] = tb_clamp(__ldg(g_i1 + g), 0, d.p1 - 1);
         }
-        int incl = cnt;
-        for (int off = 1; off < 32; off <<= 1) {
-          const int v = __shfl_up_sync(0xffffffffu, incl, off);
-          if (lane >= off) incl += v;
-        }
+        const int incl = tb_warp_inclusive_scan(cnt, lane);
         if (lane < nb) s_pref[lane] = incl - cnt;
         if (lane == 31) s_w = incl;
       }

@@ -336,6 +336,15 @@ __device__ __forceinline__ int tb_warp_claim(int* ctr, int lane) {
   return __shfl_sync(0xffffffffu, item, 0);
 }
 
+// The inclusive prefix sum of v over the warp's lanes (every lane calls it).
+__device__ __forceinline__ int tb_warp_inclusive_scan(int v, int lane) {
+  for (int off = 1; off < 32; off <<= 1) {
+    const int x = __shfl_up_sync(0xffffffffu, v, off);
+    if (lane >= off) v += x;
+  }
+  return v;
+}
+
 // One group's dg1 term dP_g . g2r^T for output column a (a < r1), as the 8 threads
 // (a, kp = 0..7) of one column compute it: thread kp sums the K = q2*r2 products of its
 // slice (float4 quads kp, kp+8, ... when VEC == 4, else elements kp, kp+8, ...), then a

@@ -60,8 +60,8 @@ void EmuFwdTile(const Inputs& in, const DD& d, const TbTileGeo& geo, float* rows
 // stably sorted by key_src[i] clamped into [0, P).
 std::vector<int> EmuRadixSort(const int* key_src, int P, const int* counts, int which, int n) {
   const int tiles = tb_sort_tiles(n);
-  // poisoned: only the live tiles' entries may be read; a grid below the tiles (grid
-  // stride)
+  // hist and totals poisoned (only the live tiles' entries may be read); a grid smaller
+  // than the tiles, so blocks stride over them
   std::vector<int> hist((size_t)kTbRadix * tiles, -1 << 20), totals(kTbRadix, -1 << 20);
   std::vector<int> out(n, -7), in;
   const int grid = std::max(1, std::min(tiles, 3));

@@ -3,7 +3,7 @@
 // (which == 1) or num_unique (which == 0) indices: a count on the device, so the cost
 // follows the live entries, not the plan's static size n, and no key buffers are kept.
 // The entries form tiles of kTbSortTile; only the live tiles (those holding entries below
-// the count, tb_sort_live_tiles) are read or written, by grid-stride blocks. The key bits
+// the count, tb_sort_tiles(count)) are read or written, by grid-stride blocks. The key bits
 // in use (tb_end_bit) go in the fewest passes of at most kTbRadixMaxBits bits each, of
 // equal width (TbSortPasses: 17 bits in two passes of 9). Per pass (launched by
 // cuda/tb_rows.cu, emulated by cuda/tb_rows_emu_test.cc; `vals` null means the identity,
@@ -27,8 +27,9 @@ constexpr int kTbSortTile = kTbThreads * kTbSortItems;  // entries per tile
 constexpr int kTbRadixMaxBits = 9, kTbRadix = 1 << kTbRadixMaxBits;
 static_assert(kTbRadix == 2 * kTbThreads, "two digits per thread");
 
-// Tiles of the sort for n entries (hist has kTbRadix rows of them).
-inline int tb_sort_tiles(int n) { return (n + kTbSortTile - 1) / kTbSortTile; }
+// Tiles holding n entries (hist has kTbRadix rows of the static n's; the live ones are
+// those of the count).
+__host__ __device__ inline int tb_sort_tiles(int n) { return (n + kTbSortTile - 1) / kTbSortTile; }
 
 // Bits that hold keys in [0, max_key] (at least 1).
 inline int tb_end_bit(int max_key) {
@@ -53,20 +54,11 @@ __device__ __forceinline__ int tb_sort_count(const int* counts, int n, int which
   return which ? G : U;
 }
 
-// The tiles holding the first `count` entries.
-__device__ __forceinline__ int tb_sort_live_tiles(const int* counts, int n, int which) {
-  return (tb_sort_count(counts, n, which) + kTbSortTile - 1) / kTbSortTile;
-}
-
 // The exclusive prefix of v over the block's threads (all call it); total: the block's sum.
 // s_w: kTbWarps ints of shared memory.
 __device__ __forceinline__ int tb_block_exclusive_scan(int v, int* s_w, int& total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int incl = v;
-  for (int off = 1; off < 32; off <<= 1) {
-    const int x = __shfl_up_sync(0xffffffffu, incl, off);
-    if (lane >= off) incl += x;
-  }
+  const int incl = tb_warp_inclusive_scan(v, lane);
   if (lane == 31) s_w[warp] = incl;
   __syncthreads();
   int below = 0;
@@ -93,7 +85,7 @@ __global__ void __launch_bounds__(kTbThreads)
                          const int* __restrict__ counts, int which, int n, int shift, int bits,
                          int tiles, int* __restrict__ hist) {
   __shared__ int s_cnt[kTbRadix];
-  const int cnt = tb_sort_count(counts, n, which), live = tb_sort_live_tiles(counts, n, which);
+  const int cnt = tb_sort_count(counts, n, which), live = tb_sort_tiles(cnt);
   const int tid = threadIdx.x;
   for (int tile = blockIdx.x; tile < live; tile += gridDim.x) {
     s_cnt[2 * tid] = s_cnt[2 * tid + 1] = 0;  // this thread read them for the previous tile
@@ -115,7 +107,7 @@ __global__ void __launch_bounds__(kTbThreads)
     tb_radix_scan_kernel(const int* __restrict__ counts, int which, int n, int tiles,
                          int* __restrict__ hist, int* __restrict__ totals) {
   __shared__ int s_w[kTbWarps];
-  const int live = tb_sort_live_tiles(counts, n, which);
+  const int live = tb_sort_tiles(tb_sort_count(counts, n, which));
   int* row = hist + (size_t)blockIdx.x * tiles;
   int carry = 0;
   for (int t0 = 0; t0 < live; t0 += kTbThreads) {  // block-uniform
@@ -137,7 +129,7 @@ __global__ void __launch_bounds__(kTbThreads)
   __shared__ int s_next[kTbRadix];            // the digit's next output position
   __shared__ int s_warp[kTbWarps][kTbRadix];  // per round: entries per (warp, digit)
   __shared__ int s_w[kTbWarps];
-  const int cnt = tb_sort_count(counts, n, which), live = tb_sort_live_tiles(counts, n, which);
+  const int cnt = tb_sort_count(counts, n, which), live = tb_sort_tiles(cnt);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if ((int)blockIdx.x >= live) return;  // block-uniform
   int base_d[2];                        // the base of digits 2 tid, 2 tid + 1
