@@ -3,13 +3,17 @@
 // (stable, so the sorted positions are perm), then one cub inclusive sum of the
 // (new key, new prefix group) flags of each sorted position, packed as
 // new_key << 32 | new_group in one uint64 (computed on the fly by an iterator; neither
-// count can carry into the other, both are <= n < 2^31): scan[s] = (unique index + 1,
-// group index + 1), scan[n-1] = (num_unique, num_groups). Whether two keys are in
-// different prefix groups comes from a functor (DivNewGroup: key / extent). Scratch comes from the
-// caller, carved by plan_layout.
+// count can carry into the other, both are <= n < 2^31). The sum is not stored: its
+// output iterator (thrust's tabulate_output_iterator) hands each position's counts
+// (unique index + 1, group index + 1) to the plan's writer (FinalizeWriter), which writes
+// every output element of that position at once; a last kernel (tails_kernel) writes the
+// padding tails past (num_unique, num_groups). Whether two keys are in different prefix
+// groups comes from a functor (DivNewGroup: key / extent). Scratch comes from the caller,
+// carved by plan_layout.
 #pragma once
 
 #include <thrust/iterator/counting_iterator.h>
+#include <thrust/iterator/tabulate_output_iterator.h>
 #include <thrust/iterator/transform_iterator.h>
 #include <cub/cub.cuh>
 
@@ -43,51 +47,59 @@ struct PlanFlags {
   }
 };
 
-__device__ __forceinline__ int2 unpack(uint64_t v) {
-  return make_int2(int(v >> 32), int(v & 0xffffffffu));
-}
-
-// The flags of sorted position s from the scan (s's counts against s - 1's): what
-// PlanFlags gave there, without the keys.
-__device__ __forceinline__ int2 flags_from_scan(const uint64_t* scan, int s, int2 c) {
-  if (s == 0) return make_int2(1, 1);
-  const int2 p = unpack(scan[s - 1]);
-  return make_int2(c.x != p.x, c.y != p.y);
-}
-
-// Sorted position i in [0, n] of a plan's finalize: its unique index u and group (i < n),
-// whether a unique key / a group starts there (never at i == n), and (num_unique,
-// num_groups).
-struct FinalizeAt {
-  int u, group;
-  bool key_start, group_start;
-  int2 total;
+// The outputs every plan shares.
+struct CommonOut {
+  int* inverse;        // [n]   position -> unique index
+  int* run_offsets;    // [n+1] each unique key's first sorted position, then n
+  int* group_offsets;  // [n+1] each group's first unique index, then num_unique
+  int* counts;         // [2]   (num_unique, num_groups)
 };
 
-// What every plan's finalize writes at sorted position i in [0, n] (one thread per i, each
-// element written once): inverse[perm[i]], run_offsets (a unique key's first position, n
-// past num_unique), group_offsets (a group's first unique index, num_unique past
-// num_groups) and counts; the op's own outputs are the caller's, from the result.
-__device__ __forceinline__ FinalizeAt finalize_common(const uint64_t* __restrict__ scan,
-                                                      const int* __restrict__ perm, int n, int i,
-                                                      int* inverse, int* run_offsets,
-                                                      int* group_offsets, int* counts) {
-  FinalizeAt a{0, 0, false, false, unpack(scan[n - 1])};
-  if (i < n) {
-    const int2 c = unpack(scan[i]);
-    const int2 f = flags_from_scan(scan, i, c);
-    a = {c.x - 1, c.y - 1, f.x != 0, f.y != 0, a.total};
-    inverse[perm[i]] = a.u;
-    if (a.key_start) run_offsets[a.u] = i;
-    if (a.group_start) group_offsets[a.group] = a.u;
+// The scan's output functor: at sorted position s with inclusive counts c, writes
+// inverse[perm[s]], a unique key's run offset and a group's first unique index where they
+// start there, the plan's own outputs (Emit::at(u, group, key_start, group_start, key)) and,
+// at the last position, counts. Every element below the counts is written once.
+template <typename K, typename NewGroup, typename Emit>
+struct FinalizeWriter {
+  const K* keys;  // sorted
+  const int* perm;
+  int n;
+  NewGroup new_group;
+  CommonOut out;
+  Emit emit;
+  __device__ void operator()(ptrdiff_t s64, uint64_t c) const {
+    const int s = static_cast<int>(s64);
+    const int u = static_cast<int>(c >> 32) - 1, group = static_cast<int>(c & 0xffffffffu) - 1;
+    const K key = keys[s];
+    bool key_start = true, group_start = true;
+    if (s > 0) {
+      const K prev = keys[s - 1];
+      key_start = key != prev;
+      group_start = key_start && new_group(key, prev);
+    }
+    out.inverse[perm[s]] = u;
+    if (key_start) out.run_offsets[u] = s;
+    if (group_start) out.group_offsets[group] = u;
+    emit.at(u, group, key_start, group_start, key);
+    if (s == n - 1) {
+      out.counts[0] = u + 1;
+      out.counts[1] = group + 1;
+    }
   }
-  if (i >= a.total.x) run_offsets[i] = n;
-  if (i >= a.total.y) group_offsets[i] = a.total.x;
-  if (i == 0) {
-    counts[0] = a.total.x;
-    counts[1] = a.total.y;
+};
+
+// The padding tails, over i in [min(num_unique, num_groups), n] (grid-stride; the counts
+// from the writer): run_offsets[i] = n past num_unique, group_offsets[i] = num_unique past
+// num_groups, and the plan's own (Emit::tail(i, num_unique, num_groups), i < n).
+template <typename Emit>
+__global__ void tails_kernel(CommonOut out, int n, Emit emit) {
+  const int U = out.counts[0], G = out.counts[1];
+  for (int64_t i = min(U, G) + int64_t(blockIdx.x) * kBlock + threadIdx.x; i <= n;
+       i += int64_t(gridDim.x) * kBlock) {
+    if (i >= U) out.run_offsets[i] = n;
+    if (i >= G) out.group_offsets[i] = U;
+    if (i < n) emit.tail(static_cast<int>(i), U, G);
   }
-  return a;
 }
 
 template <typename K, typename Group>
@@ -113,22 +125,32 @@ struct PlanScratch {
   K* keys;         // [n]
   K* sorted_keys;  // [n]
   int* positions;  // [n] 0..n-1
-  uint64_t* scan;  // [n] inclusive (unique, group) counts, packed
   void* cub_tmp;   // shared by the sort and the scan (they run in turn)
   size_t cub_bytes, bytes;
 };
 
+template <typename K, typename Group, typename Emit>
+using WriterIter = thrust::tabulate_output_iterator<FinalizeWriter<K, Group, Emit>>;
+
+// The scan of the flags of the sorted keys into the writer (tmp null: its bytes only).
+template <typename K, typename Group, typename Emit>
+cudaError_t flag_scan(void* tmp, size_t& bytes, const FinalizeWriter<K, Group, Emit>& w,
+                      cudaStream_t stream) {
+  return cub::DeviceScan::InclusiveSum(tmp, bytes, flag_iter<K>(w.keys, w.new_group),
+                                       WriterIter<K, Group, Emit>(w), w.n, stream);
+}
+
 // Carves `base` (nullptr: sizes only) into 256-byte aligned arrays; bytes includes the
 // slack to align base itself.
-template <typename K, typename Group>
-cudaError_t plan_layout(int n, int end_bit, Group group, void* base, PlanScratch<K>* s) {
+template <typename K, typename Group, typename Emit>
+cudaError_t plan_layout(int n, int end_bit, Group group, Emit emit, void* base, PlanScratch<K>* s) {
   size_t sort_bytes = 0, scan_bytes = 0;
   cudaError_t err =
       cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, (const K*)nullptr, (K*)nullptr,
                                       (const int*)nullptr, (int*)nullptr, n, 0, end_bit);
   if (err != cudaSuccess) return err;
-  err = cub::DeviceScan::InclusiveSum(nullptr, scan_bytes, flag_iter<K>(nullptr, group),
-                                      (uint64_t*)nullptr, n);
+  err = flag_scan(nullptr, scan_bytes,
+                  FinalizeWriter<K, Group, Emit>{nullptr, nullptr, n, group, {}, emit}, nullptr);
   if (err != cudaSuccess) return err;
   char* p = base ? reinterpret_cast<char*>(align_up(reinterpret_cast<uintptr_t>(base))) : nullptr;
   size_t off = 0;
@@ -140,25 +162,32 @@ cudaError_t plan_layout(int n, int end_bit, Group group, void* base, PlanScratch
   s->keys = reinterpret_cast<K*>(take(sizeof(K) * n));
   s->sorted_keys = reinterpret_cast<K*>(take(sizeof(K) * n));
   s->positions = reinterpret_cast<int*>(take(sizeof(int) * n));
-  s->scan = reinterpret_cast<uint64_t*>(take(sizeof(uint64_t) * n));
   s->cub_bytes = std::max(sort_bytes, scan_bytes);
   s->cub_tmp = take(s->cub_bytes);
   s->bytes = off + kAlign - 1;
   return cudaSuccess;
 }
 
-// The sort (s.keys, s.positions -> s.sorted_keys, perm) and the scan of its flags into
-// s.scan, on `stream`.
-template <typename K, typename Group>
-cudaError_t sort_and_scan(const PlanScratch<K>& s, int n, int end_bit, Group group, int* perm,
-                          cudaStream_t stream) {
+// The sort (s.keys, s.positions -> s.sorted_keys, out's perm), the scan of its flags into
+// the writer, then the tails, on `stream` (n >= 1).
+template <typename K, typename Group, typename Emit>
+cudaError_t sort_scan_finalize(const PlanScratch<K>& s, int n, int end_bit, Group group, int* perm,
+                               const CommonOut& out, Emit emit, cudaStream_t stream) {
   size_t bytes = s.cub_bytes;
   cudaError_t err = cub::DeviceRadixSort::SortPairs(s.cub_tmp, bytes, s.keys, s.sorted_keys,
                                                     s.positions, perm, n, 0, end_bit, stream);
   if (err != cudaSuccess) return err;
   bytes = s.cub_bytes;
-  return cub::DeviceScan::InclusiveSum(s.cub_tmp, bytes, flag_iter<K>(s.sorted_keys, group), s.scan,
-                                       n, stream);
+  err = flag_scan(s.cub_tmp, bytes,
+                  FinalizeWriter<K, Group, Emit>{s.sorted_keys, perm, n, group, out, emit}, stream);
+  if (err != cudaSuccess) return err;
+  int dev = 0, sms = 0;
+  if ((err = cudaGetDevice(&dev)) != cudaSuccess ||
+      (err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess)
+    return err;
+  const int blocks = static_cast<int>(std::min<int64_t>(int64_t(n) / kBlock + 1, int64_t(sms) * 8));
+  tails_kernel<<<blocks, kBlock, 0, stream>>>(out, n, emit);
+  return cudaGetLastError();
 }
 
 // The plan of no positions: run_offsets = group_offsets = [0], counts = (0, 0).

@@ -3,13 +3,13 @@
 //      the caller chose (common/tb_plan_meta.h: prefix keys, or row keys where only those
 //      fit 32 bits), positions[i] = i. Keys of at most 32 bits are uint32, else uint64.
 //   2. cub radix sort of (keys, positions) on the key bits in use only, stable.
-//   3. cub inclusive sum of the (new key, new group) flags (steps 2 and 3:
-//      cuda/plan_scan.cuh, shared with flowtt_plan).
-//   4. tb_plan_finalize_kernel over i in [0, n] (the flags from the scan, not the keys):
-//      every output element written once: inverse, run and group offsets and counts as
-//      flowtt_plan's (plan_scan::finalize_common), then at a unique key's first position
-//      its u_i3, at a group's its g_i1 and g_i2 (the key's table by a binary search of
-//      the meta's bases), and their padding tails.
+//   3. cub inclusive sum of the (new key, new group) flags, not stored: each sorted
+//      position's counts go to the writer, which writes every output element of that
+//      position once: inverse, run and group offsets and counts as flowtt_plan's, then at
+//      a unique key's first position its u_i3, at a group's its g_i1 and g_i2 (the key's
+//      table by a binary search of the meta's bases).
+//   4. the padding tails past the counts (u_i3, g_i1, g_i2: 0).
+//   (Steps 2-4: cuda/plan_scan.cuh, shared with flowtt_plan.)
 // No device synchronisation, no allocation: scratch comes from the caller.
 #include "cuda/tb_plan.h"
 
@@ -21,8 +21,6 @@
 namespace flowtt::tb {
 namespace {
 
-using plan_scan::finalize_common;
-using plan_scan::FinalizeAt;
 using plan_scan::kBlock;
 using plan_scan::PlanScratch;
 
@@ -43,28 +41,26 @@ __global__ void tb_plan_keys_kernel(const int* __restrict__ ids, const int* __re
   positions[i] = static_cast<int>(i);
 }
 
-// One thread per i in [0, n]; sorted_keys, perm, scan are [n].
+// The tb plan's own outputs: a unique key's u_i3, a group's g_i1 and g_i2 (at their
+// first positions), then 0 past the counts.
 template <typename K>
-__global__ void tb_plan_finalize_kernel(const K* __restrict__ sorted_keys,
-                                        const int* __restrict__ perm,
-                                        const uint64_t* __restrict__ scan, int n, TbKeyForm form,
-                                        TbPlanOut out) {
-  const int64_t i64 = int64_t(blockIdx.x) * kBlock + threadIdx.x;
-  if (i64 > n) return;
-  const int i = static_cast<int>(i64);
-  const FinalizeAt a = finalize_common(scan, perm, n, i, out.inverse, out.run_offsets,
-                                       out.group_offsets, out.counts);
-  if (a.key_start) {
-    const TbPlanRows r = form.rows(sorted_keys[i]);
-    out.u_i3[a.u] = r.i3;
-    if (a.group_start) {
-      out.g_i1[a.group] = r.i1;
-      out.g_i2[a.group] = r.i2;
+struct TbRowsEmit {
+  TbKeyForm form;
+  int32_t *u_i3, *g_i1, *g_i2;
+  __device__ void at(int u, int group, bool key_start, bool group_start, K key) const {
+    if (!key_start) return;
+    const TbPlanRows r = form.rows(key);
+    u_i3[u] = r.i3;
+    if (group_start) {
+      g_i1[group] = r.i1;
+      g_i2[group] = r.i2;
     }
   }
-  if (i < n && i >= a.total.x) out.u_i3[i] = 0;
-  if (i < n && i >= a.total.y) out.g_i1[i] = out.g_i2[i] = 0;
-}
+  __device__ void tail(int i, int U, int G) const {
+    if (i >= U) u_i3[i] = 0;
+    if (i >= G) g_i1[i] = g_i2[i] = 0;
+  }
+};
 
 int end_bit_of(int64_t num_keys) {
   return plan_scan::end_bit_for(static_cast<uint64_t>(num_keys - 1));
@@ -75,18 +71,16 @@ cudaError_t run(const int* ids, const int* tables, int n, const TbKeyForm& form,
                 const TbPlanOut& out, void* scratch, cudaStream_t stream) {
   const int end_bit = end_bit_of(num_keys);
   PlanScratch<K> s;
-  cudaError_t err = plan_scan::plan_layout(n, end_bit, FormGroup<K>{form}, scratch, &s);
+  const TbRowsEmit<K> emit{form, out.u_i3, out.g_i1, out.g_i2};
+  cudaError_t err = plan_scan::plan_layout(n, end_bit, FormGroup<K>{form}, emit, scratch, &s);
   if (err != cudaSuccess) return err;
-  const unsigned blocks = static_cast<unsigned>(n / kBlock + 1);  // threads cover [0, n]
+  const unsigned blocks = static_cast<unsigned>((n + kBlock - 1) / kBlock);
   tb_plan_keys_kernel<K><<<blocks, kBlock, 0, stream>>>(
       ids, tables, n, form, static_cast<uint64_t>(num_keys - 1), s.keys, s.positions);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  if ((err = plan_scan::sort_and_scan(s, n, end_bit, FormGroup<K>{form}, out.perm, stream)) !=
-      cudaSuccess)
-    return err;
-  tb_plan_finalize_kernel<K>
-      <<<blocks, kBlock, 0, stream>>>(s.sorted_keys, out.perm, s.scan, n, form, out);
-  return cudaGetLastError();
+  return plan_scan::sort_scan_finalize(
+      s, n, end_bit, FormGroup<K>{form}, out.perm,
+      {out.inverse, out.run_offsets, out.group_offsets, out.counts}, emit, stream);
 }
 
 bool narrow_keys(int64_t num_keys) { return num_keys <= (int64_t{1} << 32); }
@@ -94,7 +88,8 @@ bool narrow_keys(int64_t num_keys) { return num_keys <= (int64_t{1} << 32); }
 template <typename K>
 size_t layout_bytes(int n, int64_t num_keys, cudaError_t* err) {
   PlanScratch<K> s;
-  *err = plan_scan::plan_layout(n, end_bit_of(num_keys), FormGroup<K>{}, nullptr, &s);
+  *err =
+      plan_scan::plan_layout(n, end_bit_of(num_keys), FormGroup<K>{}, TbRowsEmit<K>{}, nullptr, &s);
   return *err == cudaSuccess ? s.bytes : 0;
 }
 

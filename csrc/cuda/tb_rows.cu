@@ -83,11 +83,12 @@ cudaError_t tb_radix_sort(const TbSortTmp& t, const int* key_src, int P, const i
   const int grid = std::max(1, std::min(t.tiles, tb_num_sms() * 8));  // over the live tiles
   const TbSortPasses passes = tb_sort_passes(P - 1);
   for (int pass = 0; pass < passes.count; ++pass) {
-    const int shift = pass * passes.bits, bits = passes.bits;
+    const TbSortPass ps = tb_sort_pass(passes, pass);
+    const int shift = ps.shift, bits = ps.bits;
     tb_radix_hist_kernel<<<grid, kTbThreads, 0, stream>>>(in, key_src, P - 1, counts, which, n,
                                                           shift, bits, t.tiles, t.hist);
-    tb_radix_scan_kernel<<<kTbRadix, kTbThreads, 0, stream>>>(counts, which, n, t.tiles, t.hist,
-                                                              t.totals);
+    tb_radix_scan_kernel<<<tb_sort_slots(bits), kTbThreads, 0, stream>>>(counts, which, n, t.tiles,
+                                                                         t.hist, t.totals);
     tb_radix_scatter_kernel<<<grid, kTbThreads, 0, stream>>>(
         in, key_src, P - 1, counts, which, n, shift, bits, t.tiles, t.hist, t.totals, *out);
     cudaError_t err = cudaGetLastError();

@@ -67,11 +67,12 @@ std::vector<int> EmuRadixSort(const int* key_src, int P, const int* counts, int 
   const int grid = std::max(1, std::min(tiles, 3));
   const TbSortPasses passes = tb_sort_passes(P - 1);
   for (int pass = 0; pass < passes.count; ++pass) {
-    const int shift = pass * passes.bits, bits = passes.bits;
+    const TbSortPass ps = tb_sort_pass(passes, pass);
+    const int shift = ps.shift, bits = ps.bits;
     const int* vals = in.empty() ? nullptr : in.data();
     tb_emu_launch(grid, kTbThreads, 0, tb_radix_hist_kernel, vals, key_src, P - 1, counts, which, n,
                   shift, bits, tiles, hist.data());
-    tb_emu_launch(kTbRadix, kTbThreads, 0, tb_radix_scan_kernel, counts, which, n, tiles,
+    tb_emu_launch(tb_sort_slots(bits), kTbThreads, 0, tb_radix_scan_kernel, counts, which, n, tiles,
                   hist.data(), totals.data());
     tb_emu_launch(grid, kTbThreads, 0, tb_radix_scatter_kernel, vals, key_src, P - 1, counts, which,
                   n, shift, bits, tiles, (const int*)hist.data(), (const int*)totals.data(),
@@ -355,7 +356,8 @@ int main() {
   CheckSort(5000, 0, 300, 2);
   CheckSort(9000, 4097, 1 << 20, 3);  // three passes, a partial last tile
   CheckSort(30000, 29999, 3000, 4);
-  CheckSort(30000, 12000, 70000, 5);  // live tiles past the grid, dead tiles after them
+  CheckSort(30000, 12000, 70000, 5);    // live tiles past the grid, dead tiles after them
+  CheckSort(20000, 15000, 1 << 18, 6);  // two 9-bit passes (512 slots)
   for (const TbCase& c : TbStandardCases()) {
     const TbHostPlan p = TbMakePlan(c, kTbPad);
     RunCaseAllDims(c, p, true);

@@ -4,10 +4,11 @@
 // follows the live entries, not the plan's static size n, and no key buffers are kept.
 // The entries form tiles of kTbSortTile; only the live tiles (those holding entries below
 // the count, tb_sort_tiles(count)) are read or written, by grid-stride blocks. The key bits
-// in use (tb_end_bit) go in the fewest passes of at most kTbRadixMaxBits bits each, of
-// equal width (TbSortPasses: 17 bits in two passes of 9). Per pass (launched by
-// cuda/tb_rows.cu, emulated by cuda/tb_rows_emu_test.cc; `vals` null means the identity,
-// the first pass), over kTbRadix digit slots (thread t owns digits 2t and 2t + 1):
+// in use (tb_end_bit) go in the fewest passes of at most kTbRadixMaxBits bits each, the
+// widest first, widths within one (tb_sort_pass: 17 bits in passes of 9 and 8, 15 in 8 and
+// 7). Per pass (launched by cuda/tb_rows.cu, emulated by cuda/tb_rows_emu_test.cc; `vals`
+// null means the identity, the first pass), over tb_sort_slots(bits) digit slots (256, or
+// 512 for a 9-bit pass; thread t owns digits t and t + 256):
 //   tb_radix_hist_kernel: a block per live tile counts its digits into hist[digit][tile];
 //   tb_radix_scan_kernel: a block per digit turns its row into the exclusive prefix over
 //     the live tiles, in place, and writes the digit's total;
@@ -38,14 +39,27 @@ inline int tb_end_bit(int max_key) {
   return b;
 }
 
-// The passes over keys in [0, max_key]: `count` passes of `bits` bits (pass p: shift p*bits).
+// The passes over keys in [0, max_key]: `count` passes over bits [0, end).
 struct TbSortPasses {
-  int count, bits;
+  int count, end;
 };
 inline TbSortPasses tb_sort_passes(int max_key) {
-  const int end = tb_end_bit(max_key), count = (end + kTbRadixMaxBits - 1) / kTbRadixMaxBits;
-  return {count, (end + count - 1) / count};
+  const int end = tb_end_bit(max_key);
+  return {(end + kTbRadixMaxBits - 1) / kTbRadixMaxBits, end};
 }
+
+// Pass p's bits [shift, shift + bits): the first end % count passes one bit wider.
+struct TbSortPass {
+  int shift, bits;
+};
+inline TbSortPass tb_sort_pass(TbSortPasses ps, int p) {
+  const int base = ps.end / ps.count, extra = ps.end % ps.count;
+  return {p * base + (p < extra ? p : extra), base + (p < extra ? 1 : 0)};
+}
+
+// Digit slots of a pass of `bits` bits: a multiple of the block (slot t + h * kTbThreads is
+// thread t's, h < tb_sort_slots(bits) / kTbThreads).
+__host__ __device__ inline int tb_sort_slots(int bits) { return bits > 8 ? kTbRadix : kTbThreads; }
 
 // The number of entries to sort: num_groups (which == 1) or num_unique (which == 0).
 __device__ __forceinline__ int tb_sort_count(const int* counts, int n, int which) {
@@ -86,9 +100,9 @@ __global__ void __launch_bounds__(kTbThreads)
                          int tiles, int* __restrict__ hist) {
   __shared__ int s_cnt[kTbRadix];
   const int cnt = tb_sort_count(counts, n, which), live = tb_sort_tiles(cnt);
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, nh = tb_sort_slots(bits) / kTbThreads;
   for (int tile = blockIdx.x; tile < live; tile += gridDim.x) {
-    s_cnt[2 * tid] = s_cnt[2 * tid + 1] = 0;  // this thread read them for the previous tile
+    for (int h = 0; h < nh; ++h) s_cnt[tid + h * kTbThreads] = 0;  // read by this thread before
     __syncthreads();
     for (int i = 0; i < kTbSortItems; ++i) {
       const int j = tile * kTbSortTile + i * kTbThreads + tid;
@@ -96,13 +110,15 @@ __global__ void __launch_bounds__(kTbThreads)
       if (j < cnt) atomicAdd(&s_cnt[tb_sort_digit(vals, key_src, key_max, j, shift, bits, v)], 1);
     }
     __syncthreads();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) hist[(size_t)(2 * tid + h) * tiles + tile] = s_cnt[2 * tid + h];
+    for (int h = 0; h < nh; ++h) {
+      const int dg = tid + h * kTbThreads;
+      hist[(size_t)dg * tiles + tile] = s_cnt[dg];
+    }
   }
 }
 
-// Block `digit` (kTbRadix blocks): hist[digit][t] = the digit's entries in the live tiles
-// before t, totals[digit] = its entries.
+// Block `digit` (tb_sort_slots(bits) blocks): hist[digit][t] = the digit's entries in the live
+// tiles before t, totals[digit] = its entries.
 __global__ void __launch_bounds__(kTbThreads)
     tb_radix_scan_kernel(const int* __restrict__ counts, int which, int n, int tiles,
                          int* __restrict__ hist, int* __restrict__ totals) {
@@ -131,21 +147,23 @@ __global__ void __launch_bounds__(kTbThreads)
   __shared__ int s_w[kTbWarps];
   const int cnt = tb_sort_count(counts, n, which), live = tb_sort_tiles(cnt);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if ((int)blockIdx.x >= live) return;  // block-uniform
-  int base_d[2];                        // the base of digits 2 tid, 2 tid + 1
-  {
-    const int t0 = totals[2 * tid], t1 = totals[2 * tid + 1];
+  const int nh = tb_sort_slots(bits) / kTbThreads;  // block-uniform
+  if ((int)blockIdx.x >= live) return;              // block-uniform
+  int base_d[2] = {0, 0};                           // the base of digits tid, tid + kTbThreads
+  for (int h = 0, below = 0; h < nh; ++h) {
     int all;
-    base_d[0] = tb_block_exclusive_scan(t0 + t1, s_w, all);
-    base_d[1] = base_d[0] + t0;
+    base_d[h] = below + tb_block_exclusive_scan(totals[tid + h * kTbThreads], s_w, all);
+    below += all;
   }
   for (int tile = blockIdx.x; tile < live; tile += gridDim.x) {
     const int base = tile * kTbSortTile;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)  // read and written by this thread only
-      s_next[2 * tid + h] = base_d[h] + offsets[(size_t)(2 * tid + h) * tiles + tile];
+    for (int h = 0; h < nh; ++h) {  // read and written by this thread only
+      const int dg = tid + h * kTbThreads;
+      s_next[dg] = base_d[h] + offsets[(size_t)dg * tiles + tile];
+    }
     for (int i = 0; i < kTbSortItems; ++i) {
-      for (int w = 0; w < kTbWarps; ++w) s_warp[w][2 * tid] = s_warp[w][2 * tid + 1] = 0;
+      for (int w = 0; w < kTbWarps; ++w)
+        for (int h = 0; h < nh; ++h) s_warp[w][tid + h * kTbThreads] = 0;
       __syncthreads();
       const int j = base + i * kTbThreads + tid;
       const bool valid = j < cnt;
@@ -155,9 +173,8 @@ __global__ void __launch_bounds__(kTbThreads)
       const int rank = __popc(peers & ((1u << lane) - 1u));
       if (valid && rank == 0) s_warp[warp][digit] = __popc(peers);
       __syncthreads();
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {  // digit 2 tid + h: exclusive prefix over the warps
-        const int dg = 2 * tid + h;
+      for (int h = 0; h < nh; ++h) {  // digit tid + h * kTbThreads: prefix over the warps
+        const int dg = tid + h * kTbThreads;
         int run = s_next[dg];
         for (int w = 0; w < kTbWarps; ++w) {
           const int c = s_warp[w][dg];
