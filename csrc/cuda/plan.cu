@@ -4,7 +4,7 @@
 //      num_rows - 1) only: 10^7 rows -> 24 bits -> 3 onesweep passes of 8 bits
 //      on sm_90 (plus cub's histogram and memsets). Radix sort is stable, so
 //      the sorted positions are perm, as jax.lax.sort(is_stable=True) gives.
-//   3. cub single-pass inclusive sum of the (new id, new prefix group) flags, not stored:
+//   3. cub single-pass inclusive scan of the (new id, new prefix group) flags, not stored:
 //      each sorted position's counts go to the writer, which writes every output element
 //      of that position once (the shared ones, then the unique id at a run start).
 //   4. the padding tails past the counts (the unique ids': 0).
@@ -31,13 +31,15 @@ __global__ void clamp_kernel(const int* __restrict__ ids, int n, int max_id, int
   positions[i] = static_cast<int>(i);
 }
 
-// The unique ids: at a run start, then 0 past num_unique.
+// The unique ids: at a run start (the writer), then 0 past num_unique (finish_kernel).
 struct UniqueIds {
+  const int* sorted_keys;
   int* unique_ids;
-  __device__ void at(int u, int, bool key_start, bool, int key) const {
-    if (key_start) unique_ids[u] = key;
+  __device__ void at(int s, int u, bool key_start) const {
+    if (key_start) unique_ids[u] = sorted_keys[s];
   }
-  __device__ void tail(int i, int U, int) const {
+  __device__ int finish_from(int U, int G) const { return min(U, G); }
+  __device__ void finish(int i, int U, int, const plan_scan::CommonOut&) const {
     if (i >= U) unique_ids[i] = 0;
   }
 };
@@ -65,15 +67,14 @@ cudaError_t build_plan(const int* ids, int n, int last_extent, int num_rows, con
   cudaError_t err;
   const int end_bit = plan_scan::end_bit_for(num_rows - 1);
   PlanScratch s;
-  const UniqueIds emit{out.unique_ids};
-  if ((err = plan_scan::plan_layout(n, end_bit, Group{last_extent}, emit, scratch, &s)) !=
+  if ((err = plan_scan::plan_layout(n, end_bit, Group{last_extent}, UniqueIds{}, scratch, &s)) !=
       cudaSuccess)
     return err;
   const unsigned blocks = static_cast<unsigned>((n + kBlock - 1) / kBlock);
   clamp_kernel<<<blocks, kBlock, 0, stream>>>(ids, n, num_rows - 1, s.keys, s.positions);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   return plan_scan::sort_scan_finalize(s, n, end_bit, Group{last_extent}, out.perm, common_out(out),
-                                       emit, stream);
+                                       UniqueIds{s.sorted_keys, out.unique_ids}, stream);
 }
 
 }  // namespace flowtt

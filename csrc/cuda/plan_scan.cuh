@@ -1,15 +1,15 @@
 // The steps the on-device plans share (flowtt_plan in cuda/plan.cu, flowtt_tb_plan in
 // cuda/tb_plan.cu): a cub radix sort of (key, position) pairs on the key bits in use
 // (stable, so the sorted positions are perm), then one cub inclusive sum of the
-// (new key, new prefix group) flags of each sorted position, packed as
-// new_key << 32 | new_group in one uint64 (computed on the fly by an iterator; neither
-// count can carry into the other, both are <= n < 2^31). The sum is not stored: its
-// output iterator (thrust's tabulate_output_iterator) hands each position's counts
-// (unique index + 1, group index + 1) to the plan's writer (FinalizeWriter), which writes
-// every output element of that position at once; a last kernel (tails_kernel) writes the
-// padding tails past (num_unique, num_groups). Whether two keys are in different prefix
-// groups comes from a functor (DivNewGroup: key / extent). Scratch comes from the caller,
-// carved by plan_layout.
+// (new key, new prefix group) flags of each sorted position (computed on the fly by an
+// iterator), with the flags themselves carried along (PlanCounts: both counts and the
+// position's own flags in one uint64). The scan is not stored: its output iterator
+// (thrust's tabulate_output_iterator) hands each position's (unique index + 1, group
+// index + 1, flags) to the plan's writer (FinalizeWriter), which writes that position's
+// outputs at once; a last kernel (finish_kernel) writes the padding tails past
+// (num_unique, num_groups) and what the plan looks up per unique key or group. Whether
+// two keys are in different prefix groups comes from a functor (DivNewGroup: key /
+// extent). Scratch comes from the caller, carved by plan_layout.
 #pragma once
 
 #include <thrust/iterator/counting_iterator.h>
@@ -33,17 +33,28 @@ struct DivNewGroup {
   __host__ __device__ bool operator()(K key, K prev) const { return key / extent != prev / extent; }
 };
 
-// (new key, new prefix group) at sorted position s of the sorted keys; NewGroup(key, prev)
-// says whether two different sorted keys are in different prefix groups.
+// A sorted position's scan element: bits [33, 64) and [2, 33) count new keys and new
+// groups (each <= n < 2^31, so neither carries into the next), bits 1 and 0 are the last
+// position's own (new key, new group) flags. PlanCounts (a + b: the counts added, b's
+// flags) is associative.
+struct PlanCounts {
+  __host__ __device__ uint64_t operator()(uint64_t a, uint64_t b) const {
+    return ((a & ~uint64_t{3}) + (b & ~uint64_t{3})) | (b & 3u);
+  }
+};
+constexpr uint64_t kNewKey = (uint64_t{1} << 33) | 2u, kNewGroup = (uint64_t{1} << 2) | 1u;
+
+// The scan element at sorted position s of the sorted keys; NewGroup(key, prev) says
+// whether two different sorted keys are in different prefix groups.
 template <typename K, typename NewGroup>
 struct PlanFlags {
   const K* keys;
   NewGroup new_group;
-  __host__ __device__ uint64_t operator()(int s) const {  // packed for the scan
-    if (s == 0) return (uint64_t(1) << 32) | 1u;
+  __host__ __device__ uint64_t operator()(int s) const {
+    if (s == 0) return kNewKey | kNewGroup;
     const K k = keys[s], prev = keys[s - 1];
     if (k == prev) return 0;
-    return (uint64_t(1) << 32) | uint64_t(new_group(k, prev) ? 1 : 0);
+    return kNewKey | (new_group(k, prev) ? kNewGroup : 0);
   }
 };
 
@@ -55,13 +66,13 @@ struct CommonOut {
   int* counts;         // [2]   (num_unique, num_groups)
 };
 
-// The scan's output functor: at sorted position s with inclusive counts c, writes
+// The scan's output functor: at sorted position s with scan element c, writes
 // inverse[perm[s]], a unique key's run offset and a group's first unique index where they
-// start there, the plan's own outputs (Emit::at(u, group, key_start, group_start, key)) and,
-// at the last position, counts. Every element below the counts is written once.
+// start there, the plan's own (Emit::at(s, u, key_start)) and, at the last position,
+// counts. Every element below the counts is written once.
 template <typename K, typename NewGroup, typename Emit>
 struct FinalizeWriter {
-  const K* keys;  // sorted
+  const K* keys;  // sorted (the scan's input, with new_group)
   const int* perm;
   int n;
   NewGroup new_group;
@@ -69,18 +80,13 @@ struct FinalizeWriter {
   Emit emit;
   __device__ void operator()(ptrdiff_t s64, uint64_t c) const {
     const int s = static_cast<int>(s64);
-    const int u = static_cast<int>(c >> 32) - 1, group = static_cast<int>(c & 0xffffffffu) - 1;
-    const K key = keys[s];
-    bool key_start = true, group_start = true;
-    if (s > 0) {
-      const K prev = keys[s - 1];
-      key_start = key != prev;
-      group_start = key_start && new_group(key, prev);
-    }
+    const int u = static_cast<int>(c >> 33) - 1;
+    const int group = static_cast<int>((c >> 2) & 0x7fffffffu) - 1;
+    const bool key_start = (c & 2u) != 0, group_start = (c & 1u) != 0;
     out.inverse[perm[s]] = u;
     if (key_start) out.run_offsets[u] = s;
     if (group_start) out.group_offsets[group] = u;
-    emit.at(u, group, key_start, group_start, key);
+    emit.at(s, u, key_start);
     if (s == n - 1) {
       out.counts[0] = u + 1;
       out.counts[1] = group + 1;
@@ -88,17 +94,17 @@ struct FinalizeWriter {
   }
 };
 
-// The padding tails, over i in [min(num_unique, num_groups), n] (grid-stride; the counts
-// from the writer): run_offsets[i] = n past num_unique, group_offsets[i] = num_unique past
-// num_groups, and the plan's own (Emit::tail(i, num_unique, num_groups), i < n).
+// Over i in [Emit::finish_from(U, G), n] (grid-stride; U, G: the counts from the writer):
+// run_offsets[i] = n past num_unique, group_offsets[i] = num_unique past num_groups, and
+// the plan's own (Emit::finish(i, U, G, out), i < n).
 template <typename Emit>
-__global__ void tails_kernel(CommonOut out, int n, Emit emit) {
+__global__ void finish_kernel(CommonOut out, int n, Emit emit) {
   const int U = out.counts[0], G = out.counts[1];
-  for (int64_t i = min(U, G) + int64_t(blockIdx.x) * kBlock + threadIdx.x; i <= n;
+  for (int64_t i = emit.finish_from(U, G) + int64_t(blockIdx.x) * kBlock + threadIdx.x; i <= n;
        i += int64_t(gridDim.x) * kBlock) {
     if (i >= U) out.run_offsets[i] = n;
     if (i >= G) out.group_offsets[i] = U;
-    if (i < n) emit.tail(static_cast<int>(i), U, G);
+    if (i < n) emit.finish(static_cast<int>(i), U, G, out);
   }
 }
 
@@ -136,8 +142,8 @@ using WriterIter = thrust::tabulate_output_iterator<FinalizeWriter<K, Group, Emi
 template <typename K, typename Group, typename Emit>
 cudaError_t flag_scan(void* tmp, size_t& bytes, const FinalizeWriter<K, Group, Emit>& w,
                       cudaStream_t stream) {
-  return cub::DeviceScan::InclusiveSum(tmp, bytes, flag_iter<K>(w.keys, w.new_group),
-                                       WriterIter<K, Group, Emit>(w), w.n, stream);
+  return cub::DeviceScan::InclusiveScan(tmp, bytes, flag_iter<K>(w.keys, w.new_group),
+                                        WriterIter<K, Group, Emit>(w), PlanCounts{}, w.n, stream);
 }
 
 // Carves `base` (nullptr: sizes only) into 256-byte aligned arrays; bytes includes the
@@ -169,7 +175,7 @@ cudaError_t plan_layout(int n, int end_bit, Group group, Emit emit, void* base, 
 }
 
 // The sort (s.keys, s.positions -> s.sorted_keys, out's perm), the scan of its flags into
-// the writer, then the tails, on `stream` (n >= 1).
+// the writer, then finish_kernel, on `stream` (n >= 1).
 template <typename K, typename Group, typename Emit>
 cudaError_t sort_scan_finalize(const PlanScratch<K>& s, int n, int end_bit, Group group, int* perm,
                                const CommonOut& out, Emit emit, cudaStream_t stream) {
@@ -186,7 +192,7 @@ cudaError_t sort_scan_finalize(const PlanScratch<K>& s, int n, int end_bit, Grou
       (err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess)
     return err;
   const int blocks = static_cast<int>(std::min<int64_t>(int64_t(n) / kBlock + 1, int64_t(sms) * 8));
-  tails_kernel<<<blocks, kBlock, 0, stream>>>(out, n, emit);
+  finish_kernel<<<blocks, kBlock, 0, stream>>>(out, n, emit);
   return cudaGetLastError();
 }
 

@@ -3,12 +3,12 @@
 //      the caller chose (common/tb_plan_meta.h: prefix keys, or row keys where only those
 //      fit 32 bits), positions[i] = i. Keys of at most 32 bits are uint32, else uint64.
 //   2. cub radix sort of (keys, positions) on the key bits in use only, stable.
-//   3. cub inclusive sum of the (new key, new group) flags, not stored: each sorted
-//      position's counts go to the writer, which writes every output element of that
-//      position once: inverse, run and group offsets and counts as flowtt_plan's, then at
-//      a unique key's first position its u_i3, at a group's its g_i1 and g_i2 (the key's
-//      table by a binary search of the meta's bases).
-//   4. the padding tails past the counts (u_i3, g_i1, g_i2: 0).
+//   3. cub inclusive scan of the (new key, new group) flags, not stored: each sorted
+//      position's counts go to the writer, which writes inverse, run and group offsets
+//      and counts as flowtt_plan's.
+//   4. finish_kernel over i in [0, n]: each unique key's u_i3 and each group's g_i1, g_i2
+//      (the key's table by a binary search of the meta's bases, at full parallelism
+//      rather than inside the scan), 0 past the counts, and the offsets' tails.
 //   (Steps 2-4: cuda/plan_scan.cuh, shared with flowtt_plan.)
 // No device synchronisation, no allocation: scratch comes from the caller.
 #include "cuda/tb_plan.h"
@@ -41,24 +41,25 @@ __global__ void tb_plan_keys_kernel(const int* __restrict__ ids, const int* __re
   positions[i] = static_cast<int>(i);
 }
 
-// The tb plan's own outputs: a unique key's u_i3, a group's g_i1 and g_i2 (at their
-// first positions), then 0 past the counts.
+// The tb plan's own outputs, in finish_kernel over [0, n] (the run and group offsets
+// written): each unique key's u_i3 and each group's g_i1, g_i2 (from its first key), then
+// 0 past the counts.
 template <typename K>
 struct TbRowsEmit {
   TbKeyForm form;
+  const K* sorted_keys;
   int32_t *u_i3, *g_i1, *g_i2;
-  __device__ void at(int u, int group, bool key_start, bool group_start, K key) const {
-    if (!key_start) return;
-    const TbPlanRows r = form.rows(key);
-    u_i3[u] = r.i3;
-    if (group_start) {
-      g_i1[group] = r.i1;
-      g_i2[group] = r.i2;
+  __device__ void at(int, int, bool) const {}
+  __device__ int finish_from(int, int) const { return 0; }
+  __device__ void finish(int i, int U, int G, const plan_scan::CommonOut& out) const {
+    u_i3[i] = i < U ? form.rows(sorted_keys[out.run_offsets[i]]).i3 : 0;
+    if (i < G) {
+      const TbPlanRows r = form.rows(sorted_keys[out.run_offsets[out.group_offsets[i]]]);
+      g_i1[i] = r.i1;
+      g_i2[i] = r.i2;
+    } else {
+      g_i1[i] = g_i2[i] = 0;
     }
-  }
-  __device__ void tail(int i, int U, int G) const {
-    if (i >= U) u_i3[i] = 0;
-    if (i >= G) g_i1[i] = g_i2[i] = 0;
   }
 };
 
@@ -71,8 +72,8 @@ cudaError_t run(const int* ids, const int* tables, int n, const TbKeyForm& form,
                 const TbPlanOut& out, void* scratch, cudaStream_t stream) {
   const int end_bit = end_bit_of(num_keys);
   PlanScratch<K> s;
-  const TbRowsEmit<K> emit{form, out.u_i3, out.g_i1, out.g_i2};
-  cudaError_t err = plan_scan::plan_layout(n, end_bit, FormGroup<K>{form}, emit, scratch, &s);
+  cudaError_t err =
+      plan_scan::plan_layout(n, end_bit, FormGroup<K>{form}, TbRowsEmit<K>{}, scratch, &s);
   if (err != cudaSuccess) return err;
   const unsigned blocks = static_cast<unsigned>((n + kBlock - 1) / kBlock);
   tb_plan_keys_kernel<K><<<blocks, kBlock, 0, stream>>>(
@@ -80,7 +81,8 @@ cudaError_t run(const int* ids, const int* tables, int n, const TbKeyForm& form,
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   return plan_scan::sort_scan_finalize(
       s, n, end_bit, FormGroup<K>{form}, out.perm,
-      {out.inverse, out.run_offsets, out.group_offsets, out.counts}, emit, stream);
+      {out.inverse, out.run_offsets, out.group_offsets, out.counts},
+      TbRowsEmit<K>{form, s.sorted_keys, out.u_i3, out.g_i1, out.g_i2}, stream);
 }
 
 bool narrow_keys(int64_t num_keys) { return num_keys <= (int64_t{1} << 32); }
