@@ -35,7 +35,7 @@ __global__ void clamp_kernel(const int* __restrict__ ids, int n, int max_id, int
 struct UniqueIds {
   const int* sorted_keys;
   int* unique_ids;
-  __device__ void at(int s, int u, bool key_start) const {
+  __device__ void at(int s, int u, int, bool key_start, bool) const {
     if (key_start) unique_ids[u] = sorted_keys[s];
   }
   __device__ int finish_from(int U, int G) const { return min(U, G); }

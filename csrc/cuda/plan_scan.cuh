@@ -68,8 +68,8 @@ struct CommonOut {
 
 // The scan's output functor: at sorted position s with scan element c, writes
 // inverse[perm[s]], a unique key's run offset and a group's first unique index where they
-// start there, the plan's own (Emit::at(s, u, key_start)) and, at the last position,
-// counts. Every element below the counts is written once.
+// start there, the plan's own (Emit::at(s, u, group, key_start, group_start)) and, at the last
+// position, counts. Every element below the counts is written once.
 template <typename K, typename NewGroup, typename Emit>
 struct FinalizeWriter {
   const K* keys;  // sorted (the scan's input, with new_group)
@@ -86,7 +86,7 @@ struct FinalizeWriter {
     out.inverse[perm[s]] = u;
     if (key_start) out.run_offsets[u] = s;
     if (group_start) out.group_offsets[group] = u;
-    emit.at(s, u, key_start);
+    emit.at(s, u, group, key_start, group_start);
     if (s == n - 1) {
       out.counts[0] = u + 1;
       out.counts[1] = group + 1;

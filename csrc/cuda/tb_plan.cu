@@ -5,10 +5,9 @@
 //   2. cub radix sort of (keys, positions) on the key bits in use only, stable.
 //   3. cub inclusive scan of the (new key, new group) flags, not stored: each sorted
 //      position's counts go to the writer, which writes inverse, run and group offsets
-//      and counts as flowtt_plan's.
-//   4. finish_kernel over i in [0, n]: each unique key's u_i3 and each group's g_i1, g_i2
-//      (the key's table by a binary search of the meta's bases, at full parallelism
-//      rather than inside the scan), 0 past the counts, and the offsets' tails.
+//      and counts as flowtt_plan's (and marks the unique keys that start a group).
+//   4. finish_kernel over i in [0, n]: each unique key's u_i3 and, where it starts a
+//      group, the group's g_i1, g_i2 (TbRowsEmit), 0 past the counts, the offsets' tails.
 //   (Steps 2-4: cuda/plan_scan.cuh, shared with flowtt_plan.)
 // No device synchronisation, no allocation: scratch comes from the caller.
 #include "cuda/tb_plan.h"
@@ -41,25 +40,33 @@ __global__ void tb_plan_keys_kernel(const int* __restrict__ ids, const int* __re
   positions[i] = static_cast<int>(i);
 }
 
-// The tb plan's own outputs, in finish_kernel over [0, n] (the run and group offsets
-// written): each unique key's u_i3 and each group's g_i1, g_i2 (from its first key), then
+// The tb plan's own outputs: the writer marks each unique key's u_i3 with the group it
+// starts (-1 if none); finish_kernel over [0, n] then looks up the key's rows once (the
+// key's table by a binary search of the meta's bases, at full parallelism rather than
+// inside the scan) for its u_i3 and, where it starts a group, that group's g_i1, g_i2;
 // 0 past the counts.
 template <typename K>
 struct TbRowsEmit {
   TbKeyForm form;
   const K* sorted_keys;
   int32_t *u_i3, *g_i1, *g_i2;
-  __device__ void at(int, int, bool) const {}
+  __device__ void at(int, int u, int group, bool key_start, bool group_start) const {
+    if (key_start) u_i3[u] = group_start ? group : -1;
+  }
   __device__ int finish_from(int, int) const { return 0; }
   __device__ void finish(int i, int U, int G, const plan_scan::CommonOut& out) const {
-    u_i3[i] = i < U ? form.rows(sorted_keys[out.run_offsets[i]]).i3 : 0;
-    if (i < G) {
-      const TbPlanRows r = form.rows(sorted_keys[out.run_offsets[out.group_offsets[i]]]);
-      g_i1[i] = r.i1;
-      g_i2[i] = r.i2;
+    if (i < U) {
+      const int starts = u_i3[i];
+      const TbPlanRows r = form.rows(sorted_keys[out.run_offsets[i]]);
+      u_i3[i] = r.i3;
+      if (starts >= 0) {
+        g_i1[starts] = r.i1;
+        g_i2[starts] = r.i2;
+      }
     } else {
-      g_i1[i] = g_i2[i] = 0;
+      u_i3[i] = 0;
     }
+    if (i >= G) g_i1[i] = g_i2[i] = 0;
   }
 };
 
