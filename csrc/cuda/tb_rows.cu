@@ -103,6 +103,12 @@ cudaError_t tb_radix_sort(const TbSortTmp& t, const int* key_src, int P, const i
 // Shared memory cap of the sorted-tile forward (room for two blocks per SM).
 constexpr size_t kTbTileSmemCap = 100 * 1024;
 
+// Most groups per batch of the sorted-tile forward (a smaller value trades work per
+// barrier for blocks per SM; harness tuning).
+#ifndef FLOWTT_TB_FWD_GROUPS
+#define FLOWTT_TB_FWD_GROUPS kTbTileGroups
+#endif
+
 // The groups stably sorted by g_i2 (both ops): two index buffers, the sort's scratch,
 // bounds2 [p2+1].
 struct TbGroupSort {
@@ -244,7 +250,7 @@ cudaError_t tb_rows_fwd(const TbDims& t, const float* g1, const float* g2, const
   const TbFwdScratch s = tb_fwd_layout(rt, n, tb_base(scratch));
   cudaError_t err = cudaMemsetAsync(s.ctr, 0, 2 * sizeof(int), stream);
   if (err != cudaSuccess) return err;
-  const TbTileGeo geo = tb_tile_geo(rt, kTbTileSmemCap);
+  const TbTileGeo geo = tb_tile_geo(rt, kTbTileSmemCap, FLOWTT_TB_FWD_GROUPS);
   const int* sorted = nullptr;
   int* free_buf;
   const bool tile =
