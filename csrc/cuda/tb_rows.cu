@@ -103,11 +103,11 @@ cudaError_t tb_radix_sort(const TbSortTmp& t, const int* key_src, int P, const i
 // Shared memory cap of the sorted-tile forward (room for two blocks per SM).
 constexpr size_t kTbTileSmemCap = 100 * 1024;
 
-// Most groups per batch of the sorted-tile forward (a smaller value trades work per
-// barrier for blocks per SM; harness tuning).
-#ifndef FLOWTT_TB_FWD_GROUPS
-#define FLOWTT_TB_FWD_GROUPS kTbTileGroups
-#endif
+// Most groups per batch of the sorted-tile forward's compile-time dims instances: fewer
+// than kTbTileGroups fit more blocks per SM (harness, Meta-like 240 tables: 2.418 ms at
+// 32, 2.376 at 16, 2.926 at 8); the run-time dims instance keeps 32 (2.628 ms at 32, 2.963
+// at 16).
+constexpr int kTbFwdFixedGroups = 16;
 
 // The groups stably sorted by g_i2 (both ops): two index buffers, the sort's scratch,
 // bounds2 [p2+1].
@@ -250,7 +250,7 @@ cudaError_t tb_rows_fwd(const TbDims& t, const float* g1, const float* g2, const
   const TbFwdScratch s = tb_fwd_layout(rt, n, tb_base(scratch));
   cudaError_t err = cudaMemsetAsync(s.ctr, 0, 2 * sizeof(int), stream);
   if (err != cudaSuccess) return err;
-  const TbTileGeo geo = tb_tile_geo(rt, kTbTileSmemCap, FLOWTT_TB_FWD_GROUPS);
+  const TbTileGeo geo = tb_tile_geo(rt, kTbTileSmemCap);
   const int* sorted = nullptr;
   int* free_buf;
   const bool tile =
@@ -261,9 +261,12 @@ cudaError_t tb_rows_fwd(const TbDims& t, const float* g1, const float* g2, const
   return tb_with_dims(rt, fixed_dims, [&](auto d) {
     using DD = decltype(d);
     if (tile) {
-      const size_t smem = std::max(geo.smem, tb_warp_slices_bytes(d));
-      return tb_launch(TB_TILE_KERNEL(d.q3, DD), smem, stream, d, geo, g1, g2, g3, u_i3, g_i1, g_i2,
-                       group_offsets, counts, n, (const int*)s.sort.bounds2, sorted, s.ctr, rows);
+      const TbTileGeo dgeo =
+          DD::kFixed ? tb_tile_geo(d, kTbTileSmemCap, kTbFwdFixedGroups) : geo;  // GB > 0 too
+      const size_t smem = std::max(dgeo.smem, tb_warp_slices_bytes(d));
+      return tb_launch(TB_TILE_KERNEL(d.q3, DD), smem, stream, d, dgeo, g1, g2, g3, u_i3, g_i1,
+                       g_i2, group_offsets, counts, n, (const int*)s.sort.bounds2, sorted, s.ctr,
+                       rows);
     }
     const bool vec = d.K % 4 == 0 && tb_aligned16(g2);
     auto kernel = vec ? TB_BY_Q1(tb_fwd_kernel, 4, d.q1, DD) : TB_BY_Q1(tb_fwd_kernel, 1, d.q1, DD);
