@@ -92,13 +92,11 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows, const int* __res
 // (positions j -> perm[j]), so that a Zipf-hot id with 10^4..10^5
 // occurrences does not serialise one thread team.
 // Pass 1: team per chunk of kPL sorted positions; runs complete inside the
-//   chunk are written to d_rows, and so are runs that start in the chunk and end
-//   in the next (the team reads on to their end, in increasing position; the
-//   next chunk's team skips them). Of a run spanning three chunks or more, the
-//   chunk of its start leaves its partial in slot (chunk, 1), every later chunk
-//   its partial in slot (chunk, 0).
-// Pass 2: warp per unique id; runs spanning three chunks or more sum their
-//   partials in chunk order (sub-teams over contiguous parts, fixed shuffle tree).
+//   chunk are written to d_rows; a run that started before the chunk leaves
+//   its chunk partial in slot (chunk, 0), a run that starts inside and
+//   continues past the chunk leaves it in slot (chunk, 1).
+// Pass 2: warp per unique id; runs spanning chunks sum their partials in
+//   chunk order (sub-teams over contiguous parts, fixed shuffle tree).
 // d_rows past num_unique is not written (the contract leaves it unspecified).
 
 template <int VEC>
@@ -115,18 +113,6 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout, const float* __
   if (k >= nch) return;
   const int U = clampi(counts[0], 0, n);
   const int cs = k * kPL, ce = min(n, cs + kPL);
-  // the run at sorted position j: whether it spans exactly chunks k0 and k0 + 1 (then
-  // chunk k0's team sums it whole), and its end
-  auto two_chunk_run = [&](int j, int k0, int& e) {
-    const int u = __ldg(inverse + clampi(__ldg(perm + j), 0, n - 1));
-    if (u < 0 || u >= U) return false;
-    const int s = run_offsets[u];
-    e = run_offsets[u + 1];
-    return s >= k0 * kPL && s < (k0 + 1) * kPL && e > (k0 + 1) * kPL && e <= (k0 + 2) * kPL;
-  };
-  int jstart = cs, jend = ce, e;
-  if (k > 0 && two_chunk_run(cs, k - 1, e)) jstart = clampi(e, cs, ce);  // the previous team's
-  if (ce < n && two_chunk_run(ce - 1, k, e)) jend = clampi(e, ce, min(n, ce + kPL));
   const int DV = D / VEC;
   const T* dv_ = reinterpret_cast<const T*>(dout);
   T* o = reinterpret_cast<T*>(d_rows);
@@ -137,14 +123,14 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout, const float* __
     auto flush = [&](int u) {
       if (u < 0 || u >= U) return;
       const int s = run_offsets[u], e = run_offsets[u + 1];
-      if (s >= cs && e <= jend) {
+      if (s >= cs && e <= ce) {
         o[(size_t)u * DV + dv] = acc;
       } else {
         const int side = (s < cs) ? 0 : 1;
         pv[((size_t)k * 2 + side) * DV + dv] = acc;
       }
     };
-    for (int j0 = jstart; j0 < jend; j0 += 8) {
+    for (int j0 = cs; j0 < ce; j0 += 8) {
       int uj[8];
       float wj[8];
       T xj[8];
@@ -154,7 +140,7 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout, const float* __
         uj[i] = -1;
         wj[i] = 0.f;
         xj[i] = vzero<T>();
-        if (j < jend) {
+        if (j < ce) {
           const int p = clampi(__ldg(perm + j), 0, n - 1);
           uj[i] = __ldg(inverse + p);
           wj[i] = __ldg(weights + p);
@@ -164,7 +150,7 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout, const float* __
       }
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        if (j0 + i < jend) {
+        if (j0 + i < ce) {
           if (uj[i] != cur) {
             flush(cur);
             cur = uj[i];
@@ -191,7 +177,7 @@ __device__ __forceinline__ void shfl_add(float4& v, int off) {
 }
 
 // Persistent warps over blocks of 32 unique ids (a lane reads one id's run
-// bounds). A run spanning chunks k0..k1 (k1 >= k0 + 2) sums its partials: lane l takes
+// bounds). A run spanning chunks k0..k1 sums its partials: lane l takes
 // partials l, l+32, ... (fixed), then a fixed xor tree across lanes. A unique
 // id without occurrences (never, for a valid plan) gets zeros.
 template <int VEC>
@@ -215,7 +201,7 @@ __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
       e = clampi(run_offsets[u + 1], s, n);
     }
     const bool empty = u < U && e <= s;
-    const bool cross = e > s && (e - 1) / kPL - s / kPL >= 2;
+    const bool cross = e > s && s / kPL != (e - 1) / kPL;
     for (unsigned zmask = __ballot_sync(0xffffffffu, empty); zmask; zmask &= zmask - 1) {
       const int uz = base + __ffs(zmask) - 1;
       for (int dv = lane; dv < DV; dv += 32) o[(size_t)uz * DV + dv] = vzero<T>();
