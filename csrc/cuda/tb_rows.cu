@@ -103,12 +103,6 @@ cudaError_t tb_radix_sort(const TbSortTmp& t, const int* key_src, int P, const i
 // Shared memory cap of the sorted-tile forward (room for two blocks per SM).
 constexpr size_t kTbTileSmemCap = 100 * 1024;
 
-// Most groups per batch of the sorted-tile forward's compile-time dims instances: fewer
-// than kTbTileGroups fit more blocks per SM (harness, Meta-like 240 tables: 2.418 ms at
-// 32, 2.376 at 16, 2.926 at 8); the run-time dims instance keeps 32 (2.628 ms at 32, 2.963
-// at 16).
-constexpr int kTbFwdFixedGroups = 16;
-
 // The groups stably sorted by g_i2 (both ops): two index buffers, the sort's scratch,
 // bounds2 [p2+1].
 struct TbGroupSort {

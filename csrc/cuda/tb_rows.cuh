@@ -25,7 +25,12 @@ constexpr int kTbBatch = 16;  // groups per shared-memory batch of the dg2 kerne
 constexpr int kTbQ1Max = 8, kTbMMax = 16, kTbQ3Max = 8, kTbRMax = 64;
 constexpr int kTbMaxG2Row = 24576;  // r1*q2*r2 bound (g2 rows staged in shared memory)
 constexpr int kTbTileGroups = 32;   // max groups per batch of the sorted-tile forward
-constexpr int kTbRPT = kTileRows;   // rows (group, q1) per thread of its prefix GEMM
+// Most groups per batch of the sorted-tile forward's compile-time dims instances: fewer
+// than kTbTileGroups fit more blocks per SM (harness, Meta-like 240 tables: 2.418 ms at
+// 32, 2.376 at 16, 2.926 at 8); the run-time dims instance keeps 32 (2.628 ms at 32, 2.963
+// at 16).
+constexpr int kTbFwdFixedGroups = 16;
+constexpr int kTbRPT = kTileRows;  // rows (group, q1) per thread of its prefix GEMM
 
 // Dims and derived sizes, by value into every kernel (the kernels and helpers take any
 // dims type DD with these members: TbDev, or TbFixedDims below).

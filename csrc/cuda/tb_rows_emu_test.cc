@@ -217,9 +217,9 @@ std::vector<std::vector<float>> RunCase(const TbCase& c, const TbHostPlan& p, bo
   char buf[160];
   std::snprintf(buf, sizeof buf, " fwd (chunks) rel err %.2e", e_rows);
   TbReport(e_rows < kTbTol, tag + buf);
-  // the sorted-tile forward: its default geometry, and batches of 4 groups (runs longer
-  // than a batch)
-  for (int max_groups : {kTbTileGroups, 4}) {
+  // the sorted-tile forward: its geometries (the run-time and the compile-time dims
+  // instances'), and batches of 4 groups (runs longer than a batch)
+  for (int max_groups : {kTbTileGroups, kTbFwdFixedGroups, 4}) {
     const TbTileGeo geo = tb_tile_geo(r.in.d, 100 * 1024, max_groups);
     if (!vec || geo.GB == 0) break;
     std::fill(rows.begin(), rows.end(), NAN);
