@@ -6,8 +6,9 @@
 // Forward (flowtt_tb_rows_fwd), two designs, each one persistent kernel:
 //   tb_fwd_tile_kernel (r2 % 4 == 0, q3 4 or 8): the groups sorted by g_i2 (radix sort),
 //     a block per packed g2 row keeps it in shared memory for all its groups (the groups
-//     sharing a g2 row are the same table's (i1, i2) for every i1), P of up to 32 groups
-//     at a time by one GEMM; groups longer than kTbChunk ids finish in a chunk phase;
+//     sharing a g2 row are the same table's (i1, i2) for every i1), P of up to GB groups
+//     at a time by one GEMM (kTbTileGroups; kTbFwdFixedGroups in the compile-time dims
+//     instances); groups longer than kTbChunk ids finish in a chunk phase;
 //   tb_fwd_kernel (any supported dims): warps steal chunks of kTbChunk consecutive unique
 //     indices from an atomic counter; a warp walks the groups overlapping its chunk (the
 //     first by binary search in group_offsets), forms each group's prefix product
