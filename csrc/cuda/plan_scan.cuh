@@ -20,6 +20,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cuda/common.cuh"  // num_sms
+
 namespace flowtt::plan_scan {
 
 constexpr int kBlock = 256;
@@ -66,16 +68,14 @@ struct CommonOut {
   int* counts;         // [2]   (num_unique, num_groups)
 };
 
-// The scan's output functor: at sorted position s with scan element c, writes
-// inverse[perm[s]], a unique key's run offset and a group's first unique index where they
-// start there, the plan's own (Emit::at(s, u, group, key_start, group_start)) and, at the last
-// position, counts. Every element below the counts is written once.
-template <typename K, typename NewGroup, typename Emit>
+// The scan's output functor (n: the positions): at sorted position s with scan element
+// c, writes inverse[perm[s]], a unique key's run offset and a group's first unique index
+// where they start there, the plan's own (Emit::at(s, u, group, key_start, group_start))
+// and, at the last position, counts. Every element below the counts is written once.
+template <typename Emit>
 struct FinalizeWriter {
-  const K* keys;  // sorted (the scan's input, with new_group)
   const int* perm;
   int n;
-  NewGroup new_group;
   CommonOut out;
   Emit emit;
   __device__ void operator()(ptrdiff_t s64, uint64_t c) const {
@@ -135,15 +135,13 @@ struct PlanScratch {
   size_t cub_bytes, bytes;
 };
 
+// The scan of the flags of the sorted keys [w.n] into the writer (tmp null: its bytes only).
 template <typename K, typename Group, typename Emit>
-using WriterIter = thrust::tabulate_output_iterator<FinalizeWriter<K, Group, Emit>>;
-
-// The scan of the flags of the sorted keys into the writer (tmp null: its bytes only).
-template <typename K, typename Group, typename Emit>
-cudaError_t flag_scan(void* tmp, size_t& bytes, const FinalizeWriter<K, Group, Emit>& w,
-                      cudaStream_t stream) {
-  return cub::DeviceScan::InclusiveScan(tmp, bytes, flag_iter<K>(w.keys, w.new_group),
-                                        WriterIter<K, Group, Emit>(w), PlanCounts{}, w.n, stream);
+cudaError_t flag_scan(void* tmp, size_t& bytes, const K* sorted_keys, Group group,
+                      const FinalizeWriter<Emit>& w, cudaStream_t stream) {
+  return cub::DeviceScan::InclusiveScan(tmp, bytes, flag_iter<K>(sorted_keys, group),
+                                        thrust::tabulate_output_iterator<FinalizeWriter<Emit>>(w),
+                                        PlanCounts{}, w.n, stream);
 }
 
 // Carves `base` (nullptr: sizes only) into 256-byte aligned arrays; bytes includes the
@@ -155,8 +153,8 @@ cudaError_t plan_layout(int n, int end_bit, Group group, Emit emit, void* base, 
       cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, (const K*)nullptr, (K*)nullptr,
                                       (const int*)nullptr, (int*)nullptr, n, 0, end_bit);
   if (err != cudaSuccess) return err;
-  err = flag_scan(nullptr, scan_bytes,
-                  FinalizeWriter<K, Group, Emit>{nullptr, nullptr, n, group, {}, emit}, nullptr);
+  err = flag_scan(nullptr, scan_bytes, (const K*)nullptr, group,
+                  FinalizeWriter<Emit>{nullptr, n, {}, emit}, nullptr);
   if (err != cudaSuccess) return err;
   char* p = base ? reinterpret_cast<char*>(align_up(reinterpret_cast<uintptr_t>(base))) : nullptr;
   size_t off = 0;
@@ -184,14 +182,11 @@ cudaError_t sort_scan_finalize(const PlanScratch<K>& s, int n, int end_bit, Grou
                                                     s.positions, perm, n, 0, end_bit, stream);
   if (err != cudaSuccess) return err;
   bytes = s.cub_bytes;
-  err = flag_scan(s.cub_tmp, bytes,
-                  FinalizeWriter<K, Group, Emit>{s.sorted_keys, perm, n, group, out, emit}, stream);
+  err = flag_scan(s.cub_tmp, bytes, (const K*)s.sorted_keys, group,
+                  FinalizeWriter<Emit>{perm, n, out, emit}, stream);
   if (err != cudaSuccess) return err;
-  int dev = 0, sms = 0;
-  if ((err = cudaGetDevice(&dev)) != cudaSuccess ||
-      (err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess)
-    return err;
-  const int blocks = static_cast<int>(std::min<int64_t>(int64_t(n) / kBlock + 1, int64_t(sms) * 8));
+  const int blocks =
+      static_cast<int>(std::min<int64_t>(int64_t(n) / kBlock + 1, int64_t(num_sms()) * 8));
   finish_kernel<<<blocks, kBlock, 0, stream>>>(out, n, emit);
   return cudaGetLastError();
 }

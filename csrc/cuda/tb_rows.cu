@@ -254,9 +254,9 @@ cudaError_t tb_rows_fwd(const TbDims& t, const float* g1, const float* g2, const
     return err;
   return tb_with_dims(rt, fixed_dims, [&](auto d) {
     using DD = decltype(d);
-    if (tile) {
+    if (tile) {  // GB > 0 at either batch cap
       const TbTileGeo dgeo =
-          DD::kFixed ? tb_tile_geo(d, kTbTileSmemCap, kTbFwdFixedGroups) : geo;  // GB > 0 too
+          tb_tile_geo(d, kTbTileSmemCap, DD::kFixed ? kTbFwdFixedGroups : kTbTileGroups);
       const size_t smem = std::max(dgeo.smem, tb_warp_slices_bytes(d));
       return tb_launch(TB_TILE_KERNEL(d.q3, DD), smem, stream, d, dgeo, g1, g2, g3, u_i3, g_i1,
                        g_i2, group_offsets, counts, n, (const int*)s.sort.bounds2, sorted, s.ctr,
