@@ -82,23 +82,21 @@ cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2, const fl
   const Dev d = make_dev(t);
   const BwdScratch s = bwd_layout(d, n, scratch);
   cudaError_t err;
-  if ((err = cudaMemsetAsync(s.ctrl, 0, sizeof(int), stream)) != cudaSuccess) return err;
+  if ((err = cudaMemsetAsync(s.ctrl, 0, s.ctrl_bytes(d), stream)) != cudaSuccess) return err;
   if ((err = launch_build_map(d, unique_ids, group_offsets, counts, n, s.map, stream)) !=
       cudaSuccess)
     return err;
   if (!run_stage(1)) return cudaGetLastError();
-  if ((err = launch_rows_bwd_tiles(d, g1, g2, g3, d_rows, unique_ids, group_offsets, counts, n, s,
-                                   stream)) != cudaSuccess)
+  if ((err = launch_rows_bwd_tiles(d, g1, g2, g3, d_rows, unique_ids, group_offsets, counts, n, dg2,
+                                   s, stream)) != cudaSuccess)
     return err;
   if (!run_stage(2)) return cudaGetLastError();
-  if ((err = launch_dg2_reduce(d, s, dg2, stream)) != cudaSuccess) return err;
-  if (!run_stage(4)) return cudaGetLastError();
   if ((err = launch_dg1_reduce(d, s, counts, n, dg1, stream)) != cudaSuccess) return err;
-  if (!run_stage(8)) return cudaGetLastError();
+  if (!run_stage(4)) return cudaGetLastError();
   if ((err = launch_dg3_keys(d, unique_ids, counts, n, s, stream)) != cudaSuccess) return err;
-  if (!run_stage(16)) return cudaGetLastError();
+  if (!run_stage(8)) return cudaGetLastError();
   if ((err = launch_dg3_sort(d, n, s, stream)) != cudaSuccess) return err;
-  if (!run_stage(32)) return cudaGetLastError();
+  if (!run_stage(16)) return cudaGetLastError();
   return launch_dg3(d, d_rows, n, s, dg3, stream);
 }
 

@@ -3,9 +3,10 @@
 //   tile kernel (i2 column x kT1B i1 values, G2[i2] in shared memory): per group P
 //     (kept for the dG3 pass), dP = sum_u dRow_u G3[i3_u]^T and the group's dG1
 //     partial dP.G2^T; then the tile's dG2 partial sum_k G1[i1_k]^T dP_k (groups in
-//     i1 order). rows_bwd_gemm_kernel is the fast path (shapes of the GEMM table in
+//     i1 order), added into dG2[i2] in its column's turn (dg2_add_in_turn): dG2[i2]
+//     is the sum from 0.f of the column's tile partials, i1 blocks in order.
+//     rows_bwd_gemm_kernel is the fast path (shapes of the GEMM table in
 //     cuda/shape_dispatch.cuh), rows_bwd_tile_kernel (a warp per group) the fallback.
-//   dg2_reduce: dG2[i2] = sum of the tile partials, i1 blocks in order.
 //   dg1_reduce: dG1[i1] = sum of the group partials of i1, i2 ascending.
 // dG3 is the next stage (cuda/dg3.cu).
 #include <cuda_runtime.h>
@@ -28,6 +29,38 @@ namespace {
 
 constexpr int kKC = 16;  // K rows per dG2 staging chunk of the warp tile kernel
 
+// The turns of dG2[i2]: tile (k, i2) (t = k*p2 + i2, i1 block k) adds its partial when
+// turn[i2] == k, then passes the turn on, so dG2[i2] = ((0.f + part_0) + part_1) + ...
+// (an empty tile adds nothing; tile 0 writes 0.f + its part, or zeros). Tiles are claimed
+// in increasing t, and a CTA claims only past the tile it works on, so the smallest
+// unfinished tile is always being worked on and its column's turn has come: no deadlock.
+// Every thread of the block calls these.
+__device__ __forceinline__ void await_turn(const int* turn, int k) {
+  if (threadIdx.x == 0) {
+    while (*reinterpret_cast<const volatile int*>(turn) != k) __nanosleep(64);
+    __threadfence();
+  }
+  __syncthreads();
+}
+__device__ __forceinline__ void pass_turn(int* turn, int k) {
+  __threadfence();  // this thread's dG2 stores before the next tile's loads
+  __syncthreads();
+  if (threadIdx.x == 0) atomicExch(turn, k + 1);
+}
+// dG2 element `at` plus part (tile k of its column, in its turn; an L2 load: another SM
+// wrote it).
+__device__ __forceinline__ float dg2_in_turn(const float* at, int k, float part) {
+  return (k > 0 ? __ldcg(at) : 0.f) + part;
+}
+// An empty tile's turn: tile 0 of the column writes its zeros.
+__device__ __forceinline__ void empty_tile_turn(const Dev& d, int* turn, int k, int i2,
+                                                float* __restrict__ dg2) {
+  await_turn(turn, k);
+  if (k == 0)
+    for (int i = threadIdx.x; i < d.R1Q2R2; i += blockDim.x) dg2[(size_t)i2 * d.R1Q2R2 + i] = 0.f;
+  pass_turn(turn, k);
+}
+
 // Backward tile: i2 column x kT1B i1 values. G2[i2] stays in shared memory
 // (rows padded to ld = q2*r2+1). Each warp takes whole groups: P (stored for
 // the dG3 pass), dP = sum_u dRow_u G3[i3_u]^T (stored), the group's dG1
@@ -39,9 +72,9 @@ __global__ void __launch_bounds__(kThreads)
                          const float* __restrict__ g3, const float* __restrict__ d_rows,
                          const int* __restrict__ uids, const int* __restrict__ goffs,
                          const int* __restrict__ counts, int n, const int* __restrict__ map,
-                         int* ctrl, int* __restrict__ tile_flag, float* __restrict__ Pbuf,
+                         int* ctrl, int* col_turn, float* __restrict__ Pbuf,
                          float* __restrict__ dPbuf, float* __restrict__ dG1p,
-                         float* __restrict__ dG2p, int slots) {
+                         float* __restrict__ dg2, int slots) {
   extern __shared__ float4 smem4[];
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
@@ -82,7 +115,7 @@ __global__ void __launch_bounds__(kThreads)
       if (tid == 0) s_cnt = __popc(bal);
     }
     if (!__syncthreads_or(gk >= 0)) {
-      if (tid == 0) tile_flag[t] = 0;
+      empty_tile_turn(d, col_turn + i2, t / d.p2, i2, dg2);
       continue;
     }
     {
@@ -186,7 +219,9 @@ __global__ void __launch_bounds__(kThreads)
       __syncwarp();
     }
     __syncthreads();  // dPbuf writes visible to the block; warp regions free
-    // ---- tile dG2 partial: C[a, j] = sum_{k, q1} G1[i1_k, q1, a] dP_k[q1, j]
+    // ---- tile dG2 partial: C[a, j] = sum_{k, q1} G1[i1_k, q1, a] dP_k[q1, j], into dG2
+    const int kt = t / d.p2;
+    await_turn(col_turn + i2, kt);
     {
       const int cnt = s_cnt;
       const int K = cnt * d.q1;
@@ -236,22 +271,25 @@ __global__ void __launch_bounds__(kThreads)
           }
         }
         if (act) {
-          float* out = dG2p + (size_t)t * d.R1Q2R2;
+          float* out = dg2 + (size_t)i2 * d.R1Q2R2;
 #pragma unroll
           for (int i = 0; i < kAMax; ++i)
-            if (i < NA && a0 + i < d.r1) out[(size_t)(a0 + i) * NJ + j] = c[i];
+            if (i < NA && a0 + i < d.r1) {
+              float* o = out + (size_t)(a0 + i) * NJ + j;
+              *o = dg2_in_turn(o, kt, c[i]);
+            }
         }
         __syncthreads();
       }
     }
-    if (tid == 0) tile_flag[t] = 1;
+    pass_turn(col_turn + i2, kt);
   }
 }
 
 // ---- backward, GEMM tile kernel (the fast path) ----------------------------
 // Same tiles as the forward GEMM kernel (i2 column x kT1B i1 values) and the
-// same outputs as rows_bwd_tile_kernel: Pbuf[g] (P, [m][b]), dG1p[g],
-// dG2p[t] + tile_flag[t]. Per batch of up to GB groups:
+// same outputs as rows_bwd_tile_kernel: Pbuf[g] (P, [m][b]), dG1p[g], the tile's
+// dG2 partial added into dg2 in its turn. Per batch of up to GB groups:
 //   P by the GEMM of the forward (-> Pbuf for the dG3 pass);
 //   dP_k = sum_u dRow_u G3[i3_u]^T, items (group, MB2 rows m, 4 columns b),
 //     the group's unique ids in order;
@@ -281,9 +319,9 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
                          const float* __restrict__ g2, const float* __restrict__ g3,
                          const float* __restrict__ d_rows, const int* __restrict__ uids,
                          const int* __restrict__ goffs, const int* __restrict__ counts, int n,
-                         const int* __restrict__ map, int* ctrl, int* __restrict__ tile_flag,
+                         const int* __restrict__ map, int* ctrl, int* col_turn,
                          float* __restrict__ Pbuf, float* __restrict__ dG1p,
-                         float* __restrict__ dG2p, int slots) {
+                         float* __restrict__ dg2, int slots) {
   constexpr int MB2 = (32 / Q3) < M ? (32 / Q3) : M;  // rows m per dP item
   constexpr int NMB2 = M / MB2;
   extern __shared__ float4 smem4[];
@@ -328,10 +366,8 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
     __syncthreads();
     const int nG = s_n;
     if (nG == 0) {
-      if (tid == 0) {
-        tile_flag[t] = 0;
-        s_next = nxt;
-      }
+      empty_tile_turn(d, col_turn + i2, t / d.p2, i2, dg2);
+      if (tid == 0) s_next = nxt;
       continue;
     }
     {
@@ -465,27 +501,18 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
       __syncthreads();
     }
     {
-      float4* dst = reinterpret_cast<float4*>(dG2p + (size_t)t * d.R1Q2R2);
-      for (int i = tid; i < d.r1 * NC4; i += kGT) dst[i] = reinterpret_cast<const float4*>(dG2s)[i];
+      const int kt = t / d.p2;
+      await_turn(col_turn + i2, kt);
+      float4* dst = reinterpret_cast<float4*>(dg2 + (size_t)i2 * d.R1Q2R2);
+      for (int i = tid; i < d.r1 * NC4; i += kGT) {
+        const float4 p = reinterpret_cast<const float4*>(dG2s)[i];
+        const float4 c = kt > 0 ? __ldcg(dst + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+        dst[i] = make_float4(c.x + p.x, c.y + p.y, c.z + p.z, c.w + p.w);
+      }
+      pass_turn(col_turn + i2, kt);
     }
-    if (tid == 0) {
-      tile_flag[t] = 1;
-      s_next = nxt;
-    }
+    if (tid == 0) s_next = nxt;
   }
-}
-
-__global__ void dg2_reduce_kernel(Dev d, int nT1, const int* __restrict__ flag,
-                                  const float* __restrict__ dG2p, float* __restrict__ dg2) {
-  const int i2 = blockIdx.y;
-  const int e = blockIdx.x * blockDim.x + threadIdx.x;
-  if (e >= d.R1Q2R2) return;
-  float acc = 0.f;
-  for (int k = 0; k < nT1; ++k) {
-    const int t = k * d.p2 + i2;
-    if (flag[t]) acc += dG2p[(size_t)t * d.R1Q2R2 + e];
-  }
-  dg2[(size_t)i2 * d.R1Q2R2 + e] = acc;
 }
 
 // dG1[i1] = sum over groups of i1 (i2 ascending) of the per-group partials.
@@ -558,7 +585,7 @@ int gemm_bwd_batch_groups(const Dev& d) {
 
 cudaError_t launch_rows_bwd_tiles(const Dev& d, const float* g1, const float* g2, const float* g3,
                                   const float* d_rows, const int* unique_ids,
-                                  const int* group_offsets, const int* counts, int n,
+                                  const int* group_offsets, const int* counts, int n, float* dg2,
                                   const BwdScratch& s, cudaStream_t stream) {
   const int sms = num_sms();
   cudaError_t err = cudaSuccess;
@@ -570,7 +597,7 @@ cudaError_t launch_rows_bwd_tiles(const Dev& d, const float* g1, const float* g2
           using S = decltype(shape);
           err = launch_persistent(rows_bwd_gemm_kernel<S::M, S::Q3>, geo.smem_bytes, stream, sms, d,
                                   geo, g1, g2, g3, d_rows, unique_ids, group_offsets, counts, n,
-                                  s.map, s.ctrl, s.tile_flag, s.Pbuf, s.dG1p, s.dG2p, s.slots);
+                                  s.map, s.ctrl, s.col_turn(), s.Pbuf, s.dG1p, dg2, s.slots);
         },
         d.M, d.q3);
     return err;
@@ -580,17 +607,11 @@ cudaError_t launch_rows_bwd_tiles(const Dev& d, const float* g1, const float* g2
     using S = decltype(shape);
     err = launch_persistent(rows_bwd_tile_kernel<S::Q1, S::M, S::Q3, S::BB>, smem, stream, sms, d,
                             g1, g2, g3, d_rows, unique_ids, group_offsets, counts, n, s.map, s.ctrl,
-                            s.tile_flag, s.Pbuf, s.dPbuf, s.dG1p, s.dG2p, s.slots);
+                            s.col_turn(), s.Pbuf, s.dPbuf, s.dG1p, dg2, s.slots);
   };
   if (!WarpBwdShapes::dispatch(launch_warp, d.q1, d.M, d.q3, d.r2 > 32 ? 2 : 1))
     launch_warp(WarpBwdGeneric{});
   return err;
-}
-
-cudaError_t launch_dg2_reduce(const Dev& d, const BwdScratch& s, float* dg2, cudaStream_t stream) {
-  dim3 grid((d.R1Q2R2 + 255) / 256, d.p2);
-  dg2_reduce_kernel<<<grid, 256, 0, stream>>>(d, s.nT1, s.tile_flag, s.dG2p, dg2);
-  return cudaGetLastError();
 }
 
 cudaError_t launch_dg1_reduce(const Dev& d, const BwdScratch& s, const int* counts, int n,

@@ -34,13 +34,14 @@ BwdScratch bwd_layout(const Dev& d, int n, void* base) {
   s.nT1 = (d.p1 + kT1B - 1) / kT1B;
   s.nTiles = s.nT1 * d.p2;
   s.map = bp.take<int>((size_t)d.p1 * d.p2);
-  s.ctrl = bp.take<int>(1);
-  s.tile_flag = bp.take<int>(s.nTiles);
+  s.ctrl = bp.take<int>(1 + (size_t)d.p2);
   s.Pbuf = bp.take<float>((size_t)s.slots * d.PSZ);
-  // dP goes through global memory only in the warp tile kernel (not the GEMM one)
+  const size_t shared = bp.off;
+  // tile phase: dP goes through global memory only in the warp tile kernel (not the GEMM one)
   s.dPbuf = bp.take<float>(gemm_bwd_batch_groups(d) > 0 ? 0 : (size_t)s.slots * d.PSZ);
   s.dG1p = bp.take<float>((size_t)s.slots * d.Q1R1);
-  s.dG2p = bp.take<float>((size_t)s.nTiles * d.R1Q2R2);
+  const size_t tile_end = bp.off;
+  bp.off = shared;  // dG3 phase, after the dG1 reduction
   s.ug = bp.take<int>(n);
   s.keys_in = bp.take<int>(std::max(n, d.p3 + 1));
   s.keys_out = bp.take<int>(n);
@@ -49,7 +50,7 @@ BwdScratch bwd_layout(const Dev& d, int n, void* base) {
   s.dg3p = bp.take<float>((size_t)d.p3 * kS3 * d.r2 * d.q3);
   s.cub_bytes = dg3_sort_bytes(n);
   s.cub_tmp = bp.take<char>(s.cub_bytes + 16);
-  s.bytes = bp.off;
+  s.bytes = std::max(tile_end, bp.off);
   return s;
 }
 

@@ -44,18 +44,18 @@ FwdScratch fwd_layout(const Dev& d, int range, int passes, int buf_rows, void* b
 // rounded up to kCH.
 int bag_chunk(int n, long long chunk_rows);
 
-// Backward scratch: the prefix map, the tile counter and flags, per group slot
-// (min(n, p1*p2)) P (for dG3), dP (warp tile kernel only) and the dG1 partial, per
-// tile the dG2 partial, the dG3 pass's sort keys/values, group of each unique id and
-// per (i3, part) partials, and cub's sort storage.
+// Backward scratch: the prefix map; the tile counter and one turn per i2 column (zeroed
+// by one memset: ctrl[0], ctrl[1 + i2]); per group slot (min(n, p1*p2)) P (for dG3).
+// Then one region the two phases share: the tile phase's dP (warp tile kernel only) and
+// dG1 partials per group slot, and after the dG1 reduction the dG3 pass's sort
+// keys/values, group of each unique id, per (i3, part) partials and cub's sort storage.
+// (The tile kernel adds each tile's dG2 partial into dG2 itself: no buffer.)
 struct BwdScratch {
   int* map;
   int* ctrl;
-  int* tile_flag;
   float* Pbuf;
   float* dPbuf;
   float* dG1p;
-  float* dG2p;
   int* ug;
   int* keys_in;
   int* keys_out;
@@ -68,6 +68,8 @@ struct BwdScratch {
   int slots;
   int nT1;
   int nTiles;
+  int* col_turn() const { return ctrl + 1; }
+  size_t ctrl_bytes(const Dev& d) const { return sizeof(int) * (1 + (size_t)d.p2); }
 };
 BwdScratch bwd_layout(const Dev& d, int n, void* base);
 

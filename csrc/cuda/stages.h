@@ -33,14 +33,12 @@ size_t bwd_smem(const Dev& d);
 // Groups per batch of the backward GEMM tile kernel, 0 when it does not take these
 // dims (then the warp tile kernel runs and the dG3 pass is not blocked).
 int gemm_bwd_batch_groups(const Dev& d);
-// Tile kernel: P of every group (s.Pbuf), its dG1 partial (s.dG1p), each tile's dG2
-// partial (s.dG2p, s.tile_flag).
+// Tile kernel: P of every group (s.Pbuf), its dG1 partial (s.dG1p), and dg2: each
+// tile's dG2 partial added in its column's turn (s.col_turn(), zeroed), i1 blocks in order.
 cudaError_t launch_rows_bwd_tiles(const Dev& d, const float* g1, const float* g2, const float* g3,
                                   const float* d_rows, const int* unique_ids,
-                                  const int* group_offsets, const int* counts, int n,
+                                  const int* group_offsets, const int* counts, int n, float* dg2,
                                   const BwdScratch& s, cudaStream_t stream);
-// dG2[i2] = sum of the tile partials, i1 blocks in order.
-cudaError_t launch_dg2_reduce(const Dev& d, const BwdScratch& s, float* dg2, cudaStream_t stream);
 // dG1[i1] = sum of the group partials of i1, i2 ascending.
 cudaError_t launch_dg1_reduce(const Dev& d, const BwdScratch& s, const int* counts, int n,
                               float* dg1, cudaStream_t stream);
