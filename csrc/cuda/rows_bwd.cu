@@ -298,49 +298,6 @@ __global__ void __launch_bounds__(kThreads)
 //     batches in order.
 // Every output element has one owner thread and a fixed summation order:
 // bitwise reproducible.
-// Ids per group up to which the GEMM backward's dP takes a thread per item (one id
-// list in order); longer groups take a warp per item.
-constexpr int kHotIds = 32;
-
-// acc[i][bb] += sum over u = u0, u0 + step, ... < ue of sum_q dRow_u[m0 + i][q] *
-// G3[i3_u][b0 + bb][q] (ids in that order, each term a chain of fmaf over q; the next id
-// loaded one step ahead).
-template <int MB2, int Q3>
-__device__ __forceinline__ void dP_item_terms(const Dev& d, const int* __restrict__ uids,
-                                              const float* __restrict__ d_rows,
-                                              const float* __restrict__ g3, int u0, int ue,
-                                              int step, int m0, int b0, float (&acc)[MB2][4]) {
-  int id_next = u0 < ue ? __ldg(uids + u0) : 0;
-  for (int u = u0; u < ue; u += step) {
-    const int id = id_next;
-    if (u + step < ue) id_next = __ldg(uids + u + step);
-    const float4* dr4 = reinterpret_cast<const float4*>(d_rows + (size_t)u * d.D + m0 * Q3);
-    const float4* g34 = reinterpret_cast<const float4*>(g3 + ((size_t)id3(d, id) * d.r2 + b0) * Q3);
-    float dr[MB2 * Q3], gv[4 * Q3];
-    ldg_float4s<MB2 * Q3 / 4>(dr4, dr);
-    ldg_float4s<Q3>(g34, gv);
-#pragma unroll
-    for (int i = 0; i < MB2; ++i)
-#pragma unroll
-      for (int bb = 0; bb < 4; ++bb) {
-        float a = acc[i][bb];
-#pragma unroll
-        for (int q = 0; q < Q3; ++q) a = fmaf(dr[i * Q3 + q], gv[bb * Q3 + q], a);
-        acc[i][bb] = a;
-      }
-  }
-}
-
-// One dP item (rows m0.., columns b0..b0+3) into the group's [M][r2] block.
-template <int MB2>
-__device__ __forceinline__ void store_dP_item(const Dev& d, float* dP, int m0, int b0,
-                                              const float (&acc)[MB2][4]) {
-#pragma unroll
-  for (int i = 0; i < MB2; ++i)
-    *reinterpret_cast<float4*>(dP + (m0 + i) * d.r2 + b0) =
-        make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-}
-
 struct BwdGeo {
   int GB, ldA, ldG2, PT, smem_bytes;
 };
@@ -444,36 +401,37 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
       {  // dP_k[m][b] = sum_u sum_q dRow_u[m][q] G3[i3_u][b][q]
         const int R24 = d.r2 / 4;
         const int IPG = NMB2 * R24;
-        // a group of at most kHotIds ids: a thread per item, its ids in order
         for (int it = tid; it < nB * IPG; it += kGT) {
           const int k = it / IPG, rest = it - k * IPG;
-          const int gs = s_gs[k0 + k], ge = s_ge[k0 + k];
-          if (ge - gs > kHotIds) continue;
           const int mb = rest / R24, b0 = 4 * (rest - mb * R24);
+          const int m0 = mb * MB2;
           float acc[MB2][4];
           zero_fill(acc);
-          dP_item_terms<MB2, Q3>(d, uids, d_rows, g3, gs, ge, 1, mb * MB2, b0, acc);
-          store_dP_item<MB2>(d, PD + k * geo.PT, mb * MB2, b0, acc);
-        }
-        // a longer group (a hot prefix): a warp per item, lane l its ids l, l + 32, ...,
-        // then a fixed xor tree over the lanes (the barrier waits for no long id list)
-        const int warp = tid >> 5, lane = tid & 31;
-        for (int it = warp; it < nB * IPG; it += kGT / 32) {
-          const int k = it / IPG, rest = it - k * IPG;
           const int gs = s_gs[k0 + k], ge = s_ge[k0 + k];
-          if (ge - gs <= kHotIds) continue;
-          const int mb = rest / R24, b0 = 4 * (rest - mb * R24);
-          float acc[MB2][4];
-          zero_fill(acc);
-          dP_item_terms<MB2, Q3>(d, uids, d_rows, g3, gs + lane, ge, 32, mb * MB2, b0, acc);
-#pragma unroll
-          for (int off = 16; off > 0; off >>= 1)
+          int id_next = gs < ge ? __ldg(uids + gs) : 0;  // one id ahead
+          for (int u = gs; u < ge; ++u) {
+            const int id = id_next;
+            if (u + 1 < ge) id_next = __ldg(uids + u + 1);
+            const float4* dr4 = reinterpret_cast<const float4*>(d_rows + (size_t)u * d.D + m0 * Q3);
+            const float4* g34 =
+                reinterpret_cast<const float4*>(g3 + ((size_t)id3(d, id) * d.r2 + b0) * Q3);
+            float dr[MB2 * Q3], gv[4 * Q3];
+            ldg_float4s<MB2 * Q3 / 4>(dr4, dr);
+            ldg_float4s<Q3>(g34, gv);
 #pragma unroll
             for (int i = 0; i < MB2; ++i)
 #pragma unroll
-              for (int bb = 0; bb < 4; ++bb)
-                acc[i][bb] += __shfl_xor_sync(0xffffffffu, acc[i][bb], off);
-          if (lane == 0) store_dP_item<MB2>(d, PD + k * geo.PT, mb * MB2, b0, acc);
+              for (int bb = 0; bb < 4; ++bb) {
+                float a = acc[i][bb];
+#pragma unroll
+                for (int q = 0; q < Q3; ++q) a = fmaf(dr[i * Q3 + q], gv[bb * Q3 + q], a);
+                acc[i][bb] = a;
+              }
+          }
+#pragma unroll
+          for (int i = 0; i < MB2; ++i)
+            *reinterpret_cast<float4*>(PD + k * geo.PT + (m0 + i) * d.r2 + b0) =
+                make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
         }
       }
       __syncthreads();
