@@ -162,6 +162,24 @@ def test_hot_prefix_groups(dim, rank, seeds):
     _check("sum", cores, ids, offsets, weights, cot)
 
 
+@pytest.mark.parametrize("dim,rank", [(32, 32), (128, 64)])
+def test_dg2_columns_with_empty_tiles(dim, rank, seeds):
+    """dG2[i2] is built across the i1 blocks of 32 (tiles) in order: columns whose first
+    tiles have no groups, columns with a gap between tiles and empty columns (p1 = 100: four
+    tiles per column)."""
+    p1, p2, p3 = 100, 20, 50
+    spec, cores, ids, offsets, weights, cot = _case(
+        seeds, "uniform", dim, rank, n=4000, num_bags=300, num_embeddings=p1 * p2 * p3, row_shape=(p1, p2, p3)
+    )
+    rng = np.random.default_rng(next(seeds))
+    i2 = rng.integers(0, p2 - 4, ids.shape[0])  # columns p2-4.. stay empty
+    late = rng.integers(70, p1, ids.shape[0])  # the last two tiles only
+    gap = rng.choice(np.array([3, 99]), ids.shape[0])  # the first and the last tile
+    i1 = np.where(i2 % 2 == 0, late, gap)
+    ids = ((i1 * p2 + i2) * p3 + rng.integers(0, p3, ids.shape[0])).astype(np.int32)
+    _check("sum", cores, ids, offsets, weights, cot)
+
+
 def test_tt_lookup_matches_reference(seeds):
     spec, cores, ids, offsets, weights, cot = _case(seeds, "zipf1.2", 64, 16)
     ids2 = ids.reshape(-1, 3)
