@@ -3,7 +3,7 @@
 //   tile kernel (i2 column x kT1B i1 values, G2[i2] in shared memory): per group P
 //     (kept for the dG3 pass), dP = sum_u dRow_u G3[i3_u]^T and the group's dG1
 //     partial dP.G2^T; then the tile's dG2 partial sum_k G1[i1_k]^T dP_k (groups in
-//     i1 order), added into dG2[i2] in its column's turn (dg2_add_in_turn): dG2[i2]
+//     i1 order), added into dG2[i2] in its column's turn (dg2_in_turn): dG2[i2]
 //     is the sum from 0.f of the column's tile partials, i1 blocks in order.
 //     rows_bwd_gemm_kernel is the fast path (shapes of the GEMM table in
 //     cuda/shape_dispatch.cuh), rows_bwd_tile_kernel (a warp per group) the fallback.
