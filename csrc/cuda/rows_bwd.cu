@@ -47,10 +47,14 @@ __device__ __forceinline__ void pass_turn(int* turn, int k) {
   __syncthreads();
   if (threadIdx.x == 0) atomicExch(turn, k + 1);
 }
-// dG2 element `at` plus part (tile k of its column, in its turn; an L2 load: another SM
+// dG2 element(s) `at` plus part (tile k of its column, in its turn; an L2 load: another SM
 // wrote it).
 __device__ __forceinline__ float dg2_in_turn(const float* at, int k, float part) {
   return (k > 0 ? __ldcg(at) : 0.f) + part;
+}
+__device__ __forceinline__ float4 dg2_in_turn(const float4* at, int k, float4 part) {
+  const float4 c = k > 0 ? __ldcg(at) : make_float4(0.f, 0.f, 0.f, 0.f);
+  return make_float4(c.x + part.x, c.y + part.y, c.z + part.z, c.w + part.w);
 }
 // An empty tile's turn: tile 0 of the column writes its zeros.
 __device__ __forceinline__ void empty_tile_turn(const Dev& d, int* turn, int k, int i2,
@@ -504,11 +508,8 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
       const int kt = t / d.p2;
       await_turn(col_turn + i2, kt);
       float4* dst = reinterpret_cast<float4*>(dg2 + (size_t)i2 * d.R1Q2R2);
-      for (int i = tid; i < d.r1 * NC4; i += kGT) {
-        const float4 p = reinterpret_cast<const float4*>(dG2s)[i];
-        const float4 c = kt > 0 ? __ldcg(dst + i) : make_float4(0.f, 0.f, 0.f, 0.f);
-        dst[i] = make_float4(c.x + p.x, c.y + p.y, c.z + p.z, c.w + p.w);
-      }
+      for (int i = tid; i < d.r1 * NC4; i += kGT)
+        dst[i] = dg2_in_turn(dst + i, kt, reinterpret_cast<const float4*>(dG2s)[i]);
       pass_turn(col_turn + i2, kt);
     }
     if (tid == 0) s_next = nxt;

@@ -31,8 +31,6 @@ BwdScratch bwd_layout(const Dev& d, int n, void* base) {
   Bump bp{static_cast<char*>(base)};
   BwdScratch s;
   s.slots = (int)std::min<long long>(n, (long long)d.p1 * d.p2);
-  s.nT1 = (d.p1 + kT1B - 1) / kT1B;
-  s.nTiles = s.nT1 * d.p2;
   s.map = bp.take<int>((size_t)d.p1 * d.p2);
   s.ctrl = bp.take<int>(1 + (size_t)d.p2);
   s.Pbuf = bp.take<float>((size_t)s.slots * d.PSZ);

@@ -66,8 +66,6 @@ struct BwdScratch {
   size_t cub_bytes;
   size_t bytes;
   int slots;
-  int nT1;
-  int nTiles;
   int* col_turn() const { return ctrl + 1; }
   size_t ctrl_bytes(const Dev& d) const { return sizeof(int) * (1 + (size_t)d.p2); }
 };
