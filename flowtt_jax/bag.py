@@ -24,6 +24,7 @@ then the out-of-range policy (``flowtt_jax.oob``) on its ids and weights.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -31,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from .oob import apply_oob, as_ids, park_dropped, saturate_int32
+from . import ffi
+from .oob import apply_oob, apply_table_oob, as_ids, park_dropped, saturate_int32
 
 __all__ = [
     "MODES",
@@ -40,7 +42,9 @@ __all__ = [
     "apply_bags_oob",
     "canonical_bags",
     "check_sizes",
+    "packed_bags",
     "prepare_bags",
+    "scale_by_modes",
 ]
 
 MODES = ("sum", "mean", "sqrtn")
@@ -234,3 +238,46 @@ def apply_bags_oob(
     if not others:
         return bags._replace(ids=parked, weights=w, keep=live)
     return (bags._replace(ids=parked[0], weights=w, keep=live), *parked[1:])
+
+
+def scale_by_modes(
+    weights: jax.Array, offsets: jax.Array, bag_ids: jax.Array, modes: Sequence[str], batch: int
+) -> jax.Array:
+    """Per-position ``weights`` times their bag's pooling scale: ``1/len`` (``"mean"``) or
+    ``1/sqrt(len)`` (``"sqrtn"``), bag b of the feature-major CSR ``offsets`` pooled by
+    ``modes[b // batch]``; ``weights`` as they are when every mode is ``"sum"``."""
+    if all(m == "sum" for m in modes):
+        return weights
+    lengths = jnp.maximum(jnp.diff(offsets), 1).astype(weights.dtype)
+    per_bag = np.repeat(np.asarray([MODES.index(m) for m in modes]), batch)
+    scale = jnp.where(per_bag == 1, 1.0 / lengths, jnp.where(per_bag == 2, jax.lax.rsqrt(lengths), 1.0))
+    return weights * scale[bag_ids]
+
+
+def packed_bags(
+    ids: jax.Array,
+    offsets: jax.Array,
+    weights: jax.Array | None,
+    feature_tables: Sequence[int],
+    num_rows: jax.Array,
+    oob: str,
+    *,
+    kernel: bool,
+) -> tuple[CanonicalBags, jax.Array]:
+    """A packed feature-major batch (ids [n], n >= 1, offsets [F*B + 1], optional weights)
+    as ``(CanonicalBags, tables [n] int32)``: each position's bag and its feature's table,
+    the ``oob`` policy against that table's ``num_rows``, weights 0 and ids parked where a
+    position is dropped (``apply_bags_oob``). ``kernel``: one ``flowtt_tb_bags`` call for
+    ``"clip"`` / ``"zero"`` (``"error"`` takes the jax.numpy path, for its checks), the
+    same values as the jax.numpy path, its oracle."""
+    batch = (np.shape(offsets)[0] - 1) // len(feature_tables)
+    bags = canonical_bags(ids, offsets=offsets, weights=weights, mode="sum", check_offsets=oob == "error")
+    if kernel and oob != "error":
+        flat, tables, live, bag_ids = ffi.tb_bags(
+            saturate_int32(bags.ids), bags.offsets, feature_tables, num_rows, batch, oob == "clip"
+        )
+        w = live if weights is None else jnp.where(live != 0, bags.weights, 0.0)
+        return bags._replace(ids=flat, weights=w, bag_ids=bag_ids, keep=live != 0), tables
+    tables = jnp.asarray(feature_tables, jnp.int32)[bags.bag_ids // batch]
+    flat, valid = apply_table_oob(bags.ids, tables, num_rows, oob)
+    return apply_bags_oob(bags, flat, valid, tables)  # dropped positions add no rows

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import ffi, reference
-from .bag import CanonicalBags, apply_bags_oob, bag_of_positions, canonical_bags, check_sizes
-from .batched import choose_impl, pooled_group, scale_by_modes
+from .bag import CanonicalBags, apply_bags_oob, bag_of_positions, canonical_bags, check_sizes, scale_by_modes
+from .batched import choose_impl, pooled_group
 from .batched_plan import GroupLayout
 from .collection import TableConfig, bag_kwargs, check_tables
 from .cores import resolve_init, to_dense

@@ -272,7 +272,7 @@ def tb_bags(
 
     ``ids`` [n] int32 (n >= 1), ``offsets`` [F*batch + 1] a valid CSR over them,
     ``feature_tables`` [F] and ``num_rows`` [T] int32; ``batch`` (static) bags per feature;
-    ``clip`` (static): the ``"clip"`` policy, else ``"zero"``. Equal to ``batched.packed_bags``'
+    ``clip`` (static): the ``"clip"`` policy, else ``"zero"``. Equal to ``bag.packed_bags``'
     jax.numpy path: bag of each position (clipped to the bags), its feature's table, its id
     clipped into the table (``"zero"``: 0 where out of range), live where the position is in
     a bag (and, under ``"zero"``, in range), dropped positions parked on the first live one.

@@ -31,9 +31,10 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import ffi, reference
-from .bag import check_sizes, prepare_bags
+from .bag import MODES, CanonicalBags, check_sizes, packed_bags, prepare_bags, scale_by_modes
 from .oob import apply_oob, as_ids, park_dropped
 from .spec import TTSpec, as_cores
 
@@ -128,6 +129,29 @@ def _bag(cores, ids, offsets, bag_ids, weights, weighted, num_bags, impl, dtype)
     return out.astype(dtype)
 
 
+def _kernel_bags_apply(ids, offsets, segment_ids, mask, n_rows: int, oob: str) -> bool:
+    """Whether the kernels prepare the bags (``_kernel_bags``): the CSR form with at least
+    one id and one bag, an int32 row count, and a policy other than ``"error"`` (whose
+    checks are the jax.numpy path's)."""
+    if offsets is None or segment_ids is not None or mask is not None or oob == "error":
+        return False
+    shape_n, shape_b = np.shape(ids), np.shape(offsets)
+    return len(shape_n) == 1 and shape_n[0] >= 1 and len(shape_b) == 1 and shape_b[0] >= 2 and n_rows < 2**31
+
+
+def _kernel_bags(ids, offsets, weights, mode: str, n_rows: int, oob: str) -> CanonicalBags:
+    """``prepare_bags``' CSR form by one ``flowtt_tb_bags`` call (one feature of one table:
+    each position's bag, the ``oob`` policy, dropped positions parked) and the mode's
+    scale: the same values, without the bag index's scatter and scan, the clip and the
+    parking as separate XLA kernels."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    num_rows = jnp.asarray([n_rows], jnp.int32)
+    bags, _ = packed_bags(as_ids(ids, oob), offsets, weights, (0,), num_rows, oob, kernel=True)
+    w = scale_by_modes(bags.weights, bags.offsets, bags.bag_ids, (mode,), bags.offsets.shape[0] - 1)
+    return bags._replace(weights=w)
+
+
 def tt_embedding_bag(
     cores: Sequence[jax.Array],
     ids: jax.Array,
@@ -168,8 +192,11 @@ def tt_embedding_bag(
     cores = as_cores(cores)
     impl = choose_impl(impl, cores)
     n_rows = TTSpec.from_cores(cores, num_embeddings).num_embeddings
-    form = dict(offsets=offsets, segment_ids=segment_ids, num_bags=num_bags, mask=mask, weights=weights)
-    bags = prepare_bags(ids, num_embeddings=n_rows, oob=oob, mode=mode, **form)
+    if impl == "ffi" and _kernel_bags_apply(ids, offsets, segment_ids, mask, n_rows, oob):
+        bags = _kernel_bags(ids, offsets, weights, mode, n_rows, oob)
+    else:
+        form = dict(offsets=offsets, segment_ids=segment_ids, num_bags=num_bags, mask=mask, weights=weights)
+        bags = prepare_bags(ids, num_embeddings=n_rows, oob=oob, mode=mode, **form)
     return _bag(
         cores,
         bags.ids,

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from .bag import canonical_bags
-from .batched import choose_impl, feature_modes, pooled_group, scale_by_modes, tt_embedding_bag_group
+from .bag import canonical_bags, scale_by_modes
+from .batched import choose_impl, feature_modes, pooled_group, tt_embedding_bag_group
 from .batched_plan import GroupLayout
 from .oob import OOB_POLICIES, apply_table_oob, host_ids
 from .sharding_placement import TableWisePlacement

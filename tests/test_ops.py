@@ -188,22 +188,27 @@ ROWS_OPS = {"flowtt_tt_rows_fwd", "flowtt_bag_pool_fwd", "flowtt_bag_pool_bwd", 
 
 
 def test_default_impl_is_ffi_and_jits_without_host_callbacks():
-    """The forward alone is flowtt_plan + flowtt_bag_fwd (no [n, D] rows); a gradient goes
-    through the custom_vjp forward (rows_fwd + pool_fwd, rows kept) and backward."""
+    """The forward alone is flowtt_plan + flowtt_bag_fwd (no [n, D] rows), after
+    flowtt_tb_bags for CSR bags; a gradient goes through the custom_vjp forward (rows_fwd +
+    pool_fwd, rows kept) and backward."""
     spec = SPECS["d32r16"]
     cores = make_cores(spec, seed=1)
     ids = jnp.asarray(make_ids("zipf1.05", 300, spec.num_embeddings, seed=1))
     offsets = jnp.asarray(random_offsets(30, 300, seed=1))
     fwd = jax.jit(lambda c, i, o: ftt.tt_embedding_bag(c, i, offsets=o))
     lookup = jax.jit(lambda c, i: ftt.tt_lookup(c, i.reshape(30, 10)))
-    for lowered in (fwd.lower(cores, ids, offsets), lookup.lower(cores, ids)):
-        assert custom_call_targets(lowered.as_text()) == {"flowtt_plan", "flowtt_bag_fwd"}
+    bags = {"flowtt_tb_bags"}
+    for lowered, prep in ((fwd.lower(cores, ids, offsets), bags), (lookup.lower(cores, ids), set())):
+        assert custom_call_targets(lowered.as_text()) == {"flowtt_plan", "flowtt_bag_fwd"} | prep
         assert_no_host_callback(lowered.compile().as_text())
-    for f in (lambda c, i, o: ftt.tt_embedding_bag(c, i, offsets=o), lambda c, i, o: ftt.tt_lookup(c, i)):
+    for f, prep in (
+        (lambda c, i, o: ftt.tt_embedding_bag(c, i, offsets=o), bags),
+        (lambda c, i, o: ftt.tt_lookup(c, i), set()),
+    ):
         # traced right away, within this iteration
         train = jax.jit(jax.value_and_grad(lambda c, i, o: jnp.sum(f(c, i, o) ** 2)))  # noqa: B023
         lowered = train.lower(cores, ids, offsets)
-        assert custom_call_targets(lowered.as_text()) == {"flowtt_plan"} | ROWS_OPS
+        assert custom_call_targets(lowered.as_text()) == {"flowtt_plan"} | ROWS_OPS | prep
         assert_no_host_callback(lowered.compile().as_text())
     assert rel_err(fwd(cores, ids, offsets), bag_f64(cores, ids, offsets=offsets)) < 1e-5
     assert rel_err(lookup(cores, ids), dense_of(cores, spec.num_embeddings)[ids].reshape(30, 10, 32)) < 1e-5

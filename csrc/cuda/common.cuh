@@ -137,6 +137,12 @@ __device__ __forceinline__ void group_ids(const int* __restrict__ goffs, int g, 
   ge = clampi(goffs[g + 1], gs, U);
 }
 
+// The prefix map's group of prefix (i1, i2): map holds group + 1, 0 where the plan has
+// none (so one memset of 0 clears it with the work counters after it), here -1.
+__device__ __forceinline__ int map_group(const int* __restrict__ map, int p2, int i1, int i2) {
+  return map[i1 * p2 + i2] - 1;
+}
+
 // Tile t of the prefix grid (i2 = t % p2, i1 from i1b = (t / p2) * T1): the prefix map's
 // group of prefix (i1b + threadIdx.x, i2) when this thread is one of the tile's T1 and that
 // prefix exists and `keep(group)` holds, else -1.
@@ -147,7 +153,7 @@ __device__ __forceinline__ int tile_prefix_group(const Dims& d, const int* __res
   i1b = (t / d.p2) * T1;
   const int i1 = i1b + (int)threadIdx.x;
   if (threadIdx.x >= T1 || i1 >= d.p1) return -1;
-  const int g = map[i1 * d.p2 + i2];
+  const int g = map_group(map, d.p2, i1, i2);
   return g >= 0 && keep(g) ? g : -1;
 }
 

@@ -33,7 +33,7 @@ __global__ void dg3_keys_kernel(Dev d, const int* __restrict__ uids, const int* 
       int i1, i2, i3;
       split_id(d, uids[u], i1, i2, i3);
       k = i3;
-      ug[u] = map[i1 * d.p2 + i2];
+      ug[u] = map_group(map, d.p2, i1, i2);
     }
     keys[u] = k;
     vals[u] = u;

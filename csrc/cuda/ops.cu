@@ -12,10 +12,11 @@
 namespace flowtt {
 namespace {
 
-// The prefix map and the zeroed work counters of every pass, for the forward passes.
+// The prefix map and the zeroed work counters of every pass, for the forward passes (map
+// and counters are adjacent: one memset).
 cudaError_t prepare_fwd(const Dev& d, const int* unique_ids, const int* group_offsets,
                         const int* counts, int n, const FwdScratch& s, cudaStream_t stream) {
-  cudaError_t err = cudaMemsetAsync(s.ctrl, 0, s.ctrl_bytes(), stream);
+  cudaError_t err = cudaMemsetAsync(s.map, 0, s.zeroed_bytes(), stream);
   if (err != cudaSuccess) return err;
   return launch_build_map(d, unique_ids, group_offsets, counts, n, s.map, stream);
 }
@@ -82,7 +83,7 @@ cudaError_t rows_bwd(const TTDims& t, const float* g1, const float* g2, const fl
   const Dev d = make_dev(t);
   const BwdScratch s = bwd_layout(d, n, scratch);
   cudaError_t err;
-  if ((err = cudaMemsetAsync(s.ctrl, 0, s.ctrl_bytes(d), stream)) != cudaSuccess) return err;
+  if ((err = cudaMemsetAsync(s.map, 0, s.zeroed_bytes(d), stream)) != cudaSuccess) return err;
   if ((err = launch_build_map(d, unique_ids, group_offsets, counts, n, s.map, stream)) !=
       cudaSuccess)
     return err;

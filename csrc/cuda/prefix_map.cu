@@ -1,7 +1,7 @@
-// The dense prefix map of the rows kernels: map[i1*p2 + i2] = the prefix group of
-// (i1, i2), -1 where the plan has none. The forward and backward tile kernels find a
-// tile's groups through it, the chunk phase and the dG1 / dG3 passes a unique id's
-// group.
+// The dense prefix map of the rows kernels: map[i1*p2 + i2] = 1 + the prefix group of
+// (i1, i2), 0 where the plan has none (the caller zeroes the map, with its work counters,
+// in one memset; map_group in cuda/common.cuh reads it). The forward and backward tile kernels find
+// a tile's groups through it, the chunk phase and the dG1 / dG3 passes a unique id's group.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,7 +21,7 @@ __global__ void build_map_kernel(Dev d, const int* __restrict__ uids, const int*
     const int gs = clampi(goffs[g], 0, n - 1);
     int i1, i2, i3;
     split_id(d, uids[gs], i1, i2, i3);
-    map[i1 * d.p2 + i2] = g;
+    map[i1 * d.p2 + i2] = g + 1;
   }
 }
 
@@ -29,8 +29,6 @@ __global__ void build_map_kernel(Dev d, const int* __restrict__ uids, const int*
 
 cudaError_t launch_build_map(const Dev& d, const int* unique_ids, const int* group_offsets,
                              const int* counts, int n, int* map, cudaStream_t stream) {
-  cudaError_t err = cudaMemsetAsync(map, 0xFF, sizeof(int) * (size_t)d.p1 * d.p2, stream);
-  if (err != cudaSuccess) return err;
   const int blocks = std::max(1, std::min((n + 255) / 256, num_sms() * 8));
   build_map_kernel<<<blocks, 256, 0, stream>>>(d, unique_ids, group_offsets, counts, n, map);
   return cudaGetLastError();

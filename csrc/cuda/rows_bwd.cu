@@ -531,7 +531,7 @@ __global__ void dg1_reduce_kernel(Dev d, const int* __restrict__ map,
     int base = 0;
     for (int c = 0; c < d.p2; c += 32) {
       const int i2 = c + lane;
-      const int g = (i2 < d.p2) ? map[i1 * d.p2 + i2] : -1;
+      const int g = (i2 < d.p2) ? map_group(map, d.p2, i1, i2) : -1;
       const bool v = g >= 0 && g < G && g < slots;
       const unsigned bal = __ballot_sync(0xffffffffu, v);
       if (v) s_list[base + __popc(bal & ((1u << lane) - 1u))] = g;

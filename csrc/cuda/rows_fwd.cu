@@ -124,7 +124,7 @@ __device__ __forceinline__ int claim_chunk_tail(const Dev& d, int* counter, int 
   const int u0 = c * kCH, u1 = min(u0 + kCH, end);
   int i1, i2, i3;  // the group holding u0, through the prefix map
   split_id(d, uids[u0], i1, i2, i3);
-  const int g = map[i1 * d.p2 + i2];
+  const int g = map_group(map, d.p2, i1, i2);
   if (g < 0 || g >= G) return 0;
   int gs, ge;
   group_ids(goffs, g, U, gs, ge);

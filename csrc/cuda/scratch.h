@@ -24,8 +24,8 @@ struct Bump {
 
 // Forward scratch for `passes` passes over unique ranges of `range` rows (one
 // pass of n rows for flowtt_tt_rows_fwd, one per chunk for flowtt_bag_fwd):
-// the prefix map, per pass two work counters and the checkpoint flags (zeroed by
-// one memset), one checkpoint buffer, plus `buf_rows` rows of D floats (the fused
+// the prefix map, per pass two work counters and the checkpoint flags (all three zeroed
+// by one memset), one checkpoint buffer, plus `buf_rows` rows of D floats (the fused
 // forward's rows buffer; 0 otherwise).
 struct FwdScratch {
   int* map;
@@ -36,7 +36,8 @@ struct FwdScratch {
   int nslots;
   int passes;
   int* pass_ctrl(int p) const { return ctrl + (size_t)p * (2 + nslots); }  // flags at +2
-  size_t ctrl_bytes() const { return sizeof(int) * (size_t)passes * (2 + nslots); }
+  // map through the last counter: what the one memset zeroes
+  size_t zeroed_bytes() const { return (char*)(ctrl + (size_t)passes * (2 + nslots)) - (char*)map; }
 };
 FwdScratch fwd_layout(const Dev& d, int range, int passes, int buf_rows, void* base);
 
@@ -44,8 +45,8 @@ FwdScratch fwd_layout(const Dev& d, int range, int passes, int buf_rows, void* b
 // rounded up to kCH.
 int bag_chunk(int n, long long chunk_rows);
 
-// Backward scratch: the prefix map; the tile counter and one turn per i2 column (zeroed
-// by one memset: ctrl[0], ctrl[1 + i2]); per group slot (min(n, p1*p2)) P (for dG3).
+// Backward scratch: the prefix map, the tile counter and one turn per i2 column (zeroed
+// by one memset: map, ctrl[0], ctrl[1 + i2]); per group slot (min(n, p1*p2)) P (for dG3).
 // Then one region the two phases share: the tile phase's dP (warp tile kernel only) and
 // dG1 partials per group slot, and after the dG1 reduction the dG3 pass's sort
 // keys/values, group of each unique id, per (i3, part) partials and cub's sort storage.
@@ -67,7 +68,8 @@ struct BwdScratch {
   size_t bytes;
   int slots;
   int* col_turn() const { return ctrl + 1; }
-  size_t ctrl_bytes(const Dev& d) const { return sizeof(int) * (1 + (size_t)d.p2); }
+  // map through the last turn: what the one memset zeroes
+  size_t zeroed_bytes(const Dev& d) const { return (char*)(ctrl + 1 + (size_t)d.p2) - (char*)map; }
 };
 BwdScratch bwd_layout(const Dev& d, int n, void* base);
 

@@ -13,7 +13,8 @@
 namespace flowtt {
 
 // ---- cuda/prefix_map.cu ----
-// map[i1*p2 + i2] = the prefix group of (i1, i2), -1 where none (map: p1*p2 ints).
+// map[i1*p2 + i2] = 1 + the prefix group of (i1, i2) (map: p1*p2 ints, zeroed by the
+// caller; 0 stays where the plan has no group; read by map_group).
 cudaError_t launch_build_map(const Dev& d, const int* unique_ids, const int* group_offsets,
                              const int* counts, int n, int* map, cudaStream_t stream);
 
