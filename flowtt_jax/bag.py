@@ -268,16 +268,21 @@ def packed_bags(
     as ``(CanonicalBags, tables [n] int32)``: each position's bag and its feature's table,
     the ``oob`` policy against that table's ``num_rows``, weights 0 and ids parked where a
     position is dropped (``apply_bags_oob``). ``kernel``: one ``flowtt_tb_bags`` call for
-    ``"clip"`` / ``"zero"`` (``"error"`` takes the jax.numpy path, for its checks), the
-    same values as the jax.numpy path, its oracle."""
+    ``"clip"`` / ``"zero"`` (the valid CSR too; ``"error"`` takes the jax.numpy path, for its
+    checks), the same values as the jax.numpy path, its oracle."""
     batch = (np.shape(offsets)[0] - 1) // len(feature_tables)
     bags = canonical_bags(ids, offsets=offsets, weights=weights, mode="sum", check_offsets=oob == "error")
     if kernel and oob != "error":
-        flat, tables, live, bag_ids = ffi.tb_bags(
-            saturate_int32(bags.ids), bags.offsets, feature_tables, num_rows, batch, oob == "clip"
+        raw = saturate_int32(jnp.asarray(offsets))  # concrete ones passed canonical_bags' check
+        flat, tables, live, bag_ids, csr = ffi.tb_bags(
+            saturate_int32(bags.ids), raw, feature_tables, num_rows, batch, oob == "clip"
         )
-        w = live if weights is None else jnp.where(live != 0, bags.weights, 0.0)
-        return bags._replace(ids=flat, weights=w, bag_ids=bag_ids, keep=live != 0), tables
+        # live positions are kept ones: the user weights where live (canonical_bags' own
+        # weights would keep XLA's running maximum of the offsets alive)
+        w = live
+        if weights is not None:
+            w = jnp.where(live != 0, jnp.asarray(weights).astype(bags.weights.dtype), 0.0)
+        return bags._replace(ids=flat, weights=w, offsets=csr, bag_ids=bag_ids, keep=live != 0), tables
     tables = jnp.asarray(feature_tables, jnp.int32)[bags.bag_ids // batch]
     flat, valid = apply_table_oob(bags.ids, tables, num_rows, oob)
     return apply_bags_oob(bags, flat, valid, tables)  # dropped positions add no rows

@@ -266,14 +266,16 @@ def tb_plan(
 
 def tb_bags(
     ids: jax.Array, offsets: jax.Array, feature_tables: jax.Array, num_rows: jax.Array, batch: int, clip: bool
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """The positions of a packed feature-major batch as target ``flowtt_tb_bags`` prepares
-    them: ``(ids, tables, live, bag_ids)``, each [n] (``live`` float32 1/0, the others int32).
+    them: ``(ids, tables, live, bag_ids, csr)``, the first four [n] (``live`` float32 1/0,
+    the others int32), ``csr`` [F*batch + 1] int32.
 
-    ``ids`` [n] int32 (n >= 1), ``offsets`` [F*batch + 1] a valid CSR over them,
+    ``ids`` [n] int32 (n >= 1), ``offsets`` [F*batch + 1] int32 of any values,
     ``feature_tables`` [F] and ``num_rows`` [T] int32; ``batch`` (static) bags per feature;
     ``clip`` (static): the ``"clip"`` policy, else ``"zero"``. Equal to ``bag.packed_bags``'
-    jax.numpy path: bag of each position (clipped to the bags), its feature's table, its id
+    jax.numpy path: the valid CSR (``offsets`` clamped into [0, n], then their running
+    maximum), bag of each position in it (clipped to the bags), its feature's table, its id
     clipped into the table (``"zero"``: 0 where out of range), live where the position is in
     a bag (and, under ``"zero"``, in range), dropped positions parked on the first live one.
     """
@@ -282,6 +284,7 @@ def tb_bags(
         *(jax.ShapeDtypeStruct((n,), jnp.int32) for _ in range(2)),
         _f32((n,)),
         jax.ShapeDtypeStruct((n,), jnp.int32),
+        jax.ShapeDtypeStruct(offsets.shape, jnp.int32),
     )
     return tuple(
         _call(

@@ -4,10 +4,10 @@ dropped positions parked) bit for bit.
 
 Runs on the CPU, and on the GPU (marked ``gpu``). The raw target's outputs are aliased to
 buffers filled with -7 / NaN (trailing operands, ignored by the handler), so an element the
-op does not write fails. Batches span several of the kernel's 4096-position blocks, with
+op does not write fails. Batches span several of the kernel's 1024-position blocks, with
 empty features and bags, one hot bag, runs of thousands of empty bags, ids out of range on
-both sides and at each table's last row, positions outside every bag (traced offsets) and
-batches with nothing live.
+both sides and at each table's last row, positions outside every bag (traced offsets),
+offsets out of order and out of range, and batches with nothing live.
 """
 
 import jax
@@ -50,9 +50,14 @@ def draw(seed: int, batch: int, mean_length: float, empty=(2,), hot: bool = Fals
     return ids, offsets, weights
 
 
+def bags_outs(n: int, num_offsets: int) -> list:
+    i32 = [jax.ShapeDtypeStruct((n,), jnp.int32)] * 2
+    return i32 + [f32((n,)), i32[0], jax.ShapeDtypeStruct((num_offsets,), jnp.int32)]
+
+
 def raw_tb_bags(device, ids, offsets, batch: int, clip: bool):
     n = ids.shape[0]
-    outs = [jax.ShapeDtypeStruct((n,), jnp.int32)] * 2 + [f32((n,)), jax.ShapeDtypeStruct((n,), jnp.int32)]
+    outs = bags_outs(n, offsets.shape[0])
     return poisoned_call(
         "flowtt_tb_bags",
         outs,
@@ -78,8 +83,8 @@ def expected(ids, offsets, weights, oob: str):
 def check(device, ids, offsets, weights, oob: str) -> None:
     batch = (len(offsets) - 1) // len(FEATURE_TABLES)
     want, want_tables = expected(ids, offsets, weights, oob)
-    clamped = np.asarray(want.offsets)  # the op takes a valid CSR, as packed_bags gives it
-    got_ids, got_tables, live, bag_ids = raw_tb_bags(device, ids, clamped, batch, oob == "clip")
+    got_ids, got_tables, live, bag_ids, csr = raw_tb_bags(device, ids, offsets, batch, oob == "clip")
+    assert np.array_equal(np.asarray(csr), np.asarray(want.offsets))  # clamped, non-decreasing
     assert np.array_equal(np.asarray(got_ids), np.asarray(want.ids))
     assert np.array_equal(np.asarray(got_tables), np.asarray(want_tables))
     assert np.array_equal(np.asarray(bag_ids), np.asarray(want.bag_ids))
@@ -92,6 +97,7 @@ def check(device, ids, offsets, weights, oob: str) -> None:
         )(ids, offsets, weights)
     assert np.asarray(got.weights).tobytes() == np.asarray(want.weights).tobytes()
     assert np.array_equal(np.asarray(got.ids), np.asarray(want.ids))
+    assert np.array_equal(np.asarray(got.offsets), np.asarray(want.offsets))
     assert np.array_equal(np.asarray(tables), np.asarray(want_tables))
 
 
@@ -124,6 +130,21 @@ def test_positions_outside_every_bag_are_dropped(device, oob):
 
 
 @device_param
+@pytest.mark.parametrize("oob", ["zero", "clip"])
+def test_offsets_out_of_order_and_range_give_the_clamped_running_maximum(device, oob):
+    """Traced offsets that go down, below 0 and past n (over several of the scan's tiles):
+    the op's CSR is their clamp into [0, n] made non-decreasing, the bags follow it."""
+    ids, offsets, weights = draw(seed=8, batch=2000, mean_length=2.0)
+    n = ids.shape[0]
+    rng = np.random.default_rng(8)
+    bad = offsets.astype(np.int64) + rng.integers(-40, 40, offsets.shape[0])
+    bad[rng.random(offsets.shape[0]) < 0.01] = -5
+    bad[rng.random(offsets.shape[0]) < 0.01] = n + 9
+    bad[:3] = (-3, 7, 2)
+    check(device, ids, bad.astype(np.int32), weights, oob)
+
+
+@device_param
 def test_nothing_live_and_one_id(device):
     """Every id out of range under "zero" (every position parked on position 0's, every
     weight 0), and a batch of one id at a table's last row."""
@@ -142,7 +163,7 @@ def test_bad_arguments_are_named(device):
     with pytest.raises(Exception, match="offsets \\[F \\* batch \\+ 1\\]"):
         jax.block_until_ready(raw_tb_bags(device, ids, offsets, batch=3, clip=False))
     n = ids.shape[0] // 2 * 2
-    outs = [jax.ShapeDtypeStruct((n,), jnp.int32)] * 2 + [f32((n,)), jax.ShapeDtypeStruct((n,), jnp.int32)]
+    outs = bags_outs(n, offsets.shape[0])
     with pytest.raises(Exception, match="must be 1-D"):
         two_d = ids[:n].reshape(2, -1)
         tables = np.asarray(FEATURE_TABLES, np.int32)

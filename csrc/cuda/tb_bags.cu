@@ -1,9 +1,15 @@
-// flowtt_tb_bags (common/tb_bags.h). Pass 1: a block per span of kSpan positions finds the
-// span's bag range (two binary searches of the offsets), then each position's bag in that
-// range, and writes its bag, table, id and live flag; the first live position is an
-// atomicMin (an order-free, so deterministic, minimum). Pass 2 parks the dropped positions
-// on it.
+// flowtt_tb_bags (common/tb_bags.h). Pass 0: a cub inclusive max-scan of the clamped offsets
+// writes the valid CSR (its writer also resets the first live position). Pass 1: a block per
+// span of kSpan positions finds the span's bag range (two binary searches of the CSR), then
+// each position's bag in that range, and writes its bag, table, id and live flag; the first
+// live position is an atomicMin (an order-free, so deterministic, minimum). Pass 2 parks the
+// dropped positions on it.
 #include "cuda/tb_bags.h"
+
+#include <thrust/iterator/counting_iterator.h>
+#include <thrust/iterator/tabulate_output_iterator.h>
+#include <thrust/iterator/transform_iterator.h>
+#include <cub/cub.cuh>
 
 #include <climits>
 #include <cstdint>
@@ -12,18 +18,52 @@ namespace flowtt::tb {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kPerThread = 16;
+constexpr int kPerThread = 4;
 constexpr int kBatch = 4;  // positions searched together
 constexpr int64_t kSpan = int64_t{kThreads} * kPerThread;
+constexpr size_t kAlign = 256;
+
+// offsets[k] clamped into [0, n] (the scan's input).
+struct ClampedOffset {
+  const int32_t* offsets;
+  int64_t n;
+  __device__ int32_t operator()(int k) const { return TbCsrClamp(offsets[k], n); }
+};
+
+// The scan's output: csr[k] = the running maximum; at k = 0 also the reset of `first`.
+struct CsrWriter {
+  int32_t* csr;
+  unsigned* first;
+  __device__ void operator()(ptrdiff_t k, int32_t m) const {
+    csr[k] = m;
+    if (k == 0) *first = UINT_MAX;
+  }
+};
+
+struct Max {
+  __device__ int32_t operator()(int32_t a, int32_t b) const { return a > b ? a : b; }
+};
+
+using OffsetIter = thrust::transform_iterator<ClampedOffset, thrust::counting_iterator<int>>;
+
+// The scan over num_bags + 1 offsets (tmp null: its bytes only).
+cudaError_t csr_scan(void* tmp, size_t& bytes, const int32_t* offsets, int64_t n, int64_t num_bags,
+                     int32_t* csr, unsigned* first, cudaStream_t stream) {
+  return cub::DeviceScan::InclusiveScan(
+      tmp, bytes, OffsetIter(thrust::counting_iterator<int>(0), ClampedOffset{offsets, n}),
+      thrust::tabulate_output_iterator<CsrWriter>(CsrWriter{csr, first}), Max{},
+      (int)(num_bags + 1), stream);
+}
 
 __global__ void __launch_bounds__(kThreads)
     tb_bags_kernel(const TbBagsIn a, const TbBagsOut o, unsigned* first) {
   __shared__ int64_t range[2];
   __shared__ unsigned block_first;
+  const int32_t* csr = o.offsets;
   const int64_t p0 = (int64_t)blockIdx.x * kSpan;
   const int64_t p1 = (p0 + kSpan < a.n ? p0 + kSpan : a.n) - 1;
   if (threadIdx.x < 2) {
-    range[threadIdx.x] = TbUpperBound(a.offsets, 0, a.num_bags + 1, threadIdx.x ? p1 : p0);
+    range[threadIdx.x] = TbUpperBound(csr, 0, a.num_bags + 1, threadIdx.x ? p1 : p0);
   }
   if (threadIdx.x == 0) block_first = UINT_MAX;
   __syncthreads();
@@ -44,13 +84,13 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t half = m / 2;
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        if (a.offsets[base[j] + half] <= p[j]) base[j] += half;
+        if (csr[base[j] + half] <= p[j]) base[j] += half;
       }
       m -= half;
     }
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
-      if (len > 0 && a.offsets[base[j]] <= p[j]) ++base[j];
+      if (len > 0 && csr[base[j]] <= p[j]) ++base[j];
       if (p[j] <= p1 && TbBagsPosition(a, p[j], base[j], o) && mine == UINT_MAX) {
         mine = (unsigned)p[j];
       }
@@ -77,10 +117,23 @@ __global__ void tb_bags_park_kernel(const TbBagsIn a, const TbBagsOut o, const u
 
 }  // namespace
 
+cudaError_t tb_bags_scratch_bytes(int64_t num_bags, size_t* bytes) {
+  size_t scan = 0;
+  cudaError_t e = csr_scan(nullptr, scan, nullptr, 0, num_bags, nullptr, nullptr, nullptr);
+  *bytes = 2 * kAlign + scan;  // first, then the scan's storage at a 256-byte boundary
+  return e;
+}
+
 cudaError_t tb_bags(const TbBagsIn& in, const TbBagsOut& out, void* scratch, cudaStream_t stream) {
-  unsigned* first = static_cast<unsigned*>(scratch);
-  cudaError_t e = cudaMemsetAsync(first, 0xff, sizeof(unsigned), stream);
+  const uintptr_t base = (reinterpret_cast<uintptr_t>(scratch) + kAlign - 1) / kAlign * kAlign;
+  unsigned* first = reinterpret_cast<unsigned*>(base);
+  void* tmp = reinterpret_cast<void*>(base + kAlign);
+  size_t bytes = 0;
+  cudaError_t e = csr_scan(nullptr, bytes, nullptr, 0, in.num_bags, nullptr, nullptr, stream);
   if (e != cudaSuccess) return e;
+  if ((e = csr_scan(tmp, bytes, in.offsets, in.n, in.num_bags, out.offsets, first, stream)) !=
+      cudaSuccess)
+    return e;
   const int64_t blocks = (in.n + kSpan - 1) / kSpan;
   tb_bags_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(in, out, first);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;

@@ -4,15 +4,19 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+#include <cstdint>
+
 #include "common/tb_bags.h"
 
 namespace flowtt::tb {
 
-// Scratch bytes tb_bags needs (the first live position).
-constexpr size_t kTbBagsScratchBytes = sizeof(unsigned);
+// Scratch bytes tb_bags needs for num_bags bags (the first live position and the scan's
+// storage; any base alignment).
+cudaError_t tb_bags_scratch_bytes(int64_t num_bags, size_t* bytes);
 
 // Every output of `out` for the checked operands `in` (TbCheckBags), as cpu::MakeTbBags
-// writes them; queued on `stream`, `scratch` holds kTbBagsScratchBytes.
+// writes them; queued on `stream`, `scratch` holds tb_bags_scratch_bytes(in.num_bags).
 cudaError_t tb_bags(const TbBagsIn& in, const TbBagsOut& out, void* scratch, cudaStream_t stream);
 
 }  // namespace flowtt::tb

@@ -94,12 +94,16 @@ ffi::Error TbPlanCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, Tb
 ffi::Error TbBagsCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, TbS32 ids,
                           TbS32 offsets, TbS32 feature_tables, TbS32 num_rows, ffi::RemainingArgs,
                           TbS32Out ids_out, TbS32Out tables, TbF32Out live, TbS32Out bag_ids,
-                          int64_t batch, bool clip) {
-  ffi::ErrorOr<TbBagsChecked> c = TbCheckBagsBuffers(ids, offsets, feature_tables, num_rows,
-                                                     ids_out, tables, live, bag_ids, batch, clip);
+                          TbS32Out offsets_out, int64_t batch, bool clip) {
+  ffi::ErrorOr<TbBagsChecked> c =
+      TbCheckBagsBuffers(ids, offsets, feature_tables, num_rows, ids_out, tables, live, bag_ids,
+                         offsets_out, batch, clip);
   if (c.has_error()) return c.error();
+  size_t bytes = 0;
+  if (cudaError_t err = tb_bags_scratch_bytes(c->in.num_bags, &bytes); err != cudaSuccess)
+    return CudaError(err, "tb_bags");
   void* ws;
-  if (ffi::Error e = AllocateScratch(scratch, kTbBagsScratchBytes, &ws); e.failure()) return e;
+  if (ffi::Error e = AllocateScratch(scratch, bytes, &ws); e.failure()) return e;
   return CudaError(tb_bags(c->in, c->out, ws, stream), "tb_bags");
 }
 
