@@ -3,7 +3,9 @@
 Suites: ``single`` (the single-table sweep of ``workloads.single_table``: D x rank x batch x
 ids) and ``collection`` (``workloads.MetaLikeCollection`` with T tables at each batch), for
 every implementation of ``benchmarks.impls.REGISTRY`` that serves the suite; ``--stage``
-picks a named part that fits one 10-minute device call on an H200 (``STAGES``).
+picks a named part that fits one 10-minute device call on an H200 (``STAGES``);
+``--weighted`` runs each single-table case a second time with per-id weights (case ``<name>_w``,
+e.g. ``S1_weighted``), its forward + backward then also w.r.t. the weights.
 
 For each case, implementation and mode (forward; forward + backward w.r.t. the parameters,
 the backward seeded by ``out - target``, the cotangent of a squared error, so it can only
@@ -28,6 +30,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import itertools
 import json
 import os
 import signal
@@ -75,7 +78,7 @@ QUICK = {
     "rows_range": (1e3, 1e5),
     "collection_rank": 8,
 }
-ALIASES = {"D32_r32_B32768_zipf1.05": "S1"}
+ALIASES = {"D32_r32_B32768_zipf1.05": "S1", "D32_r32_B32768_zipf1.05_w": "S1_weighted"}
 MODES = ("fwd", "fwd_bwd")
 #: Compile time of a per-table loop grows at least linearly in the tables (issue 12: 240
 #: tables 20 s / 39 s on an H200, 788 not done in 5 minutes): estimated as ~ T^1.5.
@@ -88,8 +91,11 @@ class Interrupted(BaseException):
     error handlers let it through."""
 
 
-def single_kwargs(sizes: dict, dim: int, rank: int, batch: int, dist: str, seed: int) -> dict:
-    """``workloads.single_table`` arguments of a single-table case at ``sizes`` (FULL/QUICK)."""
+def single_kwargs(
+    sizes: dict, dim: int, rank: int, batch: int, dist: str, seed: int, weighted: bool = False
+) -> dict:
+    """``workloads.single_table`` arguments of a single-table case at ``sizes`` (FULL/QUICK);
+    ``weighted`` appears only when true, so unweighted cases keep their JSON."""
     return dict(
         num_embeddings=sizes["num_embeddings"],
         dim=dim,
@@ -98,6 +104,7 @@ def single_kwargs(sizes: dict, dim: int, rank: int, batch: int, dist: str, seed:
         dist=dist,
         seed=seed,
         row_shape=sizes["row_shape"],
+        **({"weighted": True} if weighted else {}),
     )
 
 
@@ -137,6 +144,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ranks", type=_csv(int), help="single table: TT ranks")
     ap.add_argument("--dists", type=_csv(str), help="single table: uniform,zipf1.05,zipf1.2")
     ap.add_argument("--impls", type=_csv(str), help=f"subset of {', '.join(impls_mod.REGISTRY)}")
+    ap.add_argument(
+        "--weighted",
+        action="store_true",
+        help="single table: also run each case with float32 per-id weights, U[0.5, 1.5) "
+        "(case <name>_w right after <name>; S1's is S1_weighted); fwd+bwd also w.r.t. the weights",
+    )
     ap.add_argument("--time-budget", type=float, help="seconds; later measurements are skipped")
     ap.add_argument(
         "--compile-timeout",
@@ -155,6 +168,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     stage = STAGES.get(a.stage, {})
     a.suite = a.suite or stage.get("suite", "all")
     a.dims = a.dims or stage.get("dims")
+    if a.weighted and a.suite == "collection":
+        ap.error("--weighted applies to the single suite only")
     unknown = set(a.impls or ()) - set(impls_mod.REGISTRY)
     if unknown:
         ap.error(f"unknown --impls {sorted(unknown)}; known: {list(impls_mod.REGISTRY)}")
@@ -195,7 +210,7 @@ class Case:
     dense_bytes: int
     share: tuple  # compiled executables are shared by the cases with the same key
     cores_key: tuple  # and TT cores by the cases with the same tables
-    data: tuple | None = None  # (workload, ids, offsets, cotangent) once drawn
+    data: tuple | None = None  # (workload, ids, offsets, weights or None, cotangent) once drawn
 
 
 class Runner:
@@ -242,28 +257,32 @@ class Runner:
         units: list[tuple[Case, impls_mod.Impl, str]] = []
         if a.suite in ("single", "all"):
             impls = sorted(self.impls_for("single"), key=lambda i: not i.ours)
-            for dim in a.dims or s["dims"]:
-                for rank in a.ranks or s["ranks"]:
-                    for batch in a.batches or s["single_batches"]:
-                        for dist in a.dists or s["dists"]:
-                            kw = single_kwargs(s, dim, rank, batch, dist, a.seed)
-                            name = f"D{dim}_r{rank}_B{batch}_{dist}"
-                            entry = {
-                                "suite": "single",
-                                "case": name,
-                                "alias": None if a.quick else ALIASES.get(name),
-                                "workload": kw,
-                                "impls": {},
-                            }
-                            case = Case(
-                                entry,
-                                lambda kw=kw: single_table(**kw),
-                                1,
-                                s["num_embeddings"] * dim * 4,
-                                (dim, rank, batch),
-                                (dim, rank),
-                            )
-                            units += [(case, i, m) for i in impls for m in MODES]
+            grid = itertools.product(
+                a.dims or s["dims"],
+                a.ranks or s["ranks"],
+                a.batches or s["single_batches"],
+                a.dists or s["dists"],
+                (False, True) if a.weighted else (False,),
+            )
+            for dim, rank, batch, dist, weighted in grid:
+                kw = single_kwargs(s, dim, rank, batch, dist, a.seed, weighted)
+                name = f"D{dim}_r{rank}_B{batch}_{dist}" + ("_w" if weighted else "")
+                entry = {
+                    "suite": "single",
+                    "case": name,
+                    "alias": None if a.quick else ALIASES.get(name),
+                    "workload": kw,
+                    "impls": {},
+                }
+                case = Case(
+                    entry,
+                    lambda kw=kw: single_table(**kw),
+                    1,
+                    s["num_embeddings"] * dim * 4,
+                    (dim, rank, batch, weighted),
+                    (dim, rank),
+                )
+                units += [(case, i, m) for i in impls for m in MODES]
         if a.suite in ("collection", "all"):
             cases = []
             for batch in a.batches or s["collection_batches"]:
@@ -384,7 +403,8 @@ class Runner:
             case.entry["stats"] = {**case.entry.get("stats", {}), **stats, "draw_s": time.monotonic() - t}
             dim = sum(w.specs[f].embedding_dim for f in w.feature_table)
             cot = jax.random.normal(jax.random.key(2), (w.batch, dim), jnp.float32)
-            case.data = (w, jax.device_put(w.ids), jax.device_put(w.offsets), cot)
+            weights = None if w.weights is None else jax.device_put(w.weights)
+            case.data = (w, jax.device_put(w.ids), jax.device_put(w.offsets), weights, cot)
             self.log(
                 f"{w.name}: {w.nnz} ids, mean pooling {stats['mean_pooling']:.2f}, "
                 f"{100 * stats['unique_fraction']:.1f}% unique, drawn in "
@@ -397,7 +417,7 @@ class Runner:
     def unit(self, case: Case, impl: impls_mod.Impl, mode: str, rec: dict) -> dict:
         """One (case, impl, mode): draw, init, compile (or reuse), check memory, time, floors."""
         try:
-            w, ids, offsets, cot = self.drawn(case)
+            w, ids, offsets, weights, cot = self.drawn(case)
             pkey = (id(case), impl.name)
             if pkey not in self.params:
                 self.params[pkey] = impl.init(w, self.cores[case.cores_key])
@@ -405,14 +425,21 @@ class Runner:
                 rec["compression_ratio"] = case.entry["stats"]["dense_param_bytes"] / rec["param_bytes"]
             params, fwd = self.params[pkey], impl.build(w)
             if mode == "fwd":
-                fn, args = fwd, (params, ids, offsets)
-            else:
+                fn, args = fwd, (params, ids, offsets) + (() if weights is None else (weights,))
+            elif weights is None:
 
                 def fn(p, i, o, target):
                     out, vjp = jax.vjp(lambda pp: fwd(pp, i, o), p)
                     return out, vjp(out - target)[0]  # d/d out of ||out - target||^2 / 2
 
                 args = (params, ids, offsets, cot)
+            else:
+
+                def fn(p, i, o, wt, target):  # gradients w.r.t. (params, weights)
+                    out, vjp = jax.vjp(lambda pp, ww: fwd(pp, i, o, ww), p, wt)
+                    return out, vjp(out - target)
+
+                args = (params, ids, offsets, weights, cot)
             ckey = (case.share, (impl.name, mode))
             if ckey not in self.compiled:
                 timeout = min(self.a.compile_timeout, max(self.remaining(), 1.0))
@@ -488,14 +515,16 @@ class Runner:
     def floor(self, stats: dict, impl: impls_mod.Impl, mode: str, ms: float) -> dict:
         """FLOP floor (TT) or byte floor (dense bag) of the call and the fraction reached.
 
-        Dense bytes: ids and rows read, bags written (forward); the backward adds the dense
-        table gradient (JAX's vjp of a gather writes the whole table) and the scatter's rows.
+        Dense bytes: ids (and weights) and rows read, bags written (forward); the backward
+        adds the dense table gradient (JAX's vjp of a gather writes the whole table), the
+        scatter's rows and the weights' gradient.
         """
         p = self.doc["peaks"] or {}
         if impl.dense:
             dim = stats["dense_param_bytes"] // (4 * stats["rows"])
-            fwd = stats["nnz"] * (dim + 1) * 4 + stats["batch"] * stats["features"] * dim * 4
-            amount = fwd if mode == "fwd" else 2 * fwd + stats["dense_param_bytes"]
+            weights = stats["nnz"] * 4 if stats.get("weighted") else 0
+            fwd = stats["nnz"] * (dim + 1) * 4 + weights + stats["batch"] * stats["features"] * dim * 4
+            amount = fwd if mode == "fwd" else 2 * fwd + stats["dense_param_bytes"] + weights
             kind, rate = "bytes", p.get("hbm_bytes_per_s")
         else:
             amount, kind, rate = stats["flop_floor"][mode], "flops", p.get("fp32_flops")

@@ -1,9 +1,11 @@
 """The implementations the benchmarks compare: one registry, one calling convention.
 
-An implementation turns a ``Workload`` into a forward ``fwd(params, ids, offsets)`` over the
-packed bags (``ids [nnz]``, feature-major ``offsets [F*B + 1]``) returning ``[B, F*D]`` (the
-features' sum-pooled bags side by side); the runner times ``fwd`` and its vjp with respect to
-``params`` (the core gradients; the dense table's gradient for the dense bag).
+An implementation turns a ``Workload`` into a forward ``fwd(params, ids, offsets, weights=None)``
+over the packed bags (``ids [nnz]``, feature-major ``offsets [F*B + 1]``, optional float32
+per-id ``weights [nnz]``) returning ``[B, F*D]`` (the features' sum-pooled bags side by side);
+the runner times ``fwd`` and its vjp with respect to ``params`` (the core gradients; the dense
+table's gradient for the dense bag), and to the weights too for a weighted workload. Every
+implementation here takes weights.
 
 - ``dense_bag``: the uncompressed tables, concatenated; one gather and one segment sum.
 - ``tt_reference``: ``tt_embedding_bag(impl="reference")`` (TT from XLA ops) per table.
@@ -19,7 +21,7 @@ Adding one (e.g. the table-batched op) is one decorated builder::
 
     @register("ours_batched", suites=("collection",), ours=True, init=pack, description="...")
     def _ours_batched(w: Workload) -> Fwd:
-        ...  # return fwd(params, ids, offsets) -> [B, F*D]
+        ...  # return fwd(params, ids, offsets, weights=None) -> [B, F*D]
 
 where ``pack(w, per_table_cores)`` makes its params (e.g. packed cores) and ``scratch=``
 may report run-time scratch that XLA's memory analysis cannot see.
@@ -45,7 +47,7 @@ from .workloads import Workload
 
 __all__ = ["Impl", "REGISTRY", "register", "tt_cores", "ffi_scratch_bytes"]
 
-Fwd = Callable[[Any, jax.Array, jax.Array], jax.Array]
+Fwd = Callable[..., jax.Array]  # fwd(params, ids, offsets, weights=None) -> [B, F*D]
 TTCores = tuple[tuple[jax.Array, ...], ...]
 
 
@@ -77,7 +79,7 @@ class Impl:
     """A registered implementation.
 
     Attributes:
-      build: workload -> ``fwd(params, ids, offsets)``.
+      build: workload -> ``fwd(params, ids, offsets, weights=None)``.
       init: (workload, per-table TT cores) -> params (default: the cores themselves).
       param_bytes: workload -> bytes of params, known before they exist (memory checks).
       per_table_loop: its program grows with the number of tables (compile-time cap).
@@ -131,18 +133,20 @@ def _bag_ids(offsets: jax.Array, n: int) -> jax.Array:
 
 
 def _per_table(
-    bag: Callable[[tuple, jax.Array, jax.Array, ftt.TTSpec], jax.Array],
+    bag: Callable[[tuple, jax.Array, jax.Array, ftt.TTSpec, jax.Array | None], jax.Array],
 ) -> Callable[[Workload], Fwd]:
-    """Builder of a loop over the features: ``bag(cores, ids, offsets, spec)`` -> [B, D] each."""
+    """Builder of a loop over the features: ``bag(cores, ids, offsets, spec, weights)`` ->
+    [B, D] each (``weights`` None when unweighted)."""
 
     def build(w: Workload) -> Fwd:
         bounds, b = w.feature_bounds, w.batch
 
-        def fwd(params, ids, offsets):
+        def fwd(params, ids, offsets, weights=None):
             outs = []
             for f, t in enumerate(w.feature_table):
                 s, e = bounds[f], bounds[f + 1]
-                outs.append(bag(params[t], ids[s:e], offsets[f * b : (f + 1) * b + 1] - s, w.specs[t]))
+                wt = None if weights is None else weights[s:e]
+                outs.append(bag(params[t], ids[s:e], offsets[f * b : (f + 1) * b + 1] - s, w.specs[t], wt))
             return jnp.concatenate(outs, axis=1)
 
         return fwd
@@ -175,31 +179,36 @@ def _dense_bag(w: Workload) -> Fwd:
         raise ValueError(f"{row_start[-1]} rows do not fit int32 ids")
     feature_row = row_start[list(w.feature_table)].astype(np.int32)
 
-    def fwd(table, ids, offsets):
+    def fwd(table, ids, offsets, weights=None):
         bag = _bag_ids(offsets, ids.shape[0])
         if f_count > 1:
             ids = ids + jnp.asarray(feature_row)[bag // b]
-        out = jax.ops.segment_sum(jnp.take(table, ids, axis=0), bag, num_segments=f_count * b)
+        rows = jnp.take(table, ids, axis=0)
+        if weights is not None:
+            rows = rows * weights[:, None]
+        out = jax.ops.segment_sum(rows, bag, num_segments=f_count * b)
         return out.reshape(f_count, b, dim).transpose(1, 0, 2).reshape(b, f_count * dim)
 
     return fwd
 
 
 def _tt_bag(impl: str):
-    def bag(cores, ids, offsets, spec):
+    def bag(cores, ids, offsets, spec, weights):
         return ftt.tt_embedding_bag(
-            cores, ids, offsets=offsets, num_embeddings=spec.num_embeddings, impl=impl
+            cores, ids, offsets=offsets, weights=weights, num_embeddings=spec.num_embeddings, impl=impl
         )
 
     return bag
 
 
-def _dedup_bag(cores, ids, offsets, spec):
+def _dedup_bag(cores, ids, offsets, spec, weights):
     n, b = ids.shape[0], offsets.shape[0] - 1
     if n == 0:
         return jnp.zeros((b, spec.embedding_dim), jnp.float32)
     uniq, inv = jnp.unique(ids, size=n, fill_value=0, return_inverse=True)
     rows = reference.tt_rows(cores, uniq)[inv.reshape(-1)]
+    if weights is not None:
+        rows = rows * weights[:, None]
     return jax.ops.segment_sum(rows, _bag_ids(offsets, n), num_segments=b)
 
 
@@ -316,24 +325,31 @@ def _ours_batched(w: Workload) -> Fwd:
         g = next(i for i, (_, ts) in enumerate(groups) if t in ts)
         feature_group.append((g, groups[g][1].index(t)))
 
-    def fwd(params, ids, offsets):
+    def fwd(params, ids, offsets, weights=None):
         outs = [None] * w.num_features
         for g, (layout, _) in enumerate(groups):
             feats = [f for f, (fg, _) in enumerate(feature_group) if fg == g]
             tables = tuple(feature_group[f][1] for f in feats)
             if len(groups) == 1:  # [B, F, D] as the pooling writes it -> [B, F*D]
                 out = tt_embedding_bag_group(
-                    params[g], layout, ids, offsets, tables, impl="ffi", batch_major=True
+                    params[g], layout, ids, offsets, tables, weights=weights, impl="ffi", batch_major=True
                 )
                 return out.reshape(b, -1)
             # this group's features' slices, re-packed feature-major
             g_ids = jnp.concatenate([ids[bounds[f] : bounds[f + 1]] for f in feats])
+            g_weights = (
+                None
+                if weights is None
+                else jnp.concatenate([weights[bounds[f] : bounds[f + 1]] for f in feats])
+            )
             starts = np.cumsum([0] + [bounds[f + 1] - bounds[f] for f in feats])
             g_offsets = jnp.concatenate(
                 [offsets[f * b : (f + 1) * b] - bounds[f] + int(s) for f, s in zip(feats, starts)]
                 + [jnp.full((1,), starts[-1], offsets.dtype)]
             )
-            out = tt_embedding_bag_group(params[g], layout, g_ids, g_offsets, tables, impl="ffi")
+            out = tt_embedding_bag_group(
+                params[g], layout, g_ids, g_offsets, tables, weights=g_weights, impl="ffi"
+            )
             # split, not indexing: an index's transpose pads to the whole [F, B, D] (F^2 work)
             for f, part in zip(feats, jnp.split(out, len(feats))):
                 outs[f] = part[0]

@@ -1,4 +1,5 @@
-"""PNG plots of benchmark JSON (matplotlib, Agg): latency vs batch, vs tables, memory.
+"""PNG plots of benchmark JSON (matplotlib, Agg): latency vs batch (unweighted cases), vs
+tables, memory.
 
 ``draw_all`` returns ``{plot: path}`` for the plots drawn and ``{plot: "skipped: why"}``
 for the others (matplotlib missing, no data), so a machine without matplotlib still runs
@@ -176,7 +177,11 @@ def draw_all(docs: list[dict], out_dir: Path | str, prefix: str = "") -> dict[st
         for suite in ("single", "collection")
     )
     todo = {
-        "latency_vs_batch": (_latency_vs_batch, single, "no timed single-table case"),
+        "latency_vs_batch": (
+            _latency_vs_batch,
+            [c for c in single if not c["workload"].get("weighted")],
+            "no timed unweighted single-table case",
+        ),
         "latency_vs_tables": (_latency_vs_tables, coll, "no timed collection case"),
         "memory_single": (_memory, _memory_cases(single), "no timed single-table case"),
         "memory_collection": (_memory, _memory_cases(coll), "no timed collection case"),

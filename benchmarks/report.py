@@ -254,14 +254,20 @@ def single_section(docs: list[dict], plots: dict[str, str], link_root: Path) -> 
             c["workload"]["rank"],
             c["workload"]["batch"],
             c["workload"]["dist"],
+            c["workload"].get("weighted", False),
         ),
     )
     names = impl_order(n for c in cases for n in c["impls"])
     print("Runs:\n")
     print(provenance([d for d in docs if any(c["suite"] == "single" for c in d["cases"])]))
+    weights = (
+        "; and of the per-id weights in the weighted rows"
+        if any(c["workload"].get("weighted") for c in cases)
+        else ""
+    )
     print(
         "Time per call in ms, forward / forward + backward (gradients of the cores; of the "
-        "table for dense_bag); last column: the XLA TT reference's time over ours.\n"
+        f"table for dense_bag{weights}); last column: the XLA TT reference's time over ours.\n"
     )
     print("| D | rank | bags | ids | nnz | unique | " + " | ".join(names) + " | reference / ours |")
     print("|---" * (7 + len(names)) + "|")
@@ -274,7 +280,8 @@ def single_section(docs: list[dict], plots: dict[str, str], link_root: Path) -> 
             else "-"
             for m in MODES
         ]
-        label = f"{wl['dist']} ({c['alias']})" if c.get("alias") else wl["dist"]
+        label = wl["dist"] + (", weighted" if wl.get("weighted") else "")
+        label += f" ({c['alias']})" if c.get("alias") else ""
         print(
             f"| {wl['dim']} | {wl['rank']} | {wl['batch']} | {label} | {st.get('nnz', '-')} | "
             f"{st.get('num_unique', '-')} | "

@@ -10,7 +10,9 @@ rank in {32, 64}, B bags of U[1, 27] ids (mean 14), ids uniform over the table o
 ranks (numpy's unbounded ``zipf`` minus 1) scattered over the table by the multiplicative
 hash ``rank * 2654435761 mod N`` (computed in uint64, wrapping). It is the draw of the
 original ``bench_single_table.py``, kept bit for bit: S1 (D 32, rank 32, B 32768, Zipf 1.05,
-seed 0) has 457,971 ids.
+seed 0) has 457,971 ids. ``weighted=True`` adds per-id float32 weights, uniform in [0.5, 1.5)
+from their own stream (``default_rng([seed, 2])``), so the ids stay the same; the case is
+named with the suffix ``_w``.
 
 Meta-like collection (``MetaLikeCollection``): a synthetic stand-in for Meta's 2022 synthetic
 embedding-lookup trace (the source of the EcoRec and FlowTT papers' Meta-240/480/788
@@ -61,6 +63,7 @@ class Workload:
       feature_table: table of each feature, ``[F]``.
       specs: one ``TTSpec`` per table.
       params: the generator's parameters (JSON-able).
+      weights: float32 per-id weights ``[nnz]``, or None (unweighted bags).
     """
 
     name: str
@@ -70,6 +73,7 @@ class Workload:
     feature_table: tuple[int, ...]
     specs: tuple[TTSpec, ...]
     params: dict
+    weights: np.ndarray | None = None
 
     @property
     def num_features(self) -> int:
@@ -90,7 +94,9 @@ class Workload:
         FLOP floor of the forward: per table, one ``G1[i1] . G2[i2]`` product per unique
         (i1, i2) prefix (2 q1 q2 r1 r2), one ``P . G3[i3]`` per unique id (2 D r2), plus one
         add per id and column for pooling; forward + backward: three times the TT part
-        (dG3 and dP per unique id, dG1 and dG2 per prefix) plus two pooling passes.
+        (dG3 and dP per unique id, dG1 and dG2 per prefix) plus two pooling passes. Weighted
+        bags pool by a multiply-add (2 FLOPs per id and column) and the backward adds the
+        weights' gradient (a dot of D per id); their stats carry ``"weighted": True``.
         """
         bounds = self.feature_bounds
         unique = groups = tt_flops = 0
@@ -105,9 +111,12 @@ class Workload:
         dims = np.array([self.specs[t].embedding_dim for t in self.feature_table])
         lengths = np.diff(self.offsets).reshape(self.num_features, self.batch)
         pool_flops = float((lengths.sum(axis=1) * dims).sum())
+        weighted = self.weights is not None
+        pool = pool_flops * (2 if weighted else 1)
+        d_weights = 2 * pool_flops if weighted else 0.0
         dense = sum(s.dense_params for s in self.specs) * 4
         tt = sum(s.num_params for s in self.specs) * 4
-        return {
+        out = {
             "tables": len(self.specs),
             "features": self.num_features,
             "batch": self.batch,
@@ -121,8 +130,9 @@ class Workload:
             "dense_param_bytes": dense,
             "tt_param_bytes": tt,
             "compression_ratio": dense / tt,
-            "flop_floor": {"fwd": tt_flops + pool_flops, "fwd_bwd": 3 * tt_flops + 2 * pool_flops},
+            "flop_floor": {"fwd": tt_flops + pool, "fwd_bwd": 3 * tt_flops + 2 * pool + d_weights},
         }
+        return {**out, "weighted": True} if weighted else out
 
 
 def prefix_groups(unique_ids: np.ndarray, last_extent: int) -> int:
@@ -141,12 +151,14 @@ def single_table(
     dist: str = "zipf1.05",
     seed: int = 0,
     row_shape: Sequence[int] | None = S1_ROW_SHAPE,
+    weighted: bool = False,
 ) -> Workload:
     """One table, ``batch`` bags of U[1, 27] ids; ``dist`` is ``"uniform"`` or ``"zipf<alpha>"``.
 
     The draw is the original single-table benchmark's (lengths, then ids, from one
     ``default_rng(seed)``), so the defaults give S1 exactly. ``row_shape=None`` picks
-    automatic shapes (for tables other than 10^7 rows).
+    automatic shapes (for tables other than 10^7 rows). ``weighted`` adds per-id weights
+    (module docstring).
     """
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, 28, batch)
@@ -160,8 +172,9 @@ def single_table(
     else:
         raise ValueError(f"dist must be 'uniform' or 'zipf<alpha>', got {dist!r}")
     spec = TTSpec.create(num_embeddings, dim, rank, row_shape=tuple(row_shape) if row_shape else None)
+    weights = np.random.default_rng([seed, 2]).uniform(0.5, 1.5, n).astype(np.float32) if weighted else None
     return Workload(
-        name=f"D{dim}_r{rank}_B{batch}_{dist}",
+        name=f"D{dim}_r{rank}_B{batch}_{dist}" + ("_w" if weighted else ""),
         batch=batch,
         ids=ids.astype(np.int32),
         offsets=offsets,
@@ -177,7 +190,9 @@ def single_table(
             "seed": seed,
             "row_shape": list(spec.row_shape),
             "col_shape": list(spec.col_shape),
+            **({"weighted": True} if weighted else {}),
         },
+        weights=weights,
     )
 
 

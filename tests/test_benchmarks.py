@@ -115,6 +115,97 @@ def test_quick_run_plots_and_readme(quick_run, tmp_path):
     assert (tmp_path / "plots" / "memory_collection.png").is_file()
 
 
+@pytest.fixture(scope="module")
+def weighted_run(tmp_path_factory):
+    if not ffi.available():
+        pytest.skip("compiled extension not built (ours needs it)")
+    out = tmp_path_factory.mktemp("bench_w")
+    argv = ["--quick", "--suite", "single", "--weighted", "--batches", "32", "--dists", "zipf1.05"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", *argv, "--out-dir", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "FLOWTT_COMMIT": "test-commit"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = out.glob("bench_quick_single_cpu_*.json")
+    return json.loads(path.read_text())
+
+
+def test_weighted_run_json(weighted_run, tmp_path):
+    doc = weighted_run
+    assert doc["status"] == "complete"
+    plain, weighted = doc["cases"]
+    assert (plain["case"], weighted["case"]) == ("D32_r8_B32_zipf1.05", "D32_r8_B32_zipf1.05_w")
+    assert "weighted" not in plain["workload"] and "weighted" not in plain["stats"]
+    assert weighted["workload"]["weighted"] is True and weighted["stats"]["weighted"] is True
+    assert weighted["stats"]["nnz"] == plain["stats"]["nnz"]
+    for mode in MODES:
+        assert weighted["stats"]["flop_floor"][mode] > plain["stats"]["flop_floor"][mode]
+    assert set(weighted["impls"]) == {n for n, i in REGISTRY.items() if "single" in i.suites}
+    for name, rec in weighted["impls"].items():
+        for mode in MODES:
+            assert rec[mode]["ms"] > 0 and rec[mode]["floor"]["amount"] > 0, (name, mode, rec[mode])
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps({**doc, "quick": False}))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bench:start -->\n<!-- bench:end -->\n")
+    cmd = [sys.executable, "-m", "benchmarks.report", "--readme", str(readme), str(src)]
+    subprocess.run(cmd + ["--plots-dir", str(tmp_path / "plots")], cwd=ROOT, check=True)
+    text = readme.read_text()
+    assert "| zipf1.05 |" in text and "| zipf1.05, weighted |" in text
+    assert "of the per-id weights" in text
+
+
+def test_weighted_alias_and_draw(tmp_path):
+    from benchmarks.__main__ import Runner, parse_args
+
+    argv = "--stage single-d32 --impls dense_bag,ours --ranks 32 --dists zipf1.05 --batches 32768 --weighted"
+    doc: dict = {}
+    Runner(parse_args(argv.split()), tmp_path / "x.json", doc)
+    assert [(c["case"], c["alias"]) for c in doc["cases"]] == [
+        ("D32_r32_B32768_zipf1.05", "S1"),
+        ("D32_r32_B32768_zipf1.05_w", "S1_weighted"),
+    ]
+    plain, w = wl.single_table(batch=512), wl.single_table(batch=512, weighted=True)
+    np.testing.assert_array_equal(w.ids, plain.ids)
+    np.testing.assert_array_equal(w.weights, wl.single_table(batch=512, weighted=True).weights)
+    assert plain.weights is None and w.name == plain.name + "_w"
+    assert w.weights.dtype == np.float32 and w.weights.shape == w.ids.shape
+    assert w.weights.min() >= 0.5 and w.weights.max() < 1.5
+
+
+@pytest.mark.parametrize("name", [n for n, i in REGISTRY.items() if "single" in i.suites])
+def test_weighted_impls_match_reference(name):
+    """Each single-table impl's weighted forward and its gradient w.r.t. the weights equal a
+    NumPy weighted bag over the TT table (dense_bag: given that table)."""
+    import jax
+
+    from benchmarks.__main__ import QUICK, single_kwargs
+    from benchmarks.impls import tt_cores
+    from flowtt_jax import reference
+
+    impl = REGISTRY[name]
+    if name.startswith("ours") and not ffi.available():
+        pytest.skip("compiled extension not built")
+    w = wl.single_table(**single_kwargs(QUICK, 32, 8, 32, "zipf1.05", 0, weighted=True))
+    cores = tt_cores(w)
+    n = w.specs[0].num_embeddings
+    table = np.asarray(reference.tt_rows(cores[0], jax.numpy.arange(n)))
+    params = jax.device_put(table) if impl.dense else impl.init(w, cores)
+    cot = np.random.default_rng(0).standard_normal((w.batch, 32)).astype(np.float32)
+    out, vjp = jax.vjp(lambda ww: impl.build(w)(params, w.ids, w.offsets, ww), w.weights)
+    (d_weights,) = vjp(cot)
+    bag = np.repeat(np.arange(w.batch), np.diff(w.offsets))
+    rows = table[w.ids].astype(np.float64)
+    want = np.zeros((w.batch, 32))
+    np.add.at(want, bag, rows * w.weights[:, None])
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(d_weights, (rows * cot[bag]).sum(1), rtol=1e-4, atol=1e-5)
+
+
 def _legacy_draw(num_embeddings, bags, dist, seed=0):
     """The draw of the original bench_single_table.make_workload (S1 must not change)."""
     rng = np.random.default_rng(seed)
