@@ -1,9 +1,10 @@
 // flowtt_tb_bags (common/tb_bags.h). Pass 0: a cub inclusive max-scan of the clamped offsets
-// writes the valid CSR (its writer also resets the first live position). Pass 1: a block per
-// span of kSpan positions finds the span's bag range (two binary searches of the CSR), then
-// each position's bag in that range, and writes its bag, table, id and live flag; the first
-// live position is an atomicMin (an order-free, so deterministic, minimum). Pass 2 parks the
-// dropped positions on it.
+// writes the valid CSR (its writer also resets the first live position); then the upper
+// bound in the CSR of every span start s * kSpan (a thread per bag k writes it for the span
+// starts in [csr[k - 1], csr[k])). Pass 1: a block per span of kSpan positions searches each
+// position's bag between the bounds of its span and the next, and writes its bag, table, id
+// and live flag; the first live position is an atomicMin (an order-free, so deterministic,
+// minimum). Pass 2 parks the dropped positions on it.
 #include "cuda/tb_bags.h"
 
 #include <thrust/iterator/counting_iterator.h>
@@ -55,23 +56,35 @@ cudaError_t csr_scan(void* tmp, size_t& bytes, const int32_t* offsets, int64_t n
       (int)(num_bags + 1), stream);
 }
 
+// span_ub[s] (s = 0 .. spans) = the upper bound in csr of position s * kSpan: k for the
+// span starts in [csr[k - 1], csr[k]) (csr[-1] = 0), num_bags + 1 for those >= csr[num_bags].
+// The intervals tile [0, spans * kSpan]: every entry is written once.
+__global__ void tb_span_bounds_kernel(const TbBagsIn a, const int32_t* __restrict__ csr,
+                                      int64_t spans, int32_t* __restrict__ span_ub) {
+  for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k <= a.num_bags + 1;
+       k += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t lo = k == 0 ? 0 : csr[k - 1];
+    const int64_t hi = k <= a.num_bags ? csr[k] : spans * kSpan + 1;
+    for (int64_t s = (lo + kSpan - 1) / kSpan; s * kSpan < hi && s <= spans; ++s) {
+      span_ub[s] = (int32_t)k;
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
-    tb_bags_kernel(const TbBagsIn a, const TbBagsOut o, unsigned* first) {
-  __shared__ int64_t range[2];
+    tb_bags_kernel(const TbBagsIn a, const TbBagsOut o, const int32_t* __restrict__ span_ub,
+                   unsigned* first) {
   __shared__ unsigned block_first;
   const int32_t* csr = o.offsets;
   const int64_t p0 = (int64_t)blockIdx.x * kSpan;
   const int64_t p1 = (p0 + kSpan < a.n ? p0 + kSpan : a.n) - 1;
-  if (threadIdx.x < 2) {
-    range[threadIdx.x] = TbUpperBound(csr, 0, a.num_bags + 1, threadIdx.x ? p1 : p0);
-  }
   if (threadIdx.x == 0) block_first = UINT_MAX;
   __syncthreads();
   unsigned mine = UINT_MAX;
-  // positions of the span have upper bounds in [range[0], range[1]] (monotone in p): each
-  // searches there, kBatch positions at once with one trip count for the whole block, so
-  // their load chains overlap
-  const int64_t lo = range[0], len = range[1] - range[0];
+  // positions of the span have upper bounds in [span_ub[b], span_ub[b + 1]] (monotone in p):
+  // each searches there, kBatch positions at once with one trip count for the whole block,
+  // so their load chains overlap
+  const int64_t lo = span_ub[blockIdx.x], len = span_ub[blockIdx.x + 1] - lo;
   for (int i0 = 0; i0 < kPerThread; i0 += kBatch) {
     int64_t base[kBatch], p[kBatch];
 #pragma unroll
@@ -115,19 +128,27 @@ __global__ void tb_bags_park_kernel(const TbBagsIn a, const TbBagsOut o, const u
   }
 }
 
+// Bytes of the span bounds [spans + 1] for n positions, 256-byte aligned.
+size_t span_bytes(int64_t n) {
+  const int64_t spans = (n + kSpan - 1) / kSpan;
+  return (sizeof(int32_t) * (size_t)(spans + 1) + kAlign - 1) / kAlign * kAlign;
+}
+
 }  // namespace
 
-cudaError_t tb_bags_scratch_bytes(int64_t num_bags, size_t* bytes) {
+cudaError_t tb_bags_scratch_bytes(int64_t n, int64_t num_bags, size_t* bytes) {
   size_t scan = 0;
   cudaError_t e = csr_scan(nullptr, scan, nullptr, 0, num_bags, nullptr, nullptr, nullptr);
-  *bytes = 2 * kAlign + scan;  // first, then the scan's storage at a 256-byte boundary
+  // slack to align the base, first, the span bounds, then the scan's storage
+  *bytes = 2 * kAlign + span_bytes(n) + scan;
   return e;
 }
 
 cudaError_t tb_bags(const TbBagsIn& in, const TbBagsOut& out, void* scratch, cudaStream_t stream) {
   const uintptr_t base = (reinterpret_cast<uintptr_t>(scratch) + kAlign - 1) / kAlign * kAlign;
   unsigned* first = reinterpret_cast<unsigned*>(base);
-  void* tmp = reinterpret_cast<void*>(base + kAlign);
+  int32_t* span_ub = reinterpret_cast<int32_t*>(base + kAlign);
+  void* tmp = reinterpret_cast<void*>(base + kAlign + span_bytes(in.n));
   size_t bytes = 0;
   cudaError_t e = csr_scan(nullptr, bytes, nullptr, 0, in.num_bags, nullptr, nullptr, stream);
   if (e != cudaSuccess) return e;
@@ -135,7 +156,11 @@ cudaError_t tb_bags(const TbBagsIn& in, const TbBagsOut& out, void* scratch, cud
       cudaSuccess)
     return e;
   const int64_t blocks = (in.n + kSpan - 1) / kSpan;
-  tb_bags_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(in, out, first);
+  const int64_t kb = (in.num_bags + 2 + kThreads - 1) / kThreads;
+  tb_span_bounds_kernel<<<(unsigned)(kb < 8192 ? kb : 8192), kThreads, 0, stream>>>(
+      in, out.offsets, blocks, span_ub);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  tb_bags_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(in, out, span_ub, first);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
   const int64_t park_blocks = (in.n + 1023) / 1024;
   tb_bags_park_kernel<<<(unsigned)(park_blocks < 8192 ? park_blocks : 8192), 256, 0, stream>>>(

@@ -100,7 +100,7 @@ ffi::Error TbBagsCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, Tb
                          offsets_out, batch, clip);
   if (c.has_error()) return c.error();
   size_t bytes = 0;
-  if (cudaError_t err = tb_bags_scratch_bytes(c->in.num_bags, &bytes); err != cudaSuccess)
+  if (cudaError_t err = tb_bags_scratch_bytes(c->in.n, c->in.num_bags, &bytes); err != cudaSuccess)
     return CudaError(err, "tb_bags");
   void* ws;
   if (ffi::Error e = AllocateScratch(scratch, bytes, &ws); e.failure()) return e;
