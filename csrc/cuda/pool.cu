@@ -176,31 +176,10 @@ __device__ __forceinline__ void shfl_add(float4& v, int off) {
   v.w += __shfl_xor_sync(0xffffffffu, v.w, off);
 }
 
-// The xor tree of pool_bwd_rows_p2 over L <= kLaneL partials, on one lane: slot i holds
-// partial i (0 past L), then slots i and i + off add for off = kLaneL/2, ..., 1. The warp's
-// tree adds the same pairs (its steps 16, 8 add zeros to slots that are never -0, the
-// lane's 1 * p + 0): the same bits.
-constexpr int kLaneL = 8;
-template <typename T>
-__device__ __forceinline__ T lane_tree_sum(const T* pv, int k0, int L, int DV, int dv) {
-  T t[kLaneL];
-#pragma unroll
-  for (int i = 0; i < kLaneL; ++i) {
-    t[i] = vzero<T>();
-    if (i < L) vfma(t[i], 1.f, pv[((size_t)(k0 + i) * 2 + (i == 0 ? 1 : 0)) * DV + dv]);
-  }
-#pragma unroll
-  for (int off = kLaneL / 2; off > 0; off >>= 1)
-#pragma unroll
-    for (int i = 0; i < off; ++i) vfma(t[i], 1.f, t[i + off]);
-  return t[0];
-}
-
 // Persistent warps over blocks of 32 unique ids (a lane reads one id's run
-// bounds). A run spanning chunks k0..k1 sums its L = k1 - k0 + 1 partials: up to kLaneL
-// by its own lane (lane_tree_sum, the lanes' runs side by side), else by the warp: lane l
-// takes partials l, l+32, ... (fixed), then a fixed xor tree across lanes. Both trees add
-// the same pairs. A unique id without occurrences (never, for a valid plan) gets zeros.
+// bounds). A run spanning chunks k0..k1 sums its partials: lane l takes
+// partials l, l+32, ... (fixed), then a fixed xor tree across lanes. A unique
+// id without occurrences (never, for a valid plan) gets zeros.
 template <int VEC>
 __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
                                  const int* __restrict__ counts, int n, int D,
@@ -222,12 +201,7 @@ __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
       e = clampi(run_offsets[u + 1], s, n);
     }
     const bool empty = u < U && e <= s;
-    const int L = e > s ? (e - 1) / kPL - s / kPL + 1 : 0;  // partials of a run
-    if (L > 1 && L <= kLaneL) {
-      for (int dv = 0; dv < DV; ++dv)
-        o[(size_t)u * DV + dv] = lane_tree_sum(pv, s / kPL, L, DV, dv);
-    }
-    const bool cross = L > kLaneL;
+    const bool cross = e > s && s / kPL != (e - 1) / kPL;
     for (unsigned zmask = __ballot_sync(0xffffffffu, empty); zmask; zmask &= zmask - 1) {
       const int uz = base + __ffs(zmask) - 1;
       for (int dv = lane; dv < DV; dv += 32) o[(size_t)uz * DV + dv] = vzero<T>();
