@@ -23,6 +23,7 @@ constexpr int kT1B = 32;         // i1 values per backward tile
 constexpr int kCH = 64;          // unique ids per chunk (split threshold of a prefix group)
 constexpr int kRPT = kTileRows;  // GEMM rows per thread (tile_gemm_P: tile_fma_8x4)
 constexpr int kPL = 32;          // sorted positions per chunk of the pooling backward
+constexpr int kHotL = 32;        // runs of more chunk partials: the pooling backward's pass 3
 #ifndef FLOWTT_DG3_PARTS
 #define FLOWTT_DG3_PARTS 8
 #endif
@@ -156,6 +157,14 @@ __device__ __forceinline__ int tile_prefix_group(const Dims& d, const int* __res
   const int g = map_group(map, d.p2, i1, i2);
   return g >= 0 && keep(g) ? g : -1;
 }
+
+// The pooling backward's scratch: chunk partials [ceil(n / kPL)][2][D] floats, then the hot
+// runs' count and queue (int [1 + pool_bwd_hot_capacity(n)]): runs of more than kHotL
+// partials are longer than (kHotL - 1) * kPL positions, and runs are disjoint.
+__host__ __device__ inline size_t pool_bwd_part_floats(int n, int D) {
+  return (size_t)((n + kPL - 1) / kPL) * 2 * D;
+}
+__host__ __device__ inline int pool_bwd_hot_capacity(int n) { return n / ((kHotL - 1) * kPL) + 1; }
 
 inline int num_sms() {
   int dev = 0, sms = 132;

@@ -95,8 +95,9 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows, const int* __res
 //   chunk are written to d_rows; a run that started before the chunk leaves
 //   its chunk partial in slot (chunk, 0), a run that starts inside and
 //   continues past the chunk leaves it in slot (chunk, 1).
-// Pass 2: warp per unique id; runs spanning chunks sum their partials in
-//   chunk order (sub-teams over contiguous parts, fixed shuffle tree).
+// Pass 2: warps over blocks of unique ids; runs spanning chunks sum their partials in
+//   chunk order (lane-strided, then a fixed shuffle tree); runs of more than kHotL
+//   partials are queued for Pass 3: a warp per (run, vector), the same sums.
 // d_rows past num_unique is not written (the contract leaves it unspecified).
 
 template <int VEC>
@@ -105,9 +106,11 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout, const float* __
                                  const int* __restrict__ inverse,
                                  const int* __restrict__ run_offsets,
                                  const int* __restrict__ counts, int n, int B, int D, int TS,
-                                 float* __restrict__ d_rows, float* __restrict__ part) {
+                                 float* __restrict__ d_rows, float* __restrict__ part,
+                                 int* __restrict__ hot) {
   using T = typename VecT<VEC>::T;
   const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (gt == 0) *hot = 0;  // pass 2 counts its hot runs here
   const int k = (int)(gt / TS), lane = (int)(gt % TS);
   const int nch = (n + kPL - 1) / kPL;
   if (k >= nch) return;
@@ -176,14 +179,30 @@ __device__ __forceinline__ void shfl_add(float4& v, int off) {
   v.w += __shfl_xor_sync(0xffffffffu, v.w, off);
 }
 
+// The sum of vector dv of a run's L chunk partials (chunks k0 ..): lane l takes partials l,
+// l+32, ... (fixed), then a fixed xor tree across lanes; every lane holds the sum.
+template <typename T>
+__device__ __forceinline__ T warp_run_sum(const T* pv, int k0, int L, int DV, int dv, int lane) {
+  T acc = vzero<T>();
+#pragma unroll 8
+  for (int i = lane; i < L; i += 32)  // unrolled: hot ids have ~10^3 partials
+    vfma(acc, 1.f, pv[((size_t)(k0 + i) * 2 + (i == 0 ? 1 : 0)) * DV + dv]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) shfl_add<1>(acc, off);
+  return acc;
+}
+
 // Persistent warps over blocks of 32 unique ids (a lane reads one id's run
-// bounds). A run spanning chunks k0..k1 sums its partials: lane l takes
-// partials l, l+32, ... (fixed), then a fixed xor tree across lanes. A unique
-// id without occurrences (never, for a valid plan) gets zeros.
+// bounds). A run spanning chunks k0..k1 sums its L = k1 - k0 + 1 partials with
+// warp_run_sum, the warp's vectors in turn; a run of more than kHotL partials is queued
+// for pass 3 instead (hot[0] counts them, hot[1 ..] lists them; order-free: each run's
+// sum does not depend on who computes it). A unique id without occurrences (never, for a
+// valid plan) gets zeros.
 template <int VEC>
 __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
                                  const int* __restrict__ counts, int n, int D,
-                                 const float* __restrict__ part, float* __restrict__ d_rows) {
+                                 const float* __restrict__ part, float* __restrict__ d_rows,
+                                 int* __restrict__ hot) {
   using T = typename VecT<VEC>::T;
   constexpr int kV = 8;  // vectors per lane per pass
   const int lane = threadIdx.x & 31;
@@ -201,7 +220,12 @@ __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
       e = clampi(run_offsets[u + 1], s, n);
     }
     const bool empty = u < U && e <= s;
-    const bool cross = e > s && s / kPL != (e - 1) / kPL;
+    const int L = e > s ? (e - 1) / kPL - s / kPL + 1 : 0;  // partials of the run
+    if (L > kHotL) {
+      const int slot = atomicAdd(hot, 1);
+      if (slot < pool_bwd_hot_capacity(n)) hot[1 + slot] = u;
+    }
+    const bool cross = L > 1 && L <= kHotL;
     for (unsigned zmask = __ballot_sync(0xffffffffu, empty); zmask; zmask &= zmask - 1) {
       const int uz = base + __ffs(zmask) - 1;
       for (int dv = lane; dv < DV; dv += 32) o[(size_t)uz * DV + dv] = vzero<T>();
@@ -216,8 +240,7 @@ __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
         T acc[kV];
 #pragma unroll
         for (int v = 0; v < kV; ++v) acc[v] = vzero<T>();
-#pragma unroll 4
-        for (int i = lane; i < L; i += 32) {  // unrolled: hot ids have ~10^3 partials
+        for (int i = lane; i < L; i += 32) {  // once: L <= kHotL = 32
           const int kk = k0 + i;
           const int side = (i == 0) ? 1 : 0;
           const T* src = pv + ((size_t)kk * 2 + side) * DV + dv0;
@@ -234,6 +257,30 @@ __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
           if (lane == v && dv0 + v < DV) o[(size_t)uc * DV + dv0 + v] = acc[v];
       }
     }
+  }
+}
+
+// Pass 3: the hot runs pass 2 queued (hot[0] of them, ids hot[1 ..]), a warp per (run,
+// vector): the same sums as pass 2's warp, from more warps (a hot id's ~10^3 partials
+// per vector are the longest chain of the pooling backward).
+template <int VEC>
+__global__ void pool_bwd_rows_p3(const int* __restrict__ run_offsets, const int* __restrict__ hot,
+                                 int n, int D, const float* __restrict__ part,
+                                 float* __restrict__ d_rows) {
+  using T = typename VecT<VEC>::T;
+  const int lane = threadIdx.x & 31;
+  const long long gw = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const long long nw = ((long long)gridDim.x * blockDim.x) >> 5;
+  const int DV = D / VEC;
+  const long long tasks = (long long)min(hot[0], pool_bwd_hot_capacity(n)) * DV;
+  T* o = reinterpret_cast<T*>(d_rows);
+  const T* pv = reinterpret_cast<const T*>(part);
+  for (long long t = gw; t < tasks; t += nw) {
+    const int u = hot[1 + t / DV], dv = (int)(t % DV);
+    const int s = clampi(run_offsets[u], 0, n), e = clampi(run_offsets[u + 1], s, n);
+    const int k0 = s / kPL;
+    const T acc = warp_run_sum(pv, k0, (e - 1) / kPL - k0 + 1, DV, dv, lane);
+    if (lane == 0) o[(size_t)u * DV + dv] = acc;
   }
 }
 
@@ -312,6 +359,7 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows, const float* weig
                          const int* run_offsets, const int* counts, int n, int B, int D,
                          float* d_rows, float* d_weights, void* scratch, cudaStream_t stream) {
   float* part = static_cast<float*>(scratch);
+  int* hot = reinterpret_cast<int*>(part + pool_bwd_part_floats(n, D));
   // rows is read only for d_weights (without it, it may be an empty placeholder)
   const uintptr_t rows_addr = d_weights != nullptr ? reinterpret_cast<uintptr_t>(rows) : 0;
   const bool v4 =
@@ -331,9 +379,11 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows, const float* weig
   const int b2 = std::max(1, std::min((int)(((long long)n + 255) / 256), num_sms() * 16));
   const int bw = (int)(((long long)n * TS + 255) / 256);
   with_vec(v4, [&](auto vec) {
-    pool_bwd_rows_p1<vec()><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm, inverse,
-                                                    run_offsets, counts, n, B, D, TS, d_rows, part);
-    pool_bwd_rows_p2<vec()><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D, part, d_rows);
+    pool_bwd_rows_p1<vec()><<<b1, 256, 0, stream>>>(
+        dout, weights, bag_ids, perm, inverse, run_offsets, counts, n, B, D, TS, d_rows, part, hot);
+    pool_bwd_rows_p2<vec()><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D, part, d_rows, hot);
+    pool_bwd_rows_p3<vec()>
+        <<<num_sms() * 4, 256, 0, stream>>>(run_offsets, hot, n, D, part, d_rows);
     if (d_weights != nullptr)
       pool_bwd_weights_kernel<vec()>
           <<<bw, 256, 0, stream>>>(dout, rows, inverse, bag_ids, perm, n, B, D, TS, d_weights);

@@ -66,7 +66,8 @@ size_t rows_bwd_scratch_bytes(const TTDims& t, int n) {
 }
 
 size_t bag_pool_bwd_scratch_bytes(int n, int D) {
-  return sizeof(float) * (size_t)((n + kPL - 1) / kPL) * 2 * D + 256;
+  return sizeof(float) * pool_bwd_part_floats(n, D) +
+         sizeof(int) * (1 + (size_t)pool_bwd_hot_capacity(n)) + 256;
 }
 
 }  // namespace flowtt
