@@ -99,8 +99,6 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows, const int* __res
 //   chunk order (lane-strided, then a fixed shuffle tree); runs of more than kHotL
 //   partials are queued for Pass 3: a warp per (run, vector), the same sums.
 // d_rows past num_unique is not written (the contract leaves it unspecified).
-// With d_weights (when DV == TS: one vector per lane), pass 1 also writes each position's
-// d_weights, the dot product of pool_bwd_weights_kernel on the loads it shares with it.
 
 template <int VEC>
 __global__ void pool_bwd_rows_p1(const float* __restrict__ dout, const float* __restrict__ weights,
@@ -109,8 +107,7 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout, const float* __
                                  const int* __restrict__ run_offsets,
                                  const int* __restrict__ counts, int n, int B, int D, int TS,
                                  float* __restrict__ d_rows, float* __restrict__ part,
-                                 int* __restrict__ hot, const float* __restrict__ rows,
-                                 float* __restrict__ d_weights) {
+                                 int* __restrict__ hot) {
   using T = typename VecT<VEC>::T;
   const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (gt == 0) *hot = 0;  // pass 2 counts its hot runs here
@@ -121,11 +118,8 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout, const float* __
   const int cs = k * kPL, ce = min(n, cs + kPL);
   const int DV = D / VEC;
   const T* dv_ = reinterpret_cast<const T*>(dout);
-  const T* rv = reinterpret_cast<const T*>(rows);
   T* o = reinterpret_cast<T*>(d_rows);
   T* pv = reinterpret_cast<T*>(part);
-  const int wl = (int)(threadIdx.x & 31);  // the team's lanes in the warp (TS: a power of 2)
-  const unsigned team = TS == 32 ? 0xffffffffu : ((1u << TS) - 1u) << (wl & ~(TS - 1));
   for (int dv = lane; dv < DV; dv += TS) {
     int cur = -1;
     T acc = vzero<T>();
@@ -140,34 +134,21 @@ __global__ void pool_bwd_rows_p1(const float* __restrict__ dout, const float* __
       }
     };
     for (int j0 = cs; j0 < ce; j0 += 8) {
-      int uj[8], pj[8];
+      int uj[8];
       float wj[8];
       T xj[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int j = j0 + i;
         uj[i] = -1;
-        pj[i] = 0;
         wj[i] = 0.f;
         xj[i] = vzero<T>();
         if (j < ce) {
           const int p = clampi(__ldg(perm + j), 0, n - 1);
-          pj[i] = p;
           uj[i] = __ldg(inverse + p);
           wj[i] = __ldg(weights + p);
           const int b = clampi(__ldg(bag_ids + p), 0, B - 1);
           xj[i] = dv_[(size_t)b * DV + dv];
-        }
-      }
-      if (d_weights != nullptr) {  // the team's positions alike: j < ce is team-uniform
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          if (j0 + i < ce) {
-            float s = 0.f;
-            s += vdot(xj[i], rv[(size_t)clampi(uj[i], 0, n - 1) * DV + dv]);
-            for (int off = TS >> 1; off > 0; off >>= 1) s += __shfl_xor_sync(team, s, off);
-            if (lane == 0) d_weights[pj[i]] = s;
-          }
         }
       }
 #pragma unroll
@@ -398,14 +379,12 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows, const float* weig
   const int b2 = std::max(1, std::min((int)(((long long)n + 255) / 256), num_sms() * 16));
   const int bw = (int)(((long long)n * TS + 255) / 256);
   with_vec(v4, [&](auto vec) {
-    const bool fused = d_weights != nullptr && DV == TS;  // d_weights by pass 1
     pool_bwd_rows_p1<vec()><<<b1, 256, 0, stream>>>(
-        dout, weights, bag_ids, perm, inverse, run_offsets, counts, n, B, D, TS, d_rows, part, hot,
-        fused ? rows : nullptr, fused ? d_weights : nullptr);
+        dout, weights, bag_ids, perm, inverse, run_offsets, counts, n, B, D, TS, d_rows, part, hot);
     pool_bwd_rows_p2<vec()><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D, part, d_rows, hot);
     pool_bwd_rows_p3<vec()>
         <<<num_sms() * 4, 256, 0, stream>>>(run_offsets, hot, n, D, part, d_rows);
-    if (d_weights != nullptr && !fused)
+    if (d_weights != nullptr)
       pool_bwd_weights_kernel<vec()>
           <<<bw, 256, 0, stream>>>(dout, rows, inverse, bag_ids, perm, n, B, D, TS, d_weights);
   });
