@@ -57,7 +57,11 @@ __device__ __forceinline__ float4 vzero<float4>() {
 // at num_unique when counts is given) and whose weight is not 0 add
 // w * rows[idx - lo] (a zero weight never reads its row: 0, not 0 * inf = NaN);
 // accumulate: start from out (the fused forward's later chunks), else from 0. Bag b's
-// sum is row PoolOutRow(b, B, batch) of out.
+// sum is row PoolOutRow(b, B, batch) of out. Positions in batches of kPB: the batch's
+// indices and weights, then its rows, are loaded before its fmas (two load latencies per
+// batch, not per position), the fmas in increasing k.
+constexpr int kPB = 8;  // positions per load batch of pool_fwd_kernel
+
 template <int VEC>
 __global__ void pool_fwd_kernel(const float* __restrict__ rows, const int* __restrict__ inverse,
                                 const float* __restrict__ weights,
@@ -78,11 +82,27 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows, const int* __res
   T* ov = reinterpret_cast<T*>(out) + (size_t)PoolOutRow(bag, B, batch) * DV;
   for (int dv = lane; dv < DV; dv += TS) {
     T acc = accumulate ? ov[dv] : vzero<T>();
-#pragma unroll 4
-    for (int k = kb; k < ke; ++k) {
-      const unsigned idx = (unsigned)(__ldg(inverse + k) - lo);
-      const float w = __ldg(weights + k);
-      if (idx < span && w != 0.f) vfma(acc, w, rv[(size_t)idx * DV + dv]);
+    for (int k0 = kb; k0 < ke; k0 += kPB) {
+      unsigned idx[kPB];
+      float w[kPB];
+      T r[kPB];
+#pragma unroll
+      for (int i = 0; i < kPB; ++i) {
+        idx[i] = span;
+        w[i] = 0.f;
+        if (k0 + i < ke) {
+          idx[i] = (unsigned)(__ldg(inverse + k0 + i) - lo);
+          w[i] = __ldg(weights + k0 + i);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kPB; ++i) {
+        r[i] = vzero<T>();
+        if (idx[i] < span && w[i] != 0.f) r[i] = rv[(size_t)idx[i] * DV + dv];
+      }
+#pragma unroll
+      for (int i = 0; i < kPB; ++i)
+        if (idx[i] < span && w[i] != 0.f) vfma(acc, w[i], r[i]);
     }
     ov[dv] = acc;
   }
