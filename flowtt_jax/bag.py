@@ -18,7 +18,9 @@ mode's 1/len or 1/sqrt(len) scale, so kernels compute plain weighted sums.
 
 ``prepare_bags`` is what every bag op (``tt_embedding_bag``, the dense bag of
 ``flowtt_jax.collection`` and so the layers over them) runs first: the canonical form,
-then the out-of-range policy (``flowtt_jax.oob``) on its ids and weights.
+then the out-of-range policy (``flowtt_jax.oob``) on its ids and weights. ``packed_bags``
+gives the same for a packed feature-major CSR batch of several tables' features, in one
+``flowtt_tb_bags`` call on the kernel path (also ``tt_embedding_bag``'s CSR form there).
 """
 
 from __future__ import annotations
