@@ -251,6 +251,9 @@ def scale_by_modes(
     if all(m == "sum" for m in modes):
         return weights
     lengths = jnp.maximum(jnp.diff(offsets), 1).astype(weights.dtype)
+    if len(set(modes)) == 1:  # one mode: no [num_bags] constant of modes in the program
+        scale = 1.0 / lengths if modes[0] == "mean" else jax.lax.rsqrt(lengths)
+        return weights * scale[bag_ids]
     per_bag = np.repeat(np.asarray([MODES.index(m) for m in modes]), batch)
     scale = jnp.where(per_bag == 1, 1.0 / lengths, jnp.where(per_bag == 2, jax.lax.rsqrt(lengths), 1.0))
     return weights * scale[bag_ids]
