@@ -335,13 +335,12 @@ def _ours_batched(w: Workload) -> Fwd:
                     params[g], layout, ids, offsets, tables, weights=weights, impl="ffi", batch_major=True
                 )
                 return out.reshape(b, -1)
+
             # this group's features' slices, re-packed feature-major
-            g_ids = jnp.concatenate([ids[bounds[f] : bounds[f + 1]] for f in feats])
-            g_weights = (
-                None
-                if weights is None
-                else jnp.concatenate([weights[bounds[f] : bounds[f + 1]] for f in feats])
-            )
+            def packed(x, feats=feats):  # x's slices of this group's features, in turn
+                return None if x is None else jnp.concatenate([x[bounds[f] : bounds[f + 1]] for f in feats])
+
+            g_ids, g_weights = packed(ids), packed(weights)
             starts = np.cumsum([0] + [bounds[f + 1] - bounds[f] for f in feats])
             g_offsets = jnp.concatenate(
                 [offsets[f * b : (f + 1) * b] - bounds[f] + int(s) for f, s in zip(feats, starts)]
