@@ -173,17 +173,17 @@ inline int num_sms() {
   return sms > 0 ? sms : 132;
 }
 
-// Persistent grid: as many CTAs as fit on the device at once.
-template <typename Kernel, typename... Args>
+// Persistent grid: as many CTAs of NT threads as fit on the device at once.
+template <int NT = kThreads, typename Kernel, typename... Args>
 cudaError_t launch_persistent(Kernel kernel, size_t smem, cudaStream_t stream, int sms,
                               Args... args) {
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (err != cudaSuccess) return err;
   int occ = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kThreads, smem);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, NT, smem);
   occ = std::max(1, std::min(occ, 8));
-  kernel<<<sms * occ, kThreads, smem, stream>>>(args...);
+  kernel<<<sms * occ, NT, smem, stream>>>(args...);
   return cudaGetLastError();
 }
 

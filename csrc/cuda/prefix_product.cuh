@@ -68,13 +68,14 @@ __device__ __forceinline__ void warp_group_P(const Dev& d, const float* __restri
 // thread (float4 loads of A^T and G2 from shared memory), stored as
 // Ps[k][m][b] (m = q1*q2 index, group stride PT) when ldm == 0, else
 // transposed as Ps[k][b][m] with row stride ldm (the forward's layout).
-// As: [r1][ldA], G2s: [r1][ldB].
+// As: [r1][ldA], G2s: [r1][ldB]. NT: the block's threads.
+template <int NT = kGT>
 __device__ __forceinline__ void tile_gemm_P(const Dev& d, const float* As, int ldA,
                                             const float* G2s, int ldB, int nR, float* Ps, int PT,
                                             int ldm = 0) {
   const int NC4 = d.q2 * d.r2 / 4;
   const int nRB = (nR + kRPT - 1) / kRPT;
-  for (int it = threadIdx.x; it < NC4 * nRB; it += kGT) {
+  for (int it = threadIdx.x; it < NC4 * nRB; it += NT) {
     const int rb = it / NC4, c4 = it - rb * NC4;
     float acc[kRPT][4];
     tile_fma_8x4(As + rb * kRPT, ldA, G2s + c4 * 4, ldB, d.r1, acc);

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 #include "cuda/prefix_product.cuh"
@@ -22,6 +23,9 @@
 
 #ifndef FLOWTT_BWD_MINB  // tuning knob: CTAs per SM the compiler targets
 #define FLOWTT_BWD_MINB 3
+#endif
+#ifndef FLOWTT_BWD_WIDE  // threads of the GEMM kernel's CTA where shared memory fits one per SM
+#define FLOWTT_BWD_WIDE 512
 #endif
 
 namespace flowtt {
@@ -317,8 +321,8 @@ __host__ __device__ inline BwdGeo bwd_geo(const Dev& d, int GB) {
   return g;
 }
 
-template <int M, int Q3>
-__global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
+template <int M, int Q3, int NT>
+__global__ void __launch_bounds__(NT, NT == kGT ? FLOWTT_BWD_MINB : 1)
     rows_bwd_gemm_kernel(Dev d, BwdGeo geo, const float* __restrict__ g1,
                          const float* __restrict__ g2, const float* __restrict__ g3,
                          const float* __restrict__ d_rows, const int* __restrict__ uids,
@@ -376,7 +380,7 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
     }
     {
       const float4* src = reinterpret_cast<const float4*>(g2 + (size_t)i2 * d.R1Q2R2);
-      for (int i = tid; i < d.r1 * NC4; i += kGT) {
+      for (int i = tid; i < d.r1 * NC4; i += NT) {
         const int a = i / NC4, c = i - a * NC4;
         *reinterpret_cast<float4*>(G2s + a * geo.ldG2 + 4 * c) = __ldg(src + i);
         reinterpret_cast<float4*>(dG2s)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -385,17 +389,17 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
     for (int k0 = 0; k0 < nG; k0 += geo.GB) {
       const int nB = min(geo.GB, nG - k0);
       const int nR = nB * d.q1;
-      for (int i = tid; i < nB * d.Q1R1; i += kGT) {  // rows fastest: no bank conflicts
+      for (int i = tid; i < nB * d.Q1R1; i += NT) {  // rows fastest: no bank conflicts
         const int a = i / nR, row = i - a * nR;
         const int k = row / d.q1, q1 = row - k * d.q1;
         As[a * geo.ldA + row] = __ldg(g1 + (size_t)(i1b + s_k[k0 + k]) * d.Q1R1 + q1 * d.r1 + a);
       }
       __syncthreads();
-      tile_gemm_P(d, As, geo.ldA, G2s, geo.ldG2, nR, PD, geo.PT);
+      tile_gemm_P<NT>(d, As, geo.ldA, G2s, geo.ldG2, nR, PD, geo.PT);
       __syncthreads();
       {  // P -> Pbuf (layout [m][b])
         const int P4 = d.PSZ / 4;
-        for (int i = tid; i < nB * P4; i += kGT) {
+        for (int i = tid; i < nB * P4; i += NT) {
           const int k = i / P4, w = i - k * P4;
           reinterpret_cast<float4*>(Pbuf + (size_t)s_g[k0 + k] * d.PSZ)[w] =
               *reinterpret_cast<const float4*>(PD + k * geo.PT + 4 * w);
@@ -405,7 +409,7 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
       {  // dP_k[m][b] = sum_u sum_q dRow_u[m][q] G3[i3_u][b][q]
         const int R24 = d.r2 / 4;
         const int IPG = NMB2 * R24;
-        for (int it = tid; it < nB * IPG; it += kGT) {
+        for (int it = tid; it < nB * IPG; it += NT) {
           const int k = it / IPG, rest = it - k * IPG;
           const int mb = rest / R24, b0 = 4 * (rest - mb * R24);
           const int m0 = mb * MB2;
@@ -440,7 +444,7 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
       }
       __syncthreads();
       // dG1 partial [q1][a] = sum_j dP_k[q1][j] G2[a][j]; a = a0 + i*r1/4
-      for (int it = tid; it < nB * R14; it += kGT) {
+      for (int it = tid; it < nB * R14; it += NT) {
         const int k = it / R14, a0 = it - k * R14;
         float acc[4][4];
         zero_fill(acc);
@@ -473,7 +477,7 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
             for (int i = 0; i < 4; ++i) o[q1 * d.r1 + a0 + i * R14] = acc[q1][i];
       }
       // the tile's dG2 [a][j] += sum_rows A[row][a] dP[row][j], rows in order
-      for (int it = tid; it < R14 * NC4; it += kGT) {
+      for (int it = tid; it < R14 * NC4; it += NT) {
         const int ab = it / NC4, j4 = it - ab * NC4;
         float acc[4][4];
         zero_fill(acc);
@@ -508,7 +512,7 @@ __global__ void __launch_bounds__(kGT, FLOWTT_BWD_MINB)
       const int kt = t / d.p2;
       await_turn(col_turn + i2, kt);
       float4* dst = reinterpret_cast<float4*>(dg2 + (size_t)i2 * d.R1Q2R2);
-      for (int i = tid; i < d.r1 * NC4; i += kGT)
+      for (int i = tid; i < d.r1 * NC4; i += NT)
         dst[i] = dg2_in_turn(dst + i, kt, reinterpret_cast<const float4*>(dG2s)[i]);
       pass_turn(col_turn + i2, kt);
     }
@@ -593,12 +597,22 @@ cudaError_t launch_rows_bwd_tiles(const Dev& d, const float* g1, const float* g2
   const int GBB = gemm_bwd_batch_groups(d);
   if (GBB > 0) {
     const BwdGeo geo = bwd_geo(d, GBB);
+    // one CTA per SM by shared memory: FLOWTT_BWD_WIDE threads (more warps to hide latency)
+    const bool wide = geo.smem_bytes > 114 * 1024;
     GemmShapes::dispatch(
         [&](auto shape) {
           using S = decltype(shape);
-          err = launch_persistent(rows_bwd_gemm_kernel<S::M, S::Q3>, geo.smem_bytes, stream, sms, d,
-                                  geo, g1, g2, g3, d_rows, unique_ids, group_offsets, counts, n,
-                                  s.map, s.ctrl, s.col_turn(), s.Pbuf, s.dG1p, dg2, s.slots);
+          auto launch = [&](auto nt) {
+            constexpr int NT = decltype(nt)::value;
+            err = launch_persistent<NT>(rows_bwd_gemm_kernel<S::M, S::Q3, NT>, geo.smem_bytes,
+                                        stream, sms, d, geo, g1, g2, g3, d_rows, unique_ids,
+                                        group_offsets, counts, n, s.map, s.ctrl, s.col_turn(),
+                                        s.Pbuf, s.dG1p, dg2, s.slots);
+          };
+          if (wide)
+            launch(std::integral_constant<int, FLOWTT_BWD_WIDE>{});
+          else
+            launch(std::integral_constant<int, kGT>{});
         },
         d.M, d.q3);
     return err;
