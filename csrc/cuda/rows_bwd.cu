@@ -24,6 +24,9 @@
 #ifndef FLOWTT_BWD_MINB  // tuning knob: CTAs per SM the compiler targets
 #define FLOWTT_BWD_MINB 3
 #endif
+#ifndef FLOWTT_BWD_SMEM_KB  // shared-memory cap of the GEMM kernel's batch past 110 KB
+#define FLOWTT_BWD_SMEM_KB 224
+#endif
 #ifndef FLOWTT_BWD_WIDE  // threads of the GEMM kernel's CTA where shared memory fits one per SM
 #define FLOWTT_BWD_WIDE 512
 #endif
@@ -579,10 +582,11 @@ size_t bwd_smem(const Dev& d) {
 }
 
 // Groups per batch of the GEMM backward tile (~110 KB of shared memory if
-// possible, else up to 200 KB), or 0 when it does not take these dims.
+// possible, else up to FLOWTT_BWD_SMEM_KB, 224 KB: the most a CTA takes on sm_90 is 227 KB),
+// or 0 when it does not take these dims.
 int gemm_bwd_batch_groups(const Dev& d) {
   if (!gemm_dims(d) || d.r1 % 4 != 0 || d.q1 > 4) return 0;
-  for (int lim : {110 * 1024, 200 * 1024})
+  for (int lim : {110 * 1024, FLOWTT_BWD_SMEM_KB * 1024})
     for (int GB = kT1B; GB >= 1; GB /= 2)
       if (bwd_geo(d, GB).smem_bytes <= lim) return GB;
   return 0;
