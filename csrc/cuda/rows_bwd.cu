@@ -35,6 +35,9 @@ namespace flowtt {
 namespace {
 
 constexpr int kKC = 16;  // K rows per dG2 staging chunk of the warp tile kernel
+// Shared memory of a GEMM kernel CTA that leaves room for more than one per SM; past it
+// (a batch of one group does not fit) the CTA runs alone on its SM, FLOWTT_BWD_WIDE threads.
+constexpr int kBwdSharedSmem = 110 * 1024;
 
 // The turns of dG2[i2]: tile (k, i2) (t = k*p2 + i2, i1 block k) adds its partial when
 // turn[i2] == k, then passes the turn on, so dG2[i2] = ((0.f + part_0) + part_1) + ...
@@ -581,12 +584,12 @@ size_t bwd_smem(const Dev& d) {
   return sizeof(float) * ((size_t)align4(d.r1 * (NJ + 1)) + std::max(warps, ab));
 }
 
-// Groups per batch of the GEMM backward tile (~110 KB of shared memory if
+// Groups per batch of the GEMM backward tile (kBwdSharedSmem of shared memory if
 // possible, else up to FLOWTT_BWD_SMEM_KB, 224 KB: the most a CTA takes on sm_90 is 227 KB),
 // or 0 when it does not take these dims.
 int gemm_bwd_batch_groups(const Dev& d) {
   if (!gemm_dims(d) || d.r1 % 4 != 0 || d.q1 > 4) return 0;
-  for (int lim : {110 * 1024, FLOWTT_BWD_SMEM_KB * 1024})
+  for (int lim : {kBwdSharedSmem, FLOWTT_BWD_SMEM_KB * 1024})
     for (int GB = kT1B; GB >= 1; GB /= 2)
       if (bwd_geo(d, GB).smem_bytes <= lim) return GB;
   return 0;
@@ -601,8 +604,7 @@ cudaError_t launch_rows_bwd_tiles(const Dev& d, const float* g1, const float* g2
   const int GBB = gemm_bwd_batch_groups(d);
   if (GBB > 0) {
     const BwdGeo geo = bwd_geo(d, GBB);
-    // one CTA per SM by shared memory: FLOWTT_BWD_WIDE threads (more warps to hide latency)
-    const bool wide = geo.smem_bytes > 114 * 1024;
+    const bool wide = geo.smem_bytes > kBwdSharedSmem;  // alone on its SM: more warps
     GemmShapes::dispatch(
         [&](auto shape) {
           using S = decltype(shape);
