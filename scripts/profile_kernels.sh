@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute profile of the S1 kernels (standalone harness, one launch of each kernel),
 # on the device machine: scripts/profile_kernels.sh [kernel-regex] [launch-count]
+# (HARNESS_ARGS: the harness's options, default --s1; e.g. "--only D128_r64_B65536")
 # Writes $OUT/ncu_s1.ncu-rep, $OUT/ncu_details.txt / .csv (all sections) and
 # $OUT/ncu_source_<K>.csv (per-line CUDA/SASS counters of the first launch of each kernel K
 # in FLOWTT_NCU_SOURCE, a space-separated list of name regexes), summarised by
@@ -13,7 +14,7 @@ COUNT=${2:-12}
 HARNESS=$(scripts/build_harness.sh "${BUILD_ROOT:-/tmp/flowtt_build}/lineinfo" "" -lineinfo) \
   || { echo "harness build failed"; exit 1; }
 ncu --clock-control none --set full --import-source yes --kernel-name "regex:$REGEX" \
-  --launch-count "$COUNT" -f -o "$OUT/ncu_s1" "$HARNESS" --s1 > "$OUT/ncu_run.log" 2>&1
+  --launch-count "$COUNT" -f -o "$OUT/ncu_s1" "$HARNESS" ${HARNESS_ARGS:---s1} > "$OUT/ncu_run.log" 2>&1
 tail -3 "$OUT/ncu_run.log"
 ncu -i "$OUT/ncu_s1.ncu-rep" --page details --print-details all > "$OUT/ncu_details.txt" 2>&1
 ncu -i "$OUT/ncu_s1.ncu-rep" --page details --csv > "$OUT/ncu_details.csv" 2>&1

@@ -1,6 +1,8 @@
 // Standalone check + timing of the FlowTT kernels (no JAX, no XLA).
 // Build: scripts/build_harness.sh BUILD_DIR (cmake target flowtt_harness)
-// Run:   BUILD_DIR/flowtt_harness [--quick | --s1 | --s1-timing]
+// Run:   BUILD_DIR/flowtt_harness [--quick | --s1 | --s1-timing | --only SUBSTR]
+// (--only: just the cases whose name contains SUBSTR, checked and timed; their ids are
+// those of a full run, their cores and gradients drawn after the skipped cases' ids)
 // For every case: host plan (same as flowtt_jax.plan.make_plan), outputs
 // poisoned with NaN, all four ops on the GPU, compared with a float64 host
 // reference (relative L2 error), backward run twice and compared bitwise.
@@ -442,6 +444,9 @@ int main(int argc, char** argv) {
   bool quick = argc > 1 && std::string(argv[1]) == "--quick";
   const bool s1time = argc > 1 && std::string(argv[1]) == "--s1-timing";
   const bool s1only = s1time || (argc > 1 && std::string(argv[1]) == "--s1");
+  const std::string only =
+      argc > 2 && std::string(argv[1]) == "--only" ? std::string(argv[2]) : std::string();
+  auto skip = [&](const Case& c) { return !only.empty() && c.name.find(only) == std::string::npos; };
   std::mt19937_64 rng(12345);
   int fails = 0;
   auto mk = [](int p1, int p2, int p3, int q1, int q2, int q3, int r) {
@@ -485,14 +490,15 @@ int main(int argc, char** argv) {
     cases.push_back(c);
   }
   if (!s1only)
-    for (auto& c : cases) fails += run_case(c, rng, false);
+    for (auto& c : cases)
+      if (!skip(c)) fails += run_case(c, rng, false);
   if (!quick) {
     // S1: N=1e7, P=200x200x250, D=32 (2x4x4), r=32, 32768 bags len U[1,27], zipf 1.05 scattered
     {
       Case c{"S1_D32_r32_B32768_zipf1.05", mk(200, 200, 250, 2, 4, 4, 32), 10000000};
       c.bag_offsets = bags_uniform(rng, 32768, 1, 27);
       c.ids = zipf_ids(rng, c.N, 1.05, c.bag_offsets.back(), true);
-      fails += run_case(c, rng, !s1only || s1time);
+      if (!skip(c)) fails += run_case(c, rng, !s1only || s1time);
     }
     if (s1only) return fails;
     for (int B : {4096, 65536}) {
@@ -501,14 +507,14 @@ int main(int argc, char** argv) {
       c.bag_offsets = bags_uniform(rng, B, 1, 27);
       c.ids = zipf_ids(rng, c.N, 1.05, c.bag_offsets.back(), true);
       c.check = (B == 4096);
-      fails += run_case(c, rng, true);
+      if (!skip(c)) fails += run_case(c, rng, true);
     }
     {
       Case c{"S1_uniform", mk(200, 200, 250, 2, 4, 4, 32), 10000000};
       c.bag_offsets = bags_uniform(rng, 32768, 1, 27);
       c.ids = uniform_ids(rng, 0, 9999999, c.bag_offsets.back());
       c.check = false;
-      fails += run_case(c, rng, true);
+      if (!skip(c)) fails += run_case(c, rng, true);
     }
   }
   printf("HARNESS %s (%d failing cases)\n", fails ? "FAIL" : "PASS", fails);
