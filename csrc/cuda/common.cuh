@@ -120,6 +120,12 @@ __device__ __forceinline__ void ldg_float4s(const float4* __restrict__ src, floa
   }
 }
 
+// Asks L2 for the 128-byte line holding `at` (no register, no wait): a load a loop
+// issues later finds it there instead of in HBM.
+__device__ __forceinline__ void prefetch_l2(const void* at) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
+}
+
 // claim_tile for a whole block: thread 0 claims, every thread returns the item (`slot`:
 // a __shared__ int, free again on return).
 __device__ __forceinline__ int claim_tile_block(int* counter, int first, int& slot) {

@@ -19,6 +19,13 @@
 namespace flowtt {
 namespace {
 
+#ifndef FLOWTT_DG3_PREFETCH  // tuning knob: the next id's P and dRow asked of L2 ahead
+#define FLOWTT_DG3_PREFETCH 0
+#endif
+#ifndef FLOWTT_DG3_MINB  // tuning knob: CTAs per SM the blocked dG3 pass is compiled for
+#define FLOWTT_DG3_MINB 1
+#endif
+
 constexpr int kBatch = 256;  // ids staged in shared memory per step of dg3_kernel
 
 // Sort keys (i3, or p3 past num_unique) and values (u) for the dG3 pass, and
@@ -122,7 +129,7 @@ __global__ void dg3_kernel(Dev d, const int* __restrict__ bounds, const int* __r
 // `sub`); per id it reads P_g[m][b0..b0+3] and dRow_u[m][:] as float4s
 // (4*M*Q3 FMAs per 2 float4s per m). Streams are combined in order.
 template <int M, int Q3>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, FLOWTT_DG3_MINB)
     dg3_blocked_kernel(Dev d, const int* __restrict__ bounds, const int* __restrict__ vals, int n,
                        const int* __restrict__ ug, const float* __restrict__ Pbuf,
                        const float* __restrict__ d_rows, int slots, float* __restrict__ dg3p) {
@@ -153,6 +160,15 @@ __global__ void __launch_bounds__(kThreads)
         u_next = clampi(__ldg(vals + j + subs), 0, n - 1);
         g_next = clampi(__ldg(ug + u_next), 0, slots - 1);
       }
+#if FLOWTT_DG3_PREFETCH
+      if (j + subs < hi) {  // the next id's P and dRow lines, spread over the sub's threads
+        const float* Pn = Pbuf + (size_t)g_next * d.PSZ;
+        const float* dn = d_rows + (size_t)u_next * d.D;
+#pragma unroll 1
+        for (int off = (b0 / 4) * 32; off < d.PSZ + d.D; off += NB4 * 32)
+          prefetch_l2(off < d.PSZ ? Pn + off : dn + (off - d.PSZ));
+      }
+#endif
       const float* P = Pbuf + (size_t)g * d.PSZ + b0;
       const float4* dr = reinterpret_cast<const float4*>(d_rows + (size_t)u * d.D);
 #pragma unroll 4

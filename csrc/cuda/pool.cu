@@ -120,8 +120,11 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows, const int* __res
 //   partials are queued for Pass 3: a warp per (run, vector), the same sums.
 // d_rows past num_unique is not written (the contract leaves it unspecified).
 
+#ifndef FLOWTT_POOL_P1_MINB  // tuning knob: CTAs per SM pass 1 is compiled for
+#define FLOWTT_POOL_P1_MINB 1
+#endif
 template <int VEC>
-__global__ void pool_bwd_rows_p1(const float* __restrict__ dout, const float* __restrict__ weights,
+__global__ void __launch_bounds__(256, FLOWTT_POOL_P1_MINB) pool_bwd_rows_p1(const float* __restrict__ dout, const float* __restrict__ weights,
                                  const int* __restrict__ bag_ids, const int* __restrict__ perm,
                                  const int* __restrict__ inverse,
                                  const int* __restrict__ run_offsets,

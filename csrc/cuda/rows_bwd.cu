@@ -21,6 +21,9 @@
 #include "cuda/shape_dispatch.cuh"
 #include "cuda/stages.h"
 
+#ifndef FLOWTT_BWD_PREFETCH  // tuning knob: ids ahead whose d_rows the dP loop asks L2 for
+#define FLOWTT_BWD_PREFETCH 0
+#endif
 #ifndef FLOWTT_BWD_MINB  // tuning knob: CTAs per SM the compiler targets
 #define FLOWTT_BWD_MINB 3
 #endif
@@ -426,6 +429,10 @@ __global__ void __launch_bounds__(NT, NT == kGT ? FLOWTT_BWD_MINB : 1)
           for (int u = gs; u < ge; ++u) {
             const int id = id_next;
             if (u + 1 < ge) id_next = __ldg(uids + u + 1);
+#if FLOWTT_BWD_PREFETCH > 0
+            if (u + FLOWTT_BWD_PREFETCH < ge)
+              prefetch_l2(d_rows + (size_t)(u + FLOWTT_BWD_PREFETCH) * d.D + m0 * Q3);
+#endif
             const float4* dr4 = reinterpret_cast<const float4*>(d_rows + (size_t)u * d.D + m0 * Q3);
             const float4* g34 =
                 reinterpret_cast<const float4*>(g3 + ((size_t)id3(d, id) * d.r2 + b0) * Q3);
