@@ -21,8 +21,10 @@
 #include "cuda/shape_dispatch.cuh"
 #include "cuda/stages.h"
 
-#ifndef FLOWTT_BWD_PREFETCH  // tuning knob: ids ahead whose d_rows the dP loop asks L2 for
-#define FLOWTT_BWD_PREFETCH 0
+// The dP loop of the GEMM tile kernel asks L2 for the d_rows line of the id this many ahead
+// (d_rows is mostly in HBM): harness rows backward S1 0.295 -> 0.286 ms (2 ahead: the same).
+#ifndef FLOWTT_BWD_PREFETCH  // tuning knob; 0: no prefetch
+#define FLOWTT_BWD_PREFETCH 1
 #endif
 #ifndef FLOWTT_BWD_MINB  // tuning knob: CTAs per SM the compiler targets
 #define FLOWTT_BWD_MINB 3

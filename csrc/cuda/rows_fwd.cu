@@ -335,8 +335,9 @@ __device__ __forceinline__ void apply_team(const Dev& d, const float* Pt,
         make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
 }
 
-template <int M, int Q3>
-__global__ void __launch_bounds__(kGT, FLOWTT_FWD_MINB)
+// MINB: CTAs per SM the kernel is compiled for (fwd_gemm_minb).
+template <int M, int Q3, int MINB>
+__global__ void __launch_bounds__(kGT, MINB)
     rows_fwd_gemm_kernel(Dev d, TileGeo geo, const float* __restrict__ g1,
                          const float* __restrict__ g2, const float* __restrict__ g3,
                          const int* __restrict__ uids, const int* __restrict__ goffs,
@@ -492,6 +493,21 @@ int gemm_batch_groups(const Dev& d) {
   return 0;
 }
 
+// The GEMM kernel is compiled for FLOWTT_FWD_MINB CTAs per SM (S1: 72 KB of shared memory
+// each, three fit) where that many fit by shared memory, else for kFwdMinbWide: past ~73 KB
+// (D128 r64: 90 KB) two CTAs fit, and compiled for two they have 128 registers instead of
+// 80 and no spills (harness rows_fwd at D128 r64 B65536: 0.714 -> 0.639 ms).
+constexpr int kFwdMinbWide = 2;
+template <typename Kernel>
+bool fwd_gemm_fits(Kernel kernel, const TileGeo& geo) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           geo.smem_bytes) != cudaSuccess)
+    return false;
+  int occ = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kGT, geo.smem_bytes);
+  return occ >= FLOWTT_FWD_MINB;
+}
+
 }  // namespace
 
 size_t fwd_smem(const Dev& d) {
@@ -513,9 +529,15 @@ cudaError_t launch_rows_fwd_range(const Dev& d, const float* g1, const float* g2
     const TileGeo geo = tile_geo(d, GB);
     auto launch_gemm = [&](auto shape) {
       using S = decltype(shape);
-      err = launch_persistent(rows_fwd_gemm_kernel<S::M, S::Q3>, geo.smem_bytes, stream, sms, d,
-                              geo, g1, g2, g3, unique_ids, group_offsets, counts, n, lo, hi, s.map,
-                              ctrl, flags, s.ckpt, rows);
+      auto launch = [&](auto kernel) {
+        err = launch_persistent(kernel, geo.smem_bytes, stream, sms, d, geo, g1, g2, g3,
+                                unique_ids, group_offsets, counts, n, lo, hi, s.map, ctrl, flags,
+                                s.ckpt, rows);
+      };
+      if (fwd_gemm_fits(rows_fwd_gemm_kernel<S::M, S::Q3, FLOWTT_FWD_MINB>, geo))
+        launch(rows_fwd_gemm_kernel<S::M, S::Q3, FLOWTT_FWD_MINB>);
+      else
+        launch(rows_fwd_gemm_kernel<S::M, S::Q3, kFwdMinbWide>);
     };
     if (GemmShapes::dispatch(launch_gemm, d.M, d.q3)) return err;
   }
