@@ -126,6 +126,10 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows, const int* __res
 #ifndef FLOWTT_POOL_P1_MINB  // tuning knob
 #define FLOWTT_POOL_P1_MINB 4
 #endif
+#ifndef FLOWTT_POOL_P1_BATCH  // tuning knob: sorted positions loaded before their fmas
+#define FLOWTT_POOL_P1_BATCH 8
+#endif
+constexpr int kP1B = FLOWTT_POOL_P1_BATCH;
 template <int VEC>
 __global__ void __launch_bounds__(256, FLOWTT_POOL_P1_MINB) pool_bwd_rows_p1(const float* __restrict__ dout, const float* __restrict__ weights,
                                  const int* __restrict__ bag_ids, const int* __restrict__ perm,
@@ -159,12 +163,12 @@ __global__ void __launch_bounds__(256, FLOWTT_POOL_P1_MINB) pool_bwd_rows_p1(con
         pv[((size_t)k * 2 + side) * DV + dv] = acc;
       }
     };
-    for (int j0 = cs; j0 < ce; j0 += 8) {
-      int uj[8];
-      float wj[8];
-      T xj[8];
+    for (int j0 = cs; j0 < ce; j0 += kP1B) {
+      int uj[kP1B];
+      float wj[kP1B];
+      T xj[kP1B];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
+      for (int i = 0; i < kP1B; ++i) {
         const int j = j0 + i;
         uj[i] = -1;
         wj[i] = 0.f;
@@ -178,7 +182,7 @@ __global__ void __launch_bounds__(256, FLOWTT_POOL_P1_MINB) pool_bwd_rows_p1(con
         }
       }
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
+      for (int i = 0; i < kP1B; ++i) {
         if (j0 + i < ce) {
           if (uj[i] != cur) {
             flush(cur);
