@@ -126,6 +126,11 @@ __device__ __forceinline__ void prefetch_l2(const void* at) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
 }
 
+// The same into L1 (and L2).
+__device__ __forceinline__ void prefetch_l1(const void* at) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(at));
+}
+
 // claim_tile for a whole block: thread 0 claims, every thread returns the item (`slot`:
 // a __shared__ int, free again on return).
 __device__ __forceinline__ int claim_tile_block(int* counter, int first, int& slot) {

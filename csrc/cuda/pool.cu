@@ -120,14 +120,15 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows, const int* __res
 //   partials are queued for Pass 3: a warp per (run, vector), the same sums.
 // d_rows past num_unique is not written (the contract leaves it unspecified).
 
-// Pass 1 waits on its gathers (long scoreboard); compiled for 4 CTAs per SM (64 registers,
-// 48 bytes of spills) it keeps 32 warps per SM in flight instead of 24 (72 registers):
-// harness pool backward S1 0.109 -> 0.099 ms, D128 r64 B65536 0.728 -> 0.642.
+// Pass 1 waits on its gathers (long scoreboard). Load batches of 4 positions, compiled for
+// 5 CTAs per SM (48 registers, no spills), keep 40 warps per SM in flight instead of 24
+// (batches of 8, 72 registers): harness pool backward S1 0.109 -> 0.093 ms, D128 r64
+// B65536 0.728 -> 0.596 (4 CTAs with batches of 8: 0.099, 0.641).
 #ifndef FLOWTT_POOL_P1_MINB  // tuning knob
-#define FLOWTT_POOL_P1_MINB 4
+#define FLOWTT_POOL_P1_MINB 5
 #endif
 #ifndef FLOWTT_POOL_P1_BATCH  // tuning knob: sorted positions loaded before their fmas
-#define FLOWTT_POOL_P1_BATCH 8
+#define FLOWTT_POOL_P1_BATCH 4
 #endif
 constexpr int kP1B = FLOWTT_POOL_P1_BATCH;
 template <int VEC>

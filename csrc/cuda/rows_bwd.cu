@@ -26,6 +26,12 @@
 #ifndef FLOWTT_BWD_PREFETCH  // tuning knob; 0: no prefetch
 #define FLOWTT_BWD_PREFETCH 1
 #endif
+#ifndef FLOWTT_BWD_PREFETCH_L1  // tuning knob: 1 asks L1 for the next id's d_rows and G3
+#define FLOWTT_BWD_PREFETCH_L1 0
+#endif
+#ifndef FLOWTT_BWD_SNAKE  // tuning knob: 1 deals a batch's dP items by snake_slots
+#define FLOWTT_BWD_SNAKE 0
+#endif
 #ifndef FLOWTT_BWD_MINB  // tuning knob: CTAs per SM the compiler targets
 #define FLOWTT_BWD_MINB 3
 #endif
@@ -305,6 +311,28 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Slot order of a batch's dP items (snake draft): thread t takes slots t / IPG + j * S,
+// S = NT / IPG slots a row, j = 0, 1, ...; warp 0 (all lanes) writes ord[p] = the batch
+// group (0..nB-1) of slot p so that row j takes the groups of size ranks j*S .. j*S + S - 1
+// (largest first), every other full row reversed: a thread's groups pair large with small
+// and the barrier after the dP pass waits for the largest pair, not for the largest groups
+// dealt to one thread. Each group's dP is the same sum whoever computes it: same bits.
+// sizes(k): unique ids of batch group k.
+template <class Sizes>
+__device__ __forceinline__ void snake_slots(int nB, int S, int lane, int* ord, Sizes&& sizes) {
+  if (lane < nB) {
+    const int mine = sizes(lane);
+    int r = 0;  // rank: larger groups first, ties by index
+    for (int k = 0; k < nB; ++k) {
+      const int o = sizes(k);
+      r += (o > mine) || (o == mine && k < lane);
+    }
+    const int j = r / S, s = r - j * S;
+    const bool rev = (j & 1) && (j + 1) * S <= nB;
+    ord[j * S + (rev ? S - 1 - s : s)] = lane;
+  }
+}
+
 // ---- backward, GEMM tile kernel (the fast path) ----------------------------
 // Same tiles as the forward GEMM kernel (i2 column x kT1B i1 values) and the
 // same outputs as rows_bwd_tile_kernel: Pbuf[g] (P, [m][b]), dG1p[g], the tile's
@@ -350,12 +378,14 @@ __global__ void __launch_bounds__(NT, NT == kGT ? FLOWTT_BWD_MINB : 1)
   float* As = dG2s + d.r1 * NC;                  // [r1][ldA], G1 transposed
   float* PD = As + d.r1 * geo.ldA;               // [GB][PT]: P, then dP
   __shared__ int s_next, s_n;
-  __shared__ int s_k[kT1B], s_g[kT1B], s_gs[kT1B], s_ge[kT1B];
+  __shared__ int s_k[kT1B], s_g[kT1B], s_gs[kT1B], s_ge[kT1B], s_ord[kT1B];
   const int tid = threadIdx.x;
   const int U = clampi(counts[0], 0, n);
   const int G = clampi(counts[1], 0, U);
   const int nTiles = (d.p1 + kT1B - 1) / kT1B * d.p2;
   const int NC4 = NC / 4, R14 = d.r1 / 4;
+  const int IPG = NMB2 * (d.r2 / 4);  // dP items per group
+  const int S = NT % IPG == 0 ? NT / IPG : 0;  // slots a row (0: items straddle threads)
 
   if (tid == 0) s_next = claim_tile(ctrl);
   for (;;) {
@@ -400,6 +430,9 @@ __global__ void __launch_bounds__(NT, NT == kGT ? FLOWTT_BWD_MINB : 1)
     for (int k0 = 0; k0 < nG; k0 += geo.GB) {
       const int nB = min(geo.GB, nG - k0);
       const int nR = nB * d.q1;
+      const bool snake = FLOWTT_BWD_SNAKE && S > 0 && nB > S;  // a thread takes two groups
+      if (snake && tid < 32)
+        snake_slots(nB, S, tid, s_ord, [&](int k) { return s_ge[k0 + k] - s_gs[k0 + k]; });
       for (int i = tid; i < nB * d.Q1R1; i += NT) {  // rows fastest: no bank conflicts
         const int a = i / nR, row = i - a * nR;
         const int k = row / d.q1, q1 = row - k * d.q1;
@@ -419,18 +452,30 @@ __global__ void __launch_bounds__(NT, NT == kGT ? FLOWTT_BWD_MINB : 1)
       __syncthreads();
       {  // dP_k[m][b] = sum_u sum_q dRow_u[m][q] G3[i3_u][b][q]
         const int R24 = d.r2 / 4;
-        const int IPG = NMB2 * R24;
         for (int it = tid; it < nB * IPG; it += NT) {
-          const int k = it / IPG, rest = it - k * IPG;
+          const int p = it / IPG, rest = it - p * IPG;
+          const int k = snake ? s_ord[p] : p;
           const int mb = rest / R24, b0 = 4 * (rest - mb * R24);
           const int m0 = mb * MB2;
           float acc[MB2][4];
           zero_fill(acc);
           const int gs = s_gs[k0 + k], ge = s_ge[k0 + k];
           int id_next = gs < ge ? __ldg(uids + gs) : 0;  // one id ahead
+#if FLOWTT_BWD_PREFETCH_L1
+          int id_next2 = gs + 1 < ge ? __ldg(uids + gs + 1) : 0;  // two ids ahead
+#endif
           for (int u = gs; u < ge; ++u) {
             const int id = id_next;
+#if FLOWTT_BWD_PREFETCH_L1
+            id_next = id_next2;
+            if (u + 2 < ge) id_next2 = __ldg(uids + u + 2);
+            if (u + 1 < ge) {  // the next id's lines of d_rows and G3, into L1
+              prefetch_l1(d_rows + (size_t)(u + 1) * d.D + m0 * Q3);
+              prefetch_l1(g3 + ((size_t)id3(d, id_next) * d.r2 + b0) * Q3);
+            }
+#else
             if (u + 1 < ge) id_next = __ldg(uids + u + 1);
+#endif
 #if FLOWTT_BWD_PREFETCH > 0
             if (u + FLOWTT_BWD_PREFETCH < ge)
               prefetch_l2(d_rows + (size_t)(u + FLOWTT_BWD_PREFETCH) * d.D + m0 * Q3);
