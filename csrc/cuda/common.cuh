@@ -126,23 +126,6 @@ __device__ __forceinline__ void prefetch_l2(const void* at) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
 }
 
-// The same into L1 (and L2).
-__device__ __forceinline__ void prefetch_l1(const void* at) {
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(at));
-}
-
-// cp.async: 16 bytes global -> shared without registers (L2 only: .cg); commit closes a
-// group of copies, wait<N> waits until at most N groups are in flight (this thread's).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
-
 // claim_tile for a whole block: thread 0 claims, every thread returns the item (`slot`:
 // a __shared__ int, free again on return).
 __device__ __forceinline__ int claim_tile_block(int* counter, int first, int& slot) {

@@ -19,12 +19,6 @@
 namespace flowtt {
 namespace {
 
-#ifndef FLOWTT_DG3_STAGED  // tuning knob: 1 runs dg3_staged_kernel where its shared memory fits
-#define FLOWTT_DG3_STAGED 0
-#endif
-constexpr int kDg3WindowSteps = 16;  // steps of dg3_staged_kernel whose (u, group) pairs are read at once
-constexpr int kDg3StagedSmem = 224 * 1024;  // the most dg3_staged_kernel takes (sm_90: 227 KB a CTA)
-
 constexpr int kBatch = 256;  // ids staged in shared memory per step of dg3_kernel
 
 // Sort keys (i3, or p3 past num_unique) and values (u) for the dG3 pass, and
@@ -122,63 +116,6 @@ __global__ void dg3_kernel(Dev d, const int* __restrict__ bounds, const int* __r
   }
 }
 
-// Block (i3, part) of the blocked dG3 passes: the part's sorted positions [lo, hi).
-__device__ __forceinline__ void dg3_part(const int* __restrict__ bounds, int i3, int part, int& lo,
-                                         int& hi) {
-  const int blo = bounds[i3], bhi = bounds[i3 + 1];
-  const int per = (bhi - blo + kS3 - 1) / kS3;
-  lo = min(bhi, blo + part * per);
-  hi = min(bhi, lo + per);
-}
-
-// One id's term of a thread of the blocked passes: acc[i][q] += sum over m, in order, of
-// P[m][b0 + i] * dRow[m][q]. P: P_g + b0 (row stride r2), dr: dRow_u; ld4(ptr) loads a
-// float4 (global or shared memory).
-template <int M, int Q3, class Ld4>
-__device__ __forceinline__ void dg3_id_fma(float (&acc)[4][Q3], const float* P, const float* dr,
-                                           int r2, Ld4&& ld4) {
-#pragma unroll 4
-  for (int m = 0; m < M; ++m) {
-    const float4 p = ld4(P + m * r2);
-    float dv[Q3];
-#pragma unroll
-    for (int q4 = 0; q4 < Q3 / 4; ++q4) {
-      const float4 v = ld4(dr + m * Q3 + 4 * q4);
-      dv[4 * q4] = v.x;
-      dv[4 * q4 + 1] = v.y;
-      dv[4 * q4 + 2] = v.z;
-      dv[4 * q4 + 3] = v.w;
-    }
-#pragma unroll
-    for (int q = 0; q < Q3; ++q) {
-      acc[0][q] = fmaf(p.x, dv[q], acc[0][q]);
-      acc[1][q] = fmaf(p.y, dv[q], acc[1][q]);
-      acc[2][q] = fmaf(p.z, dv[q], acc[2][q]);
-      acc[3][q] = fmaf(p.w, dv[q], acc[3][q]);
-    }
-  }
-}
-
-// The streams' sums combined in order (s_red: [subs][r2*Q3]) into the block's partial.
-template <int Q3>
-__device__ __forceinline__ void dg3_combine(const Dev& d, const float (&acc)[4][Q3], bool active,
-                                            int sub, int subs, int b0, float* s_red, float* out) {
-  const int E3 = d.r2 * Q3;
-  if (active) {
-    float* r = s_red + sub * E3 + b0 * Q3;  // [b][q] order
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int q = 0; q < Q3; ++q) r[i * Q3 + q] = acc[i][q];
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < E3; e += kThreads) {
-    float tot = 0.f;
-    for (int k = 0; k < subs; ++k) tot += s_red[k * E3 + e];
-    out[e] = tot;
-  }
-}
-
 // dG3 partials, blocked (the fast path, same dims as the GEMM kernels):
 // block (i3, part) as in dg3_kernel; a thread owns 4 columns b x all q3 of
 // the output and a fixed strided subset of the part's unique ids (stream
@@ -191,11 +128,15 @@ __global__ void __launch_bounds__(kThreads)
                        const float* __restrict__ d_rows, int slots, float* __restrict__ dg3p) {
   extern __shared__ float4 smem4[];
   float* s_red = reinterpret_cast<float*>(smem4);  // [subs][r2*Q3]
+  const int i3 = blockIdx.x, part = blockIdx.y;
+  const int tid = threadIdx.x;
   const int NB4 = d.r2 / 4;
   const int subs = kThreads / NB4;
-  const int sub = threadIdx.x / NB4, b0 = 4 * (threadIdx.x - sub * NB4);
-  int lo, hi;
-  dg3_part(bounds, blockIdx.x, blockIdx.y, lo, hi);
+  const int sub = tid / NB4, b0 = 4 * (tid - sub * NB4);
+  const int E3 = d.r2 * Q3;
+  const int blo = bounds[i3], bhi = bounds[i3 + 1];
+  const int per = (bhi - blo + kS3 - 1) / kS3;
+  const int lo = min(bhi, blo + part * per), hi = min(bhi, lo + per);
   float acc[4][Q3];
   zero_fill(acc);
   if (sub < subs) {
@@ -212,94 +153,35 @@ __global__ void __launch_bounds__(kThreads)
         u_next = clampi(__ldg(vals + j + subs), 0, n - 1);
         g_next = clampi(__ldg(ug + u_next), 0, slots - 1);
       }
-      dg3_id_fma<M, Q3>(acc, Pbuf + (size_t)g * d.PSZ + b0, d_rows + (size_t)u * d.D, d.r2,
-                        [](const float* a) { return __ldg(reinterpret_cast<const float4*>(a)); });
+      const float* P = Pbuf + (size_t)g * d.PSZ + b0;
+      const float4* dr = reinterpret_cast<const float4*>(d_rows + (size_t)u * d.D);
+#pragma unroll 4
+      for (int m = 0; m < M; ++m) {
+        const float4 p = __ldg(reinterpret_cast<const float4*>(P + m * d.r2));
+        float dv[Q3];
+        ldg_float4s<Q3 / 4>(dr + m * (Q3 / 4), dv);
+#pragma unroll
+        for (int q = 0; q < Q3; ++q) {
+          acc[0][q] = fmaf(p.x, dv[q], acc[0][q]);
+          acc[1][q] = fmaf(p.y, dv[q], acc[1][q]);
+          acc[2][q] = fmaf(p.z, dv[q], acc[2][q]);
+          acc[3][q] = fmaf(p.w, dv[q], acc[3][q]);
+        }
+      }
     }
+    float* r = s_red + sub * E3 + b0 * Q3;  // [b][q] order
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int q = 0; q < Q3; ++q) r[i * Q3 + q] = acc[i][q];
   }
-  dg3_combine(d, acc, sub < subs, sub, subs, b0, s_red,
-              dg3p + ((size_t)blockIdx.x * kS3 + blockIdx.y) * d.r2 * Q3);
-}
-
-// Shared memory of dg3_staged_kernel: two stages of one id per stream (P_g, then dRow_u),
-// the streams' sums, and a window's (u, group) pairs.
-struct Dg3Staged {
-  int subs, id_floats, window, bytes;
-};
-inline Dg3Staged dg3_staged_geo(const Dev& d) {
-  Dg3Staged g;
-  g.subs = kThreads / (d.r2 / 4);
-  g.id_floats = d.PSZ + d.D;
-  g.window = g.subs * kDg3WindowSteps;
-  g.bytes = (int)sizeof(float) * (2 * g.subs * g.id_floats + g.subs * d.r2 * d.q3) +
-            (int)sizeof(int) * 2 * g.window;
-  return g;
-}
-
-// dG3 partials, staged: dg3_blocked_kernel's threads, ids, order and sums (the same bits),
-// with each step's P_g and dRow_u (one id per stream) copied into shared memory by cp.async
-// while the step before is multiplied. The part's ids go by windows of kDg3WindowSteps
-// steps, whose (u, group) pairs are read first. The blocked kernel waits on its loads
-// (long scoreboard, one L2 round trip per 4 rows m of each id); here a step's loads are
-// in flight during the previous step's fmas.
-template <int M, int Q3>
-__global__ void __launch_bounds__(kThreads)
-    dg3_staged_kernel(Dev d, Dg3Staged geo, const int* __restrict__ bounds,
-                      const int* __restrict__ vals, int n, const int* __restrict__ ug,
-                      const float* __restrict__ Pbuf, const float* __restrict__ d_rows, int slots,
-                      float* __restrict__ dg3p) {
-  extern __shared__ float4 smem4[];
-  const int subs = geo.subs, SZ = geo.id_floats, NB4 = d.r2 / 4;
-  float* stage = reinterpret_cast<float*>(smem4);  // [2][subs][SZ]
-  float* s_red = stage + 2 * subs * SZ;            // [subs][r2*Q3]
-  int* s_u = reinterpret_cast<int*>(s_red + subs * d.r2 * Q3);  // [window]
-  int* s_g = s_u + geo.window;
-  const int tid = threadIdx.x;
-  const int sub = tid / NB4, b0 = 4 * (tid - sub * NB4);
-  int lo, hi;
-  dg3_part(bounds, blockIdx.x, blockIdx.y, lo, hi);
-  float acc[4][Q3];
-  zero_fill(acc);
-  const int P4 = d.PSZ / 4, per = SZ / 4;
-  for (int w0 = lo; w0 < hi; w0 += geo.window) {
-    const int wn = min(geo.window, hi - w0);
-    __syncthreads();  // the last window's stages and pairs are consumed
-    for (int i = tid; i < wn; i += kThreads) {
-      const int u = clampi(__ldg(vals + w0 + i), 0, n - 1);
-      s_u[i] = u;
-      s_g[i] = clampi(__ldg(ug + u), 0, slots - 1);
-    }
-    __syncthreads();
-    const int steps = (wn + subs - 1) / subs;
-    auto issue = [&](int st) {  // step st's ids -> stage st & 1
-      float* dst = stage + (st & 1) * subs * SZ;
-      const int base = st * subs, cnt = min(subs, wn - base);
-      for (int i = tid; i < cnt * per; i += kThreads) {
-        const int k = i / per, f = i - k * per;
-        const float* src = f < P4 ? Pbuf + (size_t)s_g[base + k] * d.PSZ + 4 * f
-                                  : d_rows + (size_t)s_u[base + k] * d.D + 4 * (f - P4);
-        cp_async16(dst + k * SZ + 4 * f, src);
-      }
-      cp_async_commit();
-    };
-    issue(0);
-    for (int st = 0; st < steps; ++st) {
-      if (st + 1 < steps) {
-        issue(st + 1);
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
-      __syncthreads();
-      if (sub < subs && st * subs + sub < wn) {
-        const float* id = stage + ((st & 1) * subs + sub) * SZ;
-        dg3_id_fma<M, Q3>(acc, id + b0, id + d.PSZ, d.r2,
-                          [](const float* a) { return *reinterpret_cast<const float4*>(a); });
-      }
-      __syncthreads();  // stage st & 1 is refilled by step st + 2
-    }
+  __syncthreads();
+  float* out = dg3p + ((size_t)i3 * kS3 + part) * E3;
+  for (int e = tid; e < E3; e += kThreads) {
+    float tot = 0.f;
+    for (int k = 0; k < subs; ++k) tot += s_red[k * E3 + e];
+    out[e] = tot;
   }
-  dg3_combine(d, acc, sub < subs, sub, subs, b0, s_red,
-              dg3p + ((size_t)blockIdx.x * kS3 + blockIdx.y) * d.r2 * Q3);
 }
 
 __global__ void dg3_final_kernel(Dev d, const float* __restrict__ dg3p, float* __restrict__ dg3) {
@@ -350,26 +232,14 @@ cudaError_t launch_dg3(const Dev& d, const float* d_rows, int n, const BwdScratc
   // keys_in is free after the sort: it holds the p3+1 bucket bounds
   if (gemm_bwd_batch_groups(d) > 0) {  // the GEMM path's dims: blocked dG3
     const size_t sm3 = sizeof(float) * (size_t)(kThreads / (d.r2 / 4)) * d.r2 * d.q3;
-    const Dg3Staged geo = dg3_staged_geo(d);
-    const bool staged = FLOWTT_DG3_STAGED && geo.bytes <= kDg3StagedSmem;
-    const dim3 grid(d.p3, kS3);
     GemmShapes::dispatch(
         [&](auto shape) {
           using S = decltype(shape);
-          if (staged) {
-            auto kernel = dg3_staged_kernel<S::M, S::Q3>;
-            err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       geo.bytes);
-            if (err == cudaSuccess)
-              kernel<<<grid, kThreads, geo.bytes, stream>>>(d, geo, s.keys_in, s.vals_out, n, s.ug,
-                                                            s.Pbuf, d_rows, s.slots, s.dg3p);
-            return;
-          }
           auto kernel = dg3_blocked_kernel<S::M, S::Q3>;
           err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm3);
           if (err == cudaSuccess)
-            kernel<<<grid, kThreads, sm3, stream>>>(d, s.keys_in, s.vals_out, n, s.ug, s.Pbuf,
-                                                    d_rows, s.slots, s.dg3p);
+            kernel<<<dim3(d.p3, kS3), kThreads, sm3, stream>>>(d, s.keys_in, s.vals_out, n, s.ug,
+                                                               s.Pbuf, d_rows, s.slots, s.dg3p);
         },
         d.M, d.q3);
     if (err != cudaSuccess) return err;
