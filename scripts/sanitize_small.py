@@ -9,7 +9,9 @@ import numpy as np
 import flowtt_jax as ftt
 from flowtt_jax import ffi
 
-for dim, rank, rows in ((32, 32, (10, 10, 200)), (128, 64, (10, 10, 100))):
+# (40, 4, 10): 32 groups a backward tile at D128 r64, so its batches of 16 deal the dP items
+# in snake order (snake_slots)
+for dim, rank, rows in ((32, 32, (10, 10, 200)), (128, 64, (10, 10, 100)), (128, 64, (40, 4, 10))):
     spec = ftt.TTSpec.create(rows[0] * rows[1] * rows[2] - 7, dim, rank, row_shape=rows)
     cores = tuple(ftt.init_cores(jax.random.key(0), spec))
     rng = np.random.default_rng(0)
