@@ -19,6 +19,11 @@
 namespace flowtt {
 namespace {
 
+#ifndef FLOWTT_DG3_BW  // tuning knob: columns b per thread of the blocked dG3 pass (2 or 4)
+#define FLOWTT_DG3_BW 2
+#endif
+constexpr int kDg3BW = FLOWTT_DG3_BW;
+
 constexpr int kBatch = 256;  // ids staged in shared memory per step of dg3_kernel
 
 // Sort keys (i3, or p3 past num_unique) and values (u) for the dG3 pass, and
@@ -116,28 +121,45 @@ __global__ void dg3_kernel(Dev d, const int* __restrict__ bounds, const int* __r
   }
 }
 
-// dG3 partials, blocked (the fast path, same dims as the GEMM kernels):
-// block (i3, part) as in dg3_kernel; a thread owns 4 columns b x all q3 of
-// the output and a fixed strided subset of the part's unique ids (stream
-// `sub`); per id it reads P_g[m][b0..b0+3] and dRow_u[m][:] as float4s
-// (4*M*Q3 FMAs per 2 float4s per m). Streams are combined in order.
-template <int M, int Q3>
-__global__ void __launch_bounds__(kThreads)
+// BW consecutive floats (16- or 8-byte aligned) from global memory into p.
+template <int BW>
+__device__ __forceinline__ void ldg_cols(const float* a, float (&p)[BW]) {
+  static_assert(BW == 2 || BW == 4, "BW: 2 or 4");
+  if constexpr (BW == 4) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(a));
+    p[0] = v.x, p[1] = v.y, p[2] = v.z, p[3] = v.w;
+  } else {
+    const float2 v = __ldg(reinterpret_cast<const float2*>(a));
+    p[0] = v.x, p[1] = v.y;
+  }
+}
+
+// dG3 partials, blocked (the fast path, same dims as the GEMM kernels): block (i3, part)
+// as in dg3_kernel; the part's unique ids are dealt to kThreads / (r2 / 4) streams (`sub`:
+// ids sub, sub + subs, ... in order), and each of a stream's r2 / BW threads owns BW
+// columns b x all q3 of its output; per id a thread reads P_g[m][b0..b0+BW) and
+// dRow_u[m][:] (BW*Q3 FMAs per m). Streams are combined in order. Neither the streams nor
+// an output's sum over m within one depends on BW: BW = 2 (512 threads, a warp per stream
+// at r2 = 64) gives the bits of BW = 4 (256 threads) with fewer registers a thread and
+// more warps in flight.
+template <int M, int Q3, int BW>
+__global__ void __launch_bounds__(kThreads * 4 / BW)
     dg3_blocked_kernel(Dev d, const int* __restrict__ bounds, const int* __restrict__ vals, int n,
                        const int* __restrict__ ug, const float* __restrict__ Pbuf,
                        const float* __restrict__ d_rows, int slots, float* __restrict__ dg3p) {
+  constexpr int NT = kThreads * 4 / BW;
   extern __shared__ float4 smem4[];
   float* s_red = reinterpret_cast<float*>(smem4);  // [subs][r2*Q3]
   const int i3 = blockIdx.x, part = blockIdx.y;
   const int tid = threadIdx.x;
-  const int NB4 = d.r2 / 4;
-  const int subs = kThreads / NB4;
-  const int sub = tid / NB4, b0 = 4 * (tid - sub * NB4);
+  const int NBW = d.r2 / BW;          // threads of a stream
+  const int subs = kThreads / (d.r2 / 4);  // streams (those of BW = 4)
+  const int sub = tid / NBW, b0 = BW * (tid - sub * NBW);
   const int E3 = d.r2 * Q3;
   const int blo = bounds[i3], bhi = bounds[i3 + 1];
   const int per = (bhi - blo + kS3 - 1) / kS3;
   const int lo = min(bhi, blo + part * per), hi = min(bhi, lo + per);
-  float acc[4][Q3];
+  float acc[BW][Q3];
   zero_fill(acc);
   if (sub < subs) {
     // (u, group) of the next id loaded one step ahead
@@ -157,27 +179,25 @@ __global__ void __launch_bounds__(kThreads)
       const float4* dr = reinterpret_cast<const float4*>(d_rows + (size_t)u * d.D);
 #pragma unroll 4
       for (int m = 0; m < M; ++m) {
-        const float4 p = __ldg(reinterpret_cast<const float4*>(P + m * d.r2));
+        float p[BW];
+        ldg_cols<BW>(P + m * d.r2, p);
         float dv[Q3];
         ldg_float4s<Q3 / 4>(dr + m * (Q3 / 4), dv);
 #pragma unroll
-        for (int q = 0; q < Q3; ++q) {
-          acc[0][q] = fmaf(p.x, dv[q], acc[0][q]);
-          acc[1][q] = fmaf(p.y, dv[q], acc[1][q]);
-          acc[2][q] = fmaf(p.z, dv[q], acc[2][q]);
-          acc[3][q] = fmaf(p.w, dv[q], acc[3][q]);
-        }
+        for (int q = 0; q < Q3; ++q)
+#pragma unroll
+          for (int i = 0; i < BW; ++i) acc[i][q] = fmaf(p[i], dv[q], acc[i][q]);
       }
     }
     float* r = s_red + sub * E3 + b0 * Q3;  // [b][q] order
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < BW; ++i)
 #pragma unroll
       for (int q = 0; q < Q3; ++q) r[i * Q3 + q] = acc[i][q];
   }
   __syncthreads();
   float* out = dg3p + ((size_t)i3 * kS3 + part) * E3;
-  for (int e = tid; e < E3; e += kThreads) {
+  for (int e = tid; e < E3; e += NT) {
     float tot = 0.f;
     for (int k = 0; k < subs; ++k) tot += s_red[k * E3 + e];
     out[e] = tot;
@@ -235,11 +255,11 @@ cudaError_t launch_dg3(const Dev& d, const float* d_rows, int n, const BwdScratc
     GemmShapes::dispatch(
         [&](auto shape) {
           using S = decltype(shape);
-          auto kernel = dg3_blocked_kernel<S::M, S::Q3>;
+          auto kernel = dg3_blocked_kernel<S::M, S::Q3, kDg3BW>;
           err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm3);
           if (err == cudaSuccess)
-            kernel<<<dim3(d.p3, kS3), kThreads, sm3, stream>>>(d, s.keys_in, s.vals_out, n, s.ug,
-                                                               s.Pbuf, d_rows, s.slots, s.dg3p);
+            kernel<<<dim3(d.p3, kS3), kThreads * 4 / kDg3BW, sm3, stream>>>(
+                d, s.keys_in, s.vals_out, n, s.ug, s.Pbuf, d_rows, s.slots, s.dg3p);
         },
         d.M, d.q3);
     if (err != cudaSuccess) return err;
