@@ -458,7 +458,9 @@ int main(int argc, char** argv) {
   const bool s1only = s1time || (argc > 1 && std::string(argv[1]) == "--s1");
   const std::string only =
       argc > 2 && std::string(argv[1]) == "--only" ? std::string(argv[2]) : std::string();
-  auto skip = [&](const Case& c) { return !only.empty() && c.name.find(only) == std::string::npos; };
+  auto skip = [&](const Case& c) {
+    return !only.empty() && c.name.find(only) == std::string::npos;
+  };
   std::mt19937_64 rng(12345);
   int fails = 0;
   auto mk = [](int p1, int p2, int p3, int q1, int q2, int q3, int r) {

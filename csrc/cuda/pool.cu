@@ -132,13 +132,12 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows, const int* __res
 #endif
 constexpr int kP1B = FLOWTT_POOL_P1_BATCH;
 template <int VEC>
-__global__ void __launch_bounds__(256, FLOWTT_POOL_P1_MINB) pool_bwd_rows_p1(const float* __restrict__ dout, const float* __restrict__ weights,
-                                 const int* __restrict__ bag_ids, const int* __restrict__ perm,
-                                 const int* __restrict__ inverse,
-                                 const int* __restrict__ run_offsets,
-                                 const int* __restrict__ counts, int n, int B, int D, int TS,
-                                 float* __restrict__ d_rows, float* __restrict__ part,
-                                 int* __restrict__ hot) {
+__global__ void __launch_bounds__(256, FLOWTT_POOL_P1_MINB)
+    pool_bwd_rows_p1(const float* __restrict__ dout, const float* __restrict__ weights,
+                     const int* __restrict__ bag_ids, const int* __restrict__ perm,
+                     const int* __restrict__ inverse, const int* __restrict__ run_offsets,
+                     const int* __restrict__ counts, int n, int B, int D, int TS,
+                     float* __restrict__ d_rows, float* __restrict__ part, int* __restrict__ hot) {
   using T = typename VecT<VEC>::T;
   const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (gt == 0) *hot = 0;  // pass 2 counts its hot runs here
