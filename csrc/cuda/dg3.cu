@@ -19,10 +19,14 @@
 namespace flowtt {
 namespace {
 
-#ifndef FLOWTT_DG3_BW  // tuning knob: columns b per thread of the blocked dG3 pass (2 or 4)
-#define FLOWTT_DG3_BW 2
+// Columns b a thread of the blocked dG3 pass takes (dg3_blocked_kernel): 2 (512 threads)
+// for r2 >= 64, else 4 (256 threads). Harness rows backward, same bits: D128 r64 B65536
+// 2.587 -> 2.548 ms with 2; S1 (r2 = 32) 0.283 -> 0.318 ms with 2, so 4 there.
+// FLOWTT_DG3_BW = 2 or 4 forces one for every shape (tuning).
+#ifndef FLOWTT_DG3_BW
+#define FLOWTT_DG3_BW 0
 #endif
-constexpr int kDg3BW = FLOWTT_DG3_BW;
+inline int dg3_bw(const Dev& d) { return FLOWTT_DG3_BW ? FLOWTT_DG3_BW : d.r2 >= 64 ? 2 : 4; }
 
 constexpr int kBatch = 256;  // ids staged in shared memory per step of dg3_kernel
 
@@ -255,11 +259,17 @@ cudaError_t launch_dg3(const Dev& d, const float* d_rows, int n, const BwdScratc
     GemmShapes::dispatch(
         [&](auto shape) {
           using S = decltype(shape);
-          auto kernel = dg3_blocked_kernel<S::M, S::Q3, kDg3BW>;
-          err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm3);
-          if (err == cudaSuccess)
-            kernel<<<dim3(d.p3, kS3), kThreads * 4 / kDg3BW, sm3, stream>>>(
-                d, s.keys_in, s.vals_out, n, s.ug, s.Pbuf, d_rows, s.slots, s.dg3p);
+          auto launch = [&](auto kernel, int threads) {
+            err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)sm3);
+            if (err == cudaSuccess)
+              kernel<<<dim3(d.p3, kS3), threads, sm3, stream>>>(d, s.keys_in, s.vals_out, n, s.ug,
+                                                                s.Pbuf, d_rows, s.slots, s.dg3p);
+          };
+          if (dg3_bw(d) == 2)
+            launch(dg3_blocked_kernel<S::M, S::Q3, 2>, kThreads * 2);
+          else
+            launch(dg3_blocked_kernel<S::M, S::Q3, 4>, kThreads);
         },
         d.M, d.q3);
     if (err != cudaSuccess) return err;
