@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(kThreads * 4 / BW)
   float* s_red = reinterpret_cast<float*>(smem4);  // [subs][r2*Q3]
   const int i3 = blockIdx.x, part = blockIdx.y;
   const int tid = threadIdx.x;
-  const int NBW = d.r2 / BW;          // threads of a stream
+  const int NBW = d.r2 / BW;               // threads of a stream
   const int subs = kThreads / (d.r2 / 4);  // streams (those of BW = 4)
   const int sub = tid / NBW, b0 = BW * (tid - sub * NBW);
   const int E3 = d.r2 * Q3;
@@ -260,8 +260,8 @@ cudaError_t launch_dg3(const Dev& d, const float* d_rows, int n, const BwdScratc
         [&](auto shape) {
           using S = decltype(shape);
           auto launch = [&](auto kernel, int threads) {
-            err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)sm3);
+            err =
+                cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm3);
             if (err == cudaSuccess)
               kernel<<<dim3(d.p3, kS3), threads, sm3, stream>>>(d, s.keys_in, s.vals_out, n, s.ug,
                                                                 s.Pbuf, d_rows, s.slots, s.dg3p);

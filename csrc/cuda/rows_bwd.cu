@@ -380,7 +380,7 @@ __global__ void __launch_bounds__(NT, NT == kGT ? FLOWTT_BWD_MINB : 1)
   const int G = clampi(counts[1], 0, U);
   const int nTiles = (d.p1 + kT1B - 1) / kT1B * d.p2;
   const int NC4 = NC / 4, R14 = d.r1 / 4;
-  const int IPG = NMB2 * (d.r2 / 4);  // dP items per group
+  const int IPG = NMB2 * (d.r2 / 4);           // dP items per group
   const int S = NT % IPG == 0 ? NT / IPG : 0;  // slots a row (0: items straddle threads)
 
   if (tid == 0) s_next = claim_tile(ctrl);

@@ -335,7 +335,7 @@ __device__ __forceinline__ void apply_team(const Dev& d, const float* Pt,
         make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
 }
 
-// MINB: CTAs per SM the kernel is compiled for (fwd_gemm_minb).
+// MINB: CTAs per SM the kernel is compiled for (chosen by fwd_gemm_fits).
 template <int M, int Q3, int MINB>
 __global__ void __launch_bounds__(kGT, MINB)
     rows_fwd_gemm_kernel(Dev d, TileGeo geo, const float* __restrict__ g1,
@@ -500,11 +500,14 @@ int gemm_batch_groups(const Dev& d) {
 constexpr int kFwdMinbWide = 2;
 template <typename Kernel>
 bool fwd_gemm_fits(Kernel kernel, const TileGeo& geo) {
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           geo.smem_bytes) != cudaSuccess)
-    return false;
   int occ = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kGT, geo.smem_bytes);
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, geo.smem_bytes) !=
+          cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kGT, geo.smem_bytes) !=
+          cudaSuccess) {
+    (void)cudaGetLastError();  // not this launch's error: the other kernel is launched
+    return false;
+  }
   return occ >= FLOWTT_FWD_MINB;
 }
 
@@ -530,9 +533,8 @@ cudaError_t launch_rows_fwd_range(const Dev& d, const float* g1, const float* g2
     auto launch_gemm = [&](auto shape) {
       using S = decltype(shape);
       auto launch = [&](auto kernel) {
-        err = launch_persistent(kernel, geo.smem_bytes, stream, sms, d, geo, g1, g2, g3,
-                                unique_ids, group_offsets, counts, n, lo, hi, s.map, ctrl, flags,
-                                s.ckpt, rows);
+        err = launch_persistent(kernel, geo.smem_bytes, stream, sms, d, geo, g1, g2, g3, unique_ids,
+                                group_offsets, counts, n, lo, hi, s.map, ctrl, flags, s.ckpt, rows);
       };
       if (fwd_gemm_fits(rows_fwd_gemm_kernel<S::M, S::Q3, FLOWTT_FWD_MINB>, geo))
         launch(rows_fwd_gemm_kernel<S::M, S::Q3, FLOWTT_FWD_MINB>);
