@@ -6,6 +6,8 @@
   emulation (``csrc/cuda/tb_emu.h``) against the oracle, with the paths a device run
   rarely takes (the dg1 merge fallback, groups past the P cache, both dg2 batch sizes)
   checked bit for bit against the usual ones, and invalid plans run to completion.
+- ``csrc/cuda/snake_slots_test.cc``: the backward tile kernel's deal of a batch's dP items
+  to threads (``csrc/cuda/snake_slots.cuh``): a permutation, in rank order, optimal pairs.
 
 Each prints PASS/FAIL lines and exits 1 on any failure. Skipped without a C++ compiler.
 """
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 CHECKS = {
     "cpu_tb_rows": ["csrc/cpu/tb_rows_test.cc", "csrc/cpu/tb_rows.cc"],
     "cuda_tb_emulation": ["csrc/cuda/tb_rows_emu_test.cc"],
+    "cuda_snake_slots": ["csrc/cuda/snake_slots_test.cc"],
 }
 
 
