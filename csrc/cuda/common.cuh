@@ -179,18 +179,34 @@ inline int num_sms() {
   return sms > 0 ? sms : 132;
 }
 
+// CTAs of NT threads and `smem` bytes of dynamic shared memory that fit an SM at once (the
+// kernel's shared-memory limit raised to smem first).
+template <int NT = kThreads, typename Kernel>
+cudaError_t ctas_per_sm(Kernel kernel, size_t smem, int& occ) {
+  occ = 0;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (err != cudaSuccess) return err;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, NT, smem);
+}
+
+// Persistent grid of occ CTAs per SM (ctas_per_sm's count; clamped to 1..8).
+template <int NT = kThreads, typename Kernel, typename... Args>
+cudaError_t launch_persistent_at(Kernel kernel, size_t smem, int occ, cudaStream_t stream, int sms,
+                                 Args... args) {
+  occ = std::max(1, std::min(occ, 8));
+  kernel<<<sms * occ, NT, smem, stream>>>(args...);
+  return cudaGetLastError();
+}
+
 // Persistent grid: as many CTAs of NT threads as fit on the device at once.
 template <int NT = kThreads, typename Kernel, typename... Args>
 cudaError_t launch_persistent(Kernel kernel, size_t smem, cudaStream_t stream, int sms,
                               Args... args) {
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  if (err != cudaSuccess) return err;
   int occ = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, NT, smem);
-  occ = std::max(1, std::min(occ, 8));
-  kernel<<<sms * occ, NT, smem, stream>>>(args...);
-  return cudaGetLastError();
+  const cudaError_t err = ctas_per_sm<NT>(kernel, smem, occ);
+  if (err != cudaSuccess) return err;
+  return launch_persistent_at<NT>(kernel, smem, occ, stream, sms, args...);
 }
 
 }  // namespace flowtt

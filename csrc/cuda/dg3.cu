@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cub/cub.cuh>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 #include "cuda/scratch.h"
@@ -259,17 +260,19 @@ cudaError_t launch_dg3(const Dev& d, const float* d_rows, int n, const BwdScratc
     GemmShapes::dispatch(
         [&](auto shape) {
           using S = decltype(shape);
-          auto launch = [&](auto kernel, int threads) {
+          auto launch = [&](auto bw) {
+            constexpr int BW = decltype(bw)::value;
+            auto kernel = dg3_blocked_kernel<S::M, S::Q3, BW>;
             err =
                 cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm3);
             if (err == cudaSuccess)
-              kernel<<<dim3(d.p3, kS3), threads, sm3, stream>>>(d, s.keys_in, s.vals_out, n, s.ug,
-                                                                s.Pbuf, d_rows, s.slots, s.dg3p);
+              kernel<<<dim3(d.p3, kS3), kThreads * 4 / BW, sm3, stream>>>(
+                  d, s.keys_in, s.vals_out, n, s.ug, s.Pbuf, d_rows, s.slots, s.dg3p);
           };
           if (dg3_bw(d) == 2)
-            launch(dg3_blocked_kernel<S::M, S::Q3, 2>, kThreads * 2);
+            launch(std::integral_constant<int, 2>{});
           else
-            launch(dg3_blocked_kernel<S::M, S::Q3, 4>, kThreads);
+            launch(std::integral_constant<int, 4>{});
         },
         d.M, d.q3);
     if (err != cudaSuccess) return err;

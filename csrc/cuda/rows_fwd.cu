@@ -335,7 +335,7 @@ __device__ __forceinline__ void apply_team(const Dev& d, const float* Pt,
         make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
 }
 
-// MINB: CTAs per SM the kernel is compiled for (chosen by fwd_gemm_fits).
+// MINB: CTAs per SM the kernel is compiled for (FLOWTT_FWD_MINB or kFwdMinbWide).
 template <int M, int Q3, int MINB>
 __global__ void __launch_bounds__(kGT, MINB)
     rows_fwd_gemm_kernel(Dev d, TileGeo geo, const float* __restrict__ g1,
@@ -498,18 +498,6 @@ int gemm_batch_groups(const Dev& d) {
 // (D128 r64: 90 KB) two CTAs fit, and compiled for two they have 128 registers instead of
 // 80 and no spills (harness rows_fwd at D128 r64 B65536: 0.714 -> 0.639 ms).
 constexpr int kFwdMinbWide = 2;
-template <typename Kernel>
-bool fwd_gemm_fits(Kernel kernel, const TileGeo& geo) {
-  int occ = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, geo.smem_bytes) !=
-          cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kGT, geo.smem_bytes) !=
-          cudaSuccess) {
-    (void)cudaGetLastError();  // not this launch's error: the other kernel is launched
-    return false;
-  }
-  return occ >= FLOWTT_FWD_MINB;
-}
 
 }  // namespace
 
@@ -532,14 +520,19 @@ cudaError_t launch_rows_fwd_range(const Dev& d, const float* g1, const float* g2
     const TileGeo geo = tile_geo(d, GB);
     auto launch_gemm = [&](auto shape) {
       using S = decltype(shape);
-      auto launch = [&](auto kernel) {
-        err = launch_persistent(kernel, geo.smem_bytes, stream, sms, d, geo, g1, g2, g3, unique_ids,
-                                group_offsets, counts, n, lo, hi, s.map, ctrl, flags, s.ckpt, rows);
+      auto launch = [&](auto kernel, int occ) {
+        err = launch_persistent_at<kGT>(kernel, geo.smem_bytes, occ, stream, sms, d, geo, g1, g2,
+                                        g3, unique_ids, group_offsets, counts, n, lo, hi, s.map,
+                                        ctrl, flags, s.ckpt, rows);
       };
-      if (fwd_gemm_fits(rows_fwd_gemm_kernel<S::M, S::Q3, FLOWTT_FWD_MINB>, geo))
-        launch(rows_fwd_gemm_kernel<S::M, S::Q3, FLOWTT_FWD_MINB>);
-      else
-        launch(rows_fwd_gemm_kernel<S::M, S::Q3, kFwdMinbWide>);
+      auto narrow = rows_fwd_gemm_kernel<S::M, S::Q3, FLOWTT_FWD_MINB>;
+      auto wide = rows_fwd_gemm_kernel<S::M, S::Q3, kFwdMinbWide>;
+      int occ = 0;
+      if ((err = ctas_per_sm<kGT>(narrow, geo.smem_bytes, occ)) != cudaSuccess) return;
+      if (occ >= FLOWTT_FWD_MINB)
+        launch(narrow, occ);
+      else if ((err = ctas_per_sm<kGT>(wide, geo.smem_bytes, occ)) == cudaSuccess)
+        launch(wide, occ);
     };
     if (GemmShapes::dispatch(launch_gemm, d.M, d.q3)) return err;
   }
