@@ -215,8 +215,8 @@ def _dedup_bag(cores, ids, offsets, spec, weights):
 _SCRATCH_KEYS = {"fwd": ("plan", "bag_fwd"), "fwd_bwd": ("plan", "rows_fwd", "pool_bwd", "rows_bwd")}
 
 
-def _single_table_scratch(spec: ftt.TTSpec, n: int, mode: str) -> int:
-    """Largest run-time scratch of the single-table CUDA calls of one bag of ``n`` ids.
+def _single_table_scratch(spec: ftt.TTSpec, n: int, num_bags: int, mode: str) -> int:
+    """Largest run-time scratch of the single-table CUDA calls of ``num_bags`` bags of ``n`` ids.
 
     ``fwd`` (no gradient): the plan and the fused bag forward run one after the other;
     ``fwd_bwd``: plan, rows forward, pooling backward and rows backward.
@@ -225,7 +225,12 @@ def _single_table_scratch(spec: ftt.TTSpec, n: int, mode: str) -> int:
     from flowtt_jax.ops import bag_chunk_rows
 
     s = _flowtt_cuda.scratch_bytes(
-        *spec.row_shape, *spec.col_shape, spec.ranks[1], spec.ranks[2], n, bag_chunk_rows(spec.embedding_dim)
+        *spec.row_shape,
+        *spec.col_shape,
+        spec.ranks[1],
+        spec.ranks[2],
+        n,
+        bag_chunk_rows(spec.embedding_dim, num_bags),
     )
     return max(int(s.get(k, 0)) for k in _SCRATCH_KEYS[mode])
 
@@ -236,7 +241,7 @@ def ffi_scratch_bytes(w: Workload, mode: str) -> int | None:
         return None
     bounds = w.feature_bounds
     sizes = [(w.specs[t], bounds[f + 1] - bounds[f]) for f, t in enumerate(w.feature_table)]
-    return max([_single_table_scratch(spec, n, mode) for spec, n in sizes if n], default=0)
+    return max([_single_table_scratch(spec, n, w.batch, mode) for spec, n in sizes if n], default=0)
 
 
 register(
@@ -298,7 +303,8 @@ def batched_scratch_bytes(w: Workload, mode: str) -> int | None:
             continue
         spec = layout.specs[0]
         if len(ts) == 1:
-            worst = max(worst, _single_table_scratch(spec, n, mode))
+            bags = w.batch * sum(t in ts for t in w.feature_table)
+            worst = max(worst, _single_table_scratch(spec, n, bags, mode))
             continue
         (p1, _, q1, r1), (p2, _, q2, r2), (p3, _, q3, _) = layout.packed_shapes()
         tb = _flowtt_cuda.tb_scratch_bytes(p1, p2, p3, q1, q2, q3, r1, r2, n)

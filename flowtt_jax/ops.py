@@ -4,7 +4,7 @@ Both run one pipeline: oob policy -> canonical bags -> on-device plan -> fused
 unique-row kernel -> fixed-order pooling, under one ``jax.custom_vjp`` whose
 backward gives gradients for every core and for per-id weights. Without a
 gradient the rows and the pooling are one op (``flowtt_bag_fwd``) that computes
-the unique rows in chunks of at most ``ROWS_CHUNK_BYTES``; the training forward
+the unique rows in chunks of at most ``bag_chunk_rows``; the training forward
 computes all [n, D] rows and keeps them for the backward only when the weights'
 gradient needs them (weighted bags).
 
@@ -44,14 +44,19 @@ IMPLS = ("auto", "ffi", "reference")
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 #: The no-gradient forward's scratch budget for unique rows, in bytes: it computes and
-#: pools ``bag_chunk_rows(D)`` float32 rows at a time.
+#: pools ``bag_chunk_rows(D, B)`` float32 rows at a time ...
 ROWS_CHUNK_BYTES = 40 << 20
+#: ... or this many [B, D] outputs' worth, if more: every chunk after the first reads and
+#: writes the whole output again, so chunks of at least 8 outputs keep that traffic under
+#: 1/8 of the rows' own (D128 B65536: one chunk of 268 MB instead of 7 of 42 MB).
+ROWS_CHUNK_OUTPUTS = 8
 
 
-def bag_chunk_rows(dim: int) -> int:
-    """``chunk_rows`` of ``flowtt_bag_fwd`` for rows of ``dim`` float32: the rows budget
-    ``ROWS_CHUNK_BYTES`` in rows, at least 64."""
-    return max(64, ROWS_CHUNK_BYTES // (4 * dim))
+def bag_chunk_rows(dim: int, num_bags: int) -> int:
+    """``chunk_rows`` of ``flowtt_bag_fwd`` for ``num_bags`` bags of rows of ``dim`` float32:
+    the larger of ``ROWS_CHUNK_BYTES`` in rows and ``ROWS_CHUNK_OUTPUTS * num_bags``, at
+    least 64."""
+    return max(64, ROWS_CHUNK_BYTES // (4 * dim), ROWS_CHUNK_OUTPUTS * num_bags)
 
 
 def _plan(cores, ids):
@@ -68,7 +73,8 @@ def fused_bag(weighted, cores, weights, ids, offsets, bag_ids):
     ``weighted`` (static): the caller passed weights, so their gradient is computed.
     """
     dim = math.prod(c.shape[2] for c in cores)
-    return ffi.bag_fwd(cores, _plan(cores, ids), weights, offsets, bag_chunk_rows(dim))
+    chunk_rows = bag_chunk_rows(dim, offsets.shape[0] - 1)
+    return ffi.bag_fwd(cores, _plan(cores, ids), weights, offsets, chunk_rows)
 
 
 def _fused_bag_fwd(weighted, cores, weights, ids, offsets, bag_ids):

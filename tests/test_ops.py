@@ -11,6 +11,7 @@ from jax.experimental import checkify
 from jax.test_util import check_grads
 
 import flowtt_jax as ftt
+from flowtt_jax.ops import bag_chunk_rows
 from tests.helpers import (
     ID_KINDS,
     assert_no_host_callback,
@@ -212,6 +213,23 @@ def test_default_impl_is_ffi_and_jits_without_host_callbacks():
         assert_no_host_callback(lowered.compile().as_text())
     assert rel_err(fwd(cores, ids, offsets), bag_f64(cores, ids, offsets=offsets)) < 1e-5
     assert rel_err(lookup(cores, ids), dense_of(cores, spec.num_embeddings)[ids].reshape(30, 10, 32)) < 1e-5
+
+
+def test_no_grad_forward_chunk_budget():
+    """flowtt_bag_fwd's chunk_rows: ROWS_CHUNK_BYTES of rows, or ROWS_CHUNK_OUTPUTS outputs
+    [B, D] if more (each chunk re-reads and re-writes the output), at least 64; the op
+    passes bag_chunk_rows(D, B) to the kernel."""
+    assert bag_chunk_rows(32, 32768) == (40 << 20) // 128  # S1: the bytes budget
+    assert bag_chunk_rows(128, 65536) == 8 * 65536  # D128 B65536: eight outputs
+    assert bag_chunk_rows(2**20, 1) == 64
+    spec = SPECS["d32r16"]
+    cores = [jax.ShapeDtypeStruct(s, jnp.float32) for s in spec.core_shapes]
+    fwd = jax.jit(lambda c, i, o: ftt.tt_embedding_bag(c, i, offsets=o, impl="ffi"))
+    for num_bags in (30, 50_000):
+        ids = jax.ShapeDtypeStruct((2 * num_bags,), jnp.int32)
+        offsets = jax.ShapeDtypeStruct((num_bags + 1,), jnp.int32)
+        text = fwd.lower(cores, ids, offsets).as_text()
+        assert f"chunk_rows = {bag_chunk_rows(32, num_bags)} : i64" in text
 
 
 def test_forward_without_grad_equals_training_forward():

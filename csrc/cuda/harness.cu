@@ -393,7 +393,8 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
     });
     float t_pool =
         time_it([&] { flowtt::bag_pool_fwd(d_rows, d_inv, d_w, d_bags, n, B, D, 0, d_out, st); });
-    const long long chunk = (40LL << 20) / (4 * D);  // flowtt_jax.ops.bag_chunk_rows(D)
+    const long long chunk =  // flowtt_jax.ops.bag_chunk_rows(D, B)
+        std::max({64LL, (40LL << 20) / (4 * D), 8LL * B});
     const size_t bfs = flowtt::bag_fwd_scratch_bytes(t, n, chunk);
     void* d_bfs;
     CK(cudaMalloc(&d_bfs, bfs));

@@ -130,14 +130,25 @@ __global__ void pool_fwd_kernel(const float* __restrict__ rows, const int* __res
 #ifndef FLOWTT_POOL_P1_BATCH  // tuning knob: sorted positions loaded before their fmas
 #define FLOWTT_POOL_P1_BATCH 4
 #endif
+#ifndef FLOWTT_POOL_P1_WEIGHTS  // tuning knob: 0 = d_weights by its own kernel always
+#define FLOWTT_POOL_P1_WEIGHTS 1
+#endif
+#ifndef FLOWTT_POOL_P1W_MINB  // tuning knob: CTAs per SM of pass 1 with d_weights
+#define FLOWTT_POOL_P1W_MINB 4
+#endif
 constexpr int kP1B = FLOWTT_POOL_P1_BATCH;
-template <int VEC>
-__global__ void __launch_bounds__(256, FLOWTT_POOL_P1_MINB)
+// WEIGHTS (a team's lanes cover D, DV <= TS): pass 1 also writes d_weights[p] = dout[bag_p] .
+// rows[u_p] of each position, the dot and xor tree of pool_bwd_weights_kernel (same bits)
+// from the dout vector it has loaded anyway; rows are read in runs of u (the batch's rows
+// take 16 more registers: FLOWTT_POOL_P1W_MINB CTAs per SM).
+template <int VEC, bool WEIGHTS>
+__global__ void __launch_bounds__(256, WEIGHTS ? FLOWTT_POOL_P1W_MINB : FLOWTT_POOL_P1_MINB)
     pool_bwd_rows_p1(const float* __restrict__ dout, const float* __restrict__ weights,
                      const int* __restrict__ bag_ids, const int* __restrict__ perm,
                      const int* __restrict__ inverse, const int* __restrict__ run_offsets,
                      const int* __restrict__ counts, int n, int B, int D, int TS,
-                     float* __restrict__ d_rows, float* __restrict__ part, int* __restrict__ hot) {
+                     float* __restrict__ d_rows, float* __restrict__ part, int* __restrict__ hot,
+                     const float* __restrict__ rows, float* __restrict__ d_weights) {
   using T = typename VecT<VEC>::T;
   const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (gt == 0) *hot = 0;  // pass 2 counts its hot runs here
@@ -148,13 +159,18 @@ __global__ void __launch_bounds__(256, FLOWTT_POOL_P1_MINB)
   const int cs = k * kPL, ce = min(n, cs + kPL);
   const int DV = D / VEC;
   const T* dv_ = reinterpret_cast<const T*>(dout);
+  const T* rv = reinterpret_cast<const T*>(rows);
   T* o = reinterpret_cast<T*>(d_rows);
   T* pv = reinterpret_cast<T*>(part);
-  for (int dv = lane; dv < DV; dv += TS) {
+  const int wl = threadIdx.x & 31;
+  const unsigned tmask = TS == 32 ? 0xffffffffu : ((1u << TS) - 1u) << (wl & ~(TS - 1));
+  const int dv_end = WEIGHTS ? TS : DV;  // WEIGHTS: one pass, every lane of the team
+  for (int dv = lane; dv < dv_end; dv += TS) {
+    const bool has = !WEIGHTS || dv < DV;
     int cur = -1;
     T acc = vzero<T>();
     auto flush = [&](int u) {
-      if (u < 0 || u >= U) return;
+      if (u < 0 || u >= U || !has) return;
       const int s = run_offsets[u], e = run_offsets[u + 1];
       if (s >= cs && e <= ce) {
         o[(size_t)u * DV + dv] = acc;
@@ -164,21 +180,24 @@ __global__ void __launch_bounds__(256, FLOWTT_POOL_P1_MINB)
       }
     };
     for (int j0 = cs; j0 < ce; j0 += kP1B) {
-      int uj[kP1B];
+      int uj[kP1B], pj[kP1B];
       float wj[kP1B];
-      T xj[kP1B];
+      T xj[kP1B], rj[WEIGHTS ? kP1B : 1];
 #pragma unroll
       for (int i = 0; i < kP1B; ++i) {
         const int j = j0 + i;
         uj[i] = -1;
         wj[i] = 0.f;
         xj[i] = vzero<T>();
+        if (WEIGHTS) rj[i] = vzero<T>();
         if (j < ce) {
           const int p = clampi(__ldg(perm + j), 0, n - 1);
+          pj[i] = p;
           uj[i] = __ldg(inverse + p);
           wj[i] = __ldg(weights + p);
           const int b = clampi(__ldg(bag_ids + p), 0, B - 1);
-          xj[i] = dv_[(size_t)b * DV + dv];
+          if (has) xj[i] = dv_[(size_t)b * DV + dv];
+          if (WEIGHTS && has) rj[i] = rv[(size_t)clampi(uj[i], 0, n - 1) * DV + dv];
         }
       }
 #pragma unroll
@@ -190,6 +209,12 @@ __global__ void __launch_bounds__(256, FLOWTT_POOL_P1_MINB)
             acc = vzero<T>();
           }
           vfma(acc, wj[i], xj[i]);
+          if (WEIGHTS) {
+            float sw = 0.f;
+            if (has) sw += vdot(xj[i], rj[i]);
+            for (int off = TS >> 1; off > 0; off >>= 1) sw += __shfl_xor_sync(tmask, sw, off);
+            if (lane == 0) d_weights[pj[i]] = sw;
+          }
         }
       }
     }
@@ -409,12 +434,20 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows, const float* weig
   const int b2 = std::max(1, std::min((int)(((long long)n + 255) / 256), num_sms() * 16));
   const int bw = (int)(((long long)n * TS + 255) / 256);
   with_vec(v4, [&](auto vec) {
-    pool_bwd_rows_p1<vec()><<<b1, 256, 0, stream>>>(
-        dout, weights, bag_ids, perm, inverse, run_offsets, counts, n, B, D, TS, d_rows, part, hot);
+    // d_weights in pass 1 where a team's lanes cover D (D <= 128), else by its own kernel
+    const bool fused_w = FLOWTT_POOL_P1_WEIGHTS && d_weights != nullptr && DV <= TS;
+    if (fused_w)
+      pool_bwd_rows_p1<vec(), true><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm, inverse,
+                                                            run_offsets, counts, n, B, D, TS,
+                                                            d_rows, part, hot, rows, d_weights);
+    else
+      pool_bwd_rows_p1<vec(), false><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm, inverse,
+                                                             run_offsets, counts, n, B, D, TS,
+                                                             d_rows, part, hot, nullptr, nullptr);
     pool_bwd_rows_p2<vec()><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D, part, d_rows, hot);
     pool_bwd_rows_p3<vec()>
         <<<num_sms() * 4, 256, 0, stream>>>(run_offsets, hot, n, D, part, d_rows);
-    if (d_weights != nullptr)
+    if (d_weights != nullptr && !fused_w)
       pool_bwd_weights_kernel<vec()>
           <<<bw, 256, 0, stream>>>(dout, rows, inverse, bag_ids, perm, n, B, D, TS, d_weights);
   });
