@@ -64,25 +64,24 @@ __device__ __forceinline__ void warp_group_P(const Dev& d, const float* __restri
   __syncwarp();
 }
 
-// P of the nR rows (group k, q1) of a batch = A . G2, kRPT x 4 outputs per
-// thread (float4 loads of A^T and G2 from shared memory), stored as
-// Ps[k][m][b] (m = q1*q2 index, group stride PT) when ldm == 0, else
-// transposed as Ps[k][b][m] with row stride ldm (the forward's layout).
-// As: [r1][ldA], G2s: [r1][ldB]. NT: the block's threads.
-template <int NT = kGT>
-__device__ __forceinline__ void tile_gemm_P(const Dev& d, const float* As, int ldA,
-                                            const float* G2s, int ldB, int nR, float* Ps, int PT,
-                                            int ldm = 0) {
+// P of the nR rows (group k, q1) of a batch = A . G2, R x 4 outputs per thread
+// (float4 loads of A^T and G2 from shared memory), stored as Ps[k][m][b] (m = q1*q2
+// index, group stride PT) when ldm == 0, else transposed as Ps[k][b][m] with row stride
+// ldm (the forward's layout). As: [r1][ldA] (ldA a multiple of 8), G2s: [r1][ldB].
+template <int R, int NT>
+__device__ __forceinline__ void tile_gemm_P_rows(const Dev& d, const float* As, int ldA,
+                                                 const float* G2s, int ldB, int nR, float* Ps,
+                                                 int PT, int ldm) {
   const int NC4 = d.q2 * d.r2 / 4;
-  const int nRB = (nR + kRPT - 1) / kRPT;
+  const int nRB = (nR + R - 1) / R;
   for (int it = threadIdx.x; it < NC4 * nRB; it += NT) {
     const int rb = it / NC4, c4 = it - rb * NC4;
-    float acc[kRPT][4];
-    tile_fma_8x4(As + rb * kRPT, ldA, G2s + c4 * 4, ldB, d.r1, acc);
+    float acc[R][4];
+    tile_fma_rows<R>(As + rb * R, ldA, G2s + c4 * 4, ldB, d.r1, acc);
     const int q2 = (c4 * 4) / d.r2, b0 = c4 * 4 - q2 * d.r2;  // r2 % 4 == 0
 #pragma unroll
-    for (int i = 0; i < kRPT; ++i) {
-      const int row = rb * kRPT + i;
+    for (int i = 0; i < R; ++i) {
+      const int row = rb * R + i;
       if (row < nR) {
         const int k = row / d.q1, m = (row - k * d.q1) * d.q2 + q2;
         if (ldm == 0) {
@@ -95,6 +94,23 @@ __device__ __forceinline__ void tile_gemm_P(const Dev& d, const float* As, int l
       }
     }
   }
+}
+
+// tile_gemm_P_rows with kRPT rows a thread, or 4 where that leaves threads of the block
+// idle (D128 r64's forward batch: 16 rows x 64 column quads, 128 items of 8 rows for 256
+// threads). Every output is the same fmaf chain either way: same bits.
+#ifndef FLOWTT_P_ROWS4  // tuning knob: 0 = always kRPT rows a thread
+#define FLOWTT_P_ROWS4 1
+#endif
+template <int NT = kGT>
+__device__ __forceinline__ void tile_gemm_P(const Dev& d, const float* As, int ldA,
+                                            const float* G2s, int ldB, int nR, float* Ps, int PT,
+                                            int ldm = 0) {
+  const int items = d.q2 * d.r2 / 4 * ((nR + kRPT - 1) / kRPT);
+  if (FLOWTT_P_ROWS4 && items < NT)
+    tile_gemm_P_rows<4, NT>(d, As, ldA, G2s, ldB, nR, Ps, PT, ldm);
+  else
+    tile_gemm_P_rows<kRPT, NT>(d, As, ldA, G2s, ldB, nR, Ps, PT, ldm);
 }
 
 }  // namespace flowtt

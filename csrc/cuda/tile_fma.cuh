@@ -1,6 +1,6 @@
 // Register-tile helpers of the kernels. zero_fill: a register array set to 0, unrolled.
-// tile_fma_8x4: the register tile of the prefix GEMMs (tile_gemm_P for one table, tb_batch_P for
-// the table-batched kernels): a thread's 8 x 4 outputs
+// tile_fma_rows<R> (R = 8: tile_fma_8x4): the register tile of the prefix GEMMs (tile_gemm_P for
+// one table, tb_batch_P for the table-batched kernels): a thread's 8 x 4 outputs
 //   acc[i][c] = sum over a in [0, K), ascending, of A[a][i] * B[a][c],
 // each an fmaf chain from 0 (the order every P of the project is formed in, so the
 // results are bitwise those of the warp paths). A: 8 consecutive floats per a at stride
@@ -20,21 +20,31 @@ __device__ __forceinline__ void zero_fill(float (&x)[A][B]) {
     for (int j = 0; j < B; ++j) x[i][j] = 0.f;
 }
 
-__device__ __forceinline__ void tile_fma_8x4(const float* ap, int ldA, const float* bp, int ldB,
-                                             int K, float (&acc)[kTileRows][4]) {
+template <int R>
+__device__ __forceinline__ void tile_fma_rows(const float* ap, int ldA, const float* bp, int ldB,
+                                              int K, float (&acc)[R][4]) {
+  static_assert(R == 4 || R == 8, "R rows: one or two float4 of A per a");
   zero_fill(acc);
 #pragma unroll 4
   for (int a = 0; a < K; ++a) {
-    const float4 a0 = *reinterpret_cast<const float4*>(ap + a * ldA);
-    const float4 a1 = *reinterpret_cast<const float4*>(ap + a * ldA + 4);
+    float av[R];
+#pragma unroll
+    for (int h = 0; h < R / 4; ++h) {
+      const float4 v = *reinterpret_cast<const float4*>(ap + a * ldA + 4 * h);
+      av[4 * h] = v.x, av[4 * h + 1] = v.y, av[4 * h + 2] = v.z, av[4 * h + 3] = v.w;
+    }
     const float4 bv = *reinterpret_cast<const float4*>(bp + a * ldB);
-    const float av[kTileRows] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
     const float bw[4] = {bv.x, bv.y, bv.z, bv.w};
 #pragma unroll
-    for (int i = 0; i < kTileRows; ++i)
+    for (int i = 0; i < R; ++i)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(av[i], bw[c], acc[i][c]);
   }
+}
+
+__device__ __forceinline__ void tile_fma_8x4(const float* ap, int ldA, const float* bp, int ldB,
+                                             int K, float (&acc)[kTileRows][4]) {
+  tile_fma_rows<kTileRows>(ap, ldA, bp, ldB, K, acc);
 }
 
 }  // namespace flowtt
