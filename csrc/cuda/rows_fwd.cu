@@ -32,6 +32,9 @@
 #ifndef FLOWTT_FWD_SMEM_KB
 #define FLOWTT_FWD_SMEM_KB 100
 #endif
+#ifndef FLOWTT_FWD_GB  // tuning knob: groups per batch (0: the most that fit)
+#define FLOWTT_FWD_GB 0
+#endif
 
 namespace flowtt {
 namespace {
@@ -483,12 +486,12 @@ __global__ void __launch_bounds__(kGT, MINB)
                       });
 }
 
-// Groups per batch of the GEMM forward tile (largest power of two <= kT1F
-// whose shared memory fits FLOWTT_FWD_SMEM_KB), or 0 when the GEMM kernel
-// does not take these dims (then the warp kernel runs).
+// Groups per batch of the GEMM forward tile (the most, up to kT1F or FLOWTT_FWD_GB,
+// whose shared memory fits FLOWTT_FWD_SMEM_KB), or 0 when the GEMM kernel does not
+// take these dims (then the warp kernel runs). The rows do not depend on it.
 int gemm_batch_groups(const Dev& d) {
   if (!gemm_dims(d)) return 0;
-  for (int GB = kT1F; GB >= 1; GB /= 2)
+  for (int GB = FLOWTT_FWD_GB > 0 ? FLOWTT_FWD_GB : kT1F; GB >= 1; --GB)
     if (tile_geo(d, GB).smem_bytes <= FLOWTT_FWD_SMEM_KB * 1024) return GB;
   return 0;
 }
