@@ -32,6 +32,12 @@
 #ifndef FLOWTT_FWD_SMEM_KB
 #define FLOWTT_FWD_SMEM_KB 100
 #endif
+#ifndef FLOWTT_FWD_APPLY_UNROLL  // tuning knobs: b steps of apply_team unrolled (M < 16, 16)
+#define FLOWTT_FWD_APPLY_UNROLL 4
+#endif
+#ifndef FLOWTT_FWD_APPLY_UNROLL_M16
+#define FLOWTT_FWD_APPLY_UNROLL_M16 16
+#endif
 #ifndef FLOWTT_FWD_GB  // tuning knob: groups per batch (0: the most that fit)
 #define FLOWTT_FWD_GB 0
 #endif
@@ -289,6 +295,10 @@ __device__ __forceinline__ float select(bool c, float a, float b) {
 // Row of one unique id from its group's P (Pt: [b][m], stride LDM) and
 // G3[i3], by a team of T lanes (t: lane in the team, tmask: the team's lanes
 // in the warp). Fixed order: bitwise reproducible.
+// b steps unrolled: D128 r64 (M 16, 16 steps a lane) all of them (harness rows_fwd 0.642 ->
+// 0.616 ms at B65536; 8: 0.622, 2: 0.727); S1 (8 steps) 4 (2 to 16 within run-to-run noise).
+template <int M>
+constexpr int kApplyUnroll = M >= 16 ? FLOWTT_FWD_APPLY_UNROLL_M16 : FLOWTT_FWD_APPLY_UNROLL;
 template <int M, int Q3>
 __device__ __forceinline__ void apply_team(const Dev& d, const float* Pt,
                                            const float* __restrict__ g3, int id, int t,
@@ -299,7 +309,7 @@ __device__ __forceinline__ void apply_team(const Dev& d, const float* Pt,
   zero_fill(acc);
   const float* g = g3 + (size_t)id3(d, id) * d.r2 * Q3 + qh * 4;
   const float* p = Pt + ms * A::Mm;
-#pragma unroll 4
+#pragma unroll(kApplyUnroll<M>)
   for (int b = tb; b < d.r2; b += A::TB) {  // r2 % TB == 0: same trip count
     const float4 gv = __ldg(reinterpret_cast<const float4*>(g + b * Q3));
 #pragma unroll
