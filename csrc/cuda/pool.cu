@@ -2,8 +2,8 @@
 // flowtt_bag_fwd's chunks). Forward: one thread team per bag, ids in increasing k.
 // Backward: d_rows by a segmented reduction over the sorted order (chunks of kPL
 // sorted positions + a fixed-order combine of the chunk partials of hot ids),
-// d_weights one team per position. Bitwise reproducible; float4 vectors when D % 4 == 0
-// and the buffers are 16-byte aligned.
+// d_weights a team's dot per position (in pass 1 where a team covers D). Bitwise
+// reproducible; float4 vectors when D % 4 == 0 and the buffers are 16-byte aligned.
 #include <cuda_runtime.h>
 
 #include <algorithm>
