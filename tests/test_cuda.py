@@ -218,6 +218,34 @@ def test_raw_targets_write_every_element(kind, dim, rank, seeds):
     assert rel_err(rows[:nu], ref) <= TOL
 
 
+@pytest.mark.parametrize("dim", (6, 34, 128, 260))
+def test_pool_bwd_every_row_width(dim, seeds):
+    """flowtt_bag_pool_bwd on rows [n, D] of any width against float64, every output written,
+    bitwise twice: D = 6 and 128 form d_weights in the pooling's pass 1 (a team's lanes
+    cover D; D = 6 leaves two of its 8 lanes without a vector), D = 34 (34 scalar lanes)
+    and 260 (65 float4s) in the separate weights kernel."""
+    n, num_bags = 3000, 200
+    ids = make_ids("zipf1.05", n, 5000, seed=next(seeds))
+    offsets = random_offsets(num_bags, n, seed=next(seeds))
+    rng = np.random.default_rng(next(seeds))
+    weights = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    dout = rng.standard_normal((num_bags, dim)).astype(np.float32)
+    rows = rng.standard_normal((n, dim)).astype(np.float32)  # row u: unique index u
+    bag_ids = bag_ids_of(offsets, n)
+    plan = make_plan(jax.device_put(jnp.asarray(ids), GPU), 20)
+    nu, inverse = int(plan.counts[0]), np.asarray(plan.inverse)
+    d_rows, d_w = target_pool_bwd(_poisoned, dout, rows, weights, plan, bag_ids)
+    per_position = np.float64(weights)[:, None] * np.float64(dout)[bag_ids]
+    exp_rows = np.zeros((n, dim))
+    np.add.at(exp_rows, inverse, per_position)
+    assert rel_err(d_rows[:nu], exp_rows[:nu]) <= TOL
+    exp_w = np.sum(np.float64(dout)[bag_ids] * np.float64(rows)[inverse], axis=1)
+    assert np.all(np.isfinite(d_w)) and rel_err(d_w, exp_w) <= TOL
+    d_rows2, d_w2 = target_pool_bwd(_poisoned, dout, rows, weights, plan, bag_ids)
+    assert np.asarray(d_w2).tobytes() == np.asarray(d_w).tobytes()
+    assert np.asarray(d_rows2)[:nu].tobytes() == np.asarray(d_rows)[:nu].tobytes()
+
+
 @pytest.mark.parametrize("kind", ["zipf1.05", "zipf1.2", "all_equal", "last_row"])
 @pytest.mark.parametrize("dim,rank", [(32, 32), (128, 64)])
 def test_consumers_never_read_rows_past_num_unique(kind, dim, rank, seeds):
