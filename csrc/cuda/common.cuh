@@ -21,7 +21,7 @@ constexpr int kGT = 256;         // threads of the GEMM tile kernels
 constexpr int kT1F = 32;         // i1 values per forward tile
 constexpr int kT1B = 32;         // i1 values per backward tile
 constexpr int kCH = 64;          // unique ids per chunk (split threshold of a prefix group)
-constexpr int kRPT = kTileRows;  // GEMM rows per thread (tile_gemm_P: tile_fma_8x4)
+constexpr int kRPT = kTileRows;  // GEMM rows per thread (tile_gemm_P: tile_fma_rows)
 constexpr int kPL = 32;          // sorted positions per chunk of the pooling backward
 constexpr int kHotL = 32;        // runs of more chunk partials: the pooling backward's pass 3
 #ifndef FLOWTT_DG3_PARTS

@@ -41,6 +41,18 @@ __device__ __forceinline__ float vdot(float a, float b) { return a * b; }
 __device__ __forceinline__ float vdot(float4 a, float4 b) {
   return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, a.x * b.x)));
 }
+// The sum of s over a team of TS lanes (mask: the team's lanes), a fixed xor tree; every
+// lane holds it. team_dot: the same for one vector's dot a . b per lane (0 where !has).
+__device__ __forceinline__ float team_sum(float s, int TS, unsigned mask) {
+  for (int off = TS >> 1; off > 0; off >>= 1) s += __shfl_xor_sync(mask, s, off);
+  return s;
+}
+template <typename T>
+__device__ __forceinline__ float team_dot(T a, T b, bool has, int TS, unsigned mask) {
+  float s = 0.f;
+  if (has) s += vdot(a, b);
+  return team_sum(s, TS, mask);
+}
 template <typename T>
 __device__ __forceinline__ T vzero();
 template <>
@@ -210,9 +222,7 @@ __global__ void __launch_bounds__(256, WEIGHTS ? FLOWTT_POOL_P1W_MINB : FLOWTT_P
           }
           vfma(acc, wj[i], xj[i]);
           if (WEIGHTS) {
-            float sw = 0.f;
-            if (has) sw += vdot(xj[i], rj[i]);
-            for (int off = TS >> 1; off > 0; off >>= 1) sw += __shfl_xor_sync(tmask, sw, off);
+            const float sw = team_dot(xj[i], rj[i], has, TS, tmask);
             if (lane == 0) d_weights[pj[i]] = sw;
           }
         }
@@ -363,7 +373,7 @@ __global__ void pool_bwd_weights_kernel(const float* __restrict__ dout,
     const T* r = reinterpret_cast<const T*>(rows) + (size_t)idx * DV;
     for (int dv = lane; dv < DV; dv += TS) s += vdot(a[dv], r[dv]);
   }
-  for (int off = TS >> 1; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  s = team_sum(s, TS, 0xffffffffu);
   if (valid && lane == 0) d_weights[k] = s;
 }
 
@@ -436,14 +446,15 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows, const float* weig
   with_vec(v4, [&](auto vec) {
     // d_weights in pass 1 where a team's lanes cover D (D <= 128), else by its own kernel
     const bool fused_w = FLOWTT_POOL_P1_WEIGHTS && d_weights != nullptr && DV <= TS;
+    auto p1 = [&](auto w) {
+      pool_bwd_rows_p1<vec(), w()><<<b1, 256, 0, stream>>>(
+          dout, weights, bag_ids, perm, inverse, run_offsets, counts, n, B, D, TS, d_rows, part,
+          hot, w() ? rows : nullptr, w() ? d_weights : nullptr);
+    };
     if (fused_w)
-      pool_bwd_rows_p1<vec(), true><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm, inverse,
-                                                            run_offsets, counts, n, B, D, TS,
-                                                            d_rows, part, hot, rows, d_weights);
+      p1(std::true_type{});
     else
-      pool_bwd_rows_p1<vec(), false><<<b1, 256, 0, stream>>>(dout, weights, bag_ids, perm, inverse,
-                                                             run_offsets, counts, n, B, D, TS,
-                                                             d_rows, part, hot, nullptr, nullptr);
+      p1(std::false_type{});
     pool_bwd_rows_p2<vec()><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D, part, d_rows, hot);
     pool_bwd_rows_p3<vec()>
         <<<num_sms() * 4, 256, 0, stream>>>(run_offsets, hot, n, D, part, d_rows);

@@ -320,7 +320,7 @@ __device__ __forceinline__ void tb_batch_P(const DD& d, const float* __restrict_
   for (int it = threadIdx.x; it < nRB * NC4; it += kTbThreads) {
     const int rb = it / NC4, c4 = it - rb * NC4;
     float acc[kTbRPT][4];
-    tile_fma_8x4(As + rb * kTbRPT, ldA, G2s + 4 * c4, d.K, d.r1, acc);
+    tile_fma_rows<kTbRPT>(As + rb * kTbRPT, ldA, G2s + 4 * c4, d.K, d.r1, acc);
     store(rb * kTbRPT, c4, nR, acc);
   }
 }

@@ -1,9 +1,9 @@
 // Register-tile helpers of the kernels. zero_fill: a register array set to 0, unrolled.
-// tile_fma_rows<R> (R = 8: tile_fma_8x4): the register tile of the prefix GEMMs (tile_gemm_P for
-// one table, tb_batch_P for the table-batched kernels): a thread's 8 x 4 outputs
+// tile_fma_rows<R>: the register tile of the prefix GEMMs (tile_gemm_P for
+// one table, tb_batch_P for the table-batched kernels): a thread's R x 4 outputs (R = 4, 8)
 //   acc[i][c] = sum over a in [0, K), ascending, of A[a][i] * B[a][c],
 // each an fmaf chain from 0 (the order every P of the project is formed in, so the
-// results are bitwise those of the warp paths). A: 8 consecutive floats per a at stride
+// results are bitwise those of the warp paths). A: R consecutive floats per a at stride
 // ldA, B: 4 per a at stride ldB, both 16-byte aligned (shared memory). No CUDA header
 // (the emulation of csrc/cuda/tb_emu.h compiles it too).
 #pragma once
@@ -40,11 +40,6 @@ __device__ __forceinline__ void tile_fma_rows(const float* ap, int ldA, const fl
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(av[i], bw[c], acc[i][c]);
   }
-}
-
-__device__ __forceinline__ void tile_fma_8x4(const float* ap, int ldA, const float* bp, int ldB,
-                                             int K, float (&acc)[kTileRows][4]) {
-  tile_fma_rows<kTileRows>(ap, ldA, bp, ldB, K, acc);
 }
 
 }  // namespace flowtt
