@@ -96,14 +96,31 @@ __device__ __forceinline__ void tile_gemm_P_rows(const Dev& d, const float* As, 
   }
 }
 
-// tile_gemm_P_rows with tile_rows_for's rows a thread (cuda/tile_fma.cuh).
+// tile_gemm_P_rows with kRPT rows a thread; 4 where that leaves threads of the block idle;
+// 6 where that takes fewer row steps a thread than either (rounds of
+// NT items times R) and the rows it reads stay within ldA: D128 r64's forward batch (24 rows
+// x 64 column quads) takes 256 items of 6 rows for 256 threads, where 8 rows left 64
+// threads idle and 4 took two rounds on half of them. Every output is the same fmaf chain
+// for any R: same bits.
+#ifndef FLOWTT_P_ROWS4  // tuning knobs: 0 = never 4 / 6 rows a thread
+#define FLOWTT_P_ROWS4 1
+#endif
+#ifndef FLOWTT_P_ROWS6
+#define FLOWTT_P_ROWS6 1
+#endif
 template <int NT = kGT>
 __device__ __forceinline__ void tile_gemm_P(const Dev& d, const float* As, int ldA,
                                             const float* G2s, int ldB, int nR, float* Ps, int PT,
                                             int ldm = 0) {
-  with_tile_rows(tile_rows_for(nR, d.q2 * d.r2 / 4, ldA, NT), [&](auto rows) {
-    tile_gemm_P_rows<decltype(rows)::value, NT>(d, As, ldA, G2s, ldB, nR, Ps, PT, ldm);
-  });
+  const int NC4 = d.q2 * d.r2 / 4;
+  auto steps = [&](int R) { return (NC4 * ((nR + R - 1) / R) + NT - 1) / NT * R; };
+  const int R = FLOWTT_P_ROWS4 && NC4 * ((nR + kRPT - 1) / kRPT) < NT ? 4 : kRPT;
+  if (FLOWTT_P_ROWS6 && (nR + 5) / 6 * 6 <= ldA && steps(6) < steps(R))
+    tile_gemm_P_rows<6, NT>(d, As, ldA, G2s, ldB, nR, Ps, PT, ldm);
+  else if (R == 4)
+    tile_gemm_P_rows<4, NT>(d, As, ldA, G2s, ldB, nR, Ps, PT, ldm);
+  else
+    tile_gemm_P_rows<kRPT, NT>(d, As, ldA, G2s, ldB, nR, Ps, PT, ldm);
 }
 
 }  // namespace flowtt

@@ -139,18 +139,19 @@ __global__ void __launch_bounds__(kTbThreads)
         tb_pcache_batch_mma(d, nR, Am, G2s, s_g, glo, Pc);
         continue;
       }
-      tb_batch_P(d, g1, s_i1, nb, geo.ldA, As, G2s, [&](int row0, int c4, int nR, const auto& acc) {
-        constexpr int R = sizeof(acc) / sizeof(acc[0]);
+      tb_batch_P(d, g1, s_i1, nb, geo.ldA, As, G2s,
+                 [&](int row0, int c4, int nR, const float (&acc)[kTbRPT][4]) {
 #pragma unroll
-        for (int i = 0; i < R; ++i) {
-          const int row = row0 + i;
-          if (row < nR) {
-            const int k = row / d.q1, x1 = row - k * d.q1;
-            *reinterpret_cast<float4*>(Pc + (size_t)(s_g[k] - glo) * d.PSZ + x1 * d.K + 4 * c4) =
-                make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-          }
-        }
-      });
+                   for (int i = 0; i < kTbRPT; ++i) {
+                     const int row = row0 + i;
+                     if (row < nR) {
+                       const int k = row / d.q1, x1 = row - k * d.q1;
+                       *reinterpret_cast<float4*>(Pc + (size_t)(s_g[k] - glo) * d.PSZ + x1 * d.K +
+                                                  4 * c4) =
+                           make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+                     }
+                   }
+                 });
     }
   }
 }

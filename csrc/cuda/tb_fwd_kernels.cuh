@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kTbThreads)
 // the groups are sorted by g_i2 (a radix sort, tb_bounds_kernel):
 // phase 1, blocks steal packed g2 rows I (ctr[0]); the g2 row goes to shared memory once
 // and serves every group of I, in batches of GB: the batch's g1 rows transposed, P of the
-// whole batch as one GEMM [GB*q1, r1] x [r1, K] (tile_rows_for rows x 4 columns a thread),
+// whole batch as one GEMM [GB*q1, r1] x [r1, K] (kTbRPT rows x 4 columns per thread),
 // then a thread per (unique index, m) writes row[m][0..Q3) for the first kTbChunk unique
 // indices of each group. Phase 2, warps steal chunks of kTbChunk unique indices (ctr[1]):
 // the only work left in chunk [u0, u0 + kTbChunk) is the tail of the group holding u0
@@ -117,19 +117,20 @@ __global__ void __launch_bounds__(kTbThreads)
         if (lane == 31) s_w = incl;
       }
       __syncthreads();
-      tb_batch_P(d, g1, s_i1, nb, geo.ldA, As, G2s, [&](int row0, int c4, int nR, const auto& acc) {
-        constexpr int R = sizeof(acc) / sizeof(acc[0]);
-        const int x2 = (4 * c4) / d.r2, b0 = 4 * c4 - x2 * d.r2;  // r2 % 4 == 0
+      tb_batch_P(d, g1, s_i1, nb, geo.ldA, As, G2s,
+                 [&](int row0, int c4, int nR, const float (&acc)[kTbRPT][4]) {
+                   const int x2 = (4 * c4) / d.r2, b0 = 4 * c4 - x2 * d.r2;  // r2 % 4 == 0
 #pragma unroll
-        for (int i = 0; i < R; ++i) {
-          const int row = row0 + i;
-          if (row < nR) {
-            const int k = row / d.q1, m = (row - k * d.q1) * d.q2 + x2;
+                   for (int i = 0; i < kTbRPT; ++i) {
+                     const int row = row0 + i;
+                     if (row < nR) {
+                       const int k = row / d.q1, m = (row - k * d.q1) * d.q2 + x2;
 #pragma unroll
-            for (int c = 0; c < 4; ++c) Ps[k * geo.PT + (b0 + c) * geo.ldm + m] = acc[i][c];
-          }
-        }
-      });
+                       for (int c = 0; c < 4; ++c)
+                         Ps[k * geo.PT + (b0 + c) * geo.ldm + m] = acc[i][c];
+                     }
+                   }
+                 });
       __syncthreads();
       const int W = s_w;
       for (int it = tid; it < W * d.M; it += kTbThreads) {  // row[m][0..Q3) of one id

@@ -308,8 +308,7 @@ __device__ __forceinline__ void tb_stage_g1_rows(const DD& d, const float* __res
 }
 
 // The whole prefix GEMM of a batch of nb groups: As staged, then each thread's register
-// tiles of P (R rows by tile_rows_for), handed to store(row0, c4, nR, acc) (acc: float
-// [R][4], rows row0 + i < nR, columns 4*c4 + c).
+// tiles of P, handed to store(row0, c4, nR, acc) (rows row0 + i < nR, columns 4*c4 + c).
 template <class Store, class DD>
 __device__ __forceinline__ void tb_batch_P(const DD& d, const float* __restrict__ g1,
                                            const int* s_i1, int nb, int ldA, float* As,
@@ -317,16 +316,13 @@ __device__ __forceinline__ void tb_batch_P(const DD& d, const float* __restrict_
   const int nR = nb * d.q1, NC4 = d.K / 4;
   tb_stage_g1_rows(d, g1, s_i1, nR, ldA, As);
   __syncthreads();
-  with_tile_rows(tile_rows_for(nR, NC4, ldA, kTbThreads), [&](auto rows) {
-    constexpr int R = decltype(rows)::value;
-    const int nRB = (nR + R - 1) / R;
-    for (int it = threadIdx.x; it < nRB * NC4; it += kTbThreads) {
-      const int rb = it / NC4, c4 = it - rb * NC4;
-      float acc[R][4];
-      tile_fma_rows<R>(As + rb * R, ldA, G2s + 4 * c4, d.K, d.r1, acc);
-      store(rb * R, c4, nR, acc);
-    }
-  });
+  const int nRB = (nR + kTbRPT - 1) / kTbRPT;
+  for (int it = threadIdx.x; it < nRB * NC4; it += kTbThreads) {
+    const int rb = it / NC4, c4 = it - rb * NC4;
+    float acc[kTbRPT][4];
+    tile_fma_rows<kTbRPT>(As + rb * kTbRPT, ldA, G2s + 4 * c4, d.K, d.r1, acc);
+    store(rb * kTbRPT, c4, nR, acc);
+  }
 }
 
 // Work stealing: the block's next item from *ctr (all threads get it; s_item is a

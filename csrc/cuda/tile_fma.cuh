@@ -1,7 +1,6 @@
 // Register-tile helpers of the kernels. zero_fill: a register array set to 0, unrolled.
 // tile_fma_rows<R>: the register tile of the prefix GEMMs (tile_gemm_P for
-// one table, tb_batch_P for the table-batched kernels): a thread's R x 4 outputs (R = 4, 6, 8,
-// chosen by tile_rows_for)
+// one table, tb_batch_P for the table-batched kernels): a thread's R x 4 outputs (R = 4, 6, 8)
 //   acc[i][c] = sum over a in [0, K), ascending, of A[a][i] * B[a][c],
 // each an fmaf chain from 0 (the order every P of the project is formed in, so the
 // results are bitwise those of the warp paths). A: R consecutive floats per a at stride
@@ -10,41 +9,9 @@
 // (the emulation of csrc/cuda/tb_emu.h compiles it too).
 #pragma once
 
-#include <type_traits>
-
 namespace flowtt {
 
 constexpr int kTileRows = 8;  // rows per thread of the register tile
-
-#ifndef FLOWTT_P_ROWS4  // tuning knobs: 0 = never 4 / 6 rows a thread
-#define FLOWTT_P_ROWS4 1
-#endif
-#ifndef FLOWTT_P_ROWS6
-#define FLOWTT_P_ROWS6 1
-#endif
-
-// Rows a thread (R of tile_fma_rows) for a prefix GEMM of nR rows x NC4 column quads on NT
-// threads, A's rows at stride ldA (a multiple of 8): kTileRows; 4 where 8 would give fewer
-// items than threads; 6 where that takes fewer row steps a thread (rounds of NT items times
-// R) than either choice and the rows it reads stay within ldA. D128 r64's forward batch (24
-// rows x 64 quads, 256 threads): 6, one item each, where 8 left 64 threads idle and 4 took
-// two rounds on half of them. Every output is the same fmaf chain for any R: same bits.
-__device__ inline int tile_rows_for(int nR, int NC4, int ldA, int NT) {
-  auto steps = [&](int R) { return (NC4 * ((nR + R - 1) / R) + NT - 1) / NT * R; };
-  const int R = FLOWTT_P_ROWS4 && NC4 * ((nR + kTileRows - 1) / kTileRows) < NT ? 4 : kTileRows;
-  return FLOWTT_P_ROWS6 && (nR + 5) / 6 * 6 <= ldA && steps(6) < steps(R) ? 6 : R;
-}
-
-// f(std::integral_constant<int, R>{}) for R = tile_rows_for(...) (4, 6 or kTileRows).
-template <class F>
-__device__ __forceinline__ void with_tile_rows(int R, F&& f) {
-  if (R == 4)
-    f(std::integral_constant<int, 4>{});
-  else if (R == 6)
-    f(std::integral_constant<int, 6>{});
-  else
-    f(std::integral_constant<int, kTileRows>{});
-}
 
 template <int A, int B>
 __device__ __forceinline__ void zero_fill(float (&x)[A][B]) {
