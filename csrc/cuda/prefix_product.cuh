@@ -96,12 +96,12 @@ __device__ __forceinline__ void tile_gemm_P_rows(const Dev& d, const float* As, 
   }
 }
 
-// tile_gemm_P_rows with kRPT rows a thread; 4 where that leaves threads of the block idle;
-// 6 where that takes fewer row steps a thread than either (rounds of
-// NT items times R) and the rows it reads stay within ldA: D128 r64's forward batch (24 rows
-// x 64 column quads) takes 256 items of 6 rows for 256 threads, where 8 rows left 64
-// threads idle and 4 took two rounds on half of them. Every output is the same fmaf chain
-// for any R: same bits.
+// tile_gemm_P_rows with R rows a thread: kRPT, or 4 where kRPT gives fewer items than
+// threads; then 6 where that takes fewer row steps a thread (rounds of NT items times R)
+// and the rows it reads stay within ldA. D128 r64's forward batch (24 rows x 64 column
+// quads) takes 256 items of 6 rows for 256 threads, where 8 rows left 64 threads idle and
+// 4 took two rounds on half of them. Every output is the same fmaf chain for any R: same
+// bits.
 #ifndef FLOWTT_P_ROWS4  // tuning knobs: 0 = never 4 / 6 rows a thread
 #define FLOWTT_P_ROWS4 1
 #endif
@@ -113,8 +113,9 @@ __device__ __forceinline__ void tile_gemm_P(const Dev& d, const float* As, int l
                                             const float* G2s, int ldB, int nR, float* Ps, int PT,
                                             int ldm = 0) {
   const int NC4 = d.q2 * d.r2 / 4;
-  auto steps = [&](int R) { return (NC4 * ((nR + R - 1) / R) + NT - 1) / NT * R; };
-  const int R = FLOWTT_P_ROWS4 && NC4 * ((nR + kRPT - 1) / kRPT) < NT ? 4 : kRPT;
+  auto items = [&](int R) { return NC4 * ((nR + R - 1) / R); };
+  auto steps = [&](int R) { return (items(R) + NT - 1) / NT * R; };
+  const int R = FLOWTT_P_ROWS4 && items(kRPT) < NT ? 4 : kRPT;
   if (FLOWTT_P_ROWS6 && (nR + 5) / 6 * 6 <= ldA && steps(6) < steps(R))
     tile_gemm_P_rows<6, NT>(d, As, ldA, G2s, ldB, nR, Ps, PT, ldm);
   else if (R == 4)

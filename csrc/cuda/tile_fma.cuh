@@ -1,12 +1,11 @@
 // Register-tile helpers of the kernels. zero_fill: a register array set to 0, unrolled.
-// tile_fma_rows<R>: the register tile of the prefix GEMMs (tile_gemm_P for
-// one table, tb_batch_P for the table-batched kernels): a thread's R x 4 outputs (R = 4, 6, 8)
+// tile_fma_rows<R>: the register tile of the prefix GEMMs (tile_gemm_P for one table,
+// tb_batch_P for the table-batched kernels): a thread's R x 4 outputs (R = 4, 6, 8)
 //   acc[i][c] = sum over a in [0, K), ascending, of A[a][i] * B[a][c],
 // each an fmaf chain from 0 (the order every P of the project is formed in, so the
 // results are bitwise those of the warp paths). A: R consecutive floats per a at stride
 // ldA (16-byte aligned, 8 for R = 6), B: 4 per a at stride ldB, 16-byte aligned (shared
-// memory). No CUDA header
-// (the emulation of csrc/cuda/tb_emu.h compiles it too).
+// memory). No CUDA header (the emulation of csrc/cuda/tb_emu.h compiles it too).
 #pragma once
 
 namespace flowtt {
