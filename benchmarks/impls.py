@@ -212,7 +212,7 @@ def _dedup_bag(cores, ids, offsets, spec, weights):
     return jax.ops.segment_sum(rows, _bag_ids(offsets, n), num_segments=b)
 
 
-_SCRATCH_KEYS = {"fwd": ("plan", "bag_fwd"), "fwd_bwd": ("plan", "rows_fwd", "pool_bwd", "rows_bwd")}
+_SCRATCH_KEYS = {"fwd": ("plan_fwd", "bag_fwd"), "fwd_bwd": ("plan", "rows_fwd", "pool_bwd", "rows_bwd")}
 
 
 def _single_table_scratch(spec: ftt.TTSpec, n: int, num_bags: int, mode: str) -> int:

@@ -47,7 +47,7 @@ _PEAKS = {"H200": (67e12, 4.8e12), "H100": (67e12, 3.35e12), "A100": (19.5e12, 2
 CATEGORIES = (
     ("rows backward (dG1/dG2/dG3)", r"rows_bwd|dg[123]_|tb_pcache"),
     ("radix sort (plan; + i3 bucketing in the backward)", r"RadixSort|tb_radix|tb_bounds|tb_ug_"),
-    ("plan scan + finalize", r"DeviceScan|finalize_kernel|finish_kernel|clamp_kernel"),
+    ("plan scan + finalize", r"DeviceScan|finalize_kernel|finish_kernel|clamp_kernel|bitmap_"),
     ("rows forward (prefix map + GEMM tile kernel)", r"rows_fwd|build_map|tb_fwd"),
     ("pooling fwd/bwd", r"pool_"),
     ("memset / memcpy", r"Memset|Memcpy|memcpy"),

@@ -216,17 +216,23 @@ def _f32(shape) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, jnp.float32)
 
 
-def plan(ids: jax.Array, last_extent: int, num_rows: int) -> Plan:
+def plan(ids: jax.Array, last_extent: int, num_rows: int, forward_only: bool = False) -> Plan:
     """``plan.make_plan(ids, last_extent)`` as one call of target ``flowtt_plan``.
 
     ``ids`` [n] int are clamped to ``[0, num_rows)``: for in-range ids the plan equals
     ``make_plan``'s bit for bit. ``num_rows`` (< 2^31) also bounds the radix sort's key
-    bits on the GPU. ``last_extent`` and ``num_rows`` are static ints.
+    bits on the GPU. ``last_extent``, ``num_rows`` and ``forward_only`` are static.
+
+    ``forward_only``: the plan of a forward without gradient (what ``bag_fwd`` and
+    ``rows_fwd`` read): ``perm`` and ``run_offsets`` are ``[0]``, the other fields the same.
+    Where the table's bitmap (``num_rows / 32`` words) is at most 2 words per id it is
+    built without a sort (``csrc/common/plan_bitmap.h``).
     """
     if ids.ndim != 1:
         raise ValueError(f"ids must be flat [n], got shape {ids.shape}")
     n = ids.shape[0]
-    outs = tuple(jax.ShapeDtypeStruct((m,), jnp.int32) for m in (n, n, n, n + 1, n + 1, 2))
+    sizes = (0, n, n, 0, n + 1, 2) if forward_only else (n, n, n, n + 1, n + 1, 2)
+    outs = tuple(jax.ShapeDtypeStruct((m,), jnp.int32) for m in sizes)
     return Plan(
         *_call(
             "flowtt_plan",

@@ -3,7 +3,8 @@
 Both run one pipeline: oob policy -> canonical bags -> on-device plan -> fused
 unique-row kernel -> fixed-order pooling, under one ``jax.custom_vjp`` whose
 backward gives gradients for every core and for per-id weights. Without a
-gradient the rows and the pooling are one op (``flowtt_bag_fwd``) that computes
+gradient the plan is the forward-only one (no sort where the table's bitmap is
+small) and the rows and the pooling are one op (``flowtt_bag_fwd``) that computes
 the unique rows in chunks of at most ``bag_chunk_rows``; the training forward
 computes all [n, D] rows and keeps them for the backward only when the weights'
 gradient needs them (weighted bags).
@@ -59,22 +60,23 @@ def bag_chunk_rows(dim: int, num_bags: int) -> int:
     return max(64, ROWS_CHUNK_BYTES // (4 * dim), ROWS_CHUNK_OUTPUTS * num_bags)
 
 
-def _plan(cores, ids):
-    return ffi.plan(ids, cores[-1].shape[0], math.prod(c.shape[0] for c in cores))
+def _plan(cores, ids, forward_only: bool = False):
+    return ffi.plan(ids, cores[-1].shape[0], math.prod(c.shape[0] for c in cores), forward_only)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def fused_bag(weighted, cores, weights, ids, offsets, bag_ids):
     """Bag sums [B, D] float32 by the single-table kernels: float32 ``cores``, prepared
     ``weights``/``ids``/``offsets``/``bag_ids`` (as ``prepare_bags`` gives). Without a
-    gradient one ``flowtt_bag_fwd`` (rows in bounded chunks); the VJP keeps the plan.
+    gradient the forward-only plan and one ``flowtt_bag_fwd`` (rows in bounded chunks);
+    the VJP's forward takes the whole plan and keeps it.
     Also the one-table case of ``batched.tt_embedding_bag_group``.
 
     ``weighted`` (static): the caller passed weights, so their gradient is computed.
     """
     dim = math.prod(c.shape[2] for c in cores)
     chunk_rows = bag_chunk_rows(dim, offsets.shape[0] - 1)
-    return ffi.bag_fwd(cores, _plan(cores, ids), weights, offsets, chunk_rows)
+    return ffi.bag_fwd(cores, _plan(cores, ids, forward_only=True), weights, offsets, chunk_rows)
 
 
 def _fused_bag_fwd(weighted, cores, weights, ids, offsets, bag_ids):

@@ -1,6 +1,7 @@
 """Small forward+backward through the CUDA FFI path (for compute-sanitizer), the
-no-gradient fused forward (flowtt_bag_fwd) with one chunk and with several, and a single id
-(a one-item plan: initcheck flagged two of its reads once)."""
+no-gradient fused forward (flowtt_bag_fwd) with one chunk and with several (its plan the
+forward-only one, by the table's bitmap), and a single id (a one-item plan: initcheck
+flagged two of its reads once; its no-gradient lookup takes the forward-only plan's sort)."""
 
 import jax
 import jax.numpy as jnp

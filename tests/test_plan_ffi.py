@@ -35,10 +35,12 @@ device_param = pytest.mark.parametrize(
 NUM_ROWS = 13 * 11 * 7
 
 
-def poisoned_plan(ids, last_extent: int, num_rows: int) -> Plan:
-    """flowtt_plan called directly under jit, each output aliased to a -7 buffer."""
+def poisoned_plan(ids, last_extent: int, num_rows: int, forward_only: bool = False) -> Plan:
+    """flowtt_plan called directly under jit, each output aliased to a -7 buffer
+    (``forward_only``: perm and run_offsets [0])."""
     n = ids.shape[0]
-    outs = [jax.ShapeDtypeStruct((m,), jnp.int32) for m in (n, n, n, n + 1, n + 1, 2)]
+    sizes = (0, n, n, 0, n + 1, 2) if forward_only else (n, n, n, n + 1, n + 1, 2)
+    outs = [jax.ShapeDtypeStruct((m,), jnp.int32) for m in sizes]
     return Plan(
         *poisoned_call(
             "flowtt_plan", outs, ids, last_extent=np.int64(last_extent), num_rows=np.int64(num_rows)
@@ -55,6 +57,17 @@ def oracle(ids, last_extent: int) -> Plan:
 def assert_plans_equal(got: Plan, want: Plan):
     for name, g, w in zip(Plan._fields, got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+
+
+FORWARD_FIELDS = ("inverse", "unique_ids", "group_offsets", "counts")
+
+
+def assert_forward_plan_equal(got: Plan, want: Plan):
+    """The forward-only plan: perm and run_offsets [0], the other fields ``want``'s."""
+    assert got.perm.shape == (0,) and got.run_offsets.shape == (0,)
+    for name in FORWARD_FIELDS:
+        g, w = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
+        np.testing.assert_array_equal(g, w, err_msg=name)
 
 
 @device_param
@@ -77,6 +90,61 @@ def test_table_sizes(device, num_rows, last_extent):
         with jax.default_device(device):
             got = poisoned_plan(ids, last_extent, num_rows)
         assert_plans_equal(got, oracle(ids, last_extent))
+
+
+# The forward-only plan takes the table's bitmap where it has at most 2 words (64 rows)
+# per id (csrc/common/plan_bitmap.h), else the sort: (n, num_rows) on both sides of that
+# rule, last_extent below, at and above a word's 32 bits, and one past num_rows.
+FORWARD_CASES = [
+    (1, 1, 1),  # bitmap: 1 word for 1 id
+    (1, 64, 7),  # bitmap, both ids at the ends of its 2 words
+    (1, 65, 7),  # sort: 3 words for 1 id
+    (3, 10**7, 250),  # sort
+    (5001, 13 * 11 * 7, 1),  # bitmap, a group per id
+    (5001, 13 * 11 * 7, 3),  # bitmap, up to 11 groups a word
+    (5001, 13 * 11 * 7, 32),  # bitmap, groups on word boundaries
+    (5001, 13 * 11 * 7, 33),
+    (5001, 13 * 11 * 7, 77),
+    (5001, 13 * 11 * 7, 13 * 11 * 7 + 5),  # bitmap, one group
+    (3001, 64 * 3001, 250),  # bitmap at the rule's limit
+    (3001, 64 * 3001 + 1, 250),  # sort just past it
+    (40_000, 10**7 // 4, 250),  # bitmap, many words without a set bit
+]
+
+
+@device_param
+@pytest.mark.parametrize("kind", ID_KINDS)
+@pytest.mark.parametrize("n, num_rows, last_extent", FORWARD_CASES)
+def test_forward_only_matches_make_plan(device, kind, n, num_rows, last_extent):
+    ids = make_ids(kind, n, num_rows, seed=n + num_rows % 1000 + last_extent)
+    if n == 1 and num_rows == 64:
+        ids = np.array([63], np.int32)
+    with jax.default_device(device):
+        got = poisoned_plan(ids, last_extent, num_rows, forward_only=True)
+    assert_forward_plan_equal(got, oracle(ids, last_extent))
+
+
+@device_param
+@pytest.mark.parametrize("num_rows", [NUM_ROWS, 10**7])
+def test_forward_only_clamps_and_vmaps(device, num_rows):
+    """Out-of-range ids clamped on both paths (num_rows: bitmap / sort); jit and vmap of
+    ffi.plan(forward_only=True)."""
+    ids = np.array([5, -3, 1001, 7, 2**31 - 1, 0, -(2**31), 1000] * 50, np.int32)
+    batch = np.stack([ids, ids[::-1], np.roll(ids, 3)])
+    with jax.default_device(device):
+        fn = jax.jit(jax.vmap(lambda x: ffi.plan(x, 10, num_rows, forward_only=True)))
+        got = fn(jnp.asarray(batch))
+    for b in range(3):
+        assert_forward_plan_equal(Plan(*(f[b] for f in got)), oracle(np.clip(batch[b], 0, num_rows - 1), 10))
+
+
+@device_param
+def test_forward_only_no_ids(device):
+    with jax.default_device(device):
+        plan = ffi.plan(jnp.zeros((0,), jnp.int32), 10, NUM_ROWS, forward_only=True)
+    assert plan.perm.shape == plan.run_offsets.shape == (0,)
+    np.testing.assert_array_equal(plan.group_offsets, [0])
+    np.testing.assert_array_equal(plan.counts, [0, 0])
 
 
 @device_param

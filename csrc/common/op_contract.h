@@ -181,8 +181,14 @@ ffi::Error CheckBagFwd(const FBuf& g1, const FBuf& g2, const FBuf& g3, const IBu
 }
 
 // flowtt_plan: ids [n] (n >= 0, n + 1 < 2^31); outputs perm, inverse, unique_ids [n],
-// run_offsets, group_offsets [n+1], counts [2]; attrs 1 <= last_extent < 2^31,
-// 1 <= num_rows < 2^31.
+// run_offsets, group_offsets [n+1], counts [2], or perm and run_offsets both [0] (the
+// forward-only plan: ForwardOnly); attrs 1 <= last_extent < 2^31, 1 <= num_rows < 2^31.
+// Whether a flowtt_plan call asks for the forward-only plan: perm and run_offsets [0].
+template <typename Buf>
+bool ForwardOnly(const Buf& perm, const Buf& run_offsets) {
+  return Length(perm) == 0 && Length(run_offsets) == 0;
+}
+
 template <typename Buf>
 ffi::Error CheckPlan(const Buf& ids, const Buf& perm, const Buf& inverse, const Buf& unique_ids,
                      const Buf& run_offsets, const Buf& group_offsets, const Buf& counts,
@@ -192,11 +198,12 @@ ffi::Error CheckPlan(const Buf& ids, const Buf& perm, const Buf& inverse, const 
   if (n < 0 || n + 1 >= kInt32Limit) {
     return ffi::Error::InvalidArgument("flowtt_plan: ids must be 1-D [n] with n + 1 < 2^31");
   }
-  if (Length(perm) != n || Length(inverse) != n || Length(unique_ids) != n ||
-      Length(run_offsets) != n + 1 || Length(group_offsets) != n + 1 || Length(counts) != 2) {
+  const bool sorted = Length(perm) == n && Length(run_offsets) == n + 1;
+  if (!(sorted || ForwardOnly(perm, run_offsets)) || Length(inverse) != n ||
+      Length(unique_ids) != n || Length(group_offsets) != n + 1 || Length(counts) != 2) {
     return ffi::Error::InvalidArgument(
         "flowtt_plan: outputs must be perm, inverse, unique_ids [n], run_offsets, "
-        "group_offsets [n+1], counts [2]");
+        "group_offsets [n+1], counts [2] (perm and run_offsets both [0]: forward only)");
   }
   if (last_extent < 1 || last_extent >= kInt32Limit || num_rows < 1 || num_rows >= kInt32Limit) {
     return ffi::Error::InvalidArgument(

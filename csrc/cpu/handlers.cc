@@ -109,9 +109,15 @@ ffi::Error PlanImpl(S32 ids, ffi::RemainingArgs, S32Out perm, S32Out inverse, S3
       e.failure()) {
     return e;
   }
-  cpu::MakePlan(ids.typed_data(), Length(ids), last_extent, num_rows, perm->typed_data(),
-                inverse->typed_data(), unique_ids->typed_data(), run_offsets->typed_data(),
-                group_offsets->typed_data(), counts->typed_data());
+  if (ForwardOnly(*perm, *run_offsets)) {
+    cpu::MakeForwardPlan(ids.typed_data(), Length(ids), last_extent, num_rows,
+                         inverse->typed_data(), unique_ids->typed_data(),
+                         group_offsets->typed_data(), counts->typed_data());
+  } else {
+    cpu::MakePlan(ids.typed_data(), Length(ids), last_extent, num_rows, perm->typed_data(),
+                  inverse->typed_data(), unique_ids->typed_data(), run_offsets->typed_data(),
+                  group_offsets->typed_data(), counts->typed_data());
+  }
   return ffi::Error::Success();
 }
 

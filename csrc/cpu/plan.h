@@ -12,4 +12,11 @@ void MakePlan(const int32_t* ids, int64_t n, int64_t last_extent, int64_t num_ro
               int32_t* inverse, int32_t* unique_ids, int32_t* run_offsets, int32_t* group_offsets,
               int32_t* counts);
 
+// The forward-only plan (perm and run_offsets not computed): inverse, unique_ids [n],
+// group_offsets [n+1], counts [2] equal to MakePlan's, by the bitmap of
+// common/plan_bitmap.h where it applies, else by MakePlan.
+void MakeForwardPlan(const int32_t* ids, int64_t n, int64_t last_extent, int64_t num_rows,
+                     int32_t* inverse, int32_t* unique_ids, int32_t* group_offsets,
+                     int32_t* counts);
+
 }  // namespace flowtt::cpu

@@ -132,15 +132,19 @@ ffi::Error PlanImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, S32 ids,
       e.failure())
     return e;
   const int n = static_cast<int>(Length(ids));
+  const bool forward_only = ForwardOnly(*perm, *run_offsets);
   size_t bytes = 0;
-  if (cudaError_t err = plan_scratch_bytes(n, static_cast<int>(num_rows), &bytes);
+  if (cudaError_t err = plan_scratch_bytes(n, static_cast<int>(num_rows), forward_only, &bytes);
       err != cudaSuccess)
     return CudaError(err, "plan");
   void* ws;
   if (ffi::Error e = AllocatePlanScratch(scratch, bytes, &ws); e.failure()) return e;
-  const PlanOutputs out{perm->typed_data(),          inverse->typed_data(),
-                        unique_ids->typed_data(),    run_offsets->typed_data(),
-                        group_offsets->typed_data(), counts->typed_data()};
+  const PlanOutputs out{forward_only ? nullptr : perm->typed_data(),
+                        inverse->typed_data(),
+                        unique_ids->typed_data(),
+                        forward_only ? nullptr : run_offsets->typed_data(),
+                        group_offsets->typed_data(),
+                        counts->typed_data()};
   return CudaError(build_plan(ids.typed_data(), n, static_cast<int>(last_extent),
                               static_cast<int>(num_rows), out, ws, stream),
                    "plan");

@@ -59,8 +59,10 @@ NB_MODULE(_flowtt_cuda, m) {
     d["rows_bwd"] = flowtt::rows_bwd_scratch_bytes(t, n);
     d["pool_bwd"] = flowtt::bag_pool_bwd_scratch_bytes(n, t.D());
     size_t plan_bytes = 0;
-    if (flowtt::plan_scratch_bytes(n, p1 * p2 * p3, &plan_bytes) == cudaSuccess)
+    if (flowtt::plan_scratch_bytes(n, p1 * p2 * p3, false, &plan_bytes) == cudaSuccess)
       d["plan"] = plan_bytes;
+    if (flowtt::plan_scratch_bytes(n, p1 * p2 * p3, true, &plan_bytes) == cudaSuccess)
+      d["plan_fwd"] = plan_bytes;
     return d;
   });
 }

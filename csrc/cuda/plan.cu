@@ -9,11 +9,17 @@
 //      of that position once (the shared ones, then the unique id at a run start).
 //   4. the padding tails past the counts (the unique ids': 0).
 //   (Steps 2-4: cuda/plan_scan.cuh, shared with flowtt_tb_plan.)
+// The forward-only plan (no perm, no run_offsets) needs no sort where the table's bitmap
+// is small against the ids (common/plan_bitmap.h): memset of the bitmap, bitmap_mark_kernel
+// (one atomicOr per id), one cub exclusive scan of the words' Spans into WordWriter
+// (each word's unique ids, group starts and unique index), bitmap_rank_kernel (inverse and the
+// tails). Otherwise it runs the steps above with perm and run_offsets in scratch.
 // No device synchronisation, no allocation: scratch comes from the caller.
 #include "cuda/plan.h"
 
 #include <cstdint>
 
+#include "common/plan_bitmap.h"
 #include "cuda/plan_scan.cuh"
 
 namespace flowtt {
@@ -48,14 +54,175 @@ plan_scan::CommonOut common_out(const PlanOutputs& out) {
   return {out.inverse, out.run_offsets, out.group_offsets, out.counts};
 }
 
+// Scratch of the sort's plan: PlanScratch, and perm and run_offsets where the caller
+// asked for the forward-only plan (sized for n ids; base null: sizes only).
+struct SortedScratch {
+  PlanScratch plan;
+  int* perm;         // [n] or null
+  int* run_offsets;  // [n + 1] or null
+  size_t bytes;
+};
+
+cudaError_t sorted_layout(int n, int num_rows, bool forward_only, void* base, SortedScratch* s) {
+  char* p = base ? reinterpret_cast<char*>(plan_scan::align_up(reinterpret_cast<uintptr_t>(base)))
+                 : nullptr;
+  const size_t own = forward_only ? plan_scan::align_up(sizeof(int) * n) +
+                                        plan_scan::align_up(sizeof(int) * (n + size_t{1}))
+                                  : 0;
+  s->perm = forward_only && p ? reinterpret_cast<int*>(p) : nullptr;
+  s->run_offsets = forward_only && p
+                       ? reinterpret_cast<int*>(p + plan_scan::align_up(sizeof(int) * n))
+                       : nullptr;
+  cudaError_t err = plan_scan::plan_layout(n, plan_scan::end_bit_for(num_rows - 1), Group{1},
+                                           UniqueIds{}, p ? p + own : nullptr, &s->plan);
+  s->bytes = plan_scan::kAlign - 1 + own + s->plan.bytes;
+  return err;
+}
+
+cudaError_t build_sorted_plan(const int* ids, int n, int last_extent, int num_rows, PlanOutputs out,
+                              void* scratch, cudaStream_t stream) {
+  SortedScratch s;
+  cudaError_t err = sorted_layout(n, num_rows, out.perm == nullptr, scratch, &s);
+  if (err != cudaSuccess) return err;
+  if (out.perm == nullptr) {
+    out.perm = s.perm;
+    out.run_offsets = s.run_offsets;
+  }
+  const unsigned blocks = static_cast<unsigned>((n + kBlock - 1) / kBlock);
+  clamp_kernel<<<blocks, kBlock, 0, stream>>>(ids, n, num_rows - 1, s.plan.keys, s.plan.positions);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  return plan_scan::sort_scan_finalize(s.plan, n, plan_scan::end_bit_for(num_rows - 1),
+                                       Group{last_extent}, out.perm, common_out(out),
+                                       UniqueIds{s.plan.sorted_keys, out.unique_ids}, stream);
+}
+
+// ---- The forward-only plan by the bitmap of the table's rows (plan_bitmap::Applies).
+
+namespace pb = plan_bitmap;
+
+__global__ void bitmap_mark_kernel(const int* __restrict__ ids, int n, int max_id,
+                                   uint32_t* __restrict__ bitmap) {
+  const int64_t i = int64_t(blockIdx.x) * kBlock + threadIdx.x;
+  if (i >= n) return;
+  const int id = min(max(ids[i], 0), max_id);
+  atomicOr(bitmap + (id >> 5), 1u << (id & 31));
+}
+
+// The scan's input: word w's Span.
+struct WordSpanOf {
+  const uint32_t* bitmap;
+  int last_extent;
+  __host__ __device__ pb::Span operator()(int64_t w) const {
+    return pb::WordSpan(bitmap[w], w, last_extent);
+  }
+};
+
+struct JoinSpans {
+  __host__ __device__ pb::Span operator()(const pb::Span& a, const pb::Span& b) const {
+    return pb::Join(a, b);
+  }
+};
+
+// The scan's output functor: word w after the words before it (`before`, their Span)
+// writes its unique index, its unique ids and group starts, and (the last word) counts.
+struct WordWriter {
+  const uint32_t* bitmap;
+  int64_t words;
+  int last_extent;
+  int* word_rank;
+  PlanOutputs out;
+  __device__ void operator()(ptrdiff_t w, const pb::Span& before) const {
+    const uint32_t bits = bitmap[w];
+    word_rank[w] = before.u;
+    pb::EmitWord(bits, w, last_extent, before, out.unique_ids, out.group_offsets);
+    if (w == words - 1) {
+      const pb::Span all = pb::Join(before, pb::WordSpan(bits, w, last_extent));
+      out.counts[0] = all.u;
+      out.counts[1] = all.g;
+    }
+  }
+};
+
+// Over i in [0, n]: inverse[i] (the rank of position i's id), unique_ids[i] = 0 past
+// num_unique, group_offsets[i] = num_unique past num_groups.
+__global__ void bitmap_rank_kernel(const int* __restrict__ ids, int n, int max_id,
+                                   const uint32_t* __restrict__ bitmap,
+                                   const int* __restrict__ word_rank, PlanOutputs out) {
+  const int64_t i = int64_t(blockIdx.x) * kBlock + threadIdx.x;
+  if (i > n) return;
+  const int U = out.counts[0], G = out.counts[1];
+  if (i < n) {
+    const int id = min(max(ids[i], 0), max_id);
+    out.inverse[i] = pb::Rank(bitmap[id >> 5], word_rank[id >> 5], id);
+    if (i >= U) out.unique_ids[i] = 0;
+  }
+  if (i >= G) out.group_offsets[i] = U;
+}
+
+// The exclusive scan of the words' Spans into the writer (tmp null: its bytes only).
+cudaError_t word_scan(void* tmp, size_t& bytes, const WordWriter& w, cudaStream_t stream) {
+  const auto spans = thrust::make_transform_iterator(thrust::counting_iterator<int64_t>(0),
+                                                     WordSpanOf{w.bitmap, w.last_extent});
+  return cub::DeviceScan::ExclusiveScan(tmp, bytes, spans,
+                                        thrust::tabulate_output_iterator<WordWriter>(w),
+                                        JoinSpans{}, pb::kEmpty, static_cast<int>(w.words), stream);
+}
+
+struct BitmapScratch {
+  uint32_t* bitmap;  // [words]
+  int* word_rank;    // [words]
+  void* cub_tmp;
+  size_t cub_bytes, bytes;
+};
+
+cudaError_t bitmap_layout(int num_rows, void* base, BitmapScratch* s) {
+  const int64_t words = pb::Words(num_rows);
+  s->cub_bytes = 0;
+  cudaError_t err = word_scan(nullptr, s->cub_bytes, WordWriter{nullptr, words}, nullptr);
+  char* p = base ? reinterpret_cast<char*>(plan_scan::align_up(reinterpret_cast<uintptr_t>(base)))
+                 : nullptr;
+  const size_t word_bytes = plan_scan::align_up(sizeof(uint32_t) * words);
+  s->bitmap = reinterpret_cast<uint32_t*>(p);
+  s->word_rank = p ? reinterpret_cast<int*>(p + word_bytes) : nullptr;
+  s->cub_tmp = p ? p + 2 * word_bytes : nullptr;
+  s->bytes = plan_scan::kAlign - 1 + 2 * word_bytes + s->cub_bytes;
+  return err;
+}
+
+cudaError_t build_bitmap_plan(const int* ids, int n, int last_extent, int num_rows,
+                              const PlanOutputs& out, void* scratch, cudaStream_t stream) {
+  BitmapScratch s;
+  cudaError_t err = bitmap_layout(num_rows, scratch, &s);
+  if (err != cudaSuccess) return err;
+  const int64_t words = pb::Words(num_rows);
+  if ((err = cudaMemsetAsync(s.bitmap, 0, sizeof(uint32_t) * words, stream)) != cudaSuccess)
+    return err;
+  bitmap_mark_kernel<<<static_cast<unsigned>((n + kBlock - 1) / kBlock), kBlock, 0, stream>>>(
+      ids, n, num_rows - 1, s.bitmap);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  size_t bytes = s.cub_bytes;
+  err = word_scan(s.cub_tmp, bytes, WordWriter{s.bitmap, words, last_extent, s.word_rank, out},
+                  stream);
+  if (err != cudaSuccess) return err;
+  bitmap_rank_kernel<<<static_cast<unsigned>(n / kBlock + 1), kBlock, 0, stream>>>(
+      ids, n, num_rows - 1, s.bitmap, s.word_rank, out);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
-cudaError_t plan_scratch_bytes(int n, int num_rows, size_t* bytes) {
+cudaError_t plan_scratch_bytes(int n, int num_rows, bool forward_only, size_t* bytes) {
   *bytes = 0;
   if (n == 0) return cudaSuccess;
-  PlanScratch s;
-  cudaError_t err = plan_scan::plan_layout(n, plan_scan::end_bit_for(num_rows - 1), Group{1},
-                                           UniqueIds{}, nullptr, &s);
+  cudaError_t err;
+  if (forward_only && pb::Applies(n, num_rows)) {
+    BitmapScratch s;
+    err = bitmap_layout(num_rows, nullptr, &s);
+    if (err == cudaSuccess) *bytes = s.bytes;
+    return err;
+  }
+  SortedScratch s;
+  err = sorted_layout(n, num_rows, forward_only, nullptr, &s);
   if (err == cudaSuccess) *bytes = s.bytes;
   return err;
 }
@@ -64,17 +231,9 @@ cudaError_t build_plan(const int* ids, int n, int last_extent, int num_rows, con
                        void* scratch, cudaStream_t stream) {
   if (n == 0)
     return plan_scan::write_empty_plan(out.run_offsets, out.group_offsets, out.counts, stream);
-  cudaError_t err;
-  const int end_bit = plan_scan::end_bit_for(num_rows - 1);
-  PlanScratch s;
-  if ((err = plan_scan::plan_layout(n, end_bit, Group{last_extent}, UniqueIds{}, scratch, &s)) !=
-      cudaSuccess)
-    return err;
-  const unsigned blocks = static_cast<unsigned>((n + kBlock - 1) / kBlock);
-  clamp_kernel<<<blocks, kBlock, 0, stream>>>(ids, n, num_rows - 1, s.keys, s.positions);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  return plan_scan::sort_scan_finalize(s, n, end_bit, Group{last_extent}, out.perm, common_out(out),
-                                       UniqueIds{s.sorted_keys, out.unique_ids}, stream);
+  if (out.perm == nullptr && pb::Applies(n, num_rows))
+    return build_bitmap_plan(ids, n, last_extent, num_rows, out, scratch, stream);
+  return build_sorted_plan(ids, n, last_extent, num_rows, out, scratch, stream);
 }
 
 }  // namespace flowtt

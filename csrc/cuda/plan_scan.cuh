@@ -191,11 +191,12 @@ cudaError_t sort_scan_finalize(const PlanScratch<K>& s, int n, int end_bit, Grou
   return cudaGetLastError();
 }
 
-// The plan of no positions: run_offsets = group_offsets = [0], counts = (0, 0).
+// The plan of no positions: run_offsets (null: none) = group_offsets = [0], counts = (0, 0).
 inline cudaError_t write_empty_plan(int* run_offsets, int* group_offsets, int* counts,
                                     cudaStream_t stream) {
   cudaError_t err;
-  if ((err = cudaMemsetAsync(run_offsets, 0, sizeof(int), stream)) != cudaSuccess ||
+  if ((run_offsets &&
+       (err = cudaMemsetAsync(run_offsets, 0, sizeof(int), stream)) != cudaSuccess) ||
       (err = cudaMemsetAsync(group_offsets, 0, sizeof(int), stream)) != cudaSuccess)
     return err;
   return cudaMemsetAsync(counts, 0, 2 * sizeof(int), stream);

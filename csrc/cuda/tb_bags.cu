@@ -1,10 +1,9 @@
 // flowtt_tb_bags (common/tb_bags.h). Pass 0: a cub inclusive max-scan of the clamped offsets
 // writes the valid CSR (its writer also resets the first live position); then the upper
-// bound in the CSR of every span start s * kSpan (a thread per bag k writes it for the span
-// starts in [csr[k - 1], csr[k])). Pass 1: a block per span of kSpan positions searches each
-// position's bag between the bounds of its span and the next, and writes its bag, table, id
-// and live flag; the first live position is an atomicMin (an order-free, so deterministic,
-// minimum). Pass 2 parks the dropped positions on it.
+// bound in the CSR of every span start s * kSpan (a thread per span start). Pass 1: a block per
+// span of kSpan positions searches each position's bag between the bounds of its span and the next,
+// and writes its bag, table, id and live flag; the first live position is an atomicMin (an
+// order-free, so deterministic, minimum). Pass 2 parks the dropped positions on it.
 #include "cuda/tb_bags.h"
 
 #include <thrust/iterator/counting_iterator.h>
@@ -56,18 +55,24 @@ cudaError_t csr_scan(void* tmp, size_t& bytes, const int32_t* offsets, int64_t n
       (int)(num_bags + 1), stream);
 }
 
-// span_ub[s] (s = 0 .. spans) = the upper bound in csr of position s * kSpan: k for the
-// span starts in [csr[k - 1], csr[k]) (csr[-1] = 0), num_bags + 1 for those >= csr[num_bags].
-// The intervals tile [0, spans * kSpan]: every entry is written once.
+// span_ub[s] (s = 0 .. spans) = the upper bound in csr[0 .. num_bags] of position
+// s * kSpan: the first k with csr[k] > s * kSpan, num_bags + 1 if none. A thread per span
+// start, a binary search (balanced whatever the bags' lengths).
 __global__ void tb_span_bounds_kernel(const TbBagsIn a, const int32_t* __restrict__ csr,
                                       int64_t spans, int32_t* __restrict__ span_ub) {
-  for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k <= a.num_bags + 1;
-       k += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t lo = k == 0 ? 0 : csr[k - 1];
-    const int64_t hi = k <= a.num_bags ? csr[k] : spans * kSpan + 1;
-    for (int64_t s = (lo + kSpan - 1) / kSpan; s * kSpan < hi && s <= spans; ++s) {
-      span_ub[s] = (int32_t)k;
+  for (int64_t s = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; s <= spans;
+       s += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t p = s * kSpan;
+    int64_t lo = 0, hi = a.num_bags + 1;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (csr[mid] <= p) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
     }
+    span_ub[s] = (int32_t)lo;
   }
 }
 
@@ -128,43 +133,55 @@ __global__ void tb_bags_park_kernel(const TbBagsIn a, const TbBagsOut o, const u
   }
 }
 
-// Bytes of the span bounds [spans + 1] for n positions, 256-byte aligned.
-size_t span_bytes(int64_t n) {
+// The scratch of n positions in num_bags bags: first, the span bounds [spans + 1] and the
+// scan's storage, each 256-byte aligned after the base (null: sizes only).
+struct BagsScratch {
+  unsigned* first;
+  int32_t* span_ub;
+  void* scan_tmp;
+  size_t scan_bytes;
+  size_t bytes;  // with the slack to align the base
+};
+
+cudaError_t bags_layout(int64_t n, int64_t num_bags, void* scratch, BagsScratch* s) {
   const int64_t spans = (n + kSpan - 1) / kSpan;
-  return (sizeof(int32_t) * (size_t)(spans + 1) + kAlign - 1) / kAlign * kAlign;
+  const size_t span_bytes = (sizeof(int32_t) * (size_t)(spans + 1) + kAlign - 1) / kAlign * kAlign;
+  s->scan_bytes = 0;
+  cudaError_t e = csr_scan(nullptr, s->scan_bytes, nullptr, 0, num_bags, nullptr, nullptr, nullptr);
+  const uintptr_t base = (reinterpret_cast<uintptr_t>(scratch) + kAlign - 1) / kAlign * kAlign;
+  s->first = scratch ? reinterpret_cast<unsigned*>(base) : nullptr;
+  s->span_ub = scratch ? reinterpret_cast<int32_t*>(base + kAlign) : nullptr;
+  s->scan_tmp = scratch ? reinterpret_cast<void*>(base + kAlign + span_bytes) : nullptr;
+  s->bytes = 2 * kAlign + span_bytes + s->scan_bytes;
+  return e;
 }
 
 }  // namespace
 
 cudaError_t tb_bags_scratch_bytes(int64_t n, int64_t num_bags, size_t* bytes) {
-  size_t scan = 0;
-  cudaError_t e = csr_scan(nullptr, scan, nullptr, 0, num_bags, nullptr, nullptr, nullptr);
-  // slack to align the base, first, the span bounds, then the scan's storage
-  *bytes = 2 * kAlign + span_bytes(n) + scan;
+  BagsScratch s;
+  cudaError_t e = bags_layout(n, num_bags, nullptr, &s);
+  *bytes = s.bytes;
   return e;
 }
 
 cudaError_t tb_bags(const TbBagsIn& in, const TbBagsOut& out, void* scratch, cudaStream_t stream) {
-  const uintptr_t base = (reinterpret_cast<uintptr_t>(scratch) + kAlign - 1) / kAlign * kAlign;
-  unsigned* first = reinterpret_cast<unsigned*>(base);
-  int32_t* span_ub = reinterpret_cast<int32_t*>(base + kAlign);
-  void* tmp = reinterpret_cast<void*>(base + kAlign + span_bytes(in.n));
-  size_t bytes = 0;
-  cudaError_t e = csr_scan(nullptr, bytes, nullptr, 0, in.num_bags, nullptr, nullptr, stream);
+  BagsScratch s;
+  cudaError_t e = bags_layout(in.n, in.num_bags, scratch, &s);
   if (e != cudaSuccess) return e;
-  if ((e = csr_scan(tmp, bytes, in.offsets, in.n, in.num_bags, out.offsets, first, stream)) !=
-      cudaSuccess)
+  if ((e = csr_scan(s.scan_tmp, s.scan_bytes, in.offsets, in.n, in.num_bags, out.offsets, s.first,
+                    stream)) != cudaSuccess)
     return e;
   const int64_t blocks = (in.n + kSpan - 1) / kSpan;
-  const int64_t kb = (in.num_bags + 2 + kThreads - 1) / kThreads;
+  const int64_t kb = (blocks + 1 + kThreads - 1) / kThreads;
   tb_span_bounds_kernel<<<(unsigned)(kb < 8192 ? kb : 8192), kThreads, 0, stream>>>(
-      in, out.offsets, blocks, span_ub);
+      in, out.offsets, blocks, s.span_ub);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  tb_bags_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(in, out, span_ub, first);
+  tb_bags_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(in, out, s.span_ub, s.first);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
   const int64_t park_blocks = (in.n + 1023) / 1024;
   tb_bags_park_kernel<<<(unsigned)(park_blocks < 8192 ? park_blocks : 8192), 256, 0, stream>>>(
-      in, out, first);
+      in, out, s.first);
   return cudaGetLastError();
 }
 
