@@ -27,6 +27,9 @@ class Plan(NamedTuple):
     run_offsets [n+1]: occurrences of unique u are perm[run_offsets[u]:run_offsets[u+1]].
     group_offsets [n+1]: prefix group g is unique indices [group_offsets[g], group_offsets[g+1]).
     counts [2]: (num_unique, num_groups).
+
+    The forward-only plan (``ffi.plan(..., forward_only=True)``, what a forward without
+    gradient reads) has ``perm`` and ``run_offsets`` of shape [0], the other fields as here.
     """
 
     perm: jax.Array

@@ -180,15 +180,15 @@ ffi::Error CheckBagFwd(const FBuf& g1, const FBuf& g2, const FBuf& g3, const IBu
   return CheckPooling(inverse, weights, offsets, out, *n, s->dim(), num_bags);
 }
 
-// flowtt_plan: ids [n] (n >= 0, n + 1 < 2^31); outputs perm, inverse, unique_ids [n],
-// run_offsets, group_offsets [n+1], counts [2], or perm and run_offsets both [0] (the
-// forward-only plan: ForwardOnly); attrs 1 <= last_extent < 2^31, 1 <= num_rows < 2^31.
 // Whether a flowtt_plan call asks for the forward-only plan: perm and run_offsets [0].
 template <typename Buf>
 bool ForwardOnly(const Buf& perm, const Buf& run_offsets) {
   return Length(perm) == 0 && Length(run_offsets) == 0;
 }
 
+// flowtt_plan: ids [n] (n >= 0, n + 1 < 2^31); outputs perm, inverse, unique_ids [n],
+// run_offsets, group_offsets [n+1], counts [2], or perm and run_offsets both [0] (the
+// forward-only plan); attrs 1 <= last_extent < 2^31, 1 <= num_rows < 2^31.
 template <typename Buf>
 ffi::Error CheckPlan(const Buf& ids, const Buf& perm, const Buf& inverse, const Buf& unique_ids,
                      const Buf& run_offsets, const Buf& group_offsets, const Buf& counts,

@@ -80,7 +80,7 @@ FLOWTT_BITMAP_HD Span WordSpan(uint32_t bits, int64_t w, int32_t last_extent) {
   const int32_t first = static_cast<int32_t>((base + LowBit(bits)) / last_extent);
   const int32_t last = static_cast<int32_t>((base + HighBit(bits)) / last_extent);
   int32_t g = 1;
-  for (int64_t p = first + 1; p <= last; ++p) {  // the prefixes after the first (last_extent < 32)
+  for (int64_t p = first + 1; p <= last; ++p) {  // the word's other prefixes, in order
     const int64_t lo = p * last_extent - base, hi = lo + last_extent;
     if (bits & BitRange(static_cast<int>(lo), static_cast<int>(hi < 32 ? hi : 32))) ++g;
   }
