@@ -51,6 +51,7 @@ __all__ = [
     "disabled_safety_checks",
     "explain_ad_errors",
     "plan",
+    "plan_bitmap_applies",
     "tb_plan",
     "to_varying",
     "varying_axes",
@@ -242,6 +243,12 @@ def plan(ids: jax.Array, last_extent: int, num_rows: int, forward_only: bool = F
             num_rows=np.int64(num_rows),
         )
     )
+
+
+def plan_bitmap_applies(n: int, num_rows: int) -> bool:
+    """Whether ``plan(ids [n], ..., num_rows, forward_only=True)`` takes the table's bitmap
+    (no sort) on either platform: at most 2 bitmap words (64 rows) per id."""
+    return bool(_import("_flowtt_cpu").plan_bitmap_applies(n, num_rows))
 
 
 def tb_plan(

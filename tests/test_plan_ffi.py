@@ -97,7 +97,7 @@ def test_table_sizes(device, num_rows, last_extent):
 # rule, last_extent below, at and above a word's 32 bits, and one past num_rows.
 FORWARD_CASES = [
     (1, 1, 1),  # bitmap: 1 word for 1 id
-    (1, 64, 7),  # bitmap, both ids at the ends of its 2 words
+    (1, 64, 7),  # bitmap, its one id the table's last row (63)
     (1, 65, 7),  # sort: 3 words for 1 id
     (3, 10**7, 250),  # sort
     (5001, 13 * 11 * 7, 1),  # bitmap, a group per id
@@ -110,6 +110,14 @@ FORWARD_CASES = [
     (3001, 64 * 3001 + 1, 250),  # sort just past it
     (40_000, 10**7 // 4, 250),  # bitmap, many words without a set bit
 ]
+
+
+def test_forward_cases_take_both_paths():
+    """FORWARD_CASES run the bitmap and the sort, as their comments say; the rule's edges."""
+    bitmap = [ffi.plan_bitmap_applies(n, rows) for n, rows, _ in FORWARD_CASES]
+    assert bitmap == [True, True, False, False] + [True] * 7 + [False, True]
+    assert ffi.plan_bitmap_applies(1, 64) and not ffi.plan_bitmap_applies(1, 65)
+    assert not ffi.plan_bitmap_applies(0, 1)
 
 
 @device_param

@@ -1,5 +1,8 @@
 // nanobind module `_flowtt_cpu`: registrations() hands the CPU handlers
-// (cpu/handlers.cc) to jax.ffi.register_ffi_target(platform="cpu").
+// (cpu/handlers.cc) to jax.ffi.register_ffi_target(platform="cpu");
+// plan_bitmap_applies(n, num_rows) says whether the forward-only plan of n ids takes the
+// table's bitmap (both platforms' rule, common/plan_bitmap.h).
+#include "common/plan_bitmap.h"
 #include "common/registrations.h"
 #include "cpu/handlers.h"
 #include "cpu/tb_handlers.h"
@@ -13,4 +16,6 @@ NB_MODULE(_flowtt_cpu, m) {
         {FlowttRowsFwdCpu, FlowttRowsBwdCpu, FlowttPoolFwdCpu, FlowttPoolBwdCpu, FlowttBagFwdCpu,
          FlowttPlanCpu, FlowttTbRowsFwdCpu, FlowttTbRowsBwdCpu, FlowttTbPlanCpu, FlowttTbBagsCpu});
   });
+  m.def("plan_bitmap_applies",
+        [](int64_t n, int64_t num_rows) { return flowtt::plan_bitmap::Applies(n, num_rows); });
 }
