@@ -201,12 +201,16 @@ def call(target: str, outs, *args, **attrs):
     return _call(target, outs, *args, **attrs)
 
 
-def _call(target: str, outs, *args, **attrs):
+def _require_extension() -> None:
     if not available():
         raise ImportError(
             "flowtt_jax was installed without its compiled extension (_flowtt_cpu); "
             "reinstall with `pip install -e .` or use impl='reference'"
         )
+
+
+def _call(target: str, outs, *args, **attrs):
+    _require_extension()
     axes = varying_axes(args)
     with explain_ad_errors():
         results = jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*to_varying(args, axes), **attrs)
@@ -248,6 +252,7 @@ def plan(ids: jax.Array, last_extent: int, num_rows: int, forward_only: bool = F
 def plan_bitmap_applies(n: int, num_rows: int) -> bool:
     """Whether ``plan(ids [n], ..., num_rows, forward_only=True)`` takes the table's bitmap
     (no sort) on either platform: at most 2 bitmap words (64 rows) per id."""
+    _require_extension()
     return bool(_import("_flowtt_cpu").plan_bitmap_applies(n, num_rows))
 
 
