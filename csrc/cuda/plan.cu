@@ -22,6 +22,7 @@
 
 #include "common/plan_bitmap.h"
 #include "cuda/plan_scan.cuh"
+#include "cuda/scratch.h"  // Bump
 
 namespace flowtt {
 namespace {
@@ -64,19 +65,19 @@ struct SortedScratch {
   size_t bytes;
 };
 
+// The caller's scratch realigned to 256 bytes (null: sizes only).
+char* aligned_base(void* base) {
+  return base ? reinterpret_cast<char*>(plan_scan::align_up(reinterpret_cast<uintptr_t>(base)))
+              : nullptr;
+}
+
 cudaError_t sorted_layout(int n, int num_rows, bool forward_only, void* base, SortedScratch* s) {
-  char* p = base ? reinterpret_cast<char*>(plan_scan::align_up(reinterpret_cast<uintptr_t>(base)))
-                 : nullptr;
-  const size_t own = forward_only ? plan_scan::align_up(sizeof(int) * n) +
-                                        plan_scan::align_up(sizeof(int) * (n + size_t{1}))
-                                  : 0;
-  s->perm = forward_only && p ? reinterpret_cast<int*>(p) : nullptr;
-  s->run_offsets = forward_only && p
-                       ? reinterpret_cast<int*>(p + plan_scan::align_up(sizeof(int) * n))
-                       : nullptr;
+  Bump bp{aligned_base(base)};
+  s->perm = forward_only ? bp.take<int>(n) : nullptr;
+  s->run_offsets = forward_only ? bp.take<int>(n + size_t{1}) : nullptr;
   cudaError_t err = plan_scan::plan_layout(n, plan_scan::end_bit_for(num_rows - 1), Group{1},
-                                           UniqueIds{}, p ? p + own : nullptr, &s->plan);
-  s->bytes = plan_scan::kAlign - 1 + own + s->plan.bytes;
+                                           UniqueIds{}, bp.take<char>(0) /* the rest */, &s->plan);
+  s->bytes = plan_scan::kAlign - 1 + bp.off + s->plan.bytes;
   return err;
 }
 
@@ -175,6 +176,7 @@ cudaError_t word_scan(void* tmp, size_t& bytes, const WordWriter& w, cudaStream_
 }
 
 struct BitmapScratch {
+  int64_t words;
   uint32_t* bitmap;  // [words]
   int* word_rank;    // [words]
   void* cub_tmp;
@@ -182,16 +184,14 @@ struct BitmapScratch {
 };
 
 cudaError_t bitmap_layout(int num_rows, void* base, BitmapScratch* s) {
-  const int64_t words = pb::Words(num_rows);
+  s->words = pb::Words(num_rows);
   s->cub_bytes = 0;
-  cudaError_t err = word_scan(nullptr, s->cub_bytes, WordWriter{nullptr, words}, nullptr);
-  char* p = base ? reinterpret_cast<char*>(plan_scan::align_up(reinterpret_cast<uintptr_t>(base)))
-                 : nullptr;
-  const size_t word_bytes = plan_scan::align_up(sizeof(uint32_t) * words);
-  s->bitmap = reinterpret_cast<uint32_t*>(p);
-  s->word_rank = p ? reinterpret_cast<int*>(p + word_bytes) : nullptr;
-  s->cub_tmp = p ? p + 2 * word_bytes : nullptr;
-  s->bytes = plan_scan::kAlign - 1 + 2 * word_bytes + s->cub_bytes;
+  cudaError_t err = word_scan(nullptr, s->cub_bytes, WordWriter{nullptr, s->words}, nullptr);
+  Bump bp{aligned_base(base)};
+  s->bitmap = bp.take<uint32_t>(s->words);
+  s->word_rank = bp.take<int>(s->words);
+  s->cub_tmp = bp.take<char>(s->cub_bytes);
+  s->bytes = plan_scan::kAlign - 1 + bp.off;
   return err;
 }
 
@@ -200,14 +200,13 @@ cudaError_t build_bitmap_plan(const int* ids, int n, int last_extent, int num_ro
   BitmapScratch s;
   cudaError_t err = bitmap_layout(num_rows, scratch, &s);
   if (err != cudaSuccess) return err;
-  const int64_t words = pb::Words(num_rows);
-  if ((err = cudaMemsetAsync(s.bitmap, 0, sizeof(uint32_t) * words, stream)) != cudaSuccess)
+  if ((err = cudaMemsetAsync(s.bitmap, 0, sizeof(uint32_t) * s.words, stream)) != cudaSuccess)
     return err;
   bitmap_mark_kernel<<<static_cast<unsigned>((n + kBlock - 1) / kBlock), kBlock, 0, stream>>>(
       ids, n, num_rows - 1, s.bitmap);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   size_t bytes = s.cub_bytes;
-  err = word_scan(s.cub_tmp, bytes, WordWriter{s.bitmap, words, last_extent, s.word_rank, out},
+  err = word_scan(s.cub_tmp, bytes, WordWriter{s.bitmap, s.words, last_extent, s.word_rank, out},
                   stream);
   if (err != cudaSuccess) return err;
   bitmap_rank_kernel<<<static_cast<unsigned>(n / kBlock + 1), kBlock, 0, stream>>>(
