@@ -6,6 +6,8 @@
 // order-free, so deterministic, minimum). Pass 2 parks the dropped positions on it.
 #include "cuda/tb_bags.h"
 
+#include "cuda/scratch.h"  // Bump
+
 #include <thrust/iterator/counting_iterator.h>
 #include <thrust/iterator/tabulate_output_iterator.h>
 #include <thrust/iterator/transform_iterator.h>
@@ -145,14 +147,14 @@ struct BagsScratch {
 
 cudaError_t bags_layout(int64_t n, int64_t num_bags, void* scratch, BagsScratch* s) {
   const int64_t spans = (n + kSpan - 1) / kSpan;
-  const size_t span_bytes = (sizeof(int32_t) * (size_t)(spans + 1) + kAlign - 1) / kAlign * kAlign;
   s->scan_bytes = 0;
   cudaError_t e = csr_scan(nullptr, s->scan_bytes, nullptr, 0, num_bags, nullptr, nullptr, nullptr);
   const uintptr_t base = (reinterpret_cast<uintptr_t>(scratch) + kAlign - 1) / kAlign * kAlign;
-  s->first = scratch ? reinterpret_cast<unsigned*>(base) : nullptr;
-  s->span_ub = scratch ? reinterpret_cast<int32_t*>(base + kAlign) : nullptr;
-  s->scan_tmp = scratch ? reinterpret_cast<void*>(base + kAlign + span_bytes) : nullptr;
-  s->bytes = 2 * kAlign + span_bytes + s->scan_bytes;
+  Bump bp{scratch ? reinterpret_cast<char*>(base) : nullptr};
+  s->first = bp.take<unsigned>(1);
+  s->span_ub = bp.take<int32_t>(spans + 1);
+  s->scan_tmp = bp.take<char>(s->scan_bytes);
+  s->bytes = kAlign + bp.off;
   return e;
 }
 
