@@ -43,6 +43,7 @@ __all__ = [
     "CanonicalBags",
     "apply_bags_oob",
     "canonical_bags",
+    "check_csr",
     "check_sizes",
     "packed_bags",
     "prepare_bags",
@@ -74,7 +75,7 @@ def check_sizes(nnz: int, num_bags: int) -> None:
         )
 
 
-def _check_offsets(offsets: jax.Array, n: int, traced_check: bool) -> None:
+def check_csr(offsets: jax.Array, n: int, traced_check: bool) -> None:
     """Concrete offsets: ``ValueError`` unless valid CSR over n ids. Traced: a
     ``checkify.check`` when ``traced_check``, else nothing (they are clamped)."""
     message = "offsets must be non-decreasing with offsets[0] == 0 and offsets[-1] == len(ids) == "
@@ -115,10 +116,13 @@ def canonical_bags(
     weights: jax.Array | None = None,
     mode: str,
     check_offsets: bool = False,
+    whole: bool = True,
 ) -> CanonicalBags:
     """Any of the three bag forms -> ``CanonicalBags`` (ids keep their dtype and values).
 
     ``check_offsets``: traced ``offsets`` get a ``checkify.check`` instead of the clamp.
+    ``whole=False``: ``offsets`` are a slice of a CSR its caller checked (bags of some
+    features of a packed batch): no check, positions outside them in no bag.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -148,7 +152,8 @@ def canonical_bags(
             raise ValueError(f"offsets must be 1-D of length num_bags + 1, got {offsets.shape}")
         if not jnp.issubdtype(offsets.dtype, jnp.integer):
             raise TypeError(f"offsets must be an integer array, got dtype {offsets.dtype}")
-        _check_offsets(offsets, n, check_offsets)
+        if whole:
+            check_csr(offsets, n, check_offsets)
         # Valid CSR whatever the input: clamp to [0, n] and make non-decreasing.
         offsets = jax.lax.cummax(jnp.clip(saturate_int32(jnp.asarray(offsets)), 0, n))
         pos = jnp.arange(n, dtype=jnp.int32)
@@ -268,15 +273,18 @@ def packed_bags(
     oob: str,
     *,
     kernel: bool,
+    whole: bool = True,
 ) -> tuple[CanonicalBags, jax.Array]:
     """A packed feature-major batch (ids [n], n >= 1, offsets [F*B + 1], optional weights)
     as ``(CanonicalBags, tables [n] int32)``: each position's bag and its feature's table,
     the ``oob`` policy against that table's ``num_rows``, weights 0 and ids parked where a
     position is dropped (``apply_bags_oob``). ``kernel``: one ``flowtt_tb_bags`` call for
     ``"clip"`` / ``"zero"`` (the valid CSR too; ``"error"`` takes the jax.numpy path, for its
-    checks), the same values as the jax.numpy path, its oracle."""
+    checks), the same values as the jax.numpy path, its oracle. ``whole=False``: ``offsets``
+    are a slice of a checked CSR over ``ids`` (``canonical_bags``)."""
     batch = (np.shape(offsets)[0] - 1) // len(feature_tables)
-    bags = canonical_bags(ids, offsets=offsets, weights=weights, mode="sum", check_offsets=oob == "error")
+    check = oob == "error"
+    bags = canonical_bags(ids, offsets=offsets, weights=weights, mode="sum", check_offsets=check, whole=whole)
     if kernel and oob != "error":
         raw = saturate_int32(jnp.asarray(offsets))  # concrete ones passed canonical_bags' check
         flat, tables, live, bag_ids, csr = ffi.tb_bags(

@@ -24,14 +24,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import ffi, reference
-from .bag import CanonicalBags, apply_bags_oob, bag_of_positions, canonical_bags, check_sizes, scale_by_modes
-from .batched import choose_impl, pooled_group
+from . import ffi
+from .bag import check_csr
 from .batched_plan import GroupLayout
-from .collection import TableConfig, bag_kwargs, check_tables
-from .cores import resolve_init, to_dense
-from .oob import apply_oob, apply_table_oob, as_ids, saturate_int32
-from .ops import tt_embedding_bag
+from .collection import TableConfig, check_tables
+from .collection_init import init_params
+from .collection_pool import (
+    feature_input,
+    lookup_input,
+    pool_canonical,
+    pool_csr,
+    pool_packed,
+    rows_csr,
+    stacked_bags,
+)
+from .cores import to_dense
+from .jagged import KeyedJagged, PackedCSR, compact, pack_features
+from .oob import as_ids, saturate_int32
 
 __all__ = ["CollectionLayout", "FeatureSlot", "TablePack"]
 
@@ -112,24 +121,10 @@ class CollectionLayout:
         raise KeyError(f"no table named {name!r}; tables: {[c.name for c in self.tables]}")
 
     def init(self, key: jax.Array, param_dtype: Any = jnp.float32) -> dict[str, jax.Array]:
-        """Fresh parameters: each table drawn as a lone table would be (TT rows of std
-        ``cfg.std``; dense ``normal(cfg.std)``) with ``fold_in(key, table index)``."""
-        index = {cfg.name: i for i, cfg in enumerate(self.tables)}
-        params = {}
-        for p, pack in enumerate(self.packs):
-            keys = [jax.random.fold_in(key, index[c.name]) for c in pack.tables]
-            names = self.param_names(p)
-            if pack.kind == "dense":
-                parts = [
-                    c.std * jax.random.normal(k, (c.num_embeddings, c.features))
-                    for c, k in zip(pack.tables, keys)
-                ]
-                params[names[0]] = jnp.concatenate(parts).astype(param_dtype)
-                continue
-            cores = [resolve_init(c.std)(k, c.spec(), param_dtype) for c, k in zip(pack.tables, keys)]
-            packed = pack.layout.pack(cores) if pack.kind == "tt" else cores[0]
-            params.update({n: jnp.asarray(c, param_dtype) for n, c in zip(names, packed)})
-        return params
+        """Fresh parameters, one compiled program for every pack (``collection_init``): each
+        table's values from the distribution a lone table gets (TT rows of std ``cfg.std``;
+        dense ``normal(cfg.std)``), pack p drawn with ``fold_in(key, p)``."""
+        return init_params(self, key, param_dtype)
 
     def table_params(self, params: Mapping[str, jax.Array], name: str) -> tuple[jax.Array, ...]:
         """Table ``name``'s own parameters: its TT cores ``[p_k, r_{k-1}, q_k, r_k]``, or
@@ -199,17 +194,103 @@ class CollectionLayout:
         for p, pack in enumerate(self.packs):
             arrays = tuple(params[n] for n in self.param_names(p))
             out_dtype = arrays[0].dtype if dtype is None else dtype
-            if pack.kind == "single":
-                for slot in pack.features:
-                    ids, kw = _feature(features, slot, pack)
-                    out[slot.feature] = _pool_single(pack, arrays, slot, ids, kw, oob, impl, out_dtype)
+            inputs = [feature_input(features, s, pack) for s in pack.features]
+            csr = pack_features(inputs, [s.feature for s in pack.features], oob)
+            if csr is not None:  # one packed CSR: no per-feature op before the pooling
+                pooled = pool_csr(pack, arrays, csr, (0, len(pack.features)), oob, impl)
+                self._split(out, pack.features, pooled, out_dtype)
                 continue
-            prepared = {s.feature: canonical_feature(features, s, pack, oob) for s in pack.features}
-            for slots in _by_batch(pack.features, prepared):
-                # split, not slices: a slice's transpose pads to the whole [F*B, D] (F^2 work)
-                pooled = jnp.split(_pool(pack, arrays, slots, prepared, oob, impl), len(slots))
-                for slot, part in zip(slots, pooled):
-                    out[slot.feature] = part.astype(out_dtype)
+            for slots, pooled in pool_canonical(pack, arrays, features, oob, impl):
+                self._split(out, slots, pooled, out_dtype)
+        return out
+
+    @staticmethod
+    def _split(out: dict, slots: Sequence[FeatureSlot], pooled: jax.Array, dtype: Any) -> None:
+        # split, not slices: a slice's transpose pads to the whole [F*B, D] (F^2 work)
+        for slot, part in zip(slots, jnp.split(pooled, len(slots))):
+            out[slot.feature] = part.astype(dtype)
+
+    def apply_jagged(
+        self,
+        params: Mapping[str, jax.Array],
+        batch: KeyedJagged,
+        *,
+        oob: str = "zero",
+        impl: str = "auto",
+        dtype: Any | None = None,
+    ) -> jax.Array:
+        """``[B, F, D]`` pooled bags of a packed jagged batch (``flowtt_jax.jagged``), the
+        values of ``apply`` for the same bags; feature f is ``feature_names[f]``. Each pack
+        pools its features' bags of the flat ids in one call (a pack whose features are not
+        consecutive in ``feature_names`` takes them after one gather of the ids into the
+        packs' order); every table must have the same dim D."""
+        self._one_dim("a packed jagged input")
+        csr, back, _ = self._jagged_in_pack_order(batch, oob)
+        params = _cast_to_batch(params, (csr.ids, csr.weights))
+        parts, lo = [], 0
+        for p, pack in enumerate(self.packs):
+            arrays = tuple(params[n] for n in self.param_names(p))
+            out_dtype = arrays[0].dtype if dtype is None else dtype
+            hi = lo + len(pack.features)
+            pooled = pool_csr(pack, arrays, csr, (lo, hi), oob, impl, batch_major=True, whole=False)
+            parts.append(pooled.reshape(csr.batch, hi - lo, -1).astype(out_dtype))
+            lo = hi
+        out = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        return out if back is None else out[:, back]
+
+    def lookup(
+        self,
+        params: Mapping[str, jax.Array],
+        features: Mapping[str, Any] | KeyedJagged,
+        *,
+        oob: str = "zero",
+        impl: str = "auto",
+        dtype: Any | None = None,
+    ) -> dict[str, jax.Array] | jax.Array:
+        """Unpooled rows (TorchRec's ``EmbeddingCollection``, FBGEMM's ``PoolingMode.NONE``):
+        each id's row, through the same table-batched plan as the pooled call (each id its
+        own bag). A ``KeyedJagged`` gives ``[n, D]`` in the order of its ids (rows of ids in
+        no bag, or dropped by ``oob``, are 0; ``weights`` scale the rows); a feature dict
+        ``{feature: ids of any shape}`` (or ``{"ids": ..., "weights": ...}``) gives
+        ``{feature: [*ids.shape, D]}`` for the features it names."""
+        if isinstance(features, KeyedJagged):
+            self._one_dim("an unpooled packed jagged input")
+            csr, _, src = self._jagged_in_pack_order(features, oob)
+            params = _cast_to_batch(params, (csr.ids, csr.weights))
+            n, rows, lo = csr.ids.shape[0], None, 0
+            for p, pack in enumerate(self.packs):
+                arrays = tuple(params[k] for k in self.param_names(p))
+                hi = lo + len(pack.features)
+                part = rows_csr(pack, arrays, csr, (lo, hi), oob, impl)
+                rows = part if rows is None else rows + part  # each position is live in one pack
+                lo = hi
+            rows = rows.astype(rows.dtype if dtype is None else dtype)
+            # back to the input's positions (rows in no bag are 0, so colliding adds add 0)
+            return rows if src is None or n == 0 else jnp.zeros_like(rows).at[src].add(rows)
+        out = {}
+        params = _cast_to_batch(params, features)
+        for p, pack in enumerate(self.packs):
+            slots = [s for s in pack.features if s.feature in features]
+            if not slots:
+                continue
+            arrays = tuple(params[k] for k in self.param_names(p))
+            out_dtype = arrays[0].dtype if dtype is None else dtype
+            ids, weights = zip(*(lookup_input(features[s.feature], s.feature, oob) for s in slots))
+            sizes = [int(i.size) for i in ids]
+            flat = jnp.concatenate([saturate_int32(i).reshape(-1) for i in ids])
+            w = None
+            if any(x is not None for x in weights):
+                w = jnp.concatenate(
+                    [
+                        jnp.ones((m,), jnp.float32) if x is None else x.reshape(-1)
+                        for x, m in zip(weights, sizes)
+                    ]
+                )
+            offsets = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
+            sub = TablePack(pack.kind, pack.tables, tuple(slots), pack.layout)
+            rows = rows_csr(sub, arrays, PackedCSR(flat, offsets, w, 1), (0, len(slots)), oob, impl)
+            for s, i, part in zip(slots, ids, jnp.split(rows, np.cumsum(sizes)[:-1])):
+                out[s.feature] = part.reshape(*i.shape, -1).astype(out_dtype)
         return out
 
     def call(
@@ -219,13 +300,49 @@ class CollectionLayout:
         weights: jax.Array | None = None,
         **kw: Any,
     ) -> dict[str, jax.Array] | jax.Array:
-        """The layers' call: ``apply`` for a feature dict, ``apply_stacked`` for stacked ids
-        (``weights`` only with those); ``kw``: ``oob``, ``impl``, ``dtype``."""
+        """The layers' call: ``apply`` for a feature dict, ``apply_jagged`` for a
+        ``KeyedJagged``, ``apply_stacked`` for stacked ids (``weights`` only with those);
+        ``kw``: ``oob``, ``impl``, ``dtype``."""
+        if isinstance(features, KeyedJagged):
+            if weights is not None:
+                raise ValueError("weights is for stacked ids; a KeyedJagged carries its own weights")
+            return self.apply_jagged(params, features, **kw)
         if isinstance(features, Mapping):
             if weights is not None:
                 raise ValueError("weights is for stacked ids; a feature dict carries its own weights")
             return self.apply(params, features, **kw)
         return self.apply_stacked(params, features, weights, **kw)
+
+    @functools.cached_property
+    def pack_order(self) -> tuple[int, ...]:
+        """The features' indices in ``feature_names`` in the packs' order (each pack's
+        features consecutive)."""
+        column = {f: i for i, f in enumerate(self.feature_names)}
+        return tuple(column[s.feature] for pack in self.packs for s in pack.features)
+
+    def _jagged_in_pack_order(self, batch: KeyedJagged, oob: str):
+        """``(PackedCSR, back, src)``: ``batch``'s bags with each pack's features consecutive;
+        ``back`` (None when already so) puts ``[B, F_packs, D]`` outputs back in
+        ``feature_names`` order, ``src`` (or None) is each position's input position."""
+        if not isinstance(batch, KeyedJagged):
+            raise TypeError(f"expected a KeyedJagged batch, got {type(batch).__name__}")
+        csr = batch.csr(self.feature_names, oob)
+        n, num = csr.ids.shape[0], len(self.feature_names)
+        offsets = csr.offsets
+        check_csr(offsets, n, oob == "error")  # traced: clamped below and by each pack's bags
+        order = self.pack_order
+        if order == tuple(range(num)):
+            return csr, None, None
+        offsets = jax.lax.cummax(jnp.clip(saturate_int32(jnp.asarray(offsets)), 0, n))
+        starts = offsets[:-1].reshape(num, csr.batch)[np.asarray(order)].reshape(-1)
+        lengths = jnp.diff(offsets).reshape(num, csr.batch)[np.asarray(order)].reshape(-1)
+        ids, weights, new_offsets, src = compact(csr.ids, csr.weights, starts, lengths)
+        return PackedCSR(ids, new_offsets, weights, csr.batch), np.argsort(order), src
+
+    def _one_dim(self, what: str) -> None:
+        dims = sorted({cfg.features for cfg in self.tables})
+        if len(dims) > 1:
+            raise ValueError(f"{what} gives one [B, F, D] output: every table needs one dim, got dims {dims}")
 
     @functools.cached_property
     def feature_names(self) -> tuple[str, ...]:
@@ -263,26 +380,9 @@ class CollectionLayout:
             cols = [column[s.feature] for s in pack.features]
             sub = _columns(ids, cols)  # [F_p, B, L]
             w = None if weights is None else _columns(weights, cols)
-            if pack.kind == "single":
-                out = jnp.stack(
-                    [
-                        _pool_single(
-                            pack,
-                            arrays,
-                            slot,
-                            sub[j],
-                            {"weights": None if w is None else w[j]},
-                            oob,
-                            impl,
-                            out_dtype,
-                        )
-                        for j, slot in enumerate(pack.features)
-                    ]
-                )
-            else:
-                packed, tables = _stacked_bags(pack, sub, w, oob)
-                pooled = _pool_packed(pack, arrays, packed, tables, weights is not None, impl)
-                out = pooled.reshape(sub.shape[0], sub.shape[1], pooled.shape[-1]).astype(out_dtype)
+            packed, tables = stacked_bags(pack, sub, w, oob)
+            pooled = pool_packed(pack, arrays, packed, tables, weights is not None, impl)
+            out = pooled.reshape(sub.shape[0], sub.shape[1], pooled.shape[-1]).astype(out_dtype)
             parts.append(out)
             order += cols
         out = jnp.concatenate(parts) if len(parts) > 1 else parts[0]  # [F, B, D], packs' order
@@ -311,144 +411,12 @@ class CollectionLayout:
         return (ids if ids.ndim == 3 else ids[..., None]), weights
 
 
-def _pool_single(
-    pack: TablePack, arrays, slot: FeatureSlot, ids, kw: dict, oob: str, impl: str, dtype
-) -> jax.Array:
-    """One feature of a ``"single"`` pack (a TT table of any core count) by the single-table
-    op: ``[B, D]`` in ``dtype``; ``kw``: its bag form and weights."""
-    return tt_embedding_bag(
-        arrays,
-        ids,
-        **kw,
-        mode=slot.mode,
-        num_embeddings=pack.tables[0].num_embeddings,
-        oob=oob,
-        impl=impl,
-        dtype=dtype,
-    )
-
-
 def _cast_to_batch(params: Mapping[str, jax.Array], batch: Any) -> dict[str, jax.Array]:
     """``params`` typed varying over the mesh axes the batch's arrays vary over (inside a
     ``shard_map`` with ``check_vma``): one cast, so one gradient sum, per parameter however
     many calls read it (``flowtt_jax.ffi``); unchanged elsewhere."""
     arrays = [x for x in jax.tree.leaves(batch) if isinstance(x, jax.Array)]
     return ffi.to_varying(dict(params), ffi.varying_axes(arrays))
-
-
-def _feature(features: Mapping[str, Any], slot: FeatureSlot, pack: TablePack) -> tuple[jax.Array, dict]:
-    if slot.feature not in features:
-        raise KeyError(f"missing input for feature {slot.feature!r} (table {pack.tables[slot.table].name!r})")
-    return bag_kwargs(features[slot.feature])
-
-
-def canonical_feature(
-    features: Mapping[str, Any], slot: FeatureSlot, pack: TablePack, oob: str
-) -> tuple[CanonicalBags, bool]:
-    """The feature's canonical bags (its mode folded into the weights; ids as given, the
-    ``oob`` policy not yet applied) and whether it has user weights; ``KeyError`` if
-    ``features`` lacks it."""
-    ids, kw = _feature(features, slot, pack)
-    bags = canonical_bags(as_ids(ids, oob), mode=slot.mode, check_offsets=oob == "error", **kw)
-    return bags, kw.get("weights") is not None
-
-
-def prepare_feature(
-    features: Mapping[str, Any], slot: FeatureSlot, pack: TablePack, oob: str
-) -> tuple[CanonicalBags, bool]:
-    """``canonical_feature`` with the ``oob`` policy applied against its table (ids int32
-    in range, as ``prepare_bags`` gives)."""
-    bags, weighted = canonical_feature(features, slot, pack, oob)
-    num_rows = pack.tables[slot.table].num_embeddings
-    return apply_bags_oob(bags, *apply_oob(bags.ids, num_rows, oob)), weighted
-
-
-def _by_batch(slots: Sequence[FeatureSlot], prepared) -> list[tuple[FeatureSlot, ...]]:
-    """The pack's features split by batch size (one packed call each), in order."""
-    groups: dict[int, list[FeatureSlot]] = {}
-    for s in slots:
-        groups.setdefault(prepared[s.feature][0].offsets.shape[0] - 1, []).append(s)
-    return [tuple(v) for v in groups.values()]
-
-
-def _packed_bags(pack: TablePack, slots, bags: Sequence[CanonicalBags], oob: str):
-    """The features' canonical bags (same batch B) as one feature-major CSR over their
-    concatenated ids, the ``oob`` policy applied once for all of them: ``(CanonicalBags
-    [F*B bags], tables [n] int32)``. A padded feature's offsets are host constants; bag
-    (f, b) starts where the feature's bag b starts, and the positions of a feature outside
-    its bags (weight 0) fall in a neighbouring bag."""
-    batch = bags[0].offsets.shape[0] - 1
-    sizes = [b.ids.shape[0] for b in bags]
-    check_sizes(sum(sizes), len(bags) * batch)  # one call: int32 positions and bags
-    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
-    parts = [
-        np.arange(batch, dtype=np.int32) * b.bag_length + s if b.bag_length else b.offsets[:-1] + s
-        for b, s in zip(bags, starts[:-1])
-    ] + [starts[-1:]]
-    if all(isinstance(p, np.ndarray) for p in parts):
-        offsets = jnp.asarray(np.concatenate(parts))
-    else:
-        offsets = jnp.concatenate([jnp.asarray(p, jnp.int32) for p in parts])
-    n = int(starts[-1])
-    keep = None
-    if any(b.keep is not None for b in bags):
-        keeps = [jnp.ones((m,), bool) if b.keep is None else b.keep for b, m in zip(bags, sizes)]
-        keep = jnp.concatenate(keeps)
-    packed = CanonicalBags(
-        ids=jnp.concatenate([saturate_int32(b.ids) for b in bags]),
-        weights=jnp.concatenate([b.weights for b in bags]),
-        offsets=offsets,
-        bag_ids=jnp.clip(bag_of_positions(offsets, n), 0, len(bags) * batch - 1),
-        keep=keep,
-    )
-    # each position's table from its feature's range of positions (no [n] host constant)
-    feature = bag_of_positions(jnp.asarray(starts), n) if n else jnp.zeros((0,), jnp.int32)
-    tables = jnp.asarray([s.table for s in slots], jnp.int32)[jnp.clip(feature, 0, len(slots) - 1)]
-    return _pack_oob(pack, packed, tables, oob)
-
-
-def _pack_oob(pack: TablePack, packed: CanonicalBags, tables: jax.Array, oob: str):
-    """``packed`` (positions of tables [n] of ``pack``) after the ``oob`` policy against
-    each position's own table: ``(CanonicalBags, tables)``; dropped positions add no rows."""
-    num_rows = np.asarray([t.num_embeddings for t in pack.tables], np.int32)
-    flat, valid = apply_table_oob(packed.ids, tables, num_rows, oob)
-    return apply_bags_oob(packed, flat, valid, tables)
-
-
-def _pool(pack: TablePack, arrays, slots, prepared, oob: str, impl: str) -> jax.Array:
-    """``[F*B, D]`` bags of ``slots`` (same batch B) pooled in one call over
-    ``_packed_bags``."""
-    bags = [prepared[s.feature][0] for s in slots]
-    packed, tables = _packed_bags(pack, slots, bags, oob)  # oob="error" checks even without bags
-    weighted = any(prepared[s.feature][1] for s in slots)
-    return _pool_packed(pack, arrays, packed, tables, weighted, impl)
-
-
-def _pool_packed(pack: TablePack, arrays, packed: CanonicalBags, tables, weighted: bool, impl: str):
-    """``[num_bags, D]`` float32 (float64 params stay float64): the bags of ``packed``
-    (in range of their ``tables``, as ``_pack_oob`` gives) pooled in one call."""
-    num_bags = packed.offsets.shape[0] - 1
-    dim = arrays[0].shape[-1] if pack.kind == "dense" else pack.layout.dim
-    if packed.ids.shape[0] == 0 or num_bags == 0:
-        return jnp.zeros((num_bags, dim), jnp.promote_types(arrays[0].dtype, jnp.float32))
-    if pack.kind == "dense":
-        row_base = jnp.asarray(pack.row_offsets[:-1], jnp.int32)[tables]
-        rows = jnp.take(arrays[0], row_base + packed.ids, axis=0)
-        rows = rows.astype(jnp.promote_types(rows.dtype, jnp.float32))
-        # a weight of 0 adds nothing
-        return reference.pool(rows, packed.weights, packed.bag_ids, num_bags)
-    which = choose_impl(impl, pack.layout, [a.dtype for a in arrays])
-    return pooled_group(
-        arrays,
-        pack.layout,
-        packed.ids,
-        tables,
-        packed.offsets,
-        packed.bag_ids,
-        packed.weights,
-        weighted=weighted,
-        impl=which,
-    )
 
 
 def _columns(x: jax.Array, cols: Sequence[int]) -> jax.Array:
@@ -459,19 +427,3 @@ def _columns(x: jax.Array, cols: Sequence[int]) -> jax.Array:
         x[:, lo : lo + len(cols)] if list(cols) == list(range(lo, lo + len(cols))) else x[:, np.asarray(cols)]
     )
     return jnp.transpose(picked, (1, 0, 2))
-
-
-def _stacked_bags(pack: TablePack, ids: jax.Array, weights: jax.Array | None, oob: str):
-    """A pack's stacked columns ``ids [F, B, L]`` (and weights) as one feature-major CSR of
-    ``F*B`` padded bags, each feature's mode folded into the weights, then the ``oob``
-    policy: ``(CanonicalBags, tables [n] int32)``, as ``_packed_bags`` gives."""
-    num_features, batch, length = ids.shape
-    n = num_features * batch * length
-    check_sizes(n, num_features * batch)
-    offsets = jnp.arange(num_features * batch + 1, dtype=jnp.int32) * length
-    bag_ids = jnp.arange(n, dtype=jnp.int32) // max(length, 1)
-    w = jnp.ones((n,), jnp.float32) if weights is None else weights.reshape(-1)
-    w = scale_by_modes(w, offsets, bag_ids, [s.mode for s in pack.features], batch)
-    packed = CanonicalBags(saturate_int32(ids.reshape(-1)), w, offsets, bag_ids, None, length)
-    slot_tables = jnp.asarray([s.table for s in pack.features], jnp.int32)
-    return _pack_oob(pack, packed, slot_tables[bag_ids // max(batch, 1)], oob)

@@ -118,8 +118,9 @@ def choose_impl(impl: str, cores: Sequence[jax.Array]) -> str:
     return impl
 
 
-def _bag(cores, ids, offsets, bag_ids, weights, weighted, num_bags, impl, dtype) -> jax.Array:
-    """Weighted bag sums in float32 (float64 cores stay float64), cast once to ``dtype``."""
+def pool_single_table(cores, ids, offsets, bag_ids, weights, weighted, num_bags, impl, dtype) -> jax.Array:
+    """Weighted bag sums of prepared bags (``prepare_bags``' fields; ``impl`` as ``choose_impl``
+    gives) in float32 (float64 cores stay float64), cast once to ``dtype``."""
     dtype = cores[0].dtype if dtype is None else dtype
     c32 = tuple(jnp.promote_types(c.dtype, jnp.float32) for c in cores)
     c32 = tuple(c.astype(t) for c, t in zip(cores, c32))
@@ -205,7 +206,7 @@ def tt_embedding_bag(
     else:
         form = dict(offsets=offsets, segment_ids=segment_ids, num_bags=num_bags, mask=mask, weights=weights)
         bags = prepare_bags(ids, num_embeddings=n_rows, oob=oob, mode=mode, **form)
-    return _bag(
+    return pool_single_table(
         cores,
         bags.ids,
         bags.offsets,
@@ -245,5 +246,5 @@ def tt_lookup(
     w = jnp.ones((n,), jnp.float32) if valid is None else valid.astype(jnp.float32)
     pos = jnp.arange(n, dtype=jnp.int32)
     offsets = jnp.arange(n + 1, dtype=jnp.int32)
-    out = _bag(cores, flat, offsets, pos, w, False, n, impl, dtype)
+    out = pool_single_table(cores, flat, offsets, pos, w, False, n, impl, dtype)
     return out.reshape(*ids.shape, out.shape[-1])

@@ -40,7 +40,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .batched import choose_impl, pooled_group
 from .batched_plan import GroupLayout
-from .collection_layout import CollectionLayout, FeatureSlot, prepare_feature
+from .collection_layout import CollectionLayout, FeatureSlot
+from .collection_pool import prepare_feature
 from .sharding_base import ShardedLayout
 from .sharding_placement import TableWisePlacement
 from .spec import TTSpec

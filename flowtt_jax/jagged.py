@@ -1,0 +1,245 @@
+"""Packed jagged batches: every feature's bags in one flat ids array.
+
+``KeyedJagged`` is the input form data pipelines produce (TorchRec's
+``KeyedJaggedTensor``): one flat ``ids [n]``, per-bag ``lengths [F, B]`` or feature-major
+``offsets [F*B + 1]`` (bag b of feature f is ``ids[offsets[f*B + b] : offsets[f*B + b + 1]]``),
+optional per-id ``weights [n]``, features in the collection's ``feature_names`` order. A
+``TTEmbeddingCollection`` takes it straight to the table-batched op, with no per-feature
+op in the program.
+
+``pack_features`` brings a collection call's feature dict to the same packed CSR, with a
+number of ops that does not grow with the features (one concatenation of the ids, one
+stack of the CSR offsets); ``compact`` gathers bags given by start and length into a
+valid CSR in one pass (traced offsets that may leave positions outside their bags,
+features reordered into their packs' order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .bag import bag_of_positions, check_sizes
+from .oob import as_ids, saturate_int32
+
+__all__ = ["KeyedJagged", "PackedCSR", "compact", "pack_features"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyedJagged:
+    """Every feature's bags in one flat array (a pytree; ``keys`` is static).
+
+    Attributes:
+      ids: int ``[n]`` (any integer dtype), feature-major: feature 0's bags, then feature 1's...
+      lengths: int ``[F, B]``: ids in bag b of feature f. Give this or ``offsets``.
+      offsets: int ``[F*B + 1]``: feature-major CSR over ``ids`` (non-decreasing from 0 to n;
+        concrete ones are checked, traced ones clamped as ``tt_embedding_bag``'s).
+      weights: optional float ``[n]`` per-id weights (differentiable).
+      keys: optional feature names, checked against the collection's ``feature_names``
+        (the order of the features in ``ids``).
+    """
+
+    ids: Any
+    lengths: Any = None
+    offsets: Any = None
+    weights: Any = None
+    keys: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.lengths is None) == (self.offsets is None):
+            raise ValueError("KeyedJagged: give exactly one of lengths [F, B] and offsets [F*B + 1]")
+        if self.keys is not None:
+            if isinstance(self.keys, str):
+                raise TypeError(f"KeyedJagged keys must be a sequence of feature names, got {self.keys!r}")
+            object.__setattr__(self, "keys", tuple(self.keys))
+
+    def csr(self, feature_names: Sequence[str], oob: str) -> PackedCSR:
+        """The batch as a ``PackedCSR`` over ``feature_names`` (``ValueError`` naming what
+        does not match)."""
+        num = len(feature_names)
+        if self.keys is not None and self.keys != tuple(feature_names):
+            missing = [f for f in feature_names if f not in self.keys]
+            unknown = [k for k in self.keys if k not in feature_names]
+            raise ValueError(
+                "KeyedJagged keys must be the collection's feature_names in order"
+                + (f"; missing {missing}" if missing else "")
+                + (f"; unknown {unknown}" if unknown else "")
+                + ("" if missing or unknown else f"; got order {list(self.keys)}, want {list(feature_names)}")
+            )
+        ids = as_ids(self.ids, oob)
+        if ids.ndim != 1:
+            raise ValueError(f"KeyedJagged ids must be flat [n], got shape {ids.shape}")
+        n = ids.shape[0]
+        if self.lengths is not None:
+            lengths = _int_array(self.lengths, "lengths")
+            if lengths.ndim != 2 or lengths.shape[0] != num:
+                raise ValueError(
+                    f"KeyedJagged lengths must be [F, B] with F = {num} features, got {lengths.shape}"
+                )
+            batch = lengths.shape[1]
+            if not isinstance(lengths, jax.core.Tracer):
+                total = int(np.sum(np.asarray(lengths, np.int64)))
+                if np.any(np.asarray(lengths) < 0) or total != n:
+                    raise ValueError(
+                        f"KeyedJagged lengths must be >= 0 and sum to len(ids) = {n}, got sum {total}"
+                    )
+            flat = jnp.maximum(saturate_int32(jnp.asarray(lengths)).reshape(-1), 0)
+            offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(flat, dtype=jnp.int32)])
+        else:
+            offsets = _int_array(self.offsets, "offsets")
+            if offsets.ndim != 1 or (offsets.shape[0] - 1) % max(num, 1):
+                want = f"[F*B + 1] with F = {num} features"
+                raise ValueError(f"KeyedJagged offsets must be {want}, got shape {offsets.shape}")
+            batch = (offsets.shape[0] - 1) // max(num, 1)
+        weights = None
+        if self.weights is not None:
+            weights = jnp.asarray(self.weights)
+            if weights.shape != (n,):
+                raise ValueError(f"KeyedJagged weights shape {weights.shape} != ids shape {(n,)}")
+            weights = weights.astype(jnp.promote_types(weights.dtype, jnp.float32))
+        check_sizes(n, num * batch)
+        return PackedCSR(ids, offsets, weights, batch)
+
+
+jax.tree_util.register_dataclass(
+    KeyedJagged, data_fields=["ids", "lengths", "offsets", "weights"], meta_fields=["keys"]
+)
+
+
+def _int_array(x: Any, name: str) -> Any:
+    x = x if isinstance(x, jax.Array) else np.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"KeyedJagged {name} must be an integer array, got dtype {x.dtype}")
+    return x
+
+
+class PackedCSR(NamedTuple):
+    """Bags of F features over one flat array: ``ids [n]``, feature-major ``offsets [F*B + 1]``
+    (concrete: a valid CSR over ``[0, n]``; traced: clamped by the bag preparation, positions
+    outside ``[offsets[0], offsets[-1])`` in no bag), optional ``weights [n]`` and ``batch`` B."""
+
+    ids: jax.Array
+    offsets: Any
+    weights: jax.Array | None
+    batch: int
+
+
+def compact(ids: jax.Array, weights: jax.Array | None, starts: jax.Array, lengths: jax.Array):
+    """Bags given by ``starts`` and ``lengths`` (int32, one per bag, positions of ``ids``) as
+    one valid CSR: ``(ids [n], weights [n] | None, offsets [num_bags + 1], src [n])``, bag k
+    being ``ids[starts[k] : starts[k] + lengths[k]]`` moved to ``offsets[k]`` by one gather
+    (position j holds ``ids[src[j]]``). Positions past ``offsets[-1]`` (when the bags hold
+    fewer than n ids) are in no bag."""
+    n = ids.shape[0]
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths, dtype=jnp.int32)])
+    if n == 0:
+        return ids, weights, offsets, jnp.zeros((0,), jnp.int32)
+    bag = jnp.clip(bag_of_positions(offsets, n), 0, max(lengths.shape[0] - 1, 0))
+    pos = jax.lax.iota(jnp.int32, n)
+    src = jnp.where(pos < offsets[-1], starts[bag] + pos - offsets[bag], pos)
+    src = jnp.clip(src, 0, n - 1)
+    return ids[src], None if weights is None else weights[src], offsets, src
+
+
+def pack_features(
+    inputs: Sequence[tuple[jax.Array, dict]], names: Sequence[str], oob: str
+) -> PackedCSR | None:
+    """Features' inputs (``collection.bag_kwargs`` of each, in order) as one ``PackedCSR``,
+    or None where a feature's form needs its own preparation (``mask``, ``segment_ids``),
+    the batch sizes differ, or under ``oob="error"`` (its checks are that path's). Padded
+    ``[B, L]`` and CSR features take a fixed number of ops whatever their count: one
+    concatenation of the ids (and weights), one stack of the CSR offsets; traced offsets
+    (which may leave positions outside their bags) add one ``compact`` gather. ``names``
+    name the features in errors."""
+    if oob == "error":
+        return None
+    forms, batches = [], set()
+    for ids, kw in inputs:
+        if any(kw.get(k) is not None for k in ("mask", "segment_ids", "num_bags")):
+            return None
+        if kw.get("offsets") is not None:
+            offsets = kw["offsets"]
+            if np.ndim(ids) != 1 or np.ndim(offsets) != 1 or np.shape(offsets)[0] < 1:
+                return None  # canonical_bags gives the error
+            if not jnp.issubdtype(jnp.result_type(offsets), jnp.integer):
+                return None
+            batches.add(np.shape(offsets)[0] - 1)
+            forms.append("csr")
+        else:
+            if np.ndim(ids) != 2:
+                return None
+            batches.add(np.shape(ids)[0])
+            forms.append("padded")
+        w = kw.get("weights")
+        if w is not None and np.shape(w) != np.shape(ids):
+            return None  # canonical_bags gives the error
+    if len(batches) != 1:
+        return None
+    batch = batches.pop()
+    sizes = [int(np.size(ids)) for ids, _ in inputs]
+    n = sum(sizes)
+    check_sizes(n, len(inputs) * batch)
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    ids = jnp.concatenate([saturate_int32(as_ids(i, oob)).reshape(-1) for i, _ in inputs])
+    weighted = any(kw.get("weights") is not None for _, kw in inputs)
+    weights = None
+    if weighted:
+        weights = jnp.concatenate(
+            [
+                jnp.ones((s,), jnp.float32)
+                if kw.get("weights") is None
+                else jnp.asarray(kw["weights"]).reshape(-1)
+                for (_, kw), s in zip(inputs, sizes)
+            ]
+        )
+        weights = weights.astype(jnp.promote_types(weights.dtype, jnp.float32))
+    csr = [j for j, f in enumerate(forms) if f == "csr"]
+    padded = [j for j, f in enumerate(forms) if f == "padded"]
+    traced = False
+    parts_len, parts_start = [], []
+    if csr:
+        raw = [inputs[j][1]["offsets"] for j in csr]
+        for j, o in zip(csr, raw):
+            _check_concrete(o, sizes[j], names[j])
+        traced = any(isinstance(o, jax.core.Tracer) for o in raw)
+        off = jnp.stack([saturate_int32(jnp.asarray(o)) for o in raw])  # [Fc, B + 1]
+        if traced:  # the clamp and running maximum of canonical_bags, per feature
+            limit = jnp.asarray([sizes[j] for j in csr], jnp.int32)[:, None]
+            off = jax.lax.cummax(jnp.clip(off, 0, limit), axis=1)
+        parts_len.append(off[:, 1:] - off[:, :-1])
+        parts_start.append(off[:, :-1] + jnp.asarray(starts[csr], jnp.int32)[:, None])
+    if padded:  # bag b of a [B, L] feature starts at start + L * b: from an iota, not a host constant
+        length = jnp.asarray([np.shape(inputs[j][0])[1] for j in padded], jnp.int32)[:, None]
+        parts_len.append(jnp.broadcast_to(length, (len(padded), batch)))
+        parts_start.append(
+            jnp.asarray(starts[padded], jnp.int32)[:, None] + length * jax.lax.iota(jnp.int32, batch)
+        )
+    order = csr + padded
+    back = None if order == sorted(order) else np.argsort(order)  # to the features' order
+
+    def in_order(parts: list) -> jax.Array:
+        x = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        return (x if back is None else x[back]).reshape(-1)
+
+    bag_starts = in_order(parts_start)  # [F*B]: where each bag starts in the concatenated ids
+    if not traced:  # valid CSRs: the bags start where they are, no gather (and no scan)
+        return PackedCSR(ids, jnp.concatenate([bag_starts, jnp.full((1,), n, jnp.int32)]), weights, batch)
+    ids, weights, offsets, _ = compact(ids, weights, bag_starts, in_order(parts_len))
+    return PackedCSR(ids, offsets, weights, batch)
+
+
+def _check_concrete(offsets: Any, n: int, name: str) -> None:
+    """Concrete CSR offsets of feature ``name``: ``ValueError`` unless non-decreasing from 0 to n."""
+    if isinstance(offsets, jax.core.Tracer):
+        return
+    o = np.asarray(offsets)
+    if o[0] != 0 or o[-1] != n or np.any(np.diff(o) < 0):
+        raise ValueError(
+            f"feature {name!r}: offsets must be non-decreasing with offsets[0] == 0 and "
+            f"offsets[-1] == len(ids) == {n}; got first {o[:1].tolist()}, last {o[-1:].tolist()}"
+        )
