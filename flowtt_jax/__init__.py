@@ -7,12 +7,14 @@ load on first access, so the core ops need no Flax.
 import importlib
 
 from .cores import Cores, from_dense, init_cores, to_dense
+from .jagged import KeyedJagged
 from .ops import tt_embedding_bag, tt_lookup
 from .plan import Plan, make_plan
 from .spec import TTSpec
 
 __all__ = [
     "Cores",
+    "KeyedJagged",
     "Plan",
     "TTSpec",
     "from_dense",

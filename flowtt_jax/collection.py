@@ -12,6 +12,9 @@ A feature's input (the value of ``features[name]`` in a collection call) is one 
 - a ``dict`` with key ``"ids"`` and optionally ``"offsets"`` (CSR [B+1]),
   ``"segment_ids"`` + ``"num_bags"``, ``"mask"`` ([B, L] bool), ``"weights"``
   (same shape as ids) -- the keyword arguments of ``tt_embedding_bag``.
+
+Or every feature at once: a ``KeyedJagged`` (``flowtt_jax.jagged``; one flat ids array with
+``lengths [F, B]`` or feature-major ``offsets [F*B + 1]``), or stacked ids ``[B, F(, L)]``.
 """
 
 from __future__ import annotations

@@ -296,13 +296,20 @@ class CollectionLayout:
     def call(
         self,
         params: Mapping[str, jax.Array],
-        features: Mapping[str, Any] | jax.Array,
+        features: Mapping[str, Any] | KeyedJagged | jax.Array,
         weights: jax.Array | None = None,
+        *,
+        pooled: bool = True,
         **kw: Any,
     ) -> dict[str, jax.Array] | jax.Array:
         """The layers' call: ``apply`` for a feature dict, ``apply_jagged`` for a
         ``KeyedJagged``, ``apply_stacked`` for stacked ids (``weights`` only with those);
-        ``kw``: ``oob``, ``impl``, ``dtype``."""
+        ``pooled=False``: ``lookup`` (a dict or a ``KeyedJagged``). ``kw``: ``oob``, ``impl``,
+        ``dtype``."""
+        if not pooled:
+            if weights is not None or not isinstance(features, (Mapping, KeyedJagged)):
+                raise ValueError("pooled=False takes a feature dict or a KeyedJagged (their own weights)")
+            return self.lookup(params, features, **kw)
         if isinstance(features, KeyedJagged):
             if weights is not None:
                 raise ValueError("weights is for stacked ids; a KeyedJagged carries its own weights")

@@ -121,14 +121,15 @@ def rows_csr(
 
 def lookup_input(value: Any, name: str, oob: str) -> tuple[jax.Array, jax.Array | None]:
     """``(ids, weights | None)`` of a feature of an unpooled lookup: ids of any shape, or
-    ``{"ids": ..., "weights": ...}`` (weights of the ids' shape)."""
+    ``{"ids": ..., "weights": ..., "offsets": ...}`` (weights of the ids' shape; CSR offsets
+    are allowed and not needed: the rows come back in the ids' own layout)."""
     weights = None
     if isinstance(value, Mapping):
-        unknown = set(value) - {"ids", "weights"}
+        unknown = set(value) - {"ids", "weights", "offsets"}
         if unknown or "ids" not in value:
             raise ValueError(
                 f"feature {name!r}: an unpooled lookup takes ids, or a dict with 'ids' and optional "
-                f"'weights'; got keys {sorted(value)}"
+                f"'weights' and 'offsets'; got keys {sorted(value)}"
             )
         weights = value.get("weights")
         value = value["ids"]

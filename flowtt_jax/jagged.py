@@ -50,9 +50,7 @@ class KeyedJagged:
     weights: Any = None
     keys: tuple[str, ...] | None = None
 
-    def __post_init__(self) -> None:
-        if (self.lengths is None) == (self.offsets is None):
-            raise ValueError("KeyedJagged: give exactly one of lengths [F, B] and offsets [F*B + 1]")
+    def __post_init__(self) -> None:  # no check of the arrays: pytree maps rebuild it with others
         if self.keys is not None:
             if isinstance(self.keys, str):
                 raise TypeError(f"KeyedJagged keys must be a sequence of feature names, got {self.keys!r}")
@@ -62,6 +60,8 @@ class KeyedJagged:
         """The batch as a ``PackedCSR`` over ``feature_names`` (``ValueError`` naming what
         does not match)."""
         num = len(feature_names)
+        if (self.lengths is None) == (self.offsets is None):
+            raise ValueError("KeyedJagged: give exactly one of lengths [F, B] and offsets [F*B + 1]")
         if self.keys is not None and self.keys != tuple(feature_names):
             missing = [f for f in feature_names if f not in self.keys]
             unknown = [k for k in self.keys if k not in feature_names]
@@ -207,7 +207,7 @@ def pack_features(
         for j, o in zip(csr, raw):
             _check_concrete(o, sizes[j], names[j])
         traced = any(isinstance(o, jax.core.Tracer) for o in raw)
-        off = jnp.stack([saturate_int32(jnp.asarray(o)) for o in raw])  # [Fc, B + 1]
+        off = jnp.concatenate([saturate_int32(jnp.asarray(o)) for o in raw]).reshape(len(raw), batch + 1)
         if traced:  # the clamp and running maximum of canonical_bags, per feature
             limit = jnp.asarray([sizes[j] for j in csr], jnp.int32)[:, None]
             off = jax.lax.cummax(jnp.clip(off, 0, limit), axis=1)

@@ -24,6 +24,7 @@ from .collection import BagCall, DenseBagMethods, TableConfig, TTTableMethods, s
 from .collection_layout import CollectionLayout
 from .cores import CoreInit, check_cores, resolve_init
 from .cores import from_dense as _tt_svd
+from .jagged import KeyedJagged
 from .spec import TTSpec
 
 __all__ = ["TTEmbed", "TTEmbedBag", "EmbedBag", "TTEmbeddingCollection", "TableConfig"]
@@ -144,9 +145,14 @@ class TTEmbeddingCollection(nn.Module):
 
     @nn.compact
     def __call__(
-        self, features: Mapping[str, Any] | jax.Array, weights: jax.Array | None = None
+        self,
+        features: Mapping[str, Any] | KeyedJagged | jax.Array,
+        weights: jax.Array | None = None,
+        *,
+        pooled: bool = True,
     ) -> dict[str, jax.Array] | jax.Array:
-        """A feature dict, or stacked ids (and ``weights``) as the nnx twin takes them."""
+        """A feature dict, a ``KeyedJagged``, or stacked ids (and ``weights``) as the nnx twin
+        takes them; ``pooled=False`` for each id's row."""
         layout = CollectionLayout(tuple(self.tables))
         cache: dict[str, dict] = {}
 
@@ -157,4 +163,5 @@ class TTEmbeddingCollection(nn.Module):
 
         names = [n for p in range(len(layout.packs)) for n in layout.param_names(p)]
         params = {n: self.param(n, init, n) for n in names}
-        return layout.call(params, features, weights, oob=self.oob, impl=self.impl, dtype=self.dtype)
+        kw = dict(oob=self.oob, impl=self.impl, dtype=self.dtype)
+        return layout.call(params, features, weights, pooled=pooled, **kw)

@@ -35,6 +35,7 @@ from .collection import BagCall, DenseBagMethods, TableConfig, TTTableMethods
 from .collection_layout import CollectionLayout
 from .cores import CoreInit, check_cores, resolve_init
 from .cores import from_dense as _tt_svd
+from .jagged import KeyedJagged
 from .spec import TTSpec
 
 __all__ = ["TTEmbed", "TTEmbedBag", "EmbedBag", "TTEmbeddingCollection", "TableConfig", "resolve_init"]
@@ -188,9 +189,11 @@ class TTEmbeddingCollection(nnx.Module):
     ``{feature name: input}`` (an int array ``[B]`` or ``[B, L]``, or a dict of
     ``tt_embedding_bag`` arguments); returns ``{feature name: [B, features]}``. Or call
     with stacked ids ``[B, F]`` / ``[B, F, L]`` (one column per feature, in
-    ``feature_names`` order; optional ``weights``), e.g. a Criteo batch; returns
-    ``[B, F, features]`` with no per-feature slices in the program (for TT tables of 3
-    cores and dense tables).
+    ``feature_names`` order; optional ``weights``), e.g. a Criteo batch; or with a
+    ``KeyedJagged`` (one flat ids array, ``lengths [F, B]`` or offsets ``[F*B + 1]``: the
+    form data pipelines produce for variable-length features); both return
+    ``[B, F, features]`` with no per-feature op in the program. ``lookup`` (or
+    ``pooled=False``) gives each id's row instead of pooled bags.
 
     The tables are packed (``flowtt_jax.collection_layout``): the TT tables of one shape
     group (same column shape and ranks) share packed cores and run as one table-batched
@@ -223,13 +226,25 @@ class TTEmbeddingCollection(nnx.Module):
         return {k: p[...] for k, p in self.params.items()}
 
     def __call__(
-        self, features: Mapping[str, Any] | jax.Array, weights: jax.Array | None = None
+        self,
+        features: Mapping[str, Any] | KeyedJagged | jax.Array,
+        weights: jax.Array | None = None,
+        *,
+        pooled: bool = True,
     ) -> dict[str, jax.Array] | jax.Array:
-        """``{feature: input}`` -> ``{feature: [B, features]}``; or stacked ids ``[B, F]`` /
+        """``{feature: input}`` -> ``{feature: [B, features]}``; a ``KeyedJagged`` (every
+        feature's bags in one flat array) -> ``[B, F, features]``; or stacked ids ``[B, F]`` /
         ``[B, F, L]`` (columns in ``feature_names`` order, optional ``weights`` of their
-        shape) -> ``[B, F, features]`` (``CollectionLayout.apply_stacked``)."""
+        shape) -> ``[B, F, features]``. ``pooled=False``: each id's row instead
+        (``lookup``)."""
         kw = dict(oob=self.oob, impl=self.impl, dtype=self.dtype)
-        return self.layout.call(self._values(), features, weights, **kw)
+        return self.layout.call(self._values(), features, weights, pooled=pooled, **kw)
+
+    def lookup(self, features: Mapping[str, Any] | KeyedJagged) -> dict[str, jax.Array] | jax.Array:
+        """Unpooled rows (TorchRec's ``EmbeddingCollection``): ``{feature: ids [...]}`` ->
+        ``{feature: [..., features]}``, a ``KeyedJagged`` -> ``[n, features]`` in its ids'
+        order (``CollectionLayout.lookup``)."""
+        return self(features, pooled=False)
 
     @property
     def feature_names(self) -> tuple[str, ...]:

@@ -1,0 +1,334 @@
+"""A collection at scale: the packed jagged input (``KeyedJagged``) against the dict call bit
+for bit (outputs and gradients, eager and under ``jit``), unpooled rows against each table's
+``to_dense``, and a program whose size does not grow with the tables: construction
+compiles, op counts, and no constant of the batch's size in the lowered or compiled call."""
+
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+flax = pytest.importorskip("flax")
+from flax import nnx  # noqa: E402
+
+from flowtt_jax import KeyedJagged  # noqa: E402
+from flowtt_jax.collection import TableConfig  # noqa: E402
+from flowtt_jax.nnx import TTEmbeddingCollection  # noqa: E402
+
+DIM = 8
+POISON = 7.5e3  # a value no pooled bag of these tables reaches
+
+
+def _tables():
+    """Features interleaved across packs (TT group, dense pack, a 2-core single), a table
+    read by two features, every pooling mode, tables of other row counts."""
+    return [
+        TableConfig("a", 1000, DIM, rank=4, mode="mean"),
+        TableConfig("d", 50, DIM, kind="dense"),
+        TableConfig("b", 3000, DIM, rank=4, mode="sqrtn", feature_names=("b1", "b2")),
+        TableConfig("two", 300, DIM, rank=4, num_cores=2),
+        TableConfig("d2", 40, DIM, kind="dense", mode="mean"),
+        TableConfig("c", 77, DIM, rank=4),
+    ]
+
+
+def _rows(col) -> dict[str, int]:
+    return {f: cfg.num_embeddings for cfg in col.tables for f in cfg.feature_keys}
+
+
+def _batch(col, batch: int, seed: int, *, weighted: bool = False, max_len: int = 6):
+    """``(dict features, KeyedJagged)`` of the same bags: CSR features of random lengths
+    (empty bags included), ids at each table's last row, an out-of-range id."""
+    rng = np.random.default_rng(seed)
+    rows = _rows(col)
+    feats, ids, lengths, weights = {}, [], [], []
+    for f in col.feature_names:
+        n_f = rng.integers(0, max_len + 1, batch)
+        n_f[rng.random(batch) < 0.2] = 0
+        v = rng.integers(0, rows[f], int(n_f.sum())).astype(np.int32)
+        if v.size:
+            v[0] = rows[f] - 1
+        if v.size > 2:
+            v[-1] = rows[f] + 3  # out of range: a zero row under oob="zero"
+        w = rng.uniform(0.5, 1.5, v.size).astype(np.float32)
+        offsets = np.concatenate([[0], np.cumsum(n_f)]).astype(np.int32)
+        feats[f] = {"ids": jnp.asarray(v), "offsets": jnp.asarray(offsets)}
+        if weighted:
+            feats[f]["weights"] = jnp.asarray(w)
+        ids.append(v)
+        lengths.append(n_f)
+        weights.append(w)
+    kjt = KeyedJagged(
+        ids=jnp.asarray(np.concatenate(ids)),
+        lengths=jnp.asarray(np.stack(lengths).astype(np.int32)),
+        weights=jnp.asarray(np.concatenate(weights)) if weighted else None,
+        keys=col.feature_names,
+    )
+    return feats, kjt
+
+
+def _stack(col, out: dict) -> jax.Array:
+    return jnp.stack([out[f] for f in col.feature_names], axis=1)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_jagged_equals_dict_call_bitwise(weighted):
+    """Outputs and gradients (cores, dense tables, weights) of the packed call equal the dict
+    call's bit for bit, eager and jitted (traced lengths / offsets); offsets and lengths
+    give the same values."""
+    col = TTEmbeddingCollection(_tables(), rngs=nnx.Rngs(0))
+    feats, kjt = _batch(col, 5, seed=1, weighted=weighted)
+    want = _stack(col, col(feats))
+    assert not np.any(np.isnan(np.asarray(want))) and np.any(np.asarray(want))
+    got = col(kjt)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(kjt.lengths.reshape(-1))])
+    by_offsets = KeyedJagged(kjt.ids, offsets=offsets, weights=kjt.weights)
+    np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m, b: m(b))(col, by_offsets)), np.asarray(want))
+
+    graph, state = nnx.split(col)
+
+    def loss(state, w, batch, packed):
+        m = nnx.merge(graph, state)
+        if packed:
+            batch = KeyedJagged(batch.ids, lengths=batch.lengths, weights=w if weighted else None)
+            return jnp.sum(jnp.sin(m(batch)))
+        batch = {f: dict(v) for f, v in batch.items()}
+        if weighted:  # w's slices in feature_names order (a dict under jit is in key order)
+            names = col.feature_names
+            starts = np.cumsum([0] + [int(batch[f]["ids"].shape[0]) for f in names])
+            for f, lo, hi in zip(names, starts[:-1], starts[1:]):
+                batch[f]["weights"] = w[lo:hi]
+        return jnp.sum(jnp.sin(_stack(m, m(batch))))
+
+    w = kjt.weights if weighted else jnp.ones(kjt.ids.shape, jnp.float32)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=3)
+    g_packed, gw_packed = grad(state, w, kjt, True)
+    g_dict, gw_dict = grad(state, w, feats, False)
+    for a, b in zip(jax.tree.leaves(g_packed), jax.tree.leaves(g_dict)):
+        assert np.any(np.asarray(a))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(gw_packed), np.asarray(gw_dict))
+
+
+def test_jagged_traced_invalid_offsets_clamp_like_the_dict_call():
+    """Traced offsets that leave positions outside the bags (first offset > 0, last < n, a
+    decrease) are clamped into a valid CSR, positions outside it in no bag: the values of
+    the dict call given each feature's slice of the same clamped bags."""
+    col = TTEmbeddingCollection(_tables(), rngs=nnx.Rngs(1))
+    feats, kjt = _batch(col, 4, seed=2)
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(kjt.lengths).reshape(-1))]).astype(np.int32)
+    bad = offsets.copy()
+    bad[0] = 2  # positions 0, 1 in no bag
+    bad[-1] = offsets[-1] - 1  # the last position in no bag
+    bad[9] = bad[8] - 1  # a decrease: the running maximum
+    got = jax.jit(lambda o: col(KeyedJagged(kjt.ids, offsets=o)))(jnp.asarray(bad))
+    fixed = np.maximum.accumulate(np.clip(bad, 0, offsets[-1]))
+    ids = np.asarray(kjt.ids)
+    keep = np.zeros(ids.shape, bool)
+    keep[fixed[0] : fixed[-1]] = True
+    want = {}
+    batch = 4
+    for i, f in enumerate(col.feature_names):
+        lo, hi = fixed[i * batch], fixed[(i + 1) * batch]
+        want[f] = {
+            "ids": jnp.asarray(ids[lo:hi]),
+            "offsets": jnp.asarray(fixed[i * batch : (i + 1) * batch + 1] - lo),
+        }
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(_stack(col, col(want))))
+
+
+def test_jagged_checks_name_the_problem():
+    col = TTEmbeddingCollection(_tables(), rngs=nnx.Rngs(0))
+    feats, kjt = _batch(col, 3, seed=3)
+    with pytest.raises(ValueError, match="missing \\['c'\\]"):
+        col(KeyedJagged(kjt.ids, lengths=kjt.lengths, keys=col.feature_names[:-1] + ("zz",)))
+    with pytest.raises(ValueError, match="in order"):
+        col(KeyedJagged(kjt.ids, lengths=kjt.lengths, keys=col.feature_names[::-1]))
+    with pytest.raises(ValueError, match="sum to len\\(ids\\)"):
+        col(KeyedJagged(kjt.ids[1:], lengths=kjt.lengths))
+    with pytest.raises(ValueError, match="F = 7 features"):
+        col(KeyedJagged(kjt.ids, lengths=kjt.lengths[1:]))
+    with pytest.raises(ValueError, match="exactly one of"):
+        col(KeyedJagged(kjt.ids))
+    bad = np.concatenate([[1], np.cumsum(np.asarray(kjt.lengths).reshape(-1))]).astype(np.int32)
+    with pytest.raises(ValueError, match="offsets\\[0\\] == 0"):
+        col(KeyedJagged(kjt.ids, offsets=bad))
+
+
+def test_unpooled_rows_are_each_tables_rows():
+    """``lookup`` (jagged and dict) gives each id's row of its own table's ``to_dense``
+    (float64 oracle), zero rows for out-of-range ids, the weights' scale, and the same
+    rows as a one-id-per-bag pooled call; its gradient equals the pooled call's."""
+    col = TTEmbeddingCollection(_tables(), rngs=nnx.Rngs(2))
+    feats, kjt = _batch(col, 4, seed=4, weighted=True)
+    dense = {cfg.name: np.asarray(col.to_dense(cfg.name), np.float64) for cfg in col.tables}
+    table_of = {f: cfg.name for cfg in col.tables for f in cfg.feature_keys}
+    rows = _rows(col)
+    want = []
+    for f in col.feature_names:
+        v = np.asarray(feats[f]["ids"])
+        r = np.zeros((v.size, DIM))
+        ok = v < rows[f]
+        r[ok] = dense[table_of[f]][v[ok]]
+        want.append(r * np.asarray(feats[f]["weights"], np.float64)[:, None])
+    want = np.concatenate(want)
+    got = col.lookup(kjt)
+    assert got.shape == (kjt.ids.shape[0], DIM)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    per = col.lookup({f: feats[f] for f in col.feature_names})
+    np.testing.assert_array_equal(
+        np.concatenate([np.asarray(per[f]) for f in col.feature_names]), np.asarray(got)
+    )
+    two_d = col.lookup({"c": jnp.asarray([[0, 76], [5, 76]]), "a": jnp.asarray([999])})
+    assert two_d["c"].shape == (2, 2, DIM) and set(two_d) == {"a", "c"}
+    np.testing.assert_allclose(np.asarray(two_d["c"][1, 1]), dense["c"][76], rtol=1e-5, atol=1e-6)
+
+    sums = TTEmbeddingCollection([TableConfig("t", 500, DIM, rank=4)], rngs=nnx.Rngs(3))
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, 500, 64).astype(np.int32).tolist() + [499])
+    one = KeyedJagged(ids, offsets=jnp.arange(ids.shape[0] + 1, dtype=jnp.int32))
+    np.testing.assert_array_equal(np.asarray(sums.lookup(one)), np.asarray(sums(one)[:, 0]))
+    g_rows = nnx.grad(lambda m: jnp.sum(jnp.cos(m.lookup(one))))(sums)
+    g_pool = nnx.grad(lambda m: jnp.sum(jnp.cos(m(one)[:, 0])))(sums)
+    for a, b in zip(jax.tree.leaves(nnx.state(g_rows)), jax.tree.leaves(nnx.state(g_pool))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _meta_like_tables(num: int, seed: int = 0) -> list[TableConfig]:
+    rng = np.random.default_rng(seed)
+    rows = np.exp(rng.uniform(np.log(1e5), np.log(4e7), num)).astype(np.int64)  # one shape group
+    return [TableConfig(f"t{i}", int(n), 32, rank=32) for i, n in enumerate(rows)]
+
+
+def _count_compiles(fn) -> int:
+    events = []
+
+    def listen(name, *args, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            events.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return len(events)
+
+
+def test_construction_compiles_do_not_grow_with_tables():
+    """16 and 256 Meta-like tables: the same number of compiles to construct (one program
+    per collection, not a draw per table), and each table's rows keep the std of its
+    distribution (1/sqrt(D)); ``nnx.eval_shape`` still builds abstractly."""
+    counts = {}
+    TTEmbeddingCollection(_meta_like_tables(4, seed=4), rngs=nnx.Rngs(4))  # the eager ops' own compiles
+    for num in (16, 256):
+        tables = _meta_like_tables(num, seed=num)
+        counts[num] = _count_compiles(lambda t=tables, k=num: TTEmbeddingCollection(t, rngs=nnx.Rngs(k)))
+    assert counts[16] == counts[256] and counts[256] <= 3, counts
+    col = TTEmbeddingCollection(_meta_like_tables(16), rngs=nnx.Rngs(0))
+    stds = [float(np.std(np.asarray(col.to_dense(c.name)[:20000]))) for c in col.tables[:4]]
+    np.testing.assert_allclose(stds, 1 / np.sqrt(32), rtol=0.15)
+    abstract = nnx.eval_shape(lambda: TTEmbeddingCollection(_meta_like_tables(16), rngs=nnx.Rngs(0)))
+    shapes = {k: v.shape for k, v in nnx.state(abstract).flat_state()}
+    assert shapes == {k: v.shape for k, v in nnx.state(col).flat_state()}
+
+
+def test_init_std_per_table_in_one_pack():
+    """Tables of one pack with their own ``init_std`` keep it (row by row scale)."""
+    tables = [
+        TableConfig("x", 4000, 16, rank=8, init_std=0.01),
+        TableConfig("y", 4000, 16, rank=8, init_std=1.0),
+        TableConfig("dx", 3000, 16, kind="dense", init_std=0.02),
+        TableConfig("dy", 3000, 16, kind="dense", init_std=2.0),
+    ]
+    col = TTEmbeddingCollection(tables, rngs=nnx.Rngs(0))
+    assert len(col.layout.packs) == 2
+    got = [float(np.std(np.asarray(col.to_dense(t.name)))) for t in tables]
+    np.testing.assert_allclose(got, [0.01, 1.0, 0.02, 2.0], rtol=0.2)
+
+
+def _op_counts(text: str) -> Counter:
+    return Counter(re.findall(r"= (?:\"?)(stablehlo\.[a-z_]+|func\.call|call)", text))
+
+
+def _program(num: int, batch: int, packed: bool, kind: str = "csr"):
+    """The lowered training step of a Meta-like collection over abstract inputs."""
+    col = TTEmbeddingCollection(_meta_like_tables(num), rngs=nnx.Rngs(0))
+    graph, state = nnx.split(col)
+    n_f = 3 * batch
+    names = col.feature_names
+    if packed:
+        args = KeyedJagged(
+            jax.ShapeDtypeStruct((num * n_f,), jnp.int32),
+            lengths=jax.ShapeDtypeStruct((num, batch), jnp.int32),
+        )
+    elif kind == "csr":
+        args = {
+            f: {
+                "ids": jax.ShapeDtypeStruct((n_f,), jnp.int32),
+                "offsets": jax.ShapeDtypeStruct((batch + 1,), jnp.int32),
+            }
+            for f in names
+        }
+    else:
+        args = {f: jax.ShapeDtypeStruct((batch, 3), jnp.int32) for f in names}
+
+    def step(state, batch_in):
+        if not packed:  # the forward: a loss over a dict's outputs is per-feature ops of its own
+            return nnx.merge(graph, state)(batch_in)
+        return jax.grad(lambda st: jnp.sum(nnx.merge(graph, st)(batch_in)))(state)
+
+    return jax.jit(step).lower(state, args)
+
+
+@pytest.mark.parametrize("packed,kind", [(True, "csr"), (False, "csr"), (False, "padded")])
+def test_call_program_does_not_grow_with_tables(packed, kind):
+    """The same ops (by kind and count) for 16 and 64 tables: the packed call's training
+    step, and the dict call's forward but for its output (a slice per feature of the
+    dict it returns): nothing per feature between the input and the pooling."""
+    a = _op_counts(_program(16, 32, packed, kind).as_text())
+    b = _op_counts(_program(64, 32, packed, kind).as_text())
+    if not packed:
+        assert b.pop("stablehlo.slice") - a.pop("stablehlo.slice") == 64 - 16
+        # one concatenation of the features' ids, one of their offsets: jax lowers each as
+        # ceil(F / 16) ops and one more to join them
+        assert b.pop("stablehlo.concatenate") - a.pop("stablehlo.concatenate") <= 2 * (64 // 16)
+        if kind == "padded":  # a [B, L] feature's ids are reshaped to [B*L] (a bitcast)
+            assert b.pop("stablehlo.reshape") - a.pop("stablehlo.reshape") == 64 - 16
+    assert a == b, {k: (a[k], b[k]) for k in set(a) | set(b) if a[k] != b[k]}
+
+
+def _largest_constant_bytes(text: str) -> int:
+    """Bytes of the largest dense constant in StableHLO or HLO text."""
+    sizes = [0]
+    for m in re.finditer(r"stablehlo\.constant dense.*?: tensor<([0-9x]+)x([a-z0-9]+)>", text):
+        dims, dtype = m.group(1), m.group(2)
+        sizes.append(
+            int(np.prod([int(d) for d in dims.split("x")])) * max(1, int(re.sub(r"\D", "", dtype) or 8) // 8)
+        )
+    for m in re.finditer(r"= ([a-z]+)(\d+)\[([0-9,]*)\][^ ]* constant\(", text):
+        dims = [int(d) for d in m.group(3).split(",") if d]
+        sizes.append(int(np.prod(dims)) * max(1, int(m.group(2)) // 8))
+    return max(sizes)
+
+
+def test_no_batch_sized_constants():
+    """100 Meta-like tables at batch 4,096 (the packed and the dict call, forward and
+    backward): no constant above 64 KB in the lowered module, nor in the compiled one (XLA
+    folded none of the batch's size)."""
+    for packed, kind in ((True, "csr"), (False, "csr"), (False, "padded")):
+        lowered = _program(100, 4096, packed, kind)
+        assert _largest_constant_bytes(lowered.as_text()) <= 64 << 10, (packed, kind)
+        if kind == "csr":
+            assert _largest_constant_bytes(lowered.compile().as_text()) <= 64 << 10, (packed, kind)
+
+
+def test_largest_constant_parser_sees_constants():
+    """The check above can fail: a module holding a 1 MB constant is measured as such."""
+    big = np.arange(1 << 18, dtype=np.int32)
+    lowered = jax.jit(lambda x: x + jnp.asarray(big)).lower(jnp.zeros(big.shape, jnp.int32))
+    assert _largest_constant_bytes(lowered.as_text()) == big.nbytes
+    assert _largest_constant_bytes(lowered.compile().as_text()) >= big.nbytes
