@@ -421,6 +421,8 @@ class Runner:
             pkey = (id(case), impl.name)
             if pkey not in self.params:
                 self.params[pkey] = impl.init(w, self.cores[case.cores_key])
+                if (impl.name, w.name) in impls_mod.CONSTRUCT_S:  # the layers' construction
+                    rec["construct_s"] = impls_mod.CONSTRUCT_S[(impl.name, w.name)]
                 rec["param_bytes"] = int(sum(x.nbytes for x in jax.tree.leaves(self.params[pkey])))
                 rec["compression_ratio"] = case.entry["stats"]["dense_param_bytes"] / rec["param_bytes"]
             params, fwd = self.params[pkey], impl.build(w)

@@ -361,3 +361,115 @@ def _ours_batched(w: Workload) -> Fwd:
         return jnp.concatenate(outs, axis=1)
 
     return fwd
+
+
+#: Seconds the layers took to construct, by (impl name, workload name) (``init`` records).
+CONSTRUCT_S: dict[tuple[str, str], float] = {}
+
+
+def _layer_tables(w: Workload):
+    """One ``TableConfig`` per table of the workload (its spec's shapes and ranks), feature
+    ``f{i}`` reading table ``feature_table[i]``; the collection's ``feature_names`` must be
+    the workload's feature order (features in table order)."""
+    from flowtt_jax.collection import TableConfig
+
+    if list(w.feature_table) != sorted(w.feature_table):
+        raise ValueError("the layer benchmarks need the workload's features in table order")
+    return [
+        TableConfig(
+            f"t{t}",
+            spec.num_embeddings,
+            spec.embedding_dim,
+            rank=spec.ranks[1:-1],
+            row_shape=spec.row_shape,
+            col_shape=spec.col_shape,
+            num_cores=spec.num_cores,
+            feature_names=tuple(f"f{i}" for i, ft in enumerate(w.feature_table) if ft == t),
+        )
+        for t, spec in enumerate(w.specs)
+    ]
+
+
+def _layer_init(name: str):
+    """``init`` of a layer impl: constructs the ``TTEmbeddingCollection`` (timed, as a user
+    does), then loads the per-table cores every impl shares; params: its ``nnx.State``."""
+
+    def init(w: Workload, cores: TTCores):
+        import time
+
+        from flax import nnx
+
+        from flowtt_jax.nnx import TTEmbeddingCollection
+
+        jax.clear_caches()  # a user's first construction: its program is compiled, not reused
+        t0 = time.perf_counter()
+        coll = TTEmbeddingCollection(_layer_tables(w), rngs=nnx.Rngs(0))
+        jax.block_until_ready(nnx.state(coll))
+        CONSTRUCT_S[(name, w.name)] = time.perf_counter() - t0
+        layout = coll.layout
+        index = {cfg.name: t for t, cfg in enumerate(layout.tables)}
+        for p, pack in enumerate(layout.packs):
+            per_table = [cores[index[cfg.name]] for cfg in pack.tables]
+            values = pack.layout.pack(per_table) if pack.kind == "tt" else per_table[0]
+            for param, v in zip(layout.param_names(p), values):
+                coll.params[param][...] = v
+        graph, state = nnx.split(coll)
+        _LAYER_GRAPHS[(name, w.name)] = graph
+        return state
+
+    return init
+
+
+_LAYER_GRAPHS: dict[tuple[str, str], Any] = {}
+
+
+def _layer_build(name: str, packed: bool):
+    def build(w: Workload) -> Fwd:
+        from flax import nnx
+
+        from flowtt_jax import KeyedJagged
+
+        graph = _LAYER_GRAPHS[(name, w.name)]
+        bounds, b = w.feature_bounds, w.batch
+        names = [f"f{i}" for i in range(w.num_features)]
+
+        def fwd(params, ids, offsets, weights=None):
+            coll = nnx.merge(graph, params)
+            if packed:
+                return coll(KeyedJagged(ids, offsets=offsets, weights=weights)).reshape(b, -1)
+            feats = {}
+            for f, name_f in enumerate(names):  # the per-feature arrays a dict caller holds
+                s, e = bounds[f], bounds[f + 1]
+                feats[name_f] = {"ids": ids[s:e], "offsets": offsets[f * b : (f + 1) * b + 1] - s}
+                if weights is not None:
+                    feats[name_f]["weights"] = weights[s:e]
+            out = coll(feats)
+            return jnp.concatenate([out[f] for f in names], axis=1)
+
+        return fwd
+
+    return build
+
+
+for _name, _packed, _description in (
+    (
+        "ours_layer",
+        True,
+        "ftt.nnx.TTEmbeddingCollection called with a KeyedJagged (one flat ids array, "
+        "feature-major offsets): the layer users call over the table-batched op",
+    ),
+    (
+        "ours_layer_dict",
+        False,
+        "ftt.nnx.TTEmbeddingCollection called with a {feature: {ids, offsets}} dict (the "
+        "features' slices of the batch)",
+    ),
+):
+    register(
+        _name,
+        suites=("collection",),
+        ours=True,
+        init=_layer_init(_name),
+        scratch=batched_scratch_bytes,
+        description=_description,
+    )(_layer_build(_name, _packed))

@@ -354,3 +354,32 @@ def test_scaling_block_takes_each_case_from_its_newest_run(tmp_path):
     assert "new1111" in text and "old0000" not in text
     assert "| dlrm | 64 | 2 | data | 1.25 | 102,400 | 0.80 | - | True |" in text
     assert "| dlrm | 64 | 1 | single | 1.00 | 64,000 | - | - | - |" in text
+
+
+def test_layer_impls_equal_the_packed_op():
+    """``ours_layer`` (KeyedJagged call) and ``ours_layer_dict`` (dict call) give the values
+    of ``ours_batched`` on a Meta-like collection, and their gradients (CPU: bit for bit)."""
+    import jax
+
+    from benchmarks.impls import CONSTRUCT_S, tt_cores
+
+    if not ffi.available():
+        pytest.skip("compiled extension not built")
+    w = wl.MetaLikeCollection.create(5, seed=2, rows_range=(1e3, 1e5)).draw(16)
+    cores = tt_cores(w)
+    cot = np.random.default_rng(1).standard_normal((w.batch, 5 * 32)).astype(np.float32)
+    results = {}
+    for name in ("ours_batched", "ours_layer", "ours_layer_dict"):
+        impl = REGISTRY[name]
+        params = impl.init(w, cores)
+        out, vjp = jax.vjp(lambda p, impl=impl: impl.build(w)(p, w.ids, w.offsets), params)
+        (grads,) = vjp(cot)
+        results[name] = (np.asarray(out), [np.asarray(g) for g in jax.tree.leaves(grads)])
+    assert CONSTRUCT_S[("ours_layer", w.name)] > 0
+    out, grads = results["ours_batched"]
+    assert np.any(out)
+    assert len(grads) == 9  # three shape groups (small tables cap their ranks), in the same order
+    for name in ("ours_layer", "ours_layer_dict"):
+        np.testing.assert_array_equal(results[name][0], out)
+        for a, b in zip(results[name][1], grads, strict=True):
+            np.testing.assert_array_equal(a, b)
