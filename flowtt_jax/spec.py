@@ -8,6 +8,7 @@ core k of shape ``[p_k, r_{k-1}, q_k, r_k]`` with ``prod(row_shape) >= N``,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Mapping
@@ -64,6 +65,7 @@ def _factor(n: int, d: int, limit: int) -> tuple[int, ...] | None:
     return best_shape
 
 
+@functools.lru_cache(maxsize=4096)  # a collection asks for each table's shape more than once
 def factor_rows(n: int, d: int, limit: int = ID_LIMIT) -> tuple[int, ...]:
     """Near-balanced ``d`` factors with ``n <= product < limit``, ascending.
 
