@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import ffi
-from .bag import check_csr
 from .batched_plan import GroupLayout
 from .collection import TableConfig, check_tables
 from .collection_init import init_params
@@ -336,7 +335,6 @@ class CollectionLayout:
         csr = batch.csr(self.feature_names, oob)
         n, num = csr.ids.shape[0], len(self.feature_names)
         offsets = csr.offsets
-        check_csr(offsets, n, oob == "error")  # traced: clamped below and by each pack's bags
         order = self.pack_order
         if order == tuple(range(num)):
             return csr, None, None

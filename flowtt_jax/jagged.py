@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .bag import bag_of_positions, check_sizes
+from .bag import bag_of_positions, check_csr, check_sizes
 from .oob import as_ids, saturate_int32
 
 __all__ = ["KeyedJagged", "PackedCSR", "compact", "pack_features"]
@@ -36,7 +36,8 @@ class KeyedJagged:
 
     Attributes:
       ids: int ``[n]`` (any integer dtype), feature-major: feature 0's bags, then feature 1's...
-      lengths: int ``[F, B]``: ids in bag b of feature f. Give this or ``offsets``.
+      lengths: int ``[F, B]``: ids in bag b of feature f. Give this or ``offsets``. They may
+        sum to less than n: a batch padded to a static capacity, whose tail is in no bag.
       offsets: int ``[F*B + 1]``: feature-major CSR over ``ids`` (non-decreasing from 0 to n;
         concrete ones are checked, traced ones clamped as ``tt_embedding_bag``'s).
       weights: optional float ``[n]`` per-id weights (differentiable).
@@ -58,7 +59,8 @@ class KeyedJagged:
 
     def csr(self, feature_names: Sequence[str], oob: str) -> PackedCSR:
         """The batch as a ``PackedCSR`` over ``feature_names`` (``ValueError`` naming what
-        does not match)."""
+        does not match; concrete offsets checked, traced ones ``checkify``-checked under
+        ``oob="error"``)."""
         num = len(feature_names)
         if (self.lengths is None) == (self.offsets is None):
             raise ValueError("KeyedJagged: give exactly one of lengths [F, B] and offsets [F*B + 1]")
@@ -84,9 +86,9 @@ class KeyedJagged:
             batch = lengths.shape[1]
             if not isinstance(lengths, jax.core.Tracer):
                 total = int(np.sum(np.asarray(lengths, np.int64)))
-                if np.any(np.asarray(lengths) < 0) or total != n:
+                if np.any(np.asarray(lengths) < 0) or total > n:
                     raise ValueError(
-                        f"KeyedJagged lengths must be >= 0 and sum to len(ids) = {n}, got sum {total}"
+                        f"KeyedJagged lengths must be >= 0 and sum to at most len(ids) = {n}, got {total}"
                     )
             flat = jnp.maximum(saturate_int32(jnp.asarray(lengths)).reshape(-1), 0)
             offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(flat, dtype=jnp.int32)])
@@ -96,6 +98,7 @@ class KeyedJagged:
                 want = f"[F*B + 1] with F = {num} features"
                 raise ValueError(f"KeyedJagged offsets must be {want}, got shape {offsets.shape}")
             batch = (offsets.shape[0] - 1) // max(num, 1)
+            check_csr(offsets, n, oob == "error")  # traced: clamped (or checkify-checked)
         weights = None
         if self.weights is not None:
             weights = jnp.asarray(self.weights)

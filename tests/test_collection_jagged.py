@@ -148,8 +148,10 @@ def test_jagged_checks_name_the_problem():
         col(KeyedJagged(kjt.ids, lengths=kjt.lengths, keys=col.feature_names[:-1] + ("zz",)))
     with pytest.raises(ValueError, match="in order"):
         col(KeyedJagged(kjt.ids, lengths=kjt.lengths, keys=col.feature_names[::-1]))
-    with pytest.raises(ValueError, match="sum to len\\(ids\\)"):
+    with pytest.raises(ValueError, match="sum to at most len\\(ids\\)"):
         col(KeyedJagged(kjt.ids[1:], lengths=kjt.lengths))
+    padded = col(KeyedJagged(jnp.concatenate([kjt.ids, jnp.full((5,), -3, jnp.int32)]), lengths=kjt.lengths))
+    np.testing.assert_array_equal(np.asarray(padded), np.asarray(col(kjt)))  # a padded tail: in no bag
     with pytest.raises(ValueError, match="F = 7 features"):
         col(KeyedJagged(kjt.ids, lengths=kjt.lengths[1:]))
     with pytest.raises(ValueError, match="exactly one of"):
