@@ -51,15 +51,17 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flowtt_jax import ffi
+from flowtt_jax import KeyedJagged, ffi
 from flowtt_jax import sharding as ftt_sharding
 from flowtt_jax.collection import TableConfig, make_table_configs
 from flowtt_jax.nnx import TTEmbeddingCollection
 
 if __package__:  # imported as examples.dlrm
     from .criteo_synth import NUM_DENSE, SynthConfig, SynthCriteo
+    from .meta_synth import MetaSynthConfig, SynthMeta
 else:  # run as a script: python examples/dlrm.py (its folder is sys.path[0])
     from criteo_synth import NUM_DENSE, SynthConfig, SynthCriteo
+    from meta_synth import MetaSynthConfig, SynthMeta
 
 try:
     from tqdm.auto import tqdm
@@ -112,19 +114,24 @@ class DLRM(nnx.Module):
         bottom: Sequence[int] = (64,),
         top: Sequence[int] = (128, 64),
         impl: str = "auto",
+        interaction: str = "dot",
         rngs: nnx.Rngs,
     ):
         self.names = tuple(t.name for t in tables)
+        self.interaction = interaction
         self.bottom = MLP((NUM_DENSE, *bottom, dim), final_activation=True, rngs=rngs)
         self.embeddings = TTEmbeddingCollection(tables, impl=impl, rngs=rngs)
         assert self.embeddings.feature_names == self.names  # the columns of `sparse`
         f = len(tables) + 1
-        self.num_interactions = f * (f - 1) // 2
+        self.num_interactions = f * (f - 1) // 2 if interaction == "dot" else (f - 1) * dim
         self.top = MLP((dim + self.num_interactions, *top, 1), final_activation=False, rngs=rngs)
 
-    def __call__(self, dense: jax.Array, sparse: jax.Array) -> jax.Array:
+    def __call__(self, dense: jax.Array, sparse: jax.Array | KeyedJagged) -> jax.Array:
         x = self.bottom(dense)  # [B, D]
-        embs = self.embeddings(sparse)  # stacked: [B, 26] ids -> [B, 26, D], no per-feature slices
+        # stacked [B, 26] ids or a KeyedJagged -> [B, F, D], no per-feature op in the program
+        embs = self.embeddings(sparse)
+        if self.interaction == "cat":  # hundreds of features: their vectors side by side
+            return self.top(jnp.concatenate([x, embs.reshape(embs.shape[0], -1)], axis=1))[:, 0]
         t = jnp.concatenate([x[:, None], embs], axis=1)  # [B, F, D]
         z = jnp.einsum("bid,bjd->bij", t, t)
         li, lj = np.tril_indices(t.shape[1], k=-1)
@@ -204,8 +211,17 @@ def bce(logits, labels):
 
 
 def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> RunResult:
-    data = SynthCriteo(SynthConfig(max_rows=args.max_rows or None, zipf_a=args.zipf_a, seed=args.data_seed))
-    cards = {f"C{i + 1}": n for i, n in enumerate(data.cardinalities)}
+    if args.preset == "meta":
+        config = MetaSynthConfig(
+            args.tables, max_rows=args.max_rows or None, zipf_a=args.zipf_a, seed=args.data_seed
+        )
+        data = SynthMeta(config)
+        cards = dict(zip(data.names, data.cardinalities))
+    else:
+        data = SynthCriteo(
+            SynthConfig(max_rows=args.max_rows or None, zipf_a=args.zipf_a, seed=args.data_seed)
+        )
+        cards = {f"C{i + 1}": n for i, n in enumerate(data.cardinalities)}
     tables = make_table_configs(
         cards,
         args.dim,
@@ -220,6 +236,7 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
         bottom=args.bottom,
         top=args.top,
         impl=args.impl,
+        interaction=args.interaction,
         rngs=nnx.Rngs(args.seed),
     )
     emb_bytes = embedding_bytes(model)  # before sharding (table-wise cores are stacked, padded)
@@ -400,6 +417,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--dense", action="store_true", help="train with dense tables only")
     mode.add_argument("--compare", action="store_true", help="train TT, then dense, on the same data")
+    p.add_argument(
+        "--preset",
+        choices=("criteo", "meta"),
+        default="criteo",
+        help="criteo: 26 one-hot Criteo features (stacked ids); meta: --tables Meta-like variable-"
+        "length multi-hot features (examples/meta_synth.py), fed as one KeyedJagged batch",
+    )
+    p.add_argument("--tables", type=int, default=240, help="--preset meta: features (one table each)")
+    p.add_argument(
+        "--interaction",
+        choices=("dot", "cat"),
+        default=None,
+        help="pairwise dot products of the feature vectors (DLRM; default for criteo) or their "
+        "concatenation (default for meta: hundreds of features)",
+    )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches for AUC")
@@ -457,6 +489,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.check and not args.compare:
         p.error("--check needs --compare")
+    if args.interaction is None:
+        args.interaction = "cat" if args.preset == "meta" else "dot"
+    if args.preset == "meta" and args.mesh is not None:
+        p.error("--preset meta runs on one device: a sharded collection takes feature dicts or stacked ids")
     if args.mesh is not None and not (
         args.mesh.startswith("data=") and args.mesh[5:].replace("all", "0").isdigit()
     ):
@@ -477,8 +513,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, RunResult]:
     args = parse_args(argv)
     if args.distributed:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    what = "Criteo-format" if args.preset == "criteo" else f"Meta-like ({args.tables} multi-hot features)"
     print(
-        f"DLRM on synthetic Criteo-format data: {args.steps} steps x batch {args.batch_size}, "
+        f"DLRM on synthetic {what} data: {args.steps} steps x batch {args.batch_size}, "
         f"{args.optimizer} lr {args.lr}, backend {jax.default_backend()} "
         f"({jax.devices()[0].device_kind})"
     )
