@@ -230,6 +230,22 @@ class ShardedLayout(CollectionLayout, abc.ABC):
         local = functools.partial(self.local_apply, oob=oob, impl=impl, dtype=dtype)
         return run_sharded(self.mesh, self.axis, self.param_specs(), local, params, features)
 
+    def apply_jagged(self, params: Mapping[str, jax.Array], batch: Any, **kw: Any) -> jax.Array:
+        """Not for a sharded collection: a ``KeyedJagged``'s flat ids do not split by example
+        over the mesh (give each device its own batch inside a ``shard_map`` over the
+        unsharded collection, or call with a feature dict or stacked ids)."""
+        raise NotImplementedError(
+            f"a collection sharded over mesh axis {self.axis!r} takes a feature dict or stacked ids, "
+            "not a KeyedJagged (its flat ids do not split by example over the mesh)"
+        )
+
+    def lookup(self, params: Mapping[str, jax.Array], features: Any, **kw: Any) -> Any:
+        """Not for a sharded collection (unpooled rows are the unsharded collection's)."""
+        raise NotImplementedError(
+            f"a collection sharded over mesh axis {self.axis!r} has no unpooled lookup; call the "
+            "unsharded collection's lookup"
+        )
+
     def apply_stacked(
         self,
         params: Mapping[str, jax.Array],

@@ -334,3 +334,19 @@ def test_largest_constant_parser_sees_constants():
     lowered = jax.jit(lambda x: x + jnp.asarray(big)).lower(jnp.zeros(big.shape, jnp.int32))
     assert _largest_constant_bytes(lowered.as_text()) == big.nbytes
     assert _largest_constant_bytes(lowered.compile().as_text()) >= big.nbytes
+
+
+def test_sharded_collection_refuses_a_jagged_batch():
+    """A KeyedJagged's flat ids do not split by example: a sharded collection refuses it
+    (and the unpooled lookup) loudly instead of running unsharded."""
+    from flowtt_jax import sharding
+
+    col = TTEmbeddingCollection(_tables(), rngs=nnx.Rngs(0))
+    _, kjt = _batch(col, 2, seed=6)
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    dp = sharding.collection_data_parallel(col.layout, mesh)
+    params = {k: p[...] for k, p in col.params.items()}
+    with pytest.raises(NotImplementedError, match="not a KeyedJagged"):
+        dp.call(params, kjt)
+    with pytest.raises(NotImplementedError, match="no unpooled lookup"):
+        dp.call(params, kjt, pooled=False)
