@@ -259,7 +259,9 @@ def scale_by_modes(
     if len(set(modes)) == 1:  # one mode: no [num_bags] constant of modes in the program
         scale = 1.0 / lengths if modes[0] == "mean" else jax.lax.rsqrt(lengths)
         return weights * scale[bag_ids]
-    per_bag = np.repeat(np.asarray([MODES.index(m) for m in modes]), batch)
+    # each bag's mode from an iota (a host [F*B] array would be a constant XLA may fold)
+    bags = jax.lax.iota(jnp.int32, lengths.shape[0]) // max(batch, 1)
+    per_bag = jnp.asarray([MODES.index(m) for m in modes], jnp.int32)[jnp.minimum(bags, len(modes) - 1)]
     scale = jnp.where(per_bag == 1, 1.0 / lengths, jnp.where(per_bag == 2, jax.lax.rsqrt(lengths), 1.0))
     return weights * scale[bag_ids]
 

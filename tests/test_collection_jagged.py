@@ -200,9 +200,11 @@ def test_unpooled_rows_are_each_tables_rows():
 
 
 def _meta_like_tables(num: int, seed: int = 0) -> list[TableConfig]:
+    """One shape group (rows from 10^5: no rank capped), every pooling mode."""
     rng = np.random.default_rng(seed)
-    rows = np.exp(rng.uniform(np.log(1e5), np.log(4e7), num)).astype(np.int64)  # one shape group
-    return [TableConfig(f"t{i}", int(n), 32, rank=32) for i, n in enumerate(rows)]
+    rows = np.exp(rng.uniform(np.log(1e5), np.log(4e7), num)).astype(np.int64)
+    modes = ("sum", "mean", "sqrtn")
+    return [TableConfig(f"t{i}", int(n), 32, rank=32, mode=modes[i % 3]) for i, n in enumerate(rows)]
 
 
 def _count_compiles(fn) -> int:
