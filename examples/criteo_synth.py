@@ -52,7 +52,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.special import ndtri
 
-__all__ = ["CRITEO_KAGGLE_CARDINALITIES", "NUM_DENSE", "SynthConfig", "SynthCriteo", "affine_mod", "hash32"]
+__all__ = [
+    "CRITEO_KAGGLE_CARDINALITIES",
+    "NUM_DENSE",
+    "SynthConfig",
+    "SynthCriteo",
+    "affine_mod",
+    "hash32",
+    "unit",
+]
 
 # Criteo Kaggle (Display Advertising Challenge) sparse-feature cardinalities C1..C26,
 # as in facebookresearch/dlrm and TorchRec.
@@ -115,7 +123,7 @@ def hash32(domain: int, *words) -> jax.Array:
     return h ^ (h >> 16)
 
 
-def _unit(bits: jax.Array) -> jax.Array:
+def unit(bits: jax.Array) -> jax.Array:
     """Uniform in (0, 1), float32, from the top 23 bits (k + 0.5 is exact for k < 2^23)."""
     return ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
 
@@ -203,7 +211,7 @@ class SynthCriteo:
         return hash32(_BATCH_DOMAIN, self.config.seed, stream, index, slot)
 
     def _log_counts(self, stream, index, b: int) -> jax.Array:
-        normal = ndtri(_unit(self._bits(stream, index, b, self.num_sparse, NUM_DENSE)))
+        normal = ndtri(unit(self._bits(stream, index, b, self.num_sparse, NUM_DENSE)))
         counts = jnp.floor(jnp.exp(self._mu + self._sigma * normal))
         return jnp.log(1.0 + counts)  # = log1p (integer counts); XLA:CPU's log1p fuses slowly here
 
@@ -222,7 +230,7 @@ class SynthCriteo:
         f = jnp.arange(self.num_sparse, dtype=jnp.uint32)[None, :, None]
         comp = jnp.arange(self.config.hidden_dim, dtype=jnp.uint32)[None, None, :]
         h = hash32(_TEACHER_DOMAIN, self.config.seed, f, _u32(raw_ids)[:, :, None], comp)
-        return (_unit(h) - 0.5) * math.sqrt(12.0)
+        return (unit(h) - 0.5) * math.sqrt(12.0)
 
     def _make_batch(self, stream, index, b: int):
         c = self.config
@@ -237,7 +245,7 @@ class SynthCriteo:
         z = (log_counts - self._z_mean) / self._z_std
         dense_part = jnp.dot(z, self._w, precision=hp)
         logit = c.bias + c.sparse_scale * first + c.pair_scale * pair + c.dense_scale * dense_part
-        u = _unit(self._bits(stream, index, b, f + NUM_DENSE, 1)[:, 0])
+        u = unit(self._bits(stream, index, b, f + NUM_DENSE, 1)[:, 0])
         labels = (u < jax.nn.sigmoid(logit)).astype(jnp.float32)
         ids = raw % jnp.array(self.cardinalities, jnp.int32) if c.max_rows else raw
         return log_counts, ids, labels, logit

@@ -34,9 +34,9 @@ from jax.scipy.special import ndtri
 from flowtt_jax import KeyedJagged
 
 if __package__:  # imported as examples.meta_synth
-    from .criteo_synth import NUM_DENSE, hash32
+    from .criteo_synth import NUM_DENSE, hash32, unit
 else:  # run from examples/ (its folder is sys.path[0])
-    from criteo_synth import NUM_DENSE, hash32
+    from criteo_synth import NUM_DENSE, hash32, unit
 
 __all__ = ["MetaSynthConfig", "SynthMeta"]
 
@@ -58,10 +58,6 @@ class MetaSynthConfig:
     bias: float = -1.5
     capacity_slack: float = 1.05
     seed: int = 0
-
-
-def _unit(bits: jax.Array) -> jax.Array:
-    return ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 class SynthMeta:
@@ -101,7 +97,7 @@ class SynthMeta:
         cap = self.capacity(b)
         seed = np.uint32(c.seed)
         slot = jnp.arange(f * b, dtype=jnp.uint32)
-        u = _unit(hash32(_LENGTH, seed, stream, index, slot))
+        u = unit(hash32(_LENGTH, seed, stream, index, slot))
         mean = jnp.repeat(jnp.asarray(self.pooling_mean), b, total_repeat_length=f * b)
         length = jnp.where(mean == 1.0, 1.0, jnp.floor(-mean * jnp.log(u) + 0.5)).astype(jnp.int32)
         start = jnp.cumsum(length) - length
@@ -121,14 +117,14 @@ class SynthMeta:
         ids = jnp.where(live, raw % n_vis, 0).astype(jnp.int32)
         # the teacher: each bag's mean hashed vector, dotted with its feature's v
         comp = jnp.arange(c.hidden_dim, dtype=jnp.uint32)
-        emb = (_unit(hash32(_TEACHER, seed, feat[:, None], raw[:, None], comp)) - 0.5) * math.sqrt(12.0)
+        emb = (unit(hash32(_TEACHER, seed, feat[:, None], raw[:, None], comp)) - 0.5) * math.sqrt(12.0)
         inv = 1.0 / jnp.maximum(length, 1).astype(jnp.float32)
         weight = jnp.where(live, inv[bag], 0.0)
         pooled = jax.ops.segment_sum(emb * weight[:, None], bag, num_segments=f * b).reshape(f, b, -1)
         sparse = jnp.einsum("fbh,fh->b", pooled, jnp.asarray(self._v)) / math.sqrt(f * c.hidden_dim)
-        dense = ndtri(_unit(hash32(_DENSE, seed, stream, index, jnp.arange(b * NUM_DENSE, dtype=jnp.uint32))))
+        dense = ndtri(unit(hash32(_DENSE, seed, stream, index, jnp.arange(b * NUM_DENSE, dtype=jnp.uint32))))
         dense = dense.reshape(b, NUM_DENSE)
         logit = c.bias + c.sparse_scale * sparse + c.dense_scale * dense @ jnp.asarray(self._w)
-        draw = _unit(hash32(_LABEL, seed, stream, index, jnp.arange(b, dtype=jnp.uint32)))
+        draw = unit(hash32(_LABEL, seed, stream, index, jnp.arange(b, dtype=jnp.uint32)))
         labels = (draw < jax.nn.sigmoid(logit)).astype(jnp.float32)
         return dense, KeyedJagged(ids, lengths=length.reshape(f, b)), labels, logit

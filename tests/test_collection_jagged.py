@@ -17,22 +17,7 @@ from flax import nnx  # noqa: E402
 from flowtt_jax import KeyedJagged  # noqa: E402
 from flowtt_jax.collection import TableConfig  # noqa: E402
 from flowtt_jax.nnx import TTEmbeddingCollection  # noqa: E402
-
-DIM = 8
-POISON = 7.5e3  # a value no pooled bag of these tables reaches
-
-
-def _tables():
-    """Features interleaved across packs (TT group, dense pack, a 2-core single), a table
-    read by two features, every pooling mode, tables of other row counts."""
-    return [
-        TableConfig("a", 1000, DIM, rank=4, mode="mean"),
-        TableConfig("d", 50, DIM, kind="dense"),
-        TableConfig("b", 3000, DIM, rank=4, mode="sqrtn", feature_names=("b1", "b2")),
-        TableConfig("two", 300, DIM, rank=4, num_cores=2),
-        TableConfig("d2", 40, DIM, kind="dense", mode="mean"),
-        TableConfig("c", 77, DIM, rank=4),
-    ]
+from tests.test_collection_stacked import DIM, _stack, _tables  # noqa: E402
 
 
 def _rows(col) -> dict[str, int]:
@@ -68,10 +53,6 @@ def _batch(col, batch: int, seed: int, *, weighted: bool = False, max_len: int =
         keys=col.feature_names,
     )
     return feats, kjt
-
-
-def _stack(col, out: dict) -> jax.Array:
-    return jnp.stack([out[f] for f in col.feature_names], axis=1)
 
 
 @pytest.mark.parametrize("weighted", [False, True])

@@ -11,9 +11,9 @@ from examples.criteo_synth import (
     CRITEO_KAGGLE_CARDINALITIES,
     SynthConfig,
     SynthCriteo,
-    _unit,
     affine_mod,
     hash32,
+    unit,
 )
 
 TINY = [
@@ -121,7 +121,7 @@ def test_affine_mod_and_hash32_are_exact():
     assert int(hash32(0x9747B28C, word)) == 0x704B81DC
     assert int(hash32(0, 0)) == 0x2362F9DE
     # uniforms stay strictly inside (0, 1) at the extreme bits (ndtri(1) = inf made NaNs)
-    u = np.asarray(_unit(jnp.array([0, 0xFFFFFFFF, 0xFFFFFF00], jnp.uint32)))
+    u = np.asarray(unit(jnp.array([0, 0xFFFFFFFF, 0xFFFFFF00], jnp.uint32)))
     assert (u > 0).all() and (u < 1).all()
 
 
