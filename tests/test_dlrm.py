@@ -132,3 +132,37 @@ def test_check_fails_when_targets_are_missed():
     assert exc.value.code == 1
     with pytest.raises(SystemExit):
         dlrm.main(TINY + ["--check"])  # --check without --compare is a usage error
+
+
+def test_meta_preset_tiny():
+    """``--preset meta``: Meta-like multi-hot features as one KeyedJagged batch, TT and dense."""
+    out = dlrm.main(TINY + ["--preset", "meta", "--tables", "12", "--compare", "--batch-size", "16"])
+    for r in out.values():
+        assert math.isfinite(r.final_loss) and 0.0 <= r.auc <= 1.0
+    assert out["tt"].embedding_bytes < out["dense"].embedding_bytes
+
+
+def test_meta_synth_batches():
+    """A Meta-like batch: one static shape, lengths within the capacity (one-hot features
+    length 1, the tail in no bag), ids in range of the capped tables, deterministic, and
+    mean pooling near the configured 13.6."""
+    from examples.meta_synth import MetaSynthConfig, SynthMeta
+
+    data = SynthMeta(MetaSynthConfig(num_tables=40, max_rows=3000, seed=3))
+    dense, kjt, labels, logits = data.batch(0, 256)
+    cap = data.capacity(256)
+    lengths, ids = np.asarray(kjt.lengths), np.asarray(kjt.ids)
+    assert ids.shape == (cap,) and lengths.shape == (40, 256) and dense.shape == (256, 13)
+    assert lengths.min() >= 0 and lengths.sum() <= cap
+    assert np.all(lengths[data.one_hot] == 1)
+    assert abs(lengths.sum() / lengths.size - 13.6) < 1.5
+    ends = np.cumsum(lengths.reshape(-1))
+    starts = ends - lengths.reshape(-1)
+    for f in range(40):
+        seg = ids[starts[f * 256] : ends[(f + 1) * 256 - 1]]
+        assert seg.size == 0 or (seg.min() >= 0 and seg.max() < data.cardinalities[f])
+    assert set(np.unique(np.asarray(labels))) <= {0.0, 1.0} and np.all(np.isfinite(np.asarray(logits)))
+    again = data.batch(0, 256)[1]
+    np.testing.assert_array_equal(np.asarray(again.ids), ids)
+    other = data.batch(1, 256)[1]
+    assert not np.array_equal(np.asarray(other.ids), ids)
