@@ -13,7 +13,10 @@ mean pooling 13.6). Construction is timed after ``jax.clear_caches()``, as a pro
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -84,6 +87,14 @@ def measure(tables: int, batch: int, calls: tuple[str, ...]) -> dict:
     return rec
 
 
+def _git_head() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     csv = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
@@ -93,7 +104,14 @@ def main(argv=None) -> None:
     ap.add_argument("--json", help="write the records here")
     a = ap.parse_args(argv)
     recs = [measure(t, b, tuple(a.calls.split(","))) for t in a.tables for b in a.batches]
-    doc = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "records": recs}
+    doc = {
+        "device": str(jax.devices()[0].device_kind),
+        "backend": jax.default_backend(),
+        "cpu_count": os.cpu_count(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": os.environ.get("FLOWTT_COMMIT") or _git_head(),
+        "records": recs,
+    }
     if a.json:
         Path(a.json).write_text(json.dumps(doc, indent=1))
 
