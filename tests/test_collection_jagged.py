@@ -333,3 +333,18 @@ def test_sharded_collection_refuses_a_jagged_batch():
         dp.call(params, kjt)
     with pytest.raises(NotImplementedError, match="no unpooled lookup"):
         dp.call(params, kjt, pooled=False)
+
+
+def test_linen_twin_takes_a_jagged_batch():
+    """The linen collection given the nnx one's parameters: the same pooled and unpooled
+    values for a KeyedJagged."""
+    from flowtt_jax import linen
+
+    col = TTEmbeddingCollection(_tables(), rngs=nnx.Rngs(0))
+    _, kjt = _batch(col, 3, seed=7, weighted=True)
+    lcol = linen.TTEmbeddingCollection(_tables())
+    assert set(lcol.init(jax.random.key(0), kjt)["params"]) == set(col.params)
+    params = {"params": {k: p[...] for k, p in col.params.items()}}
+    np.testing.assert_array_equal(np.asarray(lcol.apply(params, kjt)), np.asarray(col(kjt)))
+    rows = lcol.apply(params, kjt, pooled=False)
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(col.lookup(kjt)))
