@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The layer at scale on the device machine (one `run` call, under 10 minutes): build, the
-# collection tests on the GPU, the collection benchmark with ours_layer beside ours_batched
-# (Meta-like 240 and 788 tables x 4096), construction and compile times
-# (scripts/layer_timing.py, 788 tables at 4096 and 32768), then the DLRM Meta-like preset.
-# Logs and JSON go to $OUT (default ./gpu_layer_out). Each stage has its own time limit.
+# The layer at scale on the device machine, one `run` call each (the stage limits of one call
+# sum to under 10 minutes):
+#   scripts/gpu_layer.sh        build, the collection tests on the GPU, the collection benchmark
+#                               with ours_layer beside ours_batched (Meta-like 240 and 788 tables
+#                               x 4096), construction and compile times (scripts/layer_timing.py,
+#                               788 tables at 4096 and 32768)
+#   scripts/gpu_layer.sh dlrm   build, then the DLRM Meta-like preset at batch 4096
+# Logs and JSON go to $OUT (default ./gpu_layer_out).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_layer_out}
 mkdir -p "$OUT"
@@ -13,14 +16,18 @@ PY=${PY:-python3}
 status=0
 stage() { local limit=$1 name=$2; shift 2; echo "== $name ($(date +%T))"; timeout "$limit" "$@" >"$OUT/$name.log" 2>&1 || { echo "   rc $?"; status=1; }; tail -${TAIL:-4} "$OUT/$name.log"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-stage 300 build env FLOWTT_CUDA=ON FLOWTT_CUDA_ARCHITECTURES=90 $PY -m pip install --no-build-isolation --no-deps -v -e .
+STAGE=${1:-layer}
+stage 240 build env FLOWTT_CUDA=ON FLOWTT_CUDA_ARCHITECTURES=90 $PY -m pip install --no-build-isolation --no-deps -v -e .
 par=(); $PY -c "import xdist" 2>/dev/null && par=(-n 8)
-stage 150 tests $PY -m pytest -q -p no:cacheprovider "${par[@]}" tests/test_collection_jagged.py \
+if [[ $STAGE == dlrm ]]; then
+  TAIL=6 stage 300 dlrm $PY examples/dlrm.py --preset meta --tables 240 --batch-size 4096 --steps 60 \
+    --eval-batches 8 --max-rows 0 --dim 32 --rank 32 --lr 3e-3 --log-every 20 --no-progress --profile-steps 5
+  exit $status
+fi
+stage 90 tests $PY -m pytest -q -p no:cacheprovider "${par[@]}" tests/test_collection_jagged.py \
   "tests/test_benchmarks.py::test_layer_impls_equal_the_packed_op" tests/test_collection_stacked.py
-TAIL=12 stage 260 bench $PY -m benchmarks --stage collection --impls ours_batched,ours_layer,ours_layer_dict \
-  --tables 240,788 --batches 4096 --out-dir "$OUT/bench" --time-budget 240
-TAIL=8 stage 120 timing $PY scripts/layer_timing.py --tables 788 --batches 4096,32768 --calls packed,packed_train \
+TAIL=12 stage 160 bench $PY -m benchmarks --stage collection --impls ours_batched,ours_layer,ours_layer_dict \
+  --tables 240,788 --batches 4096 --out-dir "$OUT/bench" --time-budget 140
+TAIL=8 stage 60 timing $PY scripts/layer_timing.py --tables 788 --batches 4096,32768 --calls packed,packed_train \
   --json "$OUT/layer_timing.json"
-TAIL=6 stage 90 dlrm $PY examples/dlrm.py --preset meta --tables 240 --batch-size 4096 --steps 60 \
-  --eval-batches 8 --max-rows 0 --dim 32 --rank 32 --lr 3e-3 --log-every 20 --no-progress --profile-steps 5
 exit $status
