@@ -305,6 +305,8 @@ class CollectionLayout:
         ``KeyedJagged``, ``apply_stacked`` for stacked ids (``weights`` only with those);
         ``pooled=False``: ``lookup`` (a dict or a ``KeyedJagged``). ``kw``: ``oob``, ``impl``,
         ``dtype``."""
+        if isinstance(features, Mapping):
+            self.check_feature_keys(features)
         if not pooled:
             if weights is not None or not isinstance(features, (Mapping, KeyedJagged)):
                 raise ValueError("pooled=False takes a feature dict or a KeyedJagged (their own weights)")
@@ -318,6 +320,15 @@ class CollectionLayout:
                 raise ValueError("weights is for stacked ids; a feature dict carries its own weights")
             return self.apply(params, features, **kw)
         return self.apply_stacked(params, features, weights, **kw)
+
+    def check_feature_keys(self, features: Mapping[str, Any]) -> None:
+        """``KeyError`` naming the keys of ``features`` that no table reads (a misspelt
+        feature would otherwise be ignored)."""
+        unknown = [k for k in features if k not in set(self.feature_names)]
+        if unknown:
+            raise KeyError(
+                f"unknown feature(s) {unknown}: no table reads them (features: {list(self.feature_names)})"
+            )
 
     @functools.cached_property
     def pack_order(self) -> tuple[int, ...]:

@@ -348,3 +348,15 @@ def test_linen_twin_takes_a_jagged_batch():
     np.testing.assert_array_equal(np.asarray(lcol.apply(params, kjt)), np.asarray(col(kjt)))
     rows = lcol.apply(params, kjt, pooled=False)
     np.testing.assert_array_equal(np.asarray(rows), np.asarray(col.lookup(kjt)))
+
+
+def test_unknown_feature_keys_raise():
+    """A misspelt feature in a dict call (pooled or unpooled) is a KeyError naming it, not
+    silently ignored."""
+    col = TTEmbeddingCollection(_tables(), rngs=nnx.Rngs(0))
+    feats, _ = _batch(col, 2, seed=8)
+    with pytest.raises(KeyError, match="'zz'"):
+        col({**feats, "zz": feats["a"]})
+    with pytest.raises(KeyError, match="'a_typo'"):
+        col.lookup({"a_typo": jnp.asarray([1, 2])})
+    assert set(col(feats)) == set(col.feature_names)
