@@ -263,7 +263,7 @@ class CollectionLayout:
                 part = rows_csr(pack, arrays, csr, (lo, hi), oob, impl)
                 rows = part if rows is None else rows + part  # each position is live in one pack
                 lo = hi
-            rows = rows.astype(rows.dtype if dtype is None else dtype)
+            rows = rows.astype(params[self.param_names(0)[0]].dtype if dtype is None else dtype)
             # back to the input's positions (rows in no bag are 0, so colliding adds add 0)
             return rows if src is None or n == 0 else jnp.zeros_like(rows).at[src].add(rows)
         out = {}
