@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from . import ffi, reference
 from .bag import MODES, packed_bags, scale_by_modes
 from .batched_plan import GroupLayout, GroupPlan, make_group_plan
+from .fallback import warn_reference
 from .oob import as_ids
 from .ops import choose_impl as choose_single_table_impl
 from .ops import fused_bag
@@ -151,7 +152,7 @@ def feature_modes(mode: str | Sequence[str], num_features: int) -> tuple[str, ..
 
 def choose_impl(impl: str, layout: GroupLayout, dtypes) -> str:
     """``"ffi"`` or ``"reference"`` for ``impl`` in ``IMPLS`` (``ValueError`` when ``"ffi"``
-    cannot run)."""
+    cannot run; ``"auto"`` on the reference warns once per reason, ``flowtt_jax.fallback``)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "reference":
@@ -161,6 +162,8 @@ def choose_impl(impl: str, layout: GroupLayout, dtypes) -> str:
         reason = f"the kernels take float32/bfloat16/float16 cores, got {[str(d) for d in dtypes]}"
     if impl == "ffi" and reason:
         raise ValueError(f"impl='ffi': {reason} (use impl='reference')")
+    if reason:
+        warn_reference(reason, "the table-batched op (tt_embedding_bag_group, TTEmbeddingCollection)")
     return "reference" if reason else "ffi"
 
 
@@ -295,4 +298,4 @@ def _takes_single_table_kernels(layout, packed) -> bool:
         return False
     if tuple(c.shape for c in packed) != tuple(layout.specs[0].core_shapes):
         return False
-    return choose_single_table_impl("auto", packed) == "ffi"
+    return choose_single_table_impl("auto", packed, warn=False) == "ffi"

@@ -36,6 +36,7 @@ import numpy as np
 
 from . import ffi, reference
 from .bag import MODES, CanonicalBags, check_sizes, packed_bags, prepare_bags, scale_by_modes
+from .fallback import warn_reference
 from .oob import apply_oob, as_ids, park_dropped
 from .spec import TTSpec, as_cores
 
@@ -98,10 +99,11 @@ def _fused_bag_bwd(weighted, res, dout):
 fused_bag.defvjp(_fused_bag_fwd, _fused_bag_bwd)
 
 
-def choose_impl(impl: str, cores: Sequence[jax.Array]) -> str:
+def choose_impl(impl: str, cores: Sequence[jax.Array], *, warn: bool = True) -> str:
     """``"ffi"`` or ``"reference"`` for ``impl`` in ``IMPLS`` and these cores: ``"auto"``
     takes the single-table kernels where the build, the dtypes and the platform's shape
-    limits allow; ``"ffi"`` raises ``ValueError`` where they do not."""
+    limits allow (else the reference, with one ``ReferenceFallbackWarning`` per reason when
+    ``warn``); ``"ffi"`` raises ``ValueError`` where they do not."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     kernel_ok = len(cores) == 3 and all(c.dtype in _KERNEL_DTYPES for c in cores)
@@ -114,7 +116,20 @@ def choose_impl(impl: str, cores: Sequence[jax.Array]) -> str:
     if impl == "ffi" and gpu_reason:
         raise ValueError(gpu_reason)
     if impl == "auto":
-        return "ffi" if kernel_ok and not gpu_reason and ffi.available() else "reference"
+        if not kernel_ok:
+            reason = (
+                f"the kernels take 3 cores of float32, bfloat16 or float16, got {len(cores)} cores "
+                f"of {sorted({str(c.dtype) for c in cores})}"
+            )
+        elif gpu_reason:
+            reason = gpu_reason
+        elif not ffi.available():
+            reason = "the compiled extension (_flowtt_cpu) is not built"
+        else:
+            return "ffi"
+        if warn:
+            warn_reference(reason, "tt_embedding_bag / tt_lookup")
+        return "reference"
     return impl
 
 

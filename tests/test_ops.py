@@ -11,6 +11,7 @@ from jax.experimental import checkify
 from jax.test_util import check_grads
 
 import flowtt_jax as ftt
+from flowtt_jax import ffi
 from flowtt_jax.ops import bag_chunk_rows
 from tests.helpers import (
     ID_KINDS,
@@ -392,3 +393,24 @@ def test_low_precision_cores_accumulate_in_float32(core_dtype, impl):
     assert rows.dtype == jnp.float32
     assert rel_err(rows, dense_of(cores, spec.num_embeddings)[ids]) < 1e-5
     assert ftt.tt_lookup(cores, ids, impl=impl).dtype == core_dtype
+
+
+def test_auto_fallback_to_reference_warns_once_per_reason(monkeypatch):
+    """``impl="auto"`` on the reference says why, once per process and reason; the kernels'
+    path and an explicit ``impl="reference"`` say nothing."""
+    import warnings
+
+    from flowtt_jax import fallback
+
+    monkeypatch.setattr(fallback, "_SEEN", set())
+    two = ftt.init_cores(jax.random.key(0), ftt.TTSpec.create(300, 8, 4, num_cores=2))
+    ids = jnp.asarray([0, 5, 299])
+    with pytest.warns(fallback.ReferenceFallbackWarning, match="got 2 cores"):
+        ftt.tt_lookup(two, ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fallback.ReferenceFallbackWarning)
+        ftt.tt_lookup(two, ids)  # the same reason: no second warning
+        ftt.tt_lookup(two, ids, impl="reference")
+        if ffi.available():
+            three = ftt.init_cores(jax.random.key(0), ftt.TTSpec.create(300, 8, 4))
+            ftt.tt_lookup(three, ids)  # the kernels
