@@ -9,7 +9,7 @@ op in the program.
 
 ``pack_features`` brings a collection call's feature dict to the same packed CSR, with a
 number of ops that does not grow with the features (one concatenation of the ids, one
-stack of the CSR offsets); ``compact`` gathers bags given by start and length into a
+of the CSR offsets); ``compact`` gathers bags given by start and length into a
 valid CSR in one pass (traced offsets that may leave positions outside their bags,
 features reordered into their packs' order).
 """
@@ -156,7 +156,7 @@ def pack_features(
     or None where a feature's form needs its own preparation (``mask``, ``segment_ids``),
     the batch sizes differ, or under ``oob="error"`` (its checks are that path's). Padded
     ``[B, L]`` and CSR features take a fixed number of ops whatever their count: one
-    concatenation of the ids (and weights), one stack of the CSR offsets; traced offsets
+    concatenation of the ids (and weights), one of the CSR offsets; traced offsets
     (which may leave positions outside their bags) add one ``compact`` gather. ``names``
     name the features in errors."""
     if oob == "error":
