@@ -324,7 +324,8 @@ class CollectionLayout:
     def check_feature_keys(self, features: Mapping[str, Any]) -> None:
         """``KeyError`` naming the keys of ``features`` that no table reads (a misspelt
         feature would otherwise be ignored)."""
-        unknown = [k for k in features if k not in set(self.feature_names)]
+        known = set(self.feature_names)
+        unknown = [k for k in features if k not in known]
         if unknown:
             raise KeyError(
                 f"unknown feature(s) {unknown}: no table reads them (features: {list(self.feature_names)})"
