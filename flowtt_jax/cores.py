@@ -8,6 +8,7 @@ cores for the Flax layers (``flowtt_jax.nnx`` and ``flowtt_jax.linen``); they ne
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +22,8 @@ from .spec import TTSpec
 __all__ = ["Cores", "CoreInit", "init_cores", "to_dense", "from_dense", "resolve_init", "check_cores"]
 
 Cores = tuple[jax.Array, ...]
+
+_LOG = logging.getLogger("flowtt_jax")
 
 # ``embedding_init``: None (rows with std 1/sqrt(features), like nnx.Embed), a float
 # (that row std), a Flax initializer ``(key, shape, dtype)`` (its scale is matched), or
@@ -66,12 +69,20 @@ def to_dense(cores: Sequence[jax.Array], num_embeddings: int | None = None) -> j
     return acc[: spec.num_embeddings, :, 0]
 
 
-def from_dense(table: jax.Array | np.ndarray, spec: TTSpec, dtype: jnp.dtype = jnp.float32) -> Cores:
+def from_dense(
+    table: jax.Array | np.ndarray,
+    spec: TTSpec,
+    dtype: jnp.dtype = jnp.float32,
+    *,
+    return_error: bool = False,
+) -> Cores | tuple[Cores, float]:
     """TT-SVD of a dense ``[N, D]`` table, truncated to ``spec.ranks``.
 
     Exact (up to float64 rounding) when the ranks are the full ranks
     (``TTSpec.create`` caps ranks there); the error falls as ranks grow.
-    Runs on the host in float64.
+    Runs on the host in float64. The relative error ``||table - TT||_F / ||table||_F``
+    of the truncation (in float64, before the cast to ``dtype``) is logged at INFO on the
+    ``flowtt_jax`` logger and, with ``return_error``, returned: ``(cores, error)``.
     """
     t = np.asarray(table, dtype=np.float64)
     if t.shape != (spec.num_embeddings, spec.embedding_dim):
@@ -103,7 +114,26 @@ def from_dense(table: jax.Array | np.ndarray, spec: TTSpec, dtype: jnp.dtype = j
         rest = s[:r_prev, None] * vt[:r_prev]
     p, q = spec.row_shape[-1], spec.col_shape[-1]
     cores.append(rest.reshape(r_prev, p, q, 1).transpose(1, 0, 2, 3))
-    return tuple(jnp.asarray(c, dtype=dtype) for c in cores)
+    out = tuple(jnp.asarray(c, dtype=dtype) for c in cores)
+    if not (return_error or _LOG.isEnabledFor(logging.INFO)):
+        return out
+    error = _relative_error(table, cores, spec.num_embeddings)
+    _LOG.info(
+        "from_dense: rank %s TT of a %s table, relative error %.3g", spec.ranks, tuple(np.shape(table)), error
+    )
+    return (out, error) if return_error else out
+
+
+def _relative_error(table, cores: Sequence[np.ndarray], num_embeddings: int) -> float:
+    """``||table - to_dense(cores)||_F / ||table||_F`` in float64 on the host (0 for a zero table)."""
+    acc = cores[0][:, 0]
+    for core in cores[1:]:
+        acc = np.einsum("aqr,brcs->abqcs", acc, core)
+        pa, pb, qa, qb, r = acc.shape
+        acc = acc.reshape(pa * pb, qa * qb, r)
+    t = np.asarray(table, np.float64)
+    norm = np.linalg.norm(t)
+    return float(np.linalg.norm(t - acc[:num_embeddings, :, 0]) / norm) if norm > 0 else 0.0
 
 
 def _is_flax_initializer(fn: Callable) -> bool:

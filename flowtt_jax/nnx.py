@@ -273,12 +273,18 @@ class TTEmbeddingCollection(nnx.Module):
         for k, p in self.params.items():
             p[...] = new[k]
 
-    def from_dense(self, name: str, dense: jax.Array) -> None:
+    def from_dense(self, name: str, dense: jax.Array) -> float:
         """Loads a dense ``[N, D]`` table into table ``name``: its TT-SVD truncated to the
-        table's ranks (TT tables) or the table itself (dense tables)."""
+        table's ranks (TT tables) or the table itself (dense tables). Returns the relative
+        error of what was loaded, ``||dense - table||_F / ||dense||_F`` (0.0 for a dense table;
+        also logged, ``flowtt_jax.cores.from_dense``)."""
         cfg = self._config(name)
-        values = (dense,) if cfg.kind == "dense" else _tt_svd(dense, cfg.spec(), self.param_dtype)
+        if cfg.kind == "dense":
+            self.load_table(name, (dense,))
+            return 0.0
+        values, error = _tt_svd(dense, cfg.spec(), self.param_dtype, return_error=True)
         self.load_table(name, values)
+        return error
 
     def embedding_bytes(self) -> dict[str, int]:
         """Bytes of parameters stored per table."""

@@ -53,3 +53,32 @@ def test_init_cores_sets_row_std():
     assert all(c.dtype == jnp.bfloat16 for c in cores)
     rows = ftt.tt_lookup(cores, jnp.arange(0, 200_000, 7), impl="reference")
     assert float(rows.astype(jnp.float32).std()) == pytest.approx(0.5, rel=0.1)
+
+
+def test_from_dense_reports_its_error(x64, caplog):
+    """``return_error`` gives the truncation's relative error (the one ``to_dense`` shows),
+    it is logged at INFO, and a collection's ``from_dense`` returns it: a random 1000x16
+    table at rank 4 loses most of itself, and says so."""
+    import logging
+
+    rng = np.random.default_rng(2)
+    table = rng.standard_normal((1000, 16))
+    spec = ftt.TTSpec.create(1000, 16, 4)
+    with caplog.at_level(logging.INFO, logger="flowtt_jax"):
+        cores, error = ftt.from_dense(table, spec, jnp.float64, return_error=True)
+    np.testing.assert_allclose(error, rel_err(ftt.to_dense(cores, 1000), table), rtol=1e-9)
+    assert 0.3 < error < 1 and "relative error" in caplog.text
+    full = ftt.TTSpec.create(1000, 16, 64)
+    assert ftt.from_dense(table, full, jnp.float64, return_error=True)[1] < 1e-10
+
+    from flax import nnx
+
+    from flowtt_jax.collection import TableConfig
+    from flowtt_jax.nnx import TTEmbeddingCollection
+
+    col = TTEmbeddingCollection(
+        [TableConfig("t", 1000, 16, rank=4), TableConfig("d", 50, 16, kind="dense")], rngs=nnx.Rngs(0)
+    )
+    got = col.from_dense("t", jnp.asarray(table, jnp.float32))
+    np.testing.assert_allclose(got, error, rtol=1e-4)
+    assert col.from_dense("d", jnp.ones((50, 16))) == 0.0
