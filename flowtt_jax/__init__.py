@@ -6,6 +6,7 @@ load on first access, so the core ops need no Flax.
 
 import importlib
 
+from .checks import checked
 from .cores import Cores, from_dense, init_cores, to_dense
 from .jagged import KeyedJagged
 from .ops import tt_embedding_bag, tt_lookup
@@ -17,6 +18,7 @@ __all__ = [
     "KeyedJagged",
     "Plan",
     "TTSpec",
+    "checked",
     "from_dense",
     "init_cores",
     "make_plan",

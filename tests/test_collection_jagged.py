@@ -361,3 +361,30 @@ def test_unknown_feature_keys_raise():
     with pytest.raises(KeyError, match="'a_typo'"):
         col.lookup({"a_typo": jnp.asarray([1, 2])})
     assert set(col(feats)) == set(col.feature_names)
+
+
+def test_oob_error_under_jit_through_checked():
+    """``oob="error"`` under ``jit``: ``ftt.checked`` raises for an id past its table (dict and
+    KeyedJagged calls, and the plain op) and returns the values for valid ids."""
+    import flowtt_jax as ftt
+
+    col = TTEmbeddingCollection(_tables(), oob="error", rngs=nnx.Rngs(0))
+    feats, kjt = _batch(col, 3, seed=9)
+    step = ftt.checked(lambda m, x: m(x))
+    feats = {f: {k: v for k, v in x.items()} for f, x in feats.items()}
+    feats["c"]["ids"] = jnp.clip(feats["c"]["ids"], 0, 76)
+    ok = {
+        f: {"ids": jnp.clip(x["ids"], 0, _rows(col)[f] - 1), "offsets": x["offsets"]}
+        for f, x in feats.items()
+    }
+    np.testing.assert_array_equal(np.asarray(_stack(col, step(col, ok))), np.asarray(_stack(col, col(ok))))
+    bad = dict(ok, c={"ids": ok["c"]["ids"].at[0].set(77), "offsets": ok["c"]["offsets"]})
+    with pytest.raises(ValueError, match="out of range"):
+        step(col, bad)
+    with pytest.raises(ValueError, match="out of range"):
+        step(col, kjt)  # _batch put an id past each table's end
+    cores = ftt.init_cores(jax.random.key(0), ftt.TTSpec.create(100, 8, 4))
+    lookup = ftt.checked(lambda c, i: ftt.tt_lookup(c, i, oob="error"))
+    assert lookup(cores, jnp.asarray([0, 99])).shape == (2, 8)
+    with pytest.raises(ValueError, match="out of range"):
+        lookup(cores, jnp.asarray([0, 100]))
