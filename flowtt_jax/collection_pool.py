@@ -76,7 +76,18 @@ def _csr_bags(
     slot_tables = tuple(s.table for s in pack.features)
     num_rows = jnp.asarray([t.num_embeddings for t in pack.tables], jnp.int32)
     kernel = _impl(pack, arrays, impl) == "ffi"
-    return packed_bags(csr.ids, offsets, csr.weights, slot_tables, num_rows, oob, kernel=kernel, whole=whole)
+    names = tuple(t.name for t in pack.tables)
+    return packed_bags(
+        csr.ids,
+        offsets,
+        csr.weights,
+        slot_tables,
+        num_rows,
+        oob,
+        kernel=kernel,
+        whole=whole,
+        table_names=names,
+    )
 
 
 def pool_csr(
@@ -217,7 +228,7 @@ def _pack_oob(pack: TablePack, packed: CanonicalBags, tables: jax.Array, oob: st
     """``packed`` (positions of tables [n] of ``pack``) after the ``oob`` policy against
     each position's own table: ``(CanonicalBags, tables)``; dropped positions add no rows."""
     num_rows = np.asarray([t.num_embeddings for t in pack.tables], np.int32)
-    flat, valid = apply_table_oob(packed.ids, tables, num_rows, oob)
+    flat, valid = apply_table_oob(packed.ids, tables, num_rows, oob, tuple(t.name for t in pack.tables))
     return apply_bags_oob(packed, flat, valid, tables)
 
 

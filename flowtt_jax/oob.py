@@ -128,11 +128,16 @@ def apply_oob(ids: jax.Array, num_embeddings: int, policy: str) -> tuple[jax.Arr
 
 
 def apply_table_oob(
-    ids: jax.Array, tables: jax.Array, num_rows: jax.Array, policy: str
+    ids: jax.Array,
+    tables: jax.Array,
+    num_rows: jax.Array,
+    policy: str,
+    table_names: tuple[str, ...] | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """``apply_oob`` for positions of several tables: ids [n] of any integer dtype, tables
     [n] int32 table indices, num_rows [T] each table's N. Returns ``(int32 ids in
-    [0, N_t), valid)``, ``valid`` a bool mask for ``"zero"``, else None."""
+    [0, N_t), valid)``, ``valid`` a bool mask for ``"zero"``, else None. ``table_names``
+    (T names) name the table in ``"error"``'s messages."""
     _check_policy(policy)
     _check_integer(ids.dtype)
     limit = jnp.asarray(num_rows)[tables]
@@ -140,24 +145,34 @@ def apply_table_oob(
     valid = (ids32 >= 0) & (ids32 < limit)
     if policy == "error":
         if isinstance(ids, jax.core.Tracer) or isinstance(valid, jax.core.Tracer):
+            names = "" if table_names is None else f" (tables by index: {_name_list(table_names)})"
             checkify.check(
                 jnp.all(valid),
-                "ids out of range of their tables: found {bad} at {pos}",
+                "ids out of range of their tables: found {bad} in table #{table} (of {rows} rows) at "
+                "position {pos} of the packed batch" + names,
                 bad=ids[jnp.argmin(valid)] if ids.size else 0,
+                table=tables[jnp.argmin(valid)] if ids.size else 0,
+                rows=limit[jnp.argmin(valid)] if ids.size else 0,
                 pos=jnp.argmin(valid) if ids.size else 0,
             )
         else:
             bad = np.flatnonzero(~np.asarray(valid))
             if bad.size:
+                t = int(np.asarray(tables)[bad[0]])
+                table = f"table {table_names[t]!r}" if table_names is not None else f"table #{t}"
                 raise ValueError(
-                    f"{bad.size} id(s) out of range of their tables, e.g. position "
-                    f"{bad[0]}: id {np.asarray(ids)[bad[0]]}, table rows "
-                    f"{np.asarray(limit)[bad[0]]}"
+                    f"{bad.size} id(s) out of range of their tables, e.g. id {np.asarray(ids)[bad[0]]} "
+                    f"of {table} ({np.asarray(limit)[bad[0]]} rows) at position {bad[0]} of the packed batch"
                 )
     clipped = jnp.clip(ids32, 0, limit - 1)
     if policy == "zero":
         return jnp.where(valid, clipped, 0), valid
     return clipped, None
+
+
+def _name_list(names: tuple[str, ...], most: int = 16) -> str:
+    shown = ", ".join(f"#{i} {n!r}" for i, n in enumerate(names[:most]))
+    return shown + (f", ... ({len(names)} tables)" if len(names) > most else "")
 
 
 def park_dropped(ids: jax.Array, live: jax.Array | None, *others: jax.Array):

@@ -379,8 +379,10 @@ def test_oob_error_under_jit_through_checked():
     }
     np.testing.assert_array_equal(np.asarray(_stack(col, step(col, ok))), np.asarray(_stack(col, col(ok))))
     bad = dict(ok, c={"ids": ok["c"]["ids"].at[0].set(77), "offsets": ok["c"]["offsets"]})
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match="found 77 in table #2 \\(of 77 rows\\).*#2 'c'"):
         step(col, bad)
+    with pytest.raises(ValueError, match="id 77 of table 'c' \\(77 rows\\)"):
+        col(bad)  # eager: the table's name
     with pytest.raises(ValueError, match="out of range"):
         step(col, kjt)  # _batch put an id past each table's end
     cores = ftt.init_cores(jax.random.key(0), ftt.TTSpec.create(100, 8, 4))
