@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -90,14 +91,40 @@ class TableConfig:
     init_std: float | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"TableConfig name must be a str, got {self.name!r}")
+        where = f"table {self.name!r}"
+        for field in ("num_embeddings", "features", "num_cores"):
+            object.__setattr__(self, field, _as_int(getattr(self, field), f"{where}: {field}"))
         if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+            raise ValueError(f"{where}: kind must be one of {KINDS}, got {self.kind!r}")
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+            raise ValueError(f"{where}: mode must be one of {MODES}, got {self.mode!r}")
         if self.num_embeddings < 1 or self.features < 1:
-            raise ValueError(f"table {self.name!r}: num_embeddings and features must be >= 1")
+            raise ValueError(f"{where}: num_embeddings and features must be >= 1")
+        if isinstance(self.rank, (tuple, list)):
+            object.__setattr__(self, "rank", tuple(_as_int(r, f"{where}: rank") for r in self.rank))
+        else:
+            object.__setattr__(self, "rank", _as_int(self.rank, f"{where}: rank"))
+        for field in ("row_shape", "col_shape"):
+            value = getattr(self, field)
+            if value is not None:
+                if not isinstance(value, (tuple, list)):
+                    raise TypeError(f"{where}: {field} must be a tuple of ints, got {value!r}")
+                object.__setattr__(self, field, tuple(_as_int(v, f"{where}: {field}") for v in value))
         if self.feature_names is not None:
+            if isinstance(self.feature_names, str) or not all(isinstance(f, str) for f in self.feature_names):
+                raise TypeError(
+                    f"{where}: feature_names must be a sequence of str, got {self.feature_names!r}"
+                    + (
+                        f" (one feature: ({self.feature_names!r},))"
+                        if isinstance(self.feature_names, str)
+                        else ""
+                    )
+                )
             object.__setattr__(self, "feature_names", tuple(self.feature_names))
+        if self.init_std is not None and not (isinstance(self.init_std, (int, float)) and self.init_std > 0):
+            raise ValueError(f"{where}: init_std must be a positive number, got {self.init_std!r}")
 
     @property
     def feature_keys(self) -> tuple[str, ...]:
@@ -119,6 +146,16 @@ class TableConfig:
     @property
     def dense_params(self) -> int:
         return self.num_embeddings * self.features
+
+
+def _as_int(value: Any, what: str) -> int:
+    """``value`` as an int (numpy ints too); ``TypeError`` naming ``what`` for a float, a str..."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {value!r}") from None
 
 
 def make_table_configs(

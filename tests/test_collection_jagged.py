@@ -390,3 +390,23 @@ def test_oob_error_under_jit_through_checked():
     assert lookup(cores, jnp.asarray([0, 99])).shape == (2, 8)
     with pytest.raises(ValueError, match="out of range"):
         lookup(cores, jnp.asarray([0, 100]))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(name=3), "name must be a str, got 3"),
+        (dict(rank=3.5), "table 't': rank must be an int, got 3.5"),
+        (dict(rank=(4, 2.0)), "table 't': rank must be an int, got 2.0"),
+        (dict(feature_names="item"), "table 't': feature_names must be a sequence of str.*\\('item',\\)"),
+        (dict(num_embeddings=10.0), "table 't': num_embeddings must be an int"),
+        (dict(col_shape=8), "table 't': col_shape must be a tuple of ints"),
+        (dict(init_std=-1.0), "table 't': init_std must be a positive number"),
+    ],
+)
+def test_table_config_errors_name_the_table_and_argument(kwargs, match):
+    """A config's type errors say which table and which argument, not a Python internal."""
+    base = dict(name="t", num_embeddings=100, features=8)
+    with pytest.raises((TypeError, ValueError), match=match):
+        TableConfig(**{**base, **kwargs})
+    assert TableConfig("t", np.int64(100), 8, rank=(np.int32(4), 3)).rank == (4, 3)
