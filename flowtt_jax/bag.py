@@ -44,6 +44,7 @@ __all__ = [
     "apply_bags_oob",
     "canonical_bags",
     "check_csr",
+    "clamp_csr",
     "check_sizes",
     "packed_bags",
     "prepare_bags",
@@ -75,10 +76,13 @@ def check_sizes(nnz: int, num_bags: int) -> None:
         )
 
 
-def check_csr(offsets: jax.Array, n: int, traced_check: bool) -> None:
+def check_csr(offsets: jax.Array, n: int, traced_check: bool, feature: str | None = None) -> None:
     """Concrete offsets: ``ValueError`` unless valid CSR over n ids. Traced: a
-    ``checkify.check`` when ``traced_check``, else nothing (they are clamped)."""
+    ``checkify.check`` when ``traced_check``, else nothing (they are clamped,
+    ``clamp_csr``). ``feature`` names the offsets' feature in the message."""
     message = "offsets must be non-decreasing with offsets[0] == 0 and offsets[-1] == len(ids) == "
+    if feature is not None:
+        message = f"feature {feature!r}: " + message
     if isinstance(offsets, jax.core.Tracer):
         if traced_check:
             steps = offsets[1:] >= offsets[:-1]
@@ -93,6 +97,13 @@ def check_csr(offsets: jax.Array, n: int, traced_check: bool) -> None:
     o = np.asarray(offsets)
     if o[0] != 0 or o[-1] != n or np.any(np.diff(o) < 0):
         raise ValueError(message + f"{n}; got first {o[:1].tolist()}, last {o[-1:].tolist()}")
+
+
+def clamp_csr(offsets: jax.Array, n: jax.Array | int) -> jax.Array:
+    """int32 offsets made a valid CSR whatever their values: clamped into ``[0, n]`` and made
+    non-decreasing (a running maximum along the last axis; ``n`` broadcasts, e.g. one limit
+    per row of stacked offsets)."""
+    return jax.lax.cummax(jnp.clip(saturate_int32(jnp.asarray(offsets)), 0, n), axis=offsets.ndim - 1)
 
 
 def bag_of_positions(offsets: jax.Array, n: int) -> jax.Array:
@@ -154,8 +165,7 @@ def canonical_bags(
             raise TypeError(f"offsets must be an integer array, got dtype {offsets.dtype}")
         if whole:
             check_csr(offsets, n, check_offsets)
-        # Valid CSR whatever the input: clamp to [0, n] and make non-decreasing.
-        offsets = jax.lax.cummax(jnp.clip(saturate_int32(jnp.asarray(offsets)), 0, n))
+        offsets = clamp_csr(offsets, n)  # valid CSR whatever the input
         pos = jnp.arange(n, dtype=jnp.int32)
         keep = (pos >= offsets[0]) & (pos < offsets[-1])
     elif segment_ids is not None:

@@ -48,17 +48,16 @@ def _init(layout: CollectionLayout, dtype: np.dtype, key: jax.Array) -> dict[str
             params.update(zip(names, cores))
             continue
         if pack.kind == "dense":
-            sizes = [c.num_embeddings for c in pack.tables]
             stds = [c.std for c in pack.tables]
-            shapes = [(sum(sizes), pack.tables[0].features)]
+            shapes = [(sum(c.num_embeddings for c in pack.tables), pack.tables[0].features)]
+            rows = [[c.num_embeddings for c in pack.tables]]  # each array's rows per table
         else:
             ranks = pack.layout.specs[0].ranks
             # init_cores: core std (std^2 / prod(ranks))^(1 / 2d) gives rows of std `std`
             stds = [(c.std**2 / math.prod(ranks)) ** (1.0 / 6.0) for c in pack.tables]
             shapes = pack.layout.packed_shapes()
-        for k, (name, shape) in enumerate(zip(names, shapes)):
-            if pack.kind == "tt":
-                sizes = [s.row_shape[k] for s in pack.layout.specs]
+            rows = [[s.row_shape[k] for s in pack.layout.specs] for k in range(3)]
+        for k, (name, shape, sizes) in enumerate(zip(names, shapes, rows)):
             draw = jax.random.normal(jax.random.fold_in(pack_key, k), shape, jnp.float32)
             params[name] = (draw * _row_scale(stds, sizes, len(shape))).astype(dtype)
     return params

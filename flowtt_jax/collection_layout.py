@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import ffi
+from .bag import clamp_csr
 from .batched_plan import GroupLayout
 from .collection import TableConfig, check_tables
 from .collection_init import init_params
@@ -38,7 +39,7 @@ from .collection_pool import (
     stacked_bags,
 )
 from .cores import to_dense
-from .jagged import KeyedJagged, PackedCSR, compact, pack_features
+from .jagged import KeyedJagged, PackedCSR, compact, concat_weights, pack_features
 from .oob import as_ids, saturate_int32
 
 __all__ = ["CollectionLayout", "FeatureSlot", "TablePack"]
@@ -260,7 +261,7 @@ class CollectionLayout:
             for p, pack in enumerate(self.packs):
                 arrays = tuple(params[k] for k in self.param_names(p))
                 hi = lo + len(pack.features)
-                part = rows_csr(pack, arrays, csr, (lo, hi), oob, impl)
+                part = rows_csr(pack, arrays, csr, (lo, hi), oob, impl, whole=False)
                 rows = part if rows is None else rows + part  # each position is live in one pack
                 lo = hi
             rows = rows.astype(params[self.param_names(0)[0]].dtype if dtype is None else dtype)
@@ -277,17 +278,10 @@ class CollectionLayout:
             ids, weights = zip(*(lookup_input(features[s.feature], s.feature, oob) for s in slots))
             sizes = [int(i.size) for i in ids]
             flat = jnp.concatenate([saturate_int32(i).reshape(-1) for i in ids])
-            w = None
-            if any(x is not None for x in weights):
-                w = jnp.concatenate(
-                    [
-                        jnp.ones((m,), jnp.float32) if x is None else x.reshape(-1)
-                        for x, m in zip(weights, sizes)
-                    ]
-                )
             offsets = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
+            csr = PackedCSR(flat, offsets, concat_weights(weights, sizes), 1)
             sub = TablePack(pack.kind, pack.tables, tuple(slots), pack.layout)
-            rows = rows_csr(sub, arrays, PackedCSR(flat, offsets, w, 1), (0, len(slots)), oob, impl)
+            rows = rows_csr(sub, arrays, csr, (0, len(slots)), oob, impl)
             for s, i, part in zip(slots, ids, jnp.split(rows, np.cumsum(sizes)[:-1])):
                 out[s.feature] = part.reshape(*i.shape, -1).astype(out_dtype)
         return out
@@ -350,7 +344,7 @@ class CollectionLayout:
         order = self.pack_order
         if order == tuple(range(num)):
             return csr, None, None
-        offsets = jax.lax.cummax(jnp.clip(saturate_int32(jnp.asarray(offsets)), 0, n))
+        offsets = clamp_csr(offsets, n)
         starts = offsets[:-1].reshape(num, csr.batch)[np.asarray(order)].reshape(-1)
         lengths = jnp.diff(offsets).reshape(num, csr.batch)[np.asarray(order)].reshape(-1)
         ids, weights, new_offsets, src = compact(csr.ids, csr.weights, starts, lengths)

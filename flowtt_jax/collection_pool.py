@@ -7,8 +7,8 @@ Every input form ends in one of two packed forms per pack:
   padded or CSR, packed by ``jagged.pack_features``): ``pool_csr`` prepares its bags in
   one pass (``bag.packed_bags``: each position's bag and table, the ``oob`` policy) and
   pools them; ``rows_csr`` gives each id's row instead (each id its own bag);
-- canonical bags per feature (``mask`` / ``segment_ids`` forms, mixed batch sizes,
-  ``oob="error"``), concatenated by ``packed_canonical``.
+- canonical bags per feature (``mask`` / ``segment_ids`` forms, mixed batch sizes),
+  concatenated by ``_packed_canonical``.
 
 Then one pooling call per pack: ``pooled_group`` (a TT shape group's table-batched
 op), the single-table op (a TT table of another core count), or one gather and segment
@@ -116,7 +116,7 @@ def pool_csr(
 
 
 def rows_csr(
-    pack: TablePack, arrays, csr: PackedCSR, span: tuple[int, int], oob: str, impl: str, whole: bool = False
+    pack: TablePack, arrays, csr: PackedCSR, span: tuple[int, int], oob: str, impl: str, *, whole: bool = True
 ):
     """``[n, D]`` float32: each position's row times its weight for the positions in the
     bags of features ``span`` of ``csr`` (the pack's features), 0 elsewhere; each id is its

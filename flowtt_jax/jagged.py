@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .bag import bag_of_positions, check_csr, check_sizes
+from .bag import bag_of_positions, check_csr, check_sizes, clamp_csr
 from .oob import as_ids, saturate_int32
 
-__all__ = ["KeyedJagged", "PackedCSR", "compact", "pack_features"]
+__all__ = ["KeyedJagged", "PackedCSR", "compact", "concat_weights", "offsets_of", "pack_features"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +90,7 @@ class KeyedJagged:
                     raise ValueError(
                         f"KeyedJagged lengths must be >= 0 and sum to at most len(ids) = {n}, got {total}"
                     )
-            flat = jnp.maximum(saturate_int32(jnp.asarray(lengths)).reshape(-1), 0)
-            offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(flat, dtype=jnp.int32)])
+            offsets = offsets_of(jnp.maximum(saturate_int32(jnp.asarray(lengths)).reshape(-1), 0))
         else:
             offsets = _int_array(self.offsets, "offsets")
             if offsets.ndim != 1 or (offsets.shape[0] - 1) % max(num, 1):
@@ -132,6 +131,24 @@ class PackedCSR(NamedTuple):
     batch: int
 
 
+def offsets_of(lengths: jax.Array) -> jax.Array:
+    """CSR offsets ``[k + 1]`` int32 of ``k`` bag lengths."""
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths, dtype=jnp.int32)])
+
+
+def concat_weights(weights: Sequence[jax.Array | None], sizes: Sequence[int]) -> jax.Array | None:
+    """Per-feature weights (None: all 1) as one float ``[sum sizes]`` array (float32 at least);
+    None when no feature has weights."""
+    if all(w is None for w in weights):
+        return None
+    parts = [
+        jnp.ones((m,), jnp.float32) if w is None else jnp.asarray(w).reshape(-1)
+        for w, m in zip(weights, sizes)
+    ]
+    out = jnp.concatenate(parts)
+    return out.astype(jnp.promote_types(out.dtype, jnp.float32))
+
+
 def compact(ids: jax.Array, weights: jax.Array | None, starts: jax.Array, lengths: jax.Array):
     """Bags given by ``starts`` and ``lengths`` (int32, one per bag, positions of ``ids``) as
     one valid CSR: ``(ids [n], weights [n] | None, offsets [num_bags + 1], src [n])``, bag k
@@ -139,7 +156,7 @@ def compact(ids: jax.Array, weights: jax.Array | None, starts: jax.Array, length
     (position j holds ``ids[src[j]]``). Positions past ``offsets[-1]`` (when the bags hold
     fewer than n ids) are in no bag."""
     n = ids.shape[0]
-    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths, dtype=jnp.int32)])
+    offsets = offsets_of(lengths)
     if n == 0:
         return ids, weights, offsets, jnp.zeros((0,), jnp.int32)
     bag = jnp.clip(bag_of_positions(offsets, n), 0, max(lengths.shape[0] - 1, 0))
@@ -153,14 +170,12 @@ def pack_features(
     inputs: Sequence[tuple[jax.Array, dict]], names: Sequence[str], oob: str
 ) -> PackedCSR | None:
     """Features' inputs (``collection.bag_kwargs`` of each, in order) as one ``PackedCSR``,
-    or None where a feature's form needs its own preparation (``mask``, ``segment_ids``),
-    the batch sizes differ, or under ``oob="error"`` (its checks are that path's). Padded
+    or None where a feature's form needs its own preparation (``mask``, ``segment_ids``) or
+    the batch sizes differ. Padded
     ``[B, L]`` and CSR features take a fixed number of ops whatever their count: one
     concatenation of the ids (and weights), one of the CSR offsets; traced offsets
     (which may leave positions outside their bags) add one ``compact`` gather. ``names``
     name the features in errors."""
-    if oob == "error":
-        return None
     forms, batches = [], set()
     for ids, kw in inputs:
         if any(kw.get(k) is not None for k in ("mask", "segment_ids", "num_bags")):
@@ -189,18 +204,7 @@ def pack_features(
     check_sizes(n, len(inputs) * batch)
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     ids = jnp.concatenate([saturate_int32(as_ids(i, oob)).reshape(-1) for i, _ in inputs])
-    weighted = any(kw.get("weights") is not None for _, kw in inputs)
-    weights = None
-    if weighted:
-        weights = jnp.concatenate(
-            [
-                jnp.ones((s,), jnp.float32)
-                if kw.get("weights") is None
-                else jnp.asarray(kw["weights"]).reshape(-1)
-                for (_, kw), s in zip(inputs, sizes)
-            ]
-        )
-        weights = weights.astype(jnp.promote_types(weights.dtype, jnp.float32))
+    weights = concat_weights([kw.get("weights") for _, kw in inputs], sizes)
     csr = [j for j, f in enumerate(forms) if f == "csr"]
     padded = [j for j, f in enumerate(forms) if f == "padded"]
     traced = False
@@ -208,12 +212,11 @@ def pack_features(
     if csr:
         raw = [inputs[j][1]["offsets"] for j in csr]
         for j, o in zip(csr, raw):
-            _check_concrete(o, sizes[j], names[j])
+            check_csr(o, sizes[j], oob == "error", names[j])  # traced: checkify (oob="error") and clamped
         traced = any(isinstance(o, jax.core.Tracer) for o in raw)
         off = jnp.concatenate([saturate_int32(jnp.asarray(o)) for o in raw]).reshape(len(raw), batch + 1)
-        if traced:  # the clamp and running maximum of canonical_bags, per feature
-            limit = jnp.asarray([sizes[j] for j in csr], jnp.int32)[:, None]
-            off = jax.lax.cummax(jnp.clip(off, 0, limit), axis=1)
+        if traced:  # canonical_bags' clamp, per feature
+            off = clamp_csr(off, jnp.asarray([sizes[j] for j in csr], jnp.int32)[:, None])
         parts_len.append(off[:, 1:] - off[:, :-1])
         parts_start.append(off[:, :-1] + jnp.asarray(starts[csr], jnp.int32)[:, None])
     if padded:  # bag b of a [B, L] feature starts at start + L * b: from an iota, not a host constant
@@ -234,15 +237,3 @@ def pack_features(
         return PackedCSR(ids, jnp.concatenate([bag_starts, jnp.full((1,), n, jnp.int32)]), weights, batch)
     ids, weights, offsets, _ = compact(ids, weights, bag_starts, in_order(parts_len))
     return PackedCSR(ids, offsets, weights, batch)
-
-
-def _check_concrete(offsets: Any, n: int, name: str) -> None:
-    """Concrete CSR offsets of feature ``name``: ``ValueError`` unless non-decreasing from 0 to n."""
-    if isinstance(offsets, jax.core.Tracer):
-        return
-    o = np.asarray(offsets)
-    if o[0] != 0 or o[-1] != n or np.any(np.diff(o) < 0):
-        raise ValueError(
-            f"feature {name!r}: offsets must be non-decreasing with offsets[0] == 0 and "
-            f"offsets[-1] == len(ids) == {n}; got first {o[:1].tolist()}, last {o[-1:].tolist()}"
-        )

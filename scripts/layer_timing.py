@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flax import nnx  # noqa: E402
 
+from benchmarks.__main__ import _commit  # noqa: E402
 from benchmarks.workloads import MetaLikeCollection  # noqa: E402
 from flowtt_jax import KeyedJagged  # noqa: E402
 from flowtt_jax.collection import TableConfig  # noqa: E402
@@ -87,14 +87,6 @@ def measure(tables: int, batch: int, calls: tuple[str, ...]) -> dict:
     return rec
 
 
-def _git_head() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     csv = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
@@ -109,7 +101,7 @@ def main(argv=None) -> None:
         "backend": jax.default_backend(),
         "cpu_count": os.cpu_count(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": os.environ.get("FLOWTT_COMMIT") or _git_head(),
+        "commit": _commit(),
         "records": recs,
     }
     if a.json:
