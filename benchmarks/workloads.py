@@ -42,7 +42,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from flowtt_jax.spec import TTSpec
+from flowtt_jax.tt.spec import TTSpec
 
 __all__ = ["HASH", "Workload", "MetaLikeCollection", "single_table", "bounded_zipf", "prefix_groups"]
 

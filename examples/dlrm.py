@@ -51,9 +51,10 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flowtt_jax import KeyedJagged, ffi
+from flowtt_jax import KeyedJagged
 from flowtt_jax import sharding as ftt_sharding
 from flowtt_jax.collection import TableConfig, make_table_configs
+from flowtt_jax.kernels import ffi
 from flowtt_jax.nnx import TTEmbeddingCollection
 
 if __package__:  # imported as examples.dlrm

@@ -6,12 +6,12 @@ load on first access, so the core ops need no Flax.
 
 import importlib
 
-from .checks import checked
-from .cores import Cores, from_dense, init_cores, to_dense
-from .jagged import KeyedJagged
-from .ops import tt_embedding_bag, tt_lookup
-from .plan import Plan, make_plan
-from .spec import TTSpec
+from flowtt_jax.checks import checked
+from flowtt_jax.inputs.jagged import KeyedJagged
+from flowtt_jax.kernels.plan import Plan, make_plan
+from flowtt_jax.ops.single import tt_embedding_bag, tt_lookup
+from flowtt_jax.tt.cores import Cores, from_dense, init_cores, to_dense
+from flowtt_jax.tt.spec import TTSpec
 
 __all__ = [
     "Cores",

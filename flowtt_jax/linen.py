@@ -20,12 +20,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .collection import BagCall, DenseBagMethods, TableConfig, TTTableMethods, spec_of
-from .collection_layout import CollectionLayout
-from .cores import CoreInit, check_cores, resolve_init
-from .cores import from_dense as _tt_svd
-from .jagged import KeyedJagged
-from .spec import TTSpec
+from flowtt_jax.collection.config import TableConfig, spec_of
+from flowtt_jax.collection.layout import CollectionLayout
+from flowtt_jax.inputs.jagged import KeyedJagged
+from flowtt_jax.layer_methods import BagCall, DenseBagMethods, TTTableMethods
+from flowtt_jax.tt.cores import CoreInit, check_cores, resolve_init
+from flowtt_jax.tt.cores import from_dense as _tt_svd
+from flowtt_jax.tt.spec import TTSpec
 
 __all__ = ["TTEmbed", "TTEmbedBag", "EmbedBag", "TTEmbeddingCollection", "TableConfig"]
 

@@ -31,12 +31,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .collection import BagCall, DenseBagMethods, TableConfig, TTTableMethods
-from .collection_layout import CollectionLayout
-from .cores import CoreInit, check_cores, resolve_init
-from .cores import from_dense as _tt_svd
-from .jagged import KeyedJagged
-from .spec import TTSpec
+from flowtt_jax.collection.config import TableConfig
+from flowtt_jax.collection.layout import CollectionLayout
+from flowtt_jax.inputs.jagged import KeyedJagged
+from flowtt_jax.layer_methods import BagCall, DenseBagMethods, TTTableMethods
+from flowtt_jax.tt.cores import CoreInit, check_cores, resolve_init
+from flowtt_jax.tt.cores import from_dense as _tt_svd
+from flowtt_jax.tt.spec import TTSpec
 
 __all__ = ["TTEmbed", "TTEmbedBag", "EmbedBag", "TTEmbeddingCollection", "TableConfig", "resolve_init"]
 
@@ -277,7 +278,7 @@ class TTEmbeddingCollection(nnx.Module):
         """Loads a dense ``[N, D]`` table into table ``name``: its TT-SVD truncated to the
         table's ranks (TT tables) or the table itself (dense tables). Returns the relative
         error of what was loaded, ``||dense - table||_F / ||dense||_F`` (0.0 for a dense table;
-        also logged, ``flowtt_jax.cores.from_dense``)."""
+        also logged, ``flowtt_jax.tt.cores.from_dense``)."""
         cfg = self._config(name)
         if cfg.kind == "dense":
             self.load_table(name, (dense,))

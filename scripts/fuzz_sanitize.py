@@ -60,8 +60,8 @@ def _worker(out_path: Path, num_cases: int) -> int:
     sys.path.insert(0, str(ROOT))
     import jax
 
-    from flowtt_jax import ffi
-    from flowtt_jax.bag import prepare_bags
+    from flowtt_jax.inputs.bag import prepare_bags
+    from flowtt_jax.kernels import ffi
     from tests.test_fuzz_corpus import compare, corpus, kernel_refusal, make_cores, oracle, run
 
     jax.config.update("jax_default_matmul_precision", "highest")

@@ -20,7 +20,7 @@ import numpy as np
 
 from benchmarks.timing import timed
 from benchmarks.workloads import HASH
-from flowtt_jax import ffi
+from flowtt_jax.kernels import ffi
 
 
 def zipf_ids(n: int, num_rows: int, seed: int = 0) -> np.ndarray:

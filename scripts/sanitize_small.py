@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import flowtt_jax as ftt
-from flowtt_jax import ffi
+from flowtt_jax.kernels import ffi
 
 # (40, 4, 10): 32 groups a backward tile at D128 r64, so its batches of 16 deal the dP items
 # in snake order (snake_slots)

@@ -355,7 +355,7 @@ class Meta:
     ``GroupTableWise``)."""
 
     def __init__(self, num_tables: int, pool):
-        from flowtt_jax.batched_plan import GroupLayout
+        from flowtt_jax.kernels.group_plan import GroupLayout
 
         self.coll = MetaLikeCollection.create(num_tables)
         self.name = f"meta{num_tables}"
@@ -379,7 +379,7 @@ class Meta:
 
     def prepare(self, strategy: str, n: int, batches: dict) -> Prepared:
         from flowtt_jax import sharding as sh
-        from flowtt_jax.batched import tt_embedding_bag_group
+        from flowtt_jax.ops.group import tt_embedding_bag_group
 
         feature_tables = tuple(range(self.coll.num_tables))
         if strategy == "single":

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
+from flowtt_jax.tt import reference
 
 ID_KINDS = ("uniform", "zipf1.05", "zipf1.2", "all_equal", "last_row")
 
@@ -194,10 +195,8 @@ def pooled_reference(cores, ids, weights, offsets) -> np.ndarray:
     over each bag's positions; positions outside every bag are dropped."""
     num_bags = len(offsets) - 1
     with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
-        rows = ftt.reference.tt_rows(
-            [jnp.asarray(np.asarray(c), jnp.float64) for c in cores], jnp.asarray(ids)
-        )
-        out = ftt.reference.pool(
+        rows = reference.tt_rows([jnp.asarray(np.asarray(c), jnp.float64) for c in cores], jnp.asarray(ids))
+        out = reference.pool(
             rows, jnp.asarray(weights, jnp.float64), jnp.asarray(bag_ids_of(offsets, len(ids))), num_bags
         )
         return np.asarray(out)

@@ -16,8 +16,13 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
-from flowtt_jax.batched import _takes_single_table_kernels, kernels_unsupported_reason, tt_embedding_bag_group
-from flowtt_jax.batched_plan import GroupLayout, make_group_plan, plan_rows
+from flowtt_jax.kernels import ffi
+from flowtt_jax.kernels.group_plan import GroupLayout, make_group_plan, plan_rows
+from flowtt_jax.ops.group import (
+    _takes_single_table_kernels,
+    kernels_unsupported_reason,
+    tt_embedding_bag_group,
+)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -137,9 +142,9 @@ def test_plan_matches_brute_force(specs, key_bits, prefix_keys):
     ids = (rng.integers(0, 40, n) * (n_rows // 40) + rng.integers(0, 3, n)).astype(np.int32)
     ids = np.minimum(ids, n_rows - 1).astype(np.int32)
     plan = jax.jit(make_group_plan, static_argnums=0)(layout, jnp.asarray(ids), jnp.asarray(tables))
-    if ftt.ffi.available():  # the plan op (C++ on CPU) as sort_plan: the same plan bit for bit
+    if ffi.available():  # the plan op (C++ on CPU) as sort_plan: the same plan bit for bit
         with_op = jax.jit(make_group_plan, static_argnums=(0, 3))(
-            layout, jnp.asarray(ids), jnp.asarray(tables), ftt.ffi.plan
+            layout, jnp.asarray(ids), jnp.asarray(tables), ffi.plan
         )
         for a, b in zip(plan, with_op):
             np.testing.assert_array_equal(a, b)

@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks import workloads as wl
 from benchmarks.impls import REGISTRY
-from flowtt_jax import ffi
+from flowtt_jax.kernels import ffi
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -185,7 +185,7 @@ def test_weighted_impls_match_reference(name):
 
     from benchmarks.__main__ import QUICK, single_kwargs
     from benchmarks.impls import tt_cores
-    from flowtt_jax import reference
+    from flowtt_jax.tt import reference
 
     impl = REGISTRY[name]
     if name.startswith("ours") and not ffi.available():

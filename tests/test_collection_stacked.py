@@ -126,7 +126,7 @@ def test_zero_batch_empty_bags_and_host_int64_ids():
 
 def test_linen_takes_stacked_ids():
     from flowtt_jax import linen
-    from flowtt_jax.collection_layout import CollectionLayout
+    from flowtt_jax.collection.layout import CollectionLayout
 
     layer = linen.TTEmbeddingCollection(_tables())
     names = CollectionLayout(tuple(_tables())).feature_names

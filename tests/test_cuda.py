@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
-from flowtt_jax import ffi
-from flowtt_jax.plan import make_plan
+from flowtt_jax.kernels import ffi
+from flowtt_jax.kernels.plan import make_plan
+from flowtt_jax.tt import reference
 from tests.helpers import (
     assert_same,
     bag_fwd_shape_errors,
@@ -212,7 +213,7 @@ def test_raw_targets_write_every_element(kind, dim, rank, seeds):
         assert np.all(np.isfinite(g))
     # and the values: rows against the float64 reference
     with jax.enable_x64(True), jax.default_device(CPU):
-        ref = ftt.reference.tt_rows(
+        ref = reference.tt_rows(
             [jnp.asarray(c, jnp.float64) for c in cores], jnp.asarray(np.asarray(plan.unique_ids)[:nu])
         )
     assert rel_err(rows[:nu], ref) <= TOL

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
-from flowtt_jax import ffi
-from flowtt_jax.plan import make_plan
+from flowtt_jax.kernels import ffi
+from flowtt_jax.kernels.plan import make_plan
+from flowtt_jax.tt import reference
 from tests.helpers import (
     ID_KINDS,
     bag_fwd_shape_errors,
@@ -89,7 +90,7 @@ def test_all_targets_write_every_output(kind):
     with jax.enable_x64(True):
         c64 = [jnp.asarray(c, jnp.float64) for c in cores]
         uids = plan.unique_ids[:nu]
-        _, vjp = jax.vjp(lambda c: ftt.reference.tt_rows(c, uids), c64)
+        _, vjp = jax.vjp(lambda c: reference.tt_rows(c, uids), c64)
         (exp_grads,) = vjp(jnp.asarray(d_rows[:nu], jnp.float64))
     for g, e in zip(grads, exp_grads):
         assert rel_err(g, e) < 1e-5

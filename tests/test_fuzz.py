@@ -262,7 +262,7 @@ def test_collection_matches_a_per_feature_loop(case, impl):
     gather, features of two batch sizes) against each feature pooled alone: outputs and the
     gradients of the packed parameters and of the features' weights. (A 2-core table runs
     the reference op on both sides: for those only the packing and slicing is checked.)"""
-    from flowtt_jax.collection_layout import CollectionLayout
+    from flowtt_jax.collection.layout import CollectionLayout
 
     tables, features, oob = case
     layout = CollectionLayout(tables)

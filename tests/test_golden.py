@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
-from flowtt_jax import ffi
-from flowtt_jax.batched import kernels_unsupported_reason, tt_embedding_bag_group
-from flowtt_jax.batched_plan import GroupLayout
+from flowtt_jax.kernels import ffi
+from flowtt_jax.kernels.group_plan import GroupLayout
+from flowtt_jax.ops.group import kernels_unsupported_reason, tt_embedding_bag_group
 from tests.helpers import cuda_device, f32, poisoned_call
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"

@@ -20,9 +20,10 @@ import pytest
 from jax.experimental import checkify
 
 import flowtt_jax as ftt
-from flowtt_jax import ffi, ops
-from flowtt_jax.batched import tt_embedding_bag_group
-from flowtt_jax.batched_plan import GroupLayout
+from flowtt_jax.kernels import ffi
+from flowtt_jax.kernels.group_plan import GroupLayout
+from flowtt_jax.ops import single as ops
+from flowtt_jax.ops.group import choose_impl, tt_embedding_bag_group
 from tests.helpers import f32, make_cores, poisoned_call
 
 IMPLS = ["ffi", "reference"]
@@ -285,7 +286,7 @@ def test_batched_op_forward_mode_names_the_reference():
     f = lambda p, impl: jnp.sum(
         tt_embedding_bag_group(p, layout, jnp.arange(4), jnp.array([0, 2, 4]), (0,), impl=impl)
     )
-    if ftt.batched.choose_impl("auto", layout, [jnp.float32]) == "ffi":
+    if choose_impl("auto", layout, [jnp.float32]) == "ffi":
         with pytest.raises(NotImplementedError, match="impl='reference'"):
             jax.jvp(lambda p: f(p, "ffi"), (packed,), (packed,))
     jax.jvp(lambda p: f(p, "reference"), (packed,), (packed,))

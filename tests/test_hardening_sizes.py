@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
-from flowtt_jax import ffi
-from flowtt_jax.bag import MAX_NNZ
+from flowtt_jax.inputs.bag import MAX_NNZ
+from flowtt_jax.kernels import ffi
 from tests.helpers import make_cores
 
 SMALL = ftt.TTSpec.create(1000, 8, 4, row_shape=(10, 10, 10))

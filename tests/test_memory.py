@@ -7,7 +7,7 @@ import pytest
 
 import flowtt_jax as ftt
 from benchmarks.memory_cpu import temp_bytes
-from flowtt_jax import ffi
+from flowtt_jax.kernels import ffi
 
 pytestmark = pytest.mark.skipif(not ffi.available(), reason="compiled extension not built")
 

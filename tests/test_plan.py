@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flowtt_jax.plan import make_plan
+from flowtt_jax.kernels.plan import make_plan
 from tests.helpers import ID_KINDS, assert_no_host_callback, make_ids
 
 

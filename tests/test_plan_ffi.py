@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flowtt_jax import ffi
-from flowtt_jax.plan import Plan, make_plan
+from flowtt_jax.kernels import ffi
+from flowtt_jax.kernels.plan import Plan, make_plan
 from tests.helpers import ID_KINDS, cuda_device, custom_call_targets, make_ids, poisoned_call
 
 pytestmark = pytest.mark.skipif(not ffi.available(), reason="compiled extension not built")

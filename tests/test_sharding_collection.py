@@ -207,7 +207,7 @@ def _check_collection() -> None:
     from jax.sharding import PartitionSpec as P
 
     from flowtt_jax import sharding as sh
-    from flowtt_jax.batched import kernels_unsupported_reason
+    from flowtt_jax.ops.group import kernels_unsupported_reason
     from tests.helpers import assert_no_host_callback, rel_err
 
     assert len(jax.devices()) == 8, jax.devices()
@@ -324,8 +324,8 @@ def _check_packed_group(mesh) -> None:
 
     from benchmarks.workloads import MetaLikeCollection
     from flowtt_jax import sharding as sh
-    from flowtt_jax.batched import tt_embedding_bag_group
-    from flowtt_jax.batched_plan import GroupLayout
+    from flowtt_jax.kernels.group_plan import GroupLayout
+    from flowtt_jax.ops.group import tt_embedding_bag_group
     from tests.helpers import rel_err
 
     w = MetaLikeCollection.create(20, rows_range=(1e3, 1e5), dim=16, rank=8).draw(B)
@@ -490,7 +490,7 @@ def test_shard_bags_and_shard_packed_split_bags_per_shard():
 
 def test_costs_see_the_input_and_placement_balances_them():
     from flowtt_jax.collection import TableConfig
-    from flowtt_jax.collection_layout import CollectionLayout
+    from flowtt_jax.collection.layout import CollectionLayout
     from flowtt_jax.sharding import TableCost, group_costs, place_tables, shard_packed, table_costs
 
     layout = CollectionLayout(tuple(TableConfig(f"t{i}", 10_000, 16, rank=8) for i in range(4)))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
-from flowtt_jax.spec import factor_cols, factor_rows
+from flowtt_jax.tt.spec import factor_cols, factor_rows
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 97, 1000, 1460, 100_003, 10**6, 10_131_227, 10**7, 10**9])

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flowtt_jax import ffi
-from flowtt_jax.bag import packed_bags
+from flowtt_jax.inputs.bag import packed_bags
+from flowtt_jax.kernels import ffi
 from tests.helpers import f32, poisoned_call
 from tests.test_plan_ffi import device_param
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
-from flowtt_jax import ffi
-from flowtt_jax.batched_plan import GroupLayout, GroupPlan, make_group_plan
+from flowtt_jax.kernels import ffi
+from flowtt_jax.kernels.group_plan import GroupLayout, GroupPlan, make_group_plan
 from tests.helpers import poisoned_call
 from tests.test_plan_ffi import CPU, device_param
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .spec import TTSpec
+from flowtt_jax.tt.spec import TTSpec
 
 __all__ = ["Cores", "CoreInit", "init_cores", "to_dense", "from_dense", "resolve_init", "check_cores"]
 

@@ -24,12 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import ffi
-from .bag import clamp_csr
-from .batched_plan import GroupLayout
-from .collection import TableConfig, check_tables
-from .collection_init import init_params
-from .collection_pool import (
+from flowtt_jax.collection.config import TableConfig, check_tables
+from flowtt_jax.collection.init import init_params
+from flowtt_jax.collection.pool import (
     feature_input,
     lookup_input,
     pool_canonical,
@@ -38,9 +35,12 @@ from .collection_pool import (
     rows_csr,
     stacked_bags,
 )
-from .cores import to_dense
-from .jagged import KeyedJagged, PackedCSR, compact, concat_weights, pack_features
-from .oob import as_ids, saturate_int32
+from flowtt_jax.inputs.bag import clamp_csr
+from flowtt_jax.inputs.jagged import KeyedJagged, PackedCSR, compact, concat_weights, pack_features
+from flowtt_jax.inputs.oob import as_ids, saturate_int32
+from flowtt_jax.kernels import ffi
+from flowtt_jax.kernels.group_plan import GroupLayout
+from flowtt_jax.tt.cores import to_dense
 
 __all__ = ["CollectionLayout", "FeatureSlot", "TablePack"]
 

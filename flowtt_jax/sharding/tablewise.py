@@ -38,13 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .batched import choose_impl, pooled_group
-from .batched_plan import GroupLayout
-from .collection_layout import CollectionLayout, FeatureSlot
-from .collection_pool import prepare_feature
-from .sharding_base import ShardedLayout
-from .sharding_placement import TableWisePlacement
-from .spec import TTSpec
+from flowtt_jax.collection.layout import CollectionLayout, FeatureSlot
+from flowtt_jax.collection.pool import prepare_feature
+from flowtt_jax.kernels.group_plan import GroupLayout
+from flowtt_jax.ops.group import choose_impl, pooled_group
+from flowtt_jax.sharding.base import ShardedLayout
+from flowtt_jax.sharding.placement import TableWisePlacement
+from flowtt_jax.tt.spec import TTSpec
 
 __all__ = ["DeviceGroupLayout", "SplitGroup", "TableWiseLayout"]
 

@@ -3,7 +3,7 @@
 Sorting ids sorts them by prefix (mixed radix, first digit most significant), so
 unique ids and unique prefix groups are runs of the sorted ids. ``make_plan`` is
 pure ``jax.numpy`` / ``jax.lax``: it jits, vmaps and never leaves the device.
-``flowtt_jax.ffi.plan`` builds the same plan with one FFI call (``flowtt_plan``: C++ on
+``flowtt_jax.kernels.ffi.plan`` builds the same plan with one FFI call (``flowtt_plan``: C++ on
 CPU, cub radix sort + scan on CUDA). See ``docs/op_contract.md`` for the meaning
 of each field.
 """

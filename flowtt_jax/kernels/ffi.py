@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .batched_plan import GroupPlan
-from .plan import Plan
+from flowtt_jax.kernels.group_plan import GroupPlan
+from flowtt_jax.kernels.plan import Plan
 
 __all__ = [
     "AD_UNSUPPORTED",

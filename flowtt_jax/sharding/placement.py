@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from .batched_plan import GroupLayout
-from .collection_layout import CollectionLayout
-from .spec import TTSpec
+from flowtt_jax.collection.layout import CollectionLayout
+from flowtt_jax.kernels.group_plan import GroupLayout
+from flowtt_jax.tt.spec import TTSpec
 
 __all__ = [
     "PER_ID_COST",

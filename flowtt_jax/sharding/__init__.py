@@ -44,10 +44,10 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from .collection_layout import CollectionLayout
-from .sharding_base import ShardedLayout, local_features, shard_bags
-from .sharding_group import GroupDataParallel, GroupTableWise, shard_packed
-from .sharding_placement import (
+from flowtt_jax.collection.layout import CollectionLayout
+from flowtt_jax.sharding.base import ShardedLayout, local_features, shard_bags
+from flowtt_jax.sharding.group import GroupDataParallel, GroupTableWise, shard_packed
+from flowtt_jax.sharding.placement import (
     PER_ID_COST,
     TableCost,
     TableWisePlacement,
@@ -56,7 +56,7 @@ from .sharding_placement import (
     table_cost,
     table_costs,
 )
-from .sharding_tablewise import SplitGroup, TableWiseLayout
+from flowtt_jax.sharding.tablewise import SplitGroup, TableWiseLayout
 
 __all__ = [
     "data_parallel",
@@ -172,5 +172,5 @@ def collection_table_wise(
 
 def __getattr__(name: str):
     if name in _NNX:
-        return getattr(importlib.import_module(f"{__package__}.sharding_nnx"), name)
+        return getattr(importlib.import_module(f"{__name__}.nnx"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cores import resolve_init
+from flowtt_jax.tt.cores import resolve_init
 
 if TYPE_CHECKING:
-    from .collection_layout import CollectionLayout
+    from flowtt_jax.collection.layout import CollectionLayout
 
 __all__ = ["init_params"]
 

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .plan import Plan, _starts_to_offsets, make_plan
-from .spec import TTSpec
+from flowtt_jax.kernels.plan import Plan, _starts_to_offsets, make_plan
+from flowtt_jax.tt.spec import TTSpec
 
 __all__ = ["GroupLayout", "GroupPlan", "make_group_plan"]
 
@@ -241,7 +241,7 @@ def make_group_plan(layout: GroupLayout, ids: jax.Array, tables: jax.Array, sort
     (in ``[0, T)``); n >= 1.
 
     ``sort_plan(keys, last_extent, num_keys)`` is the single-table ``Plan`` of int32 keys
-    in ``[0, num_keys)`` (``flowtt_jax.ffi.plan``: cub radix sort + scan on the GPU);
+    in ``[0, num_keys)`` (``flowtt_jax.kernels.ffi.plan``: cub radix sort + scan on the GPU);
     default: the pure-JAX ``make_plan``. A ``GroupLayout`` whose prefix keys fit int32
     takes one ``sort_plan`` for the whole plan; other layouts (``row_base`` keys, e.g. a
     ``DeviceGroupLayout``) rebuild the groups in XLA.

@@ -33,9 +33,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .collection_layout import CollectionLayout
-from .nnx import TTEmbeddingCollection
-from .sharding import DataParallelLayout, TableWiseLayout, TableWisePlacement
+from flowtt_jax.collection.layout import CollectionLayout
+from flowtt_jax.nnx import TTEmbeddingCollection
+from flowtt_jax.sharding import DataParallelLayout, TableWiseLayout, TableWisePlacement
 
 __all__ = [
     "shard_collection",

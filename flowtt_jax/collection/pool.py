@@ -25,25 +25,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import reference
-from .bag import (
+from flowtt_jax.inputs.bag import (
     CanonicalBags,
     apply_bags_oob,
+    bag_kwargs,
     bag_of_positions,
     canonical_bags,
     check_sizes,
     packed_bags,
     scale_by_modes,
 )
-from .batched import choose_impl, pooled_group, to_batch_major
-from .collection import bag_kwargs
-from .jagged import PackedCSR
-from .oob import apply_oob, apply_table_oob, as_ids, saturate_int32
-from .ops import choose_impl as choose_single_table_impl
-from .ops import pool_single_table
+from flowtt_jax.inputs.jagged import PackedCSR
+from flowtt_jax.inputs.oob import apply_oob, apply_table_oob, as_ids, saturate_int32
+from flowtt_jax.ops.group import choose_impl, pooled_group, to_batch_major
+from flowtt_jax.ops.single import choose_impl as choose_single_table_impl
+from flowtt_jax.ops.single import pool_single_table
+from flowtt_jax.tt import reference
 
 if TYPE_CHECKING:
-    from .collection_layout import FeatureSlot, TablePack
+    from flowtt_jax.collection.layout import FeatureSlot, TablePack
 
 __all__ = [
     "canonical_feature",

@@ -26,14 +26,15 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from . import ffi, reference
-from .bag import MODES, packed_bags, scale_by_modes
-from .batched_plan import GroupLayout, GroupPlan, make_group_plan
-from .fallback import warn_reference
-from .oob import as_ids
-from .ops import choose_impl as choose_single_table_impl
-from .ops import fused_bag
-from .plan import Plan
+from flowtt_jax.fallback import warn_reference
+from flowtt_jax.inputs.bag import MODES, packed_bags, scale_by_modes
+from flowtt_jax.inputs.oob import as_ids
+from flowtt_jax.kernels import ffi
+from flowtt_jax.kernels.group_plan import GroupLayout, GroupPlan, make_group_plan
+from flowtt_jax.kernels.plan import Plan
+from flowtt_jax.ops.single import choose_impl as choose_single_table_impl
+from flowtt_jax.ops.single import fused_bag
+from flowtt_jax.tt import reference
 
 __all__ = [
     "tt_embedding_bag_group",

@@ -32,12 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from .bag import canonical_bags, scale_by_modes
-from .batched import choose_impl, feature_modes, pooled_group, tt_embedding_bag_group
-from .batched_plan import GroupLayout
-from .oob import OOB_POLICIES, apply_table_oob, host_ids
-from .sharding_placement import TableWisePlacement
-from .sharding_tablewise import SplitGroup
+from flowtt_jax.inputs.bag import canonical_bags, scale_by_modes
+from flowtt_jax.inputs.oob import OOB_POLICIES, apply_table_oob, host_ids
+from flowtt_jax.kernels.group_plan import GroupLayout
+from flowtt_jax.ops.group import choose_impl, feature_modes, pooled_group, tt_embedding_bag_group
+from flowtt_jax.sharding.placement import TableWisePlacement
+from flowtt_jax.sharding.tablewise import SplitGroup
 
 __all__ = ["shard_packed", "GroupDataParallel", "GroupTableWise"]
 

@@ -34,11 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import ffi, reference
-from .bag import MODES, CanonicalBags, check_sizes, packed_bags, prepare_bags, scale_by_modes
-from .fallback import warn_reference
-from .oob import apply_oob, as_ids, park_dropped
-from .spec import TTSpec, as_cores
+from flowtt_jax.fallback import warn_reference
+from flowtt_jax.inputs.bag import MODES, CanonicalBags, check_sizes, packed_bags, prepare_bags, scale_by_modes
+from flowtt_jax.inputs.oob import apply_oob, as_ids, park_dropped
+from flowtt_jax.kernels import ffi
+from flowtt_jax.tt import reference
+from flowtt_jax.tt.spec import TTSpec, as_cores
 
 __all__ = ["tt_lookup", "tt_embedding_bag"]
 

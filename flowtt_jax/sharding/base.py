@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from .collection_layout import CollectionLayout
-from .oob import host_ids
+from flowtt_jax.collection.layout import CollectionLayout
+from flowtt_jax.inputs.oob import host_ids
 
 __all__ = ["shard_bags", "local_features", "run_sharded", "ShardedLayout"]
 

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .bag import bag_of_positions, check_csr, check_sizes, clamp_csr
-from .oob import as_ids, saturate_int32
+from flowtt_jax.inputs.bag import bag_of_positions, check_csr, check_sizes, clamp_csr
+from flowtt_jax.inputs.oob import as_ids, saturate_int32
 
 __all__ = ["KeyedJagged", "PackedCSR", "compact", "concat_weights", "offsets_of", "pack_features"]
 
