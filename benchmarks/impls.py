@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import flowtt_jax as ftt
+from flowtt_jax import tt_embedding_bag_group
 from flowtt_jax.kernels.group_plan import GroupLayout
-from flowtt_jax.ops.group import tt_embedding_bag_group
 from flowtt_jax.tt import reference
 
 from .workloads import Workload
@@ -222,7 +222,7 @@ def _single_table_scratch(spec: ftt.TTSpec, n: int, num_bags: int, mode: str) ->
     ``fwd_bwd``: plan, rows forward, pooling backward and rows backward.
     """
     from flowtt_jax import _flowtt_cuda
-    from flowtt_jax.ops.single import bag_chunk_rows
+    from flowtt_jax.ops.pooled import bag_chunk_rows
 
     s = _flowtt_cuda.scratch_bytes(
         *spec.row_shape,

@@ -379,7 +379,7 @@ class Meta:
 
     def prepare(self, strategy: str, n: int, batches: dict) -> Prepared:
         from flowtt_jax import sharding as sh
-        from flowtt_jax.ops.group import tt_embedding_bag_group
+        from flowtt_jax import tt_embedding_bag_group
 
         feature_tables = tuple(range(self.coll.num_tables))
         if strategy == "single":

@@ -191,7 +191,7 @@ def hot_prefix_ids(row_shape, n: int, seed: int) -> np.ndarray:
 
 
 def pooled_reference(cores, ids, weights, offsets) -> np.ndarray:
-    """float64 bags [B, D] on the CPU (flowtt_jax.reference): sum of weights[k] * row(ids[k])
+    """float64 bags [B, D] on the CPU (flowtt_jax.tt.reference): sum of weights[k] * row(ids[k])
     over each bag's positions; positions outside every bag are dropped."""
     num_bags = len(offsets) - 1
     with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):

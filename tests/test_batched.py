@@ -16,13 +16,10 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
+from flowtt_jax import tt_embedding_bag_group
 from flowtt_jax.kernels import ffi
 from flowtt_jax.kernels.group_plan import GroupLayout, make_group_plan, plan_rows
-from flowtt_jax.ops.group import (
-    _takes_single_table_kernels,
-    kernels_unsupported_reason,
-    tt_embedding_bag_group,
-)
+from flowtt_jax.ops.pooled import kernels_unsupported_reason, takes_single_table_kernels
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -35,7 +32,7 @@ SPECS = (
 LAYOUT = GroupLayout(SPECS)
 # features -> tables: table 0 read by features 0 and 3, feature 4 (table 1) is empty
 FEATURE_TABLES = (0, 2, 1, 0, 1, 3)
-IMPLS = ["reference"] + ([] if kernels_unsupported_reason(LAYOUT) else ["ffi"])
+IMPLS = ["reference"] + ([] if kernels_unsupported_reason(layout=LAYOUT) else ["ffi"])
 
 
 def make_packed(seed: int, layout: GroupLayout = LAYOUT):
@@ -349,9 +346,9 @@ def test_one_table_group_runs_the_single_table_kernels():
     # a device's slot of a table-wise layout is padded to its largest table: never taken
     # as that table's cores
     padded = tuple(jnp.pad(c, ((0, 1), (0, 0), (0, 0), (0, 0))) for c in packed)
-    assert _takes_single_table_kernels(layout, packed)
-    assert not _takes_single_table_kernels(layout, padded)
-    assert not _takes_single_table_kernels(LAYOUT, make_packed(21))
+    assert takes_single_table_kernels(layout, packed)
+    assert not takes_single_table_kernels(layout, padded)
+    assert not takes_single_table_kernels(LAYOUT, make_packed(21))
 
 
 def test_bad_arguments_are_named():

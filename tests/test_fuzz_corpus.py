@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
+from flowtt_jax import tt_embedding_bag_group
 from flowtt_jax.kernels.group_plan import GroupLayout
-from flowtt_jax.ops.group import tt_embedding_bag_group
 
 INT_DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
 ID_PATTERNS = ("uniform", "dups", "same", "sorted", "reverse", "boundary", "hot_prefix", "out_of_range")
@@ -341,10 +341,10 @@ def kernel_refusal(case: Case, cores) -> str | None:
     """Why the default backend's kernels refuse ``case`` (None: they take it; the CPU
     kernels take every 3-core case, the CUDA ones have shape limits)."""
     from flowtt_jax.kernels import ffi
-    from flowtt_jax.ops.group import kernels_unsupported_reason
+    from flowtt_jax.ops.pooled import kernels_unsupported_reason
 
     if case.kind == "group":
-        return kernels_unsupported_reason(GroupLayout(case.specs))
+        return kernels_unsupported_reason(layout=GroupLayout(case.specs))
     return ffi.cuda_unsupported_reason(cores[0])
 
 

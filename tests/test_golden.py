@@ -29,9 +29,10 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
+from flowtt_jax import tt_embedding_bag_group
 from flowtt_jax.kernels import ffi
 from flowtt_jax.kernels.group_plan import GroupLayout
-from flowtt_jax.ops.group import kernels_unsupported_reason, tt_embedding_bag_group
+from flowtt_jax.ops.pooled import kernels_unsupported_reason
 from tests.helpers import cuda_device, f32, poisoned_call
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
@@ -145,8 +146,8 @@ def _case_bag_fwd_chunks():
 
 def _case_group():
     layout = GroupLayout(SPECS_GROUP)
-    if kernels_unsupported_reason(layout):
-        pytest.skip(f"batched kernels: {kernels_unsupported_reason(layout)}")
+    if kernels_unsupported_reason(layout=layout):
+        pytest.skip(f"batched kernels: {kernels_unsupported_reason(layout=layout)}")
     packed = layout.pack([_cores(s, 100 + 10 * t) for t, s in enumerate(SPECS_GROUP)])
     ids, offsets, weights, _ = _inputs(SPECS_GROUP[1], 120, n=600, num_bags=60)  # 3 features x 20
     dout = _uniform(130, (3, 20, 16))

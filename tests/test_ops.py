@@ -12,7 +12,7 @@ from jax.test_util import check_grads
 
 import flowtt_jax as ftt
 from flowtt_jax.kernels import ffi
-from flowtt_jax.ops.single import bag_chunk_rows
+from flowtt_jax.ops.pooled import bag_chunk_rows
 from tests.helpers import (
     ID_KINDS,
     assert_no_host_callback,

@@ -92,8 +92,8 @@ def _check_users_shard_map() -> None:
     from jax.sharding import PartitionSpec as P
 
     import flowtt_jax as ftt
+    from flowtt_jax import tt_embedding_bag_group
     from flowtt_jax.kernels.group_plan import GroupLayout
-    from flowtt_jax.ops.group import tt_embedding_bag_group
     from tests.helpers import make_cores, make_ids, rel_err
 
     mesh = jax.make_mesh((4,), ("data",))

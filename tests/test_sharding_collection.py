@@ -207,7 +207,7 @@ def _check_collection() -> None:
     from jax.sharding import PartitionSpec as P
 
     from flowtt_jax import sharding as sh
-    from flowtt_jax.ops.group import kernels_unsupported_reason
+    from flowtt_jax.ops.pooled import kernels_unsupported_reason
     from tests.helpers import assert_no_host_callback, rel_err
 
     assert len(jax.devices()) == 8, jax.devices()
@@ -241,7 +241,7 @@ def _check_collection() -> None:
     dp = sh.collection_data_parallel(layout, mesh)
     tw = sh.collection_table_wise(layout, mesh, placement)
     w = batch["c1"]["weights"]
-    kernels = kernels_unsupported_reason(layout.packs[0].layout) is None
+    kernels = kernels_unsupported_reason(layout=layout.packs[0].layout) is None
     for name, lay, p in (
         ("data", dp, put(params, P())),
         ("table", tw, {k: put(v, tw.param_specs()[k]) for k, v in tw.shard_params(params).items()}),
@@ -324,8 +324,8 @@ def _check_packed_group(mesh) -> None:
 
     from benchmarks.workloads import MetaLikeCollection
     from flowtt_jax import sharding as sh
+    from flowtt_jax import tt_embedding_bag_group
     from flowtt_jax.kernels.group_plan import GroupLayout
-    from flowtt_jax.ops.group import tt_embedding_bag_group
     from tests.helpers import rel_err
 
     w = MetaLikeCollection.create(20, rows_range=(1e3, 1e5), dim=16, rank=8).draw(B)

@@ -13,7 +13,7 @@ A feature's input (the value of ``features[name]`` in a collection call) is one 
   ``"segment_ids"`` + ``"num_bags"``, ``"mask"`` ([B, L] bool), ``"weights"``
   (same shape as ids) -- the keyword arguments of ``tt_embedding_bag``.
 
-Or every feature at once: a ``KeyedJagged`` (``flowtt_jax.jagged``; one flat ids array with
+Or every feature at once: a ``KeyedJagged`` (``flowtt_jax.inputs.jagged``; one flat ids array with
 ``lengths [F, B]`` or feature-major ``offsets [F*B + 1]``), or stacked ids ``[B, F(, L)]``.
 """
 
@@ -25,7 +25,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flowtt_jax.inputs.bag import MODES
+from flowtt_jax.inputs.csr import MODES
 from flowtt_jax.tt.spec import TTSpec
 
 __all__ = [

@@ -14,38 +14,38 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flowtt_jax.collection.packs import TablePack
 from flowtt_jax.tt.cores import resolve_init
-
-if TYPE_CHECKING:
-    from flowtt_jax.collection.layout import CollectionLayout
 
 __all__ = ["init_params"]
 
 
 def init_params(
-    layout: CollectionLayout, key: jax.Array, param_dtype: Any = jnp.float32
+    packs: tuple[TablePack, ...],
+    names: tuple[tuple[str, ...], ...],
+    key: jax.Array,
+    param_dtype: Any = jnp.float32,
 ) -> dict[str, jax.Array]:
-    """``{parameter name: array}`` of ``layout`` (``CollectionLayout.param_names``), pack p
+    """``{parameter name: array}`` of ``packs``, pack p's arrays named ``names[p]`` and
     drawn with ``fold_in(key, p)``; ``param_dtype`` is the storage dtype (drawn in float32)."""
-    return _init(layout, jnp.dtype(param_dtype), key)
+    return _init(packs, names, jnp.dtype(param_dtype), key)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _init(layout: CollectionLayout, dtype: np.dtype, key: jax.Array) -> dict[str, jax.Array]:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _init(packs, names, dtype: np.dtype, key: jax.Array) -> dict[str, jax.Array]:
     params = {}
-    for p, pack in enumerate(layout.packs):
+    for p, pack in enumerate(packs):
         pack_key = jax.random.fold_in(key, p)
-        names = layout.param_names(p)
         if pack.kind == "single":  # one TT table of another core count: its own draw
             cfg = pack.tables[0]
             cores = resolve_init(cfg.std)(pack_key, cfg.spec(), dtype)
-            params.update(zip(names, cores))
+            params.update(zip(names[p], cores))
             continue
         if pack.kind == "dense":
             stds = [c.std for c in pack.tables]
@@ -57,7 +57,7 @@ def _init(layout: CollectionLayout, dtype: np.dtype, key: jax.Array) -> dict[str
             stds = [(c.std**2 / math.prod(ranks)) ** (1.0 / 6.0) for c in pack.tables]
             shapes = pack.layout.packed_shapes()
             rows = [[s.row_shape[k] for s in pack.layout.specs] for k in range(3)]
-        for k, (name, shape, sizes) in enumerate(zip(names, shapes, rows)):
+        for k, (name, shape, sizes) in enumerate(zip(names[p], shapes, rows)):
             draw = jax.random.normal(jax.random.fold_in(pack_key, k), shape, jnp.float32)
             params[name] = (draw * _row_scale(stds, sizes, len(shape))).astype(dtype)
     return params

@@ -3,7 +3,7 @@ batched call per pack (Flax-free; ``nnx.py`` and ``linen.py`` hold the parameter
 
 - TT tables with 3 cores, the same column shape and the same ranks form a *shape
   group*: their cores are packed per core index (``GroupLayout``) and every feature
-  reading them is pooled by one ``pooled_group`` call (one plan, one launch per stage).
+  reading them is pooled by one ``ops.pooled`` call (one plan, one launch per stage).
 - Dense tables of the same dim are packed into one ``[sum N, D]`` table: one gather and
   one segment sum for all their features.
 - TT tables with another number of cores keep their own cores and the single-table op.
@@ -26,6 +26,7 @@ import numpy as np
 
 from flowtt_jax.collection.config import TableConfig, check_tables
 from flowtt_jax.collection.init import init_params
+from flowtt_jax.collection.packs import FeatureSlot, TablePack, pack_tables, param_names
 from flowtt_jax.collection.pool import (
     feature_input,
     lookup_input,
@@ -35,48 +36,13 @@ from flowtt_jax.collection.pool import (
     rows_csr,
     stacked_bags,
 )
-from flowtt_jax.inputs.bag import clamp_csr
+from flowtt_jax.inputs.csr import clamp_csr
 from flowtt_jax.inputs.jagged import KeyedJagged, PackedCSR, compact, concat_weights, pack_features
 from flowtt_jax.inputs.oob import as_ids, saturate_int32
 from flowtt_jax.kernels import ffi
-from flowtt_jax.kernels.group_plan import GroupLayout
 from flowtt_jax.tt.cores import to_dense
 
 __all__ = ["CollectionLayout", "FeatureSlot", "TablePack"]
-
-
-@dataclasses.dataclass(frozen=True)
-class FeatureSlot:
-    """A feature read by a pack: its name, its table's index in the pack, its pooling mode."""
-
-    feature: str
-    table: int
-    mode: str
-
-
-@dataclasses.dataclass(frozen=True)
-class TablePack:
-    """Tables stored together. ``kind``: ``"tt"`` (a shape group, ``layout`` set),
-    ``"dense"`` (one ``[sum N, D]`` table) or ``"single"`` (one TT table of any core count)."""
-
-    kind: str
-    tables: tuple[TableConfig, ...]
-    features: tuple[FeatureSlot, ...]
-    layout: GroupLayout | None = None
-
-    @property
-    def row_offsets(self) -> tuple[int, ...]:
-        """Dense packs: ``T + 1`` offsets of the tables' rows in the packed table."""
-        return tuple(
-            int(x) for x in np.concatenate([[0], np.cumsum([t.num_embeddings for t in self.tables])])
-        )
-
-
-def _group_key(cfg: TableConfig) -> tuple:
-    spec = cfg.spec()
-    if spec.num_cores != 3:
-        return ("single", cfg.name)
-    return ("tt", spec.col_shape, spec.ranks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,26 +57,11 @@ class CollectionLayout:
     @functools.cached_property
     def packs(self) -> tuple[TablePack, ...]:
         """TT shape groups (in order of first table), then dense packs by dim, then singles."""
-        keys: dict[tuple, list[TableConfig]] = {}
-        for cfg in self.tables:
-            key = ("dense", cfg.features) if cfg.kind == "dense" else _group_key(cfg)
-            keys.setdefault(key, []).append(cfg)
-        order = {"tt": 0, "dense": 1, "single": 2}
-        packs = []
-        for key, cfgs in sorted(keys.items(), key=lambda kv: order[kv[0][0]]):
-            slots = tuple(FeatureSlot(f, t, cfg.mode) for t, cfg in enumerate(cfgs) for f in cfg.feature_keys)
-            layout = GroupLayout(tuple(c.spec() for c in cfgs)) if key[0] == "tt" else None
-            packs.append(TablePack(key[0], tuple(cfgs), slots, layout))
-        return tuple(packs)
+        return pack_tables(self.tables)
 
     def param_names(self, p: int) -> tuple[str, ...]:
         """Parameter names of pack ``p``."""
-        pack = self.packs[p]
-        if pack.kind == "tt":
-            return tuple(f"tt{p}_core{k}" for k in range(3))
-        if pack.kind == "dense":
-            return (f"dense{p}",)
-        return tuple(f"{pack.tables[0].name}_core{k}" for k in range(pack.tables[0].spec().num_cores))
+        return param_names(self.packs, p)
 
     def locate(self, name: str) -> tuple[int, int]:
         """``(pack index, table index in the pack)`` of table ``name``."""
@@ -121,10 +72,11 @@ class CollectionLayout:
         raise KeyError(f"no table named {name!r}; tables: {[c.name for c in self.tables]}")
 
     def init(self, key: jax.Array, param_dtype: Any = jnp.float32) -> dict[str, jax.Array]:
-        """Fresh parameters, one compiled program for every pack (``collection_init``): each
+        """Fresh parameters, one compiled program for every pack (``collection.init``): each
         table's values from the distribution a lone table gets (TT rows of std ``cfg.std``;
         dense ``normal(cfg.std)``), pack p drawn with ``fold_in(key, p)``."""
-        return init_params(self, key, param_dtype)
+        names = tuple(self.param_names(p) for p in range(len(self.packs)))
+        return init_params(self.packs, names, key, param_dtype)
 
     def table_params(self, params: Mapping[str, jax.Array], name: str) -> tuple[jax.Array, ...]:
         """Table ``name``'s own parameters: its TT cores ``[p_k, r_{k-1}, q_k, r_k]``, or
@@ -219,7 +171,7 @@ class CollectionLayout:
         impl: str = "auto",
         dtype: Any | None = None,
     ) -> jax.Array:
-        """``[B, F, D]`` pooled bags of a packed jagged batch (``flowtt_jax.jagged``), the
+        """``[B, F, D]`` pooled bags of a packed jagged batch (``flowtt_jax.inputs.jagged``), the
         values of ``apply`` for the same bags; feature f is ``feature_names[f]``. Each pack
         pools its features' bags of the flat ids in one call (a pack whose features are not
         consecutive in ``feature_names`` takes them after one gather of the ids into the
@@ -425,7 +377,7 @@ class CollectionLayout:
 def _cast_to_batch(params: Mapping[str, jax.Array], batch: Any) -> dict[str, jax.Array]:
     """``params`` typed varying over the mesh axes the batch's arrays vary over (inside a
     ``shard_map`` with ``check_vma``): one cast, so one gradient sum, per parameter however
-    many calls read it (``flowtt_jax.ffi``); unchanged elsewhere."""
+    many calls read it (``flowtt_jax.kernels.ffi``); unchanged elsewhere."""
     arrays = [x for x in jax.tree.leaves(batch) if isinstance(x, jax.Array)]
     return ffi.to_varying(dict(params), ffi.varying_axes(arrays))
 

@@ -1,5 +1,5 @@
 """A collection pack's bags prepared and pooled in one call (Flax-free; used by
-``collection_layout``).
+``collection.layout``).
 
 Every input form ends in one of two packed forms per pack:
 
@@ -10,7 +10,7 @@ Every input form ends in one of two packed forms per pack:
 - canonical bags per feature (``mask`` / ``segment_ids`` forms, mixed batch sizes),
   concatenated by ``_packed_canonical``.
 
-Then one pooling call per pack: ``pooled_group`` (a TT shape group's table-batched
+Then one pooling call per pack: ``ops.pooled`` (a TT shape group's table-batched
 op), the single-table op (a TT table of another core count), or one gather and segment
 sum (dense tables). No array of the batch's size is built from host values, so XLA has
 nothing of that size to constant-fold.
@@ -19,31 +19,19 @@ nothing of that size to constant-fold.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flowtt_jax.inputs.bag import (
-    CanonicalBags,
-    apply_bags_oob,
-    bag_kwargs,
-    bag_of_positions,
-    canonical_bags,
-    check_sizes,
-    packed_bags,
-    scale_by_modes,
-)
+from flowtt_jax.collection.packs import FeatureSlot, TablePack
+from flowtt_jax.inputs.bag import CanonicalBags, apply_bags_oob, bag_kwargs, canonical_bags, packed_bags
+from flowtt_jax.inputs.csr import bag_of_positions, check_sizes, scale_by_modes
 from flowtt_jax.inputs.jagged import PackedCSR
 from flowtt_jax.inputs.oob import apply_oob, apply_table_oob, as_ids, saturate_int32
-from flowtt_jax.ops.group import choose_impl, pooled_group, to_batch_major
-from flowtt_jax.ops.single import choose_impl as choose_single_table_impl
-from flowtt_jax.ops.single import pool_single_table
+from flowtt_jax.ops.pooled import choose_impl, pooled, to_batch_major
 from flowtt_jax.tt import reference
-
-if TYPE_CHECKING:
-    from flowtt_jax.collection.layout import FeatureSlot, TablePack
 
 __all__ = [
     "canonical_feature",
@@ -244,16 +232,14 @@ def _impl(pack: TablePack, arrays, impl: str) -> str:
     """``"ffi"`` or ``"reference"`` for the pack (``"reference"`` for a dense pack)."""
     if pack.kind == "dense":
         return "reference"
-    if pack.kind == "single":
-        return choose_single_table_impl(impl, arrays)
-    return choose_impl(impl, pack.layout, [a.dtype for a in arrays])
+    return choose_impl(impl, arrays, None if pack.kind == "single" else pack.layout)
 
 
 def pool_packed(
     pack: TablePack, arrays, packed: CanonicalBags, tables, weighted: bool, impl: str, batch: int = 0
 ):
     """``[num_bags, D]`` float32 (float64 params stay float64): the bags of ``packed``
-    (in range of their ``tables``) pooled in one call; ``batch`` as ``pooled_group``'s
+    (in range of their ``tables``) pooled in one call; ``batch`` as ``ops.pooled``'s
     (0: row j is bag j; else batch-major rows of feature-major bags)."""
     num_bags = packed.offsets.shape[0] - 1
     if packed.ids.shape[0] == 0 or num_bags == 0:
@@ -265,29 +251,17 @@ def pool_packed(
         rows = rows.astype(jnp.promote_types(rows.dtype, jnp.float32))
         # a weight of 0 adds nothing
         return to_batch_major(reference.pool(rows, packed.weights, packed.bag_ids, num_bags), batch)
-    if pack.kind == "single":
-        out = pool_single_table(
-            arrays,
-            packed.ids,
-            packed.offsets,
-            packed.bag_ids,
-            packed.weights,
-            weighted,
-            num_bags,
-            which,
-            _acc_dtype(arrays),
-        )
-        return to_batch_major(out, batch)
-    return pooled_group(
+    single = pack.kind == "single"
+    return pooled(
         arrays,
-        pack.layout,
         packed.ids,
-        tables,
         packed.offsets,
         packed.bag_ids,
         packed.weights,
         weighted=weighted,
         impl=which,
+        layout=None if single else pack.layout,
+        tables=None if single else tables,
         batch=batch,
     )
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flowtt_jax.inputs.bag import bag_of_positions, check_csr, check_sizes, clamp_csr
+from flowtt_jax.inputs.csr import bag_of_positions, check_csr, check_sizes, clamp_csr
 from flowtt_jax.inputs.oob import as_ids, saturate_int32
 
 __all__ = ["KeyedJagged", "PackedCSR", "compact", "concat_weights", "offsets_of", "pack_features"]

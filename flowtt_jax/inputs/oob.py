@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+from flowtt_jax.inputs.csr import saturate_int32
+
 __all__ = [
     "OOB_POLICIES",
     "apply_oob",
@@ -85,18 +87,6 @@ def host_ids(ids, policy: str = "zero", name: str = "ids") -> np.ndarray:
             host = np.clip(host, _I32.min, _I32.max)
         host = host.astype(np.int32)
     return host
-
-
-def saturate_int32(ids: jax.Array) -> jax.Array:
-    """int32 ids that keep out-of-range ids out of range: exact for ids of 32 bits or less
-    (uint32 above 2^31 - 1 saturates), wider ids saturate to the int32 bounds."""
-    dtype = np.dtype(ids.dtype)
-    if dtype.itemsize < 4 or dtype == np.int32:
-        return ids.astype(jnp.int32)
-    hi = ids.dtype.type(_I32.max)
-    if jnp.issubdtype(dtype, jnp.signedinteger):
-        ids = jnp.maximum(ids, ids.dtype.type(_I32.min))
-    return jnp.minimum(ids, hi).astype(jnp.int32)
 
 
 def apply_oob(ids: jax.Array, num_embeddings: int, policy: str) -> tuple[jax.Array, jax.Array | None]:

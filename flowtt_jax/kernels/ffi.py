@@ -39,8 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flowtt_jax.kernels.group_plan import GroupPlan
-from flowtt_jax.kernels.plan import Plan
+from flowtt_jax.kernels.plan import GroupPlan, Plan
 
 __all__ = [
     "AD_UNSUPPORTED",
@@ -57,6 +56,8 @@ __all__ = [
     "varying_axes",
     "rows_fwd",
     "rows_bwd",
+    "tb_rows_fwd",
+    "tb_rows_bwd",
     "pool_fwd",
     "pool_bwd",
     "bag_fwd",
@@ -259,7 +260,7 @@ def plan_bitmap_applies(n: int, num_rows: int) -> bool:
 def tb_plan(
     ids: jax.Array, tables: jax.Array, meta: np.ndarray, extent: int, row_keys: bool, num_keys: int
 ) -> GroupPlan:
-    """A shape group's plan (``batched_plan.make_group_plan``) as one call of target
+    """A shape group's plan (``kernels.group_plan.make_group_plan``) as one call of target
     ``flowtt_tb_plan``: a ``GroupPlan``.
 
     ``ids``, ``tables`` [n] int32 (clamped to their table's rows and to ``[0, T)``);
@@ -375,9 +376,26 @@ def bag_fwd(cores, plan: Plan, weights: jax.Array, offsets: jax.Array, chunk_row
     )
 
 
-def pool_bwd(dout, rows, weights, bag_ids, plan: Plan, with_d_weights: bool = True):
+def tb_rows_fwd(packed, plan: GroupPlan, dim: int) -> jax.Array:
+    """A shape group's unique rows [n, D] (``flowtt_tb_rows_fwd``); rows past num_unique
+    are unspecified."""
+    return _call("flowtt_tb_rows_fwd", _f32((plan.u_i3.shape[0], dim)), *packed, *_group_plan_args(plan))
+
+
+def tb_rows_bwd(packed, d_rows: jax.Array, plan: GroupPlan) -> tuple[jax.Array, ...]:
+    """Packed core gradients of sum(d_rows * rows) (``flowtt_tb_rows_bwd``)."""
+    outs = tuple(_f32(c.shape) for c in packed)
+    return tuple(_call("flowtt_tb_rows_bwd", outs, *packed, d_rows, *_group_plan_args(plan)))
+
+
+def _group_plan_args(plan: GroupPlan):
+    return plan.u_i3, plan.g_i1, plan.g_i2, plan.group_offsets, plan.counts
+
+
+def pool_bwd(dout, rows, weights, bag_ids, plan: Plan | GroupPlan, with_d_weights: bool = True):
     """(d_rows [n, D], d_weights [n] or None) of the pooling, reduced in sorted order;
-    d_rows past num_unique are unspecified.
+    d_rows past num_unique are unspecified. ``plan``: either plan (its ``inverse``,
+    ``perm``, ``run_offsets`` and ``counts``).
 
     ``with_d_weights=False`` skips the weight gradient (the kernel gets a [0] result); only
     that gradient reads ``rows``, so without it ``rows`` may be None (the kernel gets a

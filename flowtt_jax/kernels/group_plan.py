@@ -16,13 +16,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flowtt_jax.kernels.plan import Plan, _starts_to_offsets, make_plan
+from flowtt_jax.kernels.plan import GroupPlan, Plan, _starts_to_offsets, make_plan
+from flowtt_jax.tt import reference
 from flowtt_jax.tt.spec import TTSpec
 
 __all__ = ["GroupLayout", "GroupPlan", "make_group_plan"]
@@ -148,24 +148,6 @@ class GroupLayout:
             "o2": jnp.asarray(offs[1][:-1], jnp.int32),
             "o3": jnp.asarray(offs[2][:-1], jnp.int32),
         }
-
-
-class GroupPlan(NamedTuple):
-    """The plan of ``docs/batched_contract.md``; every field int32.
-
-    perm [n], inverse [n], run_offsets [n+1], group_offsets [n+1] as the single-table
-    plan (keys in (table, id) order); u_i3 [n]: packed g3 row per unique; g_i1, g_i2 [n]:
-    packed g1 / g2 rows per prefix group; counts [2]: (num_unique, num_groups).
-    """
-
-    perm: jax.Array
-    inverse: jax.Array
-    run_offsets: jax.Array
-    group_offsets: jax.Array
-    u_i3: jax.Array
-    g_i1: jax.Array
-    g_i2: jax.Array
-    counts: jax.Array
 
 
 def _sorted_unique(layout: GroupLayout, ids: jax.Array, tables: jax.Array, sort_plan):
@@ -300,9 +282,6 @@ def plan_rows(packed: Sequence[jax.Array], plan: GroupPlan) -> jax.Array:
     """
     g1, g2, g3 = packed
     ug = unique_groups(plan)
-    a = g1[plan.g_i1[ug], 0]  # [n, q1, r1]
-    b = g2[plan.g_i2[ug]]  # [n, r1, q2, r2]
-    c = g3[plan.u_i3, :, :, 0]  # [n, r2, q3]
-    rows = jnp.einsum("nxa,naqb,nbz->nxqz", a, b, c).reshape(a.shape[0], -1)
+    rows = reference.contract([g1[plan.g_i1[ug]], g2[plan.g_i2[ug]], g3[plan.u_i3]])
     live = jnp.arange(rows.shape[0]) < plan.counts[0]
     return jnp.where(live[:, None], rows, 0)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Plan", "make_plan"]
+__all__ = ["GroupPlan", "Plan", "make_plan"]
 
 
 class Plan(NamedTuple):
@@ -37,6 +37,24 @@ class Plan(NamedTuple):
     unique_ids: jax.Array
     run_offsets: jax.Array
     group_offsets: jax.Array
+    counts: jax.Array
+
+
+class GroupPlan(NamedTuple):
+    """The plan of ``docs/batched_contract.md``; every field int32.
+
+    perm [n], inverse [n], run_offsets [n+1], group_offsets [n+1] as the single-table
+    plan (keys in (table, id) order); u_i3 [n]: packed g3 row per unique; g_i1, g_i2 [n]:
+    packed g1 / g2 rows per prefix group; counts [2]: (num_unique, num_groups).
+    """
+
+    perm: jax.Array
+    inverse: jax.Array
+    run_offsets: jax.Array
+    group_offsets: jax.Array
+    u_i3: jax.Array
+    g_i1: jax.Array
+    g_i2: jax.Array
     counts: jax.Array
 
 

@@ -1,6 +1,6 @@
 """A collection's batch split over a mesh axis: per-shard bag inputs, the ``shard_map``
 around a layout's per-device code, and ``ShardedLayout``, the base of the sharded layouts
-(of ``sharding`` and ``sharding_tablewise``).
+(of ``sharding`` and ``sharding.tablewise``).
 
 Every feature's input is split along its first dimension into ``S`` equal parts, ``S``
 the size of the mesh axis; each device gets one. Padded forms (``[B]``, ``[B, L]`` ids,
@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from flowtt_jax.collection.layout import CollectionLayout
 from flowtt_jax.inputs.oob import host_ids
 
 __all__ = ["shard_bags", "local_features", "run_sharded", "ShardedLayout"]
@@ -198,9 +197,10 @@ def run_sharded(
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardedLayout(CollectionLayout, abc.ABC):
-    """A ``CollectionLayout`` run per device over mesh axis ``axis``: subclasses place the
-    parameters (``param_specs``) and say what a device computes (``local_apply``)."""
+class ShardedLayout(abc.ABC):
+    """A ``CollectionLayout`` run per device over mesh axis ``axis``, as a mixin before it
+    (``class L(ShardedLayout, CollectionLayout)``, fields ``tables, mesh, axis``): subclasses
+    place the parameters (``param_specs``) and say what a device computes (``local_apply``)."""
 
     mesh: Mesh
     axis: str

@@ -14,7 +14,7 @@ form on the host -- ids ``[S, C]`` and *local* feature-major offsets ``[S, F*B/S
   then every position is sent to its table's owner with one ``all_to_all`` each of ids,
   weights and destination bag (``[S, K]``: K positions per owner, by default the shard's
   whole capacity C, as one device may send one owner everything; ``needed_capacity``
-  gives the exact K of a batch); the owner pools all it got in one ``pooled_group`` call
+  gives the exact K of a batch); the owner pools all it got in one ``ops.pooled`` call
   and the pooled bags return by ``all_to_all``. Vectorised: no per-feature code.
 
 Both return ``[F, B, D]`` split along B (dim 1).
@@ -32,12 +32,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from flowtt_jax.inputs.bag import canonical_bags, scale_by_modes
+from flowtt_jax.inputs.bag import canonical_bags
+from flowtt_jax.inputs.csr import scale_by_modes
 from flowtt_jax.inputs.oob import OOB_POLICIES, apply_table_oob, host_ids
 from flowtt_jax.kernels.group_plan import GroupLayout
-from flowtt_jax.ops.group import choose_impl, feature_modes, pooled_group, tt_embedding_bag_group
+from flowtt_jax.ops.embedding_bag import feature_modes, tt_embedding_bag_group
+from flowtt_jax.ops.pooled import choose_impl, pooled
 from flowtt_jax.sharding.placement import TableWisePlacement
-from flowtt_jax.sharding.tablewise import SplitGroup
+from flowtt_jax.sharding.split import SplitGroup
 
 __all__ = ["shard_packed", "GroupDataParallel", "GroupTableWise"]
 
@@ -259,20 +261,20 @@ class GroupTableWise:
         csr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
         tables = jnp.asarray(slot)[jax.lax.axis_index(axis)][recv_bag // per].reshape(-1)
         group = self.split.group
-        pooled = pooled_group(
+        out = pooled(
             cores,
-            group,
             recv_ids.reshape(-1),
-            tables,
             csr,
             bag_ids,
             recv_w.reshape(-1),
             weighted=weights is not None,
-            impl=choose_impl(impl, group, [c.dtype for c in cores]),
+            impl=choose_impl(impl, cores, group),
+            layout=group,
+            tables=tables,
         )
         # 3. pooled bags back; feature f's are row owner[f], block rank[f]
         out_dtype = cores[0].dtype if dtype is None else dtype
-        back = jax.lax.all_to_all(pooled.reshape(n, kmax * per, dim).astype(out_dtype), axis, 0, 0)
+        back = jax.lax.all_to_all(out.reshape(n, kmax * per, dim).astype(out_dtype), axis, 0, 0)
         out = back.reshape(n, kmax, per, dim)[jnp.asarray(owner), jnp.asarray(rank)]
         if capacity is None:
             return out

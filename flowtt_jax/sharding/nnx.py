@@ -35,7 +35,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flowtt_jax.collection.layout import CollectionLayout
 from flowtt_jax.nnx import TTEmbeddingCollection
-from flowtt_jax.sharding import DataParallelLayout, TableWiseLayout, TableWisePlacement
+from flowtt_jax.sharding.data_parallel import DataParallelLayout
+from flowtt_jax.sharding.placement import TableWisePlacement
+from flowtt_jax.sharding.tablewise import TableWiseLayout
 
 __all__ = [
     "shard_collection",

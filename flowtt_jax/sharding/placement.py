@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from flowtt_jax.collection.layout import CollectionLayout
 from flowtt_jax.kernels.group_plan import GroupLayout
 from flowtt_jax.tt.spec import TTSpec
 
@@ -30,7 +29,7 @@ __all__ = [
     "group_costs",
     "place_tables",
     "table_cost",
-    "table_costs",
+    "sample_ids",
 ]
 
 #: Work per id beyond the arithmetic (plan sort, gathers, pooling traffic: about 40 bytes),
@@ -50,7 +49,7 @@ class TableCost:
     cost: float
 
 
-def _host_ids(value: Any, num_rows: int) -> np.ndarray:
+def sample_ids(value: Any, num_rows: int) -> np.ndarray:
     """The in-range ids a feature input pools (host numpy), any input form, global or per shard."""
     if not isinstance(value, Mapping):
         ids = np.asarray(value).reshape(-1)
@@ -83,24 +82,6 @@ def table_cost(name: str, spec: TTSpec, ids: np.ndarray, *, per_id: float = PER_
     flops = 3 * (2.0 * prefixes * q1 * q2 * r1 * r2 + 2.0 * uniq.size * spec.embedding_dim * r2)
     cost = flops + 2.0 * ids.size * spec.embedding_dim + per_id * ids.size
     return TableCost(name, int(ids.size), int(uniq.size), prefixes, cost)
-
-
-def table_costs(
-    layout: CollectionLayout, sample: Mapping[str, Any], *, per_id: float = PER_ID_COST
-) -> tuple[TableCost, ...]:
-    """``table_cost`` of every TT table in a shape group of ``layout`` from a sample batch
-    ``{feature: input}`` (host; any input form a collection takes, global or per shard) of
-    the size a step sees (unique counts grow sublinearly with the batch); a table's ids
-    are those of all its features."""
-    out = []
-    for pack in layout.packs:
-        if pack.kind != "tt":
-            continue
-        for t, cfg in enumerate(pack.tables):
-            parts = [_host_ids(sample[s.feature], cfg.num_embeddings) for s in pack.features if s.table == t]
-            ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-            out.append(table_cost(cfg.name, cfg.spec(), ids, per_id=per_id))
-    return tuple(out)
 
 
 def group_costs(

@@ -1,6 +1,6 @@
 """Table-wise model parallelism of a collection: each TT table lives on one device.
 
-Placement (``sharding_placement``): a static ``TableWisePlacement`` from the batch's own
+Placement (``sharding.placement``): a static ``TableWisePlacement`` from the batch's own
 statistics, by greedy longest-processing-time.
 
 Storage: the tables of a shape group placed on device d are packed as a group of their
@@ -17,7 +17,7 @@ every feature of the group (modes and out-of-range ids folded into weights), the
    concatenated in a static order (C, R: the largest destination's total, padded);
 2. the owner rebuilds one CSR over what it received (source-major, offsets from the
    counts, padding in the last bag of its source with weight 0) and pools every bag in
-   one ``pooled_group`` call over its local tables -- one plan and one launch per stage;
+   one ``ops.pooled`` call over its local tables -- one plan and one launch per stage;
 3. returns the pooled ``[S, R, D]`` with one more ``all_to_all``; each device reads its
    features' bags from row e = owner.
 
@@ -29,156 +29,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from flowtt_jax.collection.layout import CollectionLayout, FeatureSlot
 from flowtt_jax.collection.pool import prepare_feature
-from flowtt_jax.kernels.group_plan import GroupLayout
-from flowtt_jax.ops.group import choose_impl, pooled_group
+from flowtt_jax.ops.pooled import choose_impl, pooled
 from flowtt_jax.sharding.base import ShardedLayout
-from flowtt_jax.sharding.placement import TableWisePlacement
-from flowtt_jax.tt.spec import TTSpec
+from flowtt_jax.sharding.placement import PER_ID_COST, TableCost, TableWisePlacement, sample_ids, table_cost
+from flowtt_jax.sharding.split import DeviceGroupLayout, SplitGroup
 
 __all__ = ["DeviceGroupLayout", "SplitGroup", "TableWiseLayout"]
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceGroupLayout:
-    """A shape group's tables split over the devices of ``axis``: a ``GroupLayout`` whose
-    per-table metadata (``table_arrays``) is the calling device's (``axis_index``), for
-    ``pooled_group`` inside ``shard_map``. Slot j of device d is ``device_specs[d][j]``;
-    key ranges (``row_base``) are the largest table in each slot, so one static key space
-    serves every device."""
-
-    device_specs: tuple[tuple[TTSpec, ...], ...]
-    axis: str
-
-    @property
-    def _first(self) -> TTSpec:
-        return next(s for specs in self.device_specs for s in specs)
-
-    @property
-    def num_tables(self) -> int:
-        return max(len(s) for s in self.device_specs)
-
-    @property
-    def dim(self) -> int:
-        return self._first.embedding_dim
-
-    def device_offsets(self, d: int) -> tuple[tuple[int, ...], ...]:
-        """Per core k: the slots' row offsets in device d's packed core k."""
-        specs = self.device_specs[d]
-        return tuple(
-            tuple(int(x) for x in np.cumsum([0] + [s.row_shape[k] for s in specs])) for k in range(3)
-        )
-
-    @functools.cached_property
-    def row_base(self) -> tuple[int, ...]:
-        sizes = [
-            max((math.prod(s[j].row_shape) for s in self.device_specs if j < len(s)), default=1)
-            for j in range(self.num_tables)
-        ]
-        return tuple(int(x) for x in np.cumsum([0] + sizes, dtype=np.int64))
-
-    def packed_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """Local packed core shapes ``[R_k, r_{k-1}, q_k, r_k]`` (R_k: the largest device's rows)."""
-        s0 = self._first
-        rows = [
-            max(max(self.device_offsets(d)[k][-1] for d in range(len(self.device_specs))), 1)
-            for k in range(3)
-        ]
-        return tuple((rows[k], s0.ranks[k], s0.col_shape[k], s0.ranks[k + 1]) for k in range(3))
-
-    @functools.cached_property
-    def _tables(self) -> dict[str, np.ndarray]:
-        n, slots = len(self.device_specs), self.num_tables
-        meta = {k: np.zeros((n, slots), np.int32) for k in ("num_rows", "p2", "p3", "o1", "o2", "o3")}
-        meta["num_rows"][:] = meta["p2"][:] = meta["p3"][:] = 1
-        for d, specs in enumerate(self.device_specs):
-            offs = self.device_offsets(d)
-            for j, s in enumerate(specs):
-                meta["num_rows"][d, j], meta["p2"][d, j], meta["p3"][d, j] = (
-                    s.num_embeddings,
-                    s.row_shape[1],
-                    s.row_shape[2],
-                )
-                meta["o1"][d, j], meta["o2"][d, j], meta["o3"][d, j] = offs[0][j], offs[1][j], offs[2][j]
-        return meta
-
-    def table_arrays(self) -> dict[str, jax.Array]:
-        """This device's per-slot int32 metadata [T] (call inside ``shard_map`` over ``axis``)."""
-        d = jax.lax.axis_index(self.axis)
-        return {k: jnp.asarray(v)[d] for k, v in self._tables.items()}
-
-
-def _unsplit(x: jax.Array) -> jax.Array:
-    """``x`` replicated if its type says it is split (meshes with explicit axes), where
-    indexing the split dimension needs it; else ``x``."""
-    sharding = jax.typeof(x).sharding
-    if any(sharding.spec):
-        return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
-    return x
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitGroup:
-    """A shape group's tables split over the devices of ``axis``: device d holds tables
-    ``slots[d]`` (indices in ``layout``, in decreasing size), packed as ``group`` says.
-
-    Its cores are stored stacked, core k ``[S, R_k, r_{k-1}, q_k, r_k]`` (``stack``), to be
-    sharded ``P(axis)``: device d's block is its own tables' packed cores, zero-padded."""
-
-    layout: GroupLayout
-    slots: tuple[tuple[int, ...], ...]
-    axis: str
-
-    @classmethod
-    def create(cls, layout: GroupLayout, devices: Sequence[int], num_devices: int, axis: str) -> SplitGroup:
-        """``devices[t]``: the device of table t."""
-        by_size = lambda t: -math.prod(layout.specs[t].row_shape)
-        slots = tuple(
-            tuple(sorted((t for t in range(layout.num_tables) if devices[t] == d), key=by_size))
-            for d in range(num_devices)
-        )
-        return cls(layout, slots, axis)
-
-    @functools.cached_property
-    def group(self) -> DeviceGroupLayout:
-        return DeviceGroupLayout(tuple(tuple(self.layout.specs[t] for t in s) for s in self.slots), self.axis)
-
-    def where(self, t: int) -> tuple[int, int]:
-        """(device, slot) of table t."""
-        return next((d, s.index(t)) for d, s in enumerate(self.slots) if t in s)
-
-    def stack(self, packed: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-        """Stacked cores from the group's packed ones (``GroupLayout.pack``'s layout)."""
-        shapes, out = self.group.packed_shapes(), []
-        for k, core in enumerate(packed):
-            blocks = []
-            for slots in self.slots:
-                parts = [self.layout.table_cores(packed, t)[k] for t in slots]
-                rows = jnp.concatenate(parts) if parts else jnp.zeros((0, *shapes[k][1:]), core.dtype)
-                blocks.append(jnp.pad(rows, [(0, shapes[k][0] - rows.shape[0])] + [(0, 0)] * 3))
-            out.append(jnp.stack(blocks))
-        return tuple(out)
-
-    def table_cores(self, stacked: Sequence[jax.Array], t: int) -> tuple[jax.Array, ...]:
-        """Table t's cores from stacked ones."""
-        d, j = self.where(t)
-        offs = self.group.device_offsets(d)
-        return tuple(_unsplit(c)[d, offs[k][j] : offs[k][j + 1]] for k, c in enumerate(stacked))
-
-    def unstack(self, stacked: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-        """The group's packed cores from stacked ones (the inverse of ``stack``)."""
-        tables = [self.table_cores(stacked, t) for t in range(self.layout.num_tables)]
-        return tuple(jnp.concatenate([c[k] for c in tables]) for k in range(3))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,14 +57,14 @@ class _PlacedPack:
 
 
 @dataclasses.dataclass(frozen=True)
-class TableWiseLayout(ShardedLayout):
+class TableWiseLayout(ShardedLayout, CollectionLayout):
     """A ``CollectionLayout`` whose TT tables are placed table-wise over mesh axis ``axis``
     (see the module docstring); dense packs and tables of other core counts are replicated.
 
     Parameters (``shard_params`` from the usual packed ones): a shape group's core k is
     ``[S, R_k, r_{k-1}, q_k, r_k]`` sharded by ``param_specs`` (``P(axis)``); the rest as in
     ``CollectionLayout``. ``apply`` takes the batch of a data-parallel step (every feature
-    split along dim 0, per-shard forms for offsets / segment ids: ``sharding_base``).
+    split along dim 0, per-shard forms for offsets / segment ids: ``sharding.base``).
     """
 
     placement: TableWisePlacement
@@ -368,20 +234,20 @@ class TableWiseLayout(ShardedLayout):
                 slot_of_bag[d, lo : lo + num] = j
                 lo += num
         tables = jnp.asarray(slot_of_bag)[jax.lax.axis_index(axis)][bag_ids % nbags]
-        which = choose_impl(impl, placed.split.group, [c.dtype for c in cores])
-        pooled = pooled_group(
+        group = placed.split.group
+        out = pooled(
             cores,
-            placed.split.group,
             recv_ids.reshape(-1),
-            tables,
             offsets,
             bag_ids,
             recv_w.reshape(-1),
             weighted=weighted,
-            impl=which,
+            impl=choose_impl(impl, cores, group),
+            layout=group,
+            tables=tables,
         )
         # 3. pooled bags back to the devices that asked
-        back = jax.lax.all_to_all(pooled.reshape(n, nbags, dim).astype(out_dtype), axis, 0, 0)
+        back = jax.lax.all_to_all(out.reshape(n, nbags, dim).astype(out_dtype), axis, 0, 0)
         # one split of all rows (per-feature slices would each transpose to the whole
         # buffer: F^2 adds in the backward); row e's features, then its padding
         names, sizes = [], []
@@ -395,3 +261,37 @@ class TableWiseLayout(ShardedLayout):
             sizes.append(nbags - used)
         parts = jnp.split(back.reshape(n * nbags, dim), np.cumsum(sizes)[:-1])
         return {name: part for name, part in zip(names, parts) if name is not None}
+
+
+def table_costs(
+    layout: CollectionLayout, sample: Mapping[str, Any], *, per_id: float = PER_ID_COST
+) -> tuple[TableCost, ...]:
+    """``table_cost`` of every TT table in a shape group of ``layout`` from a sample batch
+    ``{feature: input}`` (host; any input form a collection takes, global or per shard) of
+    the size a step sees (unique counts grow sublinearly with the batch); a table's ids
+    are those of all its features."""
+    out = []
+    for pack in layout.packs:
+        if pack.kind != "tt":
+            continue
+        for t, cfg in enumerate(pack.tables):
+            parts = [sample_ids(sample[s.feature], cfg.num_embeddings) for s in pack.features if s.table == t]
+            ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+            out.append(table_cost(cfg.name, cfg.spec(), ids, per_id=per_id))
+    return tuple(out)
+
+
+def collection_table_wise(
+    layout: CollectionLayout, mesh: Mesh, placement: TableWisePlacement, axis: str = "data"
+) -> TableWiseLayout:
+    """``layout`` with its TT tables placed by ``placement`` over ``mesh`` axis ``axis``;
+    parameters from ``TableWiseLayout.shard_params``, placed by ``param_specs``.
+
+    Example::
+
+        placement = place_tables(table_costs(layout, sample_features), mesh.shape["data"])
+        tw = collection_table_wise(layout, mesh, placement)
+        params = tw.shard_params(layout.init(key))
+        out = jax.jit(tw.apply)(params, features)
+    """
+    return TableWiseLayout(layout.tables, mesh, axis, placement)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-__all__ = ["tt_digits", "tt_rows", "pool", "weighted_rows"]
+__all__ = ["contract", "tt_digits", "tt_rows", "pool", "weighted_rows"]
 
 
 def tt_digits(ids: jax.Array, row_shape: Sequence[int]) -> list[jax.Array]:
@@ -24,15 +24,20 @@ def tt_digits(ids: jax.Array, row_shape: Sequence[int]) -> list[jax.Array]:
     return digits[::-1]
 
 
-def tt_rows(cores: Sequence[jax.Array], ids: jax.Array) -> jax.Array:
-    """Rows of the TT table for int ids [n] (in range): [n, D] in the cores' dtype."""
-    digits = tt_digits(ids, [c.shape[0] for c in cores])
-    acc = cores[0][digits[0], 0]  # [n, q1, r1]
-    for core, i in zip(cores[1:], digits[1:]):
-        g = core[i]  # [n, r, q, s]
+def contract(core_rows: Sequence[jax.Array]) -> jax.Array:
+    """Rows [n, D] from each position's core slices: ``core_rows[k]`` is
+    ``[n, r_{k-1}, q_k, r_k]`` (``r_0 = r_d = 1``), contracted left to right."""
+    acc = core_rows[0][:, 0]  # [n, q1, r1]
+    for g in core_rows[1:]:
         acc = jnp.einsum("nQr,nrqs->nQqs", acc, g)
         acc = acc.reshape(acc.shape[0], -1, acc.shape[-1])
     return acc[..., 0]
+
+
+def tt_rows(cores: Sequence[jax.Array], ids: jax.Array) -> jax.Array:
+    """Rows of the TT table for int ids [n] (in range): [n, D] in the cores' dtype."""
+    digits = tt_digits(ids, [c.shape[0] for c in cores])
+    return contract([core[i] for core, i in zip(cores, digits)])
 
 
 @jax.custom_jvp

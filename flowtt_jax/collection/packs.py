@@ -1,0 +1,74 @@
+"""How a collection's tables are stored: packs of tables that share one set of arrays
+(a TT shape group, a dense dim, or one TT table of another core count), the features each
+pack serves and the parameter names of its arrays. Static and hashable."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from flowtt_jax.collection.config import TableConfig
+from flowtt_jax.kernels.group_plan import GroupLayout
+
+__all__ = ["FeatureSlot", "TablePack", "pack_tables", "param_names"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSlot:
+    """A feature read by a pack: its name, its table's index in the pack, its pooling mode."""
+
+    feature: str
+    table: int
+    mode: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TablePack:
+    """Tables stored together. ``kind``: ``"tt"`` (a shape group, ``layout`` set),
+    ``"dense"`` (one ``[sum N, D]`` table) or ``"single"`` (one TT table of any core count)."""
+
+    kind: str
+    tables: tuple[TableConfig, ...]
+    features: tuple[FeatureSlot, ...]
+    layout: GroupLayout | None = None
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        """Dense packs: ``T + 1`` offsets of the tables' rows in the packed table."""
+        return tuple(
+            int(x) for x in np.concatenate([[0], np.cumsum([t.num_embeddings for t in self.tables])])
+        )
+
+
+def _group_key(cfg: TableConfig) -> tuple:
+    spec = cfg.spec()
+    if spec.num_cores != 3:
+        return ("single", cfg.name)
+    return ("tt", spec.col_shape, spec.ranks)
+
+
+def pack_tables(tables: Sequence[TableConfig]) -> tuple[TablePack, ...]:
+    """TT shape groups (in order of first table), then dense packs by dim, then singles."""
+    keys: dict[tuple, list[TableConfig]] = {}
+    for cfg in tables:
+        key = ("dense", cfg.features) if cfg.kind == "dense" else _group_key(cfg)
+        keys.setdefault(key, []).append(cfg)
+    order = {"tt": 0, "dense": 1, "single": 2}
+    packs = []
+    for key, cfgs in sorted(keys.items(), key=lambda kv: order[kv[0][0]]):
+        slots = tuple(FeatureSlot(f, t, cfg.mode) for t, cfg in enumerate(cfgs) for f in cfg.feature_keys)
+        layout = GroupLayout(tuple(c.spec() for c in cfgs)) if key[0] == "tt" else None
+        packs.append(TablePack(key[0], tuple(cfgs), slots, layout))
+    return tuple(packs)
+
+
+def param_names(packs: Sequence[TablePack], p: int) -> tuple[str, ...]:
+    """Parameter names of pack ``p``."""
+    pack = packs[p]
+    if pack.kind == "tt":
+        return tuple(f"tt{p}_core{k}" for k in range(3))
+    if pack.kind == "dense":
+        return (f"dense{p}",)
+    return tuple(f"{pack.tables[0].name}_core{k}" for k in range(pack.tables[0].spec().num_cores))
