@@ -3,7 +3,9 @@
 Suites: ``single`` (the single-table sweep of ``workloads.single_table``: D x rank x batch x
 ids) and ``collection`` (``workloads.MetaLikeCollection`` with T tables at each batch), for
 every implementation of ``benchmarks.impls.REGISTRY`` that serves the suite; ``--stage``
-picks a named part that fits one 10-minute device call on an H200 (``STAGES``);
+picks a named part that fits one 10-minute device call on an H200 (``STAGES``), or
+``scaling``: weak scaling over the GPUs of one host (``benchmarks/scaling.py``, its own
+JSON under ``<out-dir>/scaling/``; the rest of this text is the single-device suites');
 ``--weighted`` runs each single-table case a second time with per-id weights (case ``<name>_w``,
 e.g. ``S1_weighted``), its forward + backward then also w.r.t. the weights.
 
@@ -28,13 +30,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import itertools
-import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -43,16 +42,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import impls as impls_mod
-from . import plots, timing
+from . import plots, records, scaling, timing
 from .workloads import MetaLikeCollection, Workload, single_table
 
 STAGES = {
     "single-d32": {"suite": "single", "dims": (32,)},
     "single-d128": {"suite": "single", "dims": (128,)},
     "collection": {"suite": "collection"},
+    "scaling": {"suite": "scaling"},
 }
 FULL = {
     "dims": (32, 128),
@@ -65,6 +64,8 @@ FULL = {
     "row_shape": (200, 200, 250),
     "rows_range": (1e4, 4e7),
     "collection_rank": 32,
+    "dlrm_batches": (4096, 32768),  # the scaling stage's, per GPU
+    "meta_cases": ((788, 4096), (240, 32768)),  # (tables, batch per GPU)
 }
 QUICK = {
     "dims": (32,),
@@ -77,9 +78,13 @@ QUICK = {
     "row_shape": None,
     "rows_range": (1e3, 1e5),
     "collection_rank": 8,
+    "dlrm_batches": (32,),
+    "meta_cases": ((3, 32),),
 }
 ALIASES = {"D32_r32_B32768_zipf1.05": "S1", "D32_r32_B32768_zipf1.05_w": "S1_weighted"}
 MODES = ("fwd", "fwd_bwd")
+#: The scaling stage's time budget when --time-budget is not given (seconds).
+SCALING_BUDGET = 420.0
 #: Compile time of a per-table loop grows at least linearly in the tables (issue 12: 240
 #: tables 20 s / 39 s on an H200, 788 not done in 5 minutes): estimated as ~ T^1.5.
 LOOP_COMPILE_EXPONENT = 1.5
@@ -118,8 +123,13 @@ def _on_signal(signum: int, frame: Any) -> None:
     raise Interrupted(signal.Signals(signum).name)
 
 
-def _csv(kind: type) -> Callable[[str], tuple]:
+def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple]:
     return lambda s: tuple(kind(x) for x in s.split(",") if x)
+
+
+def _meta_case(s: str) -> tuple[int, int]:
+    tables, batch = s.split("x")
+    return int(tables), int(batch)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -130,14 +140,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU, well under a minute)")
     ap.add_argument(
-        "--suite", choices=("single", "collection", "all"), default=None, help="default: all (or the stage's)"
+        "--suite",
+        choices=("single", "collection", "all", "scaling"),
+        default=None,
+        help="default: all = single + collection (or the stage's)",
     )
     ap.add_argument(
         "--stage",
         choices=tuple(STAGES),
         help="a named part of the suite: " + "; ".join(f"{k} = {v}" for k, v in STAGES.items()),
     )
-    ap.add_argument("--out-dir", default="benchmarks/results", help="JSON and plots go here")
+    ap.add_argument(
+        "--out-dir", default="benchmarks/results", help="JSON and plots go here (scaling: its scaling/)"
+    )
     ap.add_argument("--batches", type=_csv(int), help="bags per feature, e.g. 4096,32768")
     ap.add_argument("--tables", type=_csv(int), help="collection sizes, e.g. 240,480,788")
     ap.add_argument("--dims", type=_csv(int), help="single table: embedding dims")
@@ -150,7 +165,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="single table: also run each case with float32 per-id weights, U[0.5, 1.5) "
         "(case <name>_w right after <name>; S1's is S1_weighted); fwd+bwd also w.r.t. the weights",
     )
-    ap.add_argument("--time-budget", type=float, help="seconds; later measurements are skipped")
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        help=f"seconds; later measurements are skipped (scaling: default {SCALING_BUDGET:.0f})",
+    )
     ap.add_argument(
         "--compile-timeout",
         type=float,
@@ -164,40 +183,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="largest collection a per-table loop is compiled for (default 240)",
     )
     ap.add_argument("--seed", type=int, default=0)
+    g = ap.add_argument_group("the scaling stage (--stage scaling)")
+    g.add_argument("--gpus", type=_csv(int), help="GPU counts (default: 1 and every GPU)")
+    g.add_argument(
+        "--dlrm-batches", type=_csv(int), help="DLRM batches per GPU (default 4096,32768; quick 32)"
+    )
+    g.add_argument(
+        "--meta-cases",
+        type=_csv(_meta_case),
+        help="Meta-like collections as TABLESxBATCH_PER_GPU (default 788x4096,240x32768; quick 3x32)",
+    )
+    g.add_argument(
+        "--strategies", type=_csv(str), help=f"subset of {','.join(scaling.STRATEGIES)} (default: both)"
+    )
+    g.add_argument(
+        "--workers", type=int, help="processes drawing the Meta-like batches (default: cores, <= 32)"
+    )
     a = ap.parse_args(argv)
     stage = STAGES.get(a.stage, {})
     a.suite = a.suite or stage.get("suite", "all")
     a.dims = a.dims or stage.get("dims")
-    if a.weighted and a.suite == "collection":
+    if a.weighted and a.suite in ("collection", "scaling"):
         ap.error("--weighted applies to the single suite only")
     unknown = set(a.impls or ()) - set(impls_mod.REGISTRY)
     if unknown:
         ap.error(f"unknown --impls {sorted(unknown)}; known: {list(impls_mod.REGISTRY)}")
+    suite_only = ("batches", "tables", "dims", "ranks", "dists", "impls")
+    scaling_only = ("gpus", "dlrm_batches", "meta_cases", "strategies", "workers")
+    for name in suite_only if a.suite == "scaling" else scaling_only:
+        if getattr(a, name) is not None:
+            ap.error(f"--{name.replace('_', '-')} does not apply to the {a.suite} suite")
+    if a.suite == "scaling":
+        sizes = QUICK if a.quick else FULL
+        a.dlrm_batches = sizes["dlrm_batches"] if a.dlrm_batches is None else a.dlrm_batches
+        a.meta_cases = sizes["meta_cases"] if a.meta_cases is None else a.meta_cases
+        a.strategies = a.strategies or scaling.STRATEGIES
+        if set(a.strategies) - set(scaling.STRATEGIES):
+            ap.error(f"--strategies: a subset of {scaling.STRATEGIES}")
+        a.workers = a.workers or min(32, os.cpu_count() or 1)
+        a.time_budget = SCALING_BUDGET if a.time_budget is None else a.time_budget
     return a
-
-
-def _commit() -> str:
-    env = os.environ.get("FLOWTT_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, (np.integer, np.floating, np.bool_)):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    return str(x)
 
 
 @dataclasses.dataclass(eq=False)
@@ -213,36 +238,18 @@ class Case:
     data: tuple | None = None  # (workload, ids, offsets, weights or None, cotangent) once drawn
 
 
-class Runner:
+class Runner(records.Run):
     """Measures the planned units (case, impl, mode), records results or skip reasons."""
 
     def __init__(self, a: argparse.Namespace, path: Path, doc: dict):
-        self.a, self.path, self.doc = a, path, doc
+        super().__init__(a, path, doc)
         self.sizes = QUICK if a.quick else FULL
-        self.t0 = time.monotonic()
         self.compiled: dict[tuple, dict] = {}
         self.cores: dict[tuple, impls_mod.TTCores] = {}
         self.params: dict[tuple, Any] = {}
         self.loop_compiles: dict[tuple[str, str], tuple[int, float]] = {}
         self.failed_compile: dict[tuple[str, str], int] = {}
-        self.stop_reason: str | None = None
-        self.bar = None
         self.units = self.plan()
-
-    # ---- bookkeeping -------------------------------------------------------------------
-    def write(self) -> None:
-        self.doc["elapsed_s"] = time.monotonic() - self.t0
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.doc, indent=1, default=_jsonable) + "\n")
-        os.replace(tmp, self.path)
-
-    def remaining(self) -> float:
-        if self.a.time_budget is None:
-            return float("inf")
-        return self.a.time_budget - (time.monotonic() - self.t0)
-
-    def log(self, msg: str) -> None:
-        (self.bar.write if self.bar is not None else print)(msg)
 
     def impls_for(self, suite: str) -> list[impls_mod.Impl]:
         return [
@@ -349,6 +356,21 @@ class Runner:
             self.write()
             if self.bar is not None:
                 self.bar.update(1)
+
+    def finish(self, code: int) -> int:
+        """The plots; prints where the JSON went."""
+        doc = self.doc
+        doc["plots"] = plots.draw_all([doc], self.path.parent, prefix=self.path.stem + "_")
+        self.write()
+        errors = sum(
+            "error" in r.get(m, {}) for c in doc["cases"] for r in c["impls"].values() for m in MODES
+        )
+        print(
+            f"wrote {self.path} ({doc['status']}, {len(doc['cases'])} cases, {errors} errors, "
+            f"{doc['elapsed_s']:.0f} s)",
+            flush=True,
+        )
+        return code
 
     def skip_reason(self, case: Case, impl: impls_mod.Impl, mode: str) -> str | None:
         """Why (case, impl, mode) is not run, known before drawing or compiling, or None."""
@@ -550,43 +572,38 @@ def _summary(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     signal.signal(signal.SIGTERM, _on_signal)
-    dev = jax.devices()[0]
-    now = datetime.datetime.now(datetime.timezone.utc)
-    stage = a.stage or a.suite
-    short = dev.device_kind.split()[-1].lower() if dev.platform == "gpu" else dev.platform
-    out_dir = Path(a.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"bench_{'quick_' if a.quick else ''}{stage}_{short}_{now:%Y-%m-%dT%H%M%S}.json"
-    doc = {
-        "schema": "flowtt-bench/1",
-        "suite": a.suite,
-        "stage": stage,
-        "quick": a.quick,
-        "device": f"{dev.platform}:{dev.device_kind}",
-        "device_count": jax.device_count(),
-        "date": now.isoformat(timespec="seconds"),
-        "commit": _commit(),
-        "jax": jax.__version__,
-        "argv": sys.argv[1:] if argv is None else argv,
-        "time_budget_s": a.time_budget,
-        "compile_timeout_s": a.compile_timeout,
-        "max_loop_tables": a.max_loop_tables,
-        "timing_method": timing.method(),
-        "timing": timing.__doc__.split("\n\n")[1].replace("\n", " "),
-        "peaks": timing.peaks(),
-        "device_bytes_limit": (timing.memory_stats() or {}).get("bytes_limit"),
-        "status": "running",
-        "cases": [],
-        "plots": {},
-    }
-    runner = Runner(a, path, doc)
-    try:
-        from tqdm import tqdm
+    stage, argv = a.stage or a.suite, sys.argv[1:] if argv is None else argv
+    if a.suite == "scaling":
+        # NVLink multicast off (the 2-GPU machine's rule), before jax starts its backends
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        path, doc = records.start(Path(a.out_dir) / "scaling", a, stage, argv)
+        sizes = QUICK if a.quick else FULL
+        runner: Runner | scaling.Runner = scaling.Runner(
+            a, path, doc, lambda tables: meta_collection(sizes, tables, a.seed)
+        )
+    else:
+        path, doc = records.start(Path(a.out_dir), a, stage, argv)
+        doc.update(
+            {
+                "compile_timeout_s": a.compile_timeout,
+                "max_loop_tables": a.max_loop_tables,
+                "timing_method": timing.method(),
+                "timing": timing.__doc__.split("\n\n")[1].replace("\n", " "),
+                "peaks": timing.peaks(),
+                "device_bytes_limit": (timing.memory_stats() or {}).get("bytes_limit"),
+                "status": "running",
+                "cases": [],
+                "plots": {},
+            }
+        )
+        runner = Runner(a, path, doc)
+        try:
+            from tqdm import tqdm
 
-        # disable=None: no bar without a terminal (the per-measurement lines remain)
-        runner.bar = tqdm(total=len(runner.units), unit="meas", dynamic_ncols=True, disable=None)
-    except ImportError:
-        print("tqdm not installed: progress is printed per measurement", flush=True)
+            # disable=None: no bar without a terminal (the per-measurement lines remain)
+            runner.bar = tqdm(total=len(runner.units), unit="meas", dynamic_ncols=True, disable=None)
+        except ImportError:
+            print("tqdm not installed: progress is printed per measurement", flush=True)
     code = 0
     try:
         runner.write()
@@ -601,14 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         if runner.bar is not None:
             runner.bar.close()
         runner.write()
-    doc["plots"] = plots.draw_all([doc], out_dir, prefix=path.stem + "_")
-    runner.write()
-    errors = sum("error" in r.get(m, {}) for c in doc["cases"] for r in c["impls"].values() for m in MODES)
-    print(
-        f"wrote {path} ({doc['status']}, {len(doc['cases'])} cases, {errors} errors, "
-        f"{doc['elapsed_s']:.0f} s)",
-        flush=True,
-    )
+    code = runner.finish(code)
     if runner.stop_reason:  # a compile thread is still running: do not wait for it
         os._exit(code)
     return code

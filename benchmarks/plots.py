@@ -1,5 +1,5 @@
 """PNG plots of benchmark JSON (matplotlib, Agg): latency vs batch (unweighted cases), vs
-tables, memory.
+tables, memory; the scaling stage's throughput vs GPUs (``draw_scaling``).
 
 ``draw_all`` returns ``{plot: path}`` for the plots drawn and ``{plot: "skipped: why"}``
 for the others (matplotlib missing, no data), so a machine without matplotlib still runs
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["draw_all", "measured", "impl_order", "PLOTS"]
+__all__ = ["draw_all", "draw_scaling", "measured", "impl_order", "PLOTS"]
 
 PLOTS = ("latency_vs_batch", "latency_vs_tables", "memory_single", "memory_collection")
 #: Implementations in the order tables and plots show them (others after, by name).
@@ -159,8 +159,8 @@ def _memory(plt, picks: list[dict], path: Path) -> str:
     return str(path)
 
 
-def draw_all(docs: list[dict], out_dir: Path | str, prefix: str = "") -> dict[str, str]:
-    """Draws ``PLOTS`` from the cases of ``docs`` into ``out_dir/<prefix><plot>.png``."""
+def _pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, or the reason it is missing (a str)."""
     try:
         import matplotlib
 
@@ -169,7 +169,15 @@ def draw_all(docs: list[dict], out_dir: Path | str, prefix: str = "") -> dict[st
     except ImportError as e:
         msg = f"skipped: matplotlib not available ({e})"
         print(f"plots {msg}")
-        return {p: msg for p in PLOTS}
+        return msg
+    return plt
+
+
+def draw_all(docs: list[dict], out_dir: Path | str, prefix: str = "") -> dict[str, str]:
+    """Draws ``PLOTS`` from the cases of ``docs`` into ``out_dir/<prefix><plot>.png``."""
+    plt = _pyplot()
+    if isinstance(plt, str):
+        return {p: plt for p in PLOTS}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     single, coll = (
@@ -196,3 +204,40 @@ def draw_all(docs: list[dict], out_dir: Path | str, prefix: str = "") -> dict[st
         finally:
             plt.close("all")
     return out
+
+
+def draw_scaling(results: list[dict], path: Path) -> str:
+    """The scaling stage's plot (``path``): examples/s against GPUs per case (workload,
+    per-GPU batch), one line per strategy from the 1-GPU run, and the ideal."""
+    plt = _pyplot()
+    if isinstance(plt, str):
+        return plt
+    cases = sorted({(r["workload"], r["per_gpu_batch"]) for r in results if "examples_per_s" in r})
+    if not cases:
+        return "skipped: no timed run"
+    fig, axes = plt.subplots(1, len(cases), figsize=(4 * len(cases), 3.4), squeeze=False)
+    for ax, (wl, b) in zip(axes[0], cases):
+        runs = [
+            r for r in results if (r["workload"], r["per_gpu_batch"]) == (wl, b) and "examples_per_s" in r
+        ]
+        base = next((r for r in runs if r["strategy"] == "single"), None)
+        for strategy, marker in (("data", "o"), ("table", "s")):
+            pts = sorted((r["num_gpus"], r["examples_per_s"]) for r in runs if r["strategy"] == strategy)
+            if base is not None:
+                pts = [(1, base["examples_per_s"])] + pts
+            if len(pts) > 1:
+                ax.plot(*zip(*pts), marker=marker, label=strategy)
+        gpus = sorted({r["num_gpus"] for r in runs})
+        if base is not None:
+            ax.plot(gpus, [g * base["examples_per_s"] for g in gpus], "k:", label="ideal")
+        ax.set_xticks(gpus)
+        ax.set_title(f"{wl}, {b} per GPU")
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("examples / s")
+        ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close("all")
+    return str(path)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from . import scaling_report
 from .plots import draw_all, impl_order, measured
+from .records import load, newest_first
 
 RESULTS = "benchmarks/results"
 MODES = ("fwd", "fwd_bwd")
@@ -116,22 +117,8 @@ def breakdown(label: str, fwd: dict, fb: dict) -> None:
 # ---- the suite's JSON (python -m benchmarks) ----------------------------------------------
 
 
-def load(paths: list[str]) -> list[dict]:
-    docs = []
-    for p in paths:
-        d = json.load(open(p))
-        d["_path"] = p
-        docs.append(d)
-    return docs
-
-
 def suite_files(results: str = RESULTS) -> list[str]:
     return sorted(glob.glob(os.path.join(results, "bench_*.json")))
-
-
-def newest_first(docs: list[dict]) -> list[dict]:
-    """The non-quick runs, newest first (a later run of a case overrides an earlier one)."""
-    return sorted((d for d in docs if not d.get("quick")), key=lambda d: d["date"], reverse=True)
 
 
 def cases_of(docs: list[dict], suite: str) -> list[dict]:

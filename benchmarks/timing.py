@@ -3,7 +3,8 @@
 Device time (``timed``): on a GPU, ``device_profile`` -- a ``jax.profiler`` trace of
 ``iters`` calls queued back to back after warm-up, parsed with
 ``jax.profiler.ProfileData``; the time per call is the union of the GPU kernel and memcpy
-intervals of all streams divided by ``iters`` (busy time: no host dispatch, no idle gaps).
+intervals of all streams divided by ``iters`` (busy time: no host dispatch, no idle gaps);
+``device_profiles``, the same per GPU with the share of it in collectives (NCCL kernels).
 Elsewhere (CPU), ``queued_ms`` -- K calls queued then one ``block_until_ready``; the median
 over R repeats of wall / K (includes host dispatch). ``iters`` and K adapt to the time of a
 call so one measurement takes about ``target_s``.
@@ -34,8 +35,11 @@ __all__ = [
     "device_free_bytes",
     "memory_stats",
     "timed",
+    "blocking_ms",
     "device_profile",
+    "device_profiles",
     "queued_ms",
+    "queued_times",
     "peaks",
     "method",
 ]
@@ -123,9 +127,10 @@ def memory_analysis(compiled) -> dict:
     return out
 
 
-def memory_stats() -> dict | None:
-    """The default device's allocator statistics (None on backends without them)."""
-    stats = jax.devices()[0].memory_stats()
+def memory_stats(device: jax.Device | None = None) -> dict | None:
+    """``device``'s (default: the default device's) allocator statistics (None on backends
+    without them)."""
+    stats = (device or jax.devices()[0]).memory_stats()
     return dict(stats) if stats else None
 
 
@@ -141,7 +146,7 @@ def device_free_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _call_ms(f: Callable, args: tuple, warm: int) -> float:
+def blocking_ms(f: Callable, args: tuple, warm: int) -> float:
     """Runs ``warm`` blocking calls; wall ms of the last."""
     ms = 0.0
     for _ in range(warm):
@@ -153,6 +158,11 @@ def _call_ms(f: Callable, args: tuple, warm: int) -> float:
 
 def queued_ms(f: Callable, args: tuple, k: int, r: int) -> float:
     """Median over ``r`` repeats of (wall of ``k`` queued calls and one block) / ``k``, in ms."""
+    return statistics.median(queued_times(f, args, k, r))
+
+
+def queued_times(f: Callable, args: tuple, k: int, r: int) -> list[float]:
+    """(Wall of ``k`` queued calls and one block) / ``k`` in ms, for each of ``r`` repeats."""
     ts = []
     for _ in range(r):
         t0 = time.perf_counter()
@@ -161,16 +171,12 @@ def queued_ms(f: Callable, args: tuple, k: int, r: int) -> float:
             out = f(*args)
         jax.block_until_ready(out)
         ts.append((time.perf_counter() - t0) / k * 1e3)
-    return statistics.median(ts)
+    return ts
 
 
-def device_profile(f: Callable, args: tuple, iters: int = 20, top: int = 12) -> dict:
-    """Device time per call from a profiler trace of ``iters`` queued calls (GPU).
-
-    busy_ms: union of the GPU stream intervals / iters; span_ms: first start to last end /
-    iters; categories_ms: per part (``CATEGORIES``, the rest is XLA glue) summed / iters;
-    kernels_ms: the ``top`` kernels by summed duration / iters.
-    """
+def trace(f: Callable, args: tuple, iters: int) -> Any:
+    """The ``jax.profiler.ProfileData`` of a trace of ``iters`` queued calls (None when the
+    profiler wrote no trace)."""
     from jax.profiler import ProfileData
 
     with tempfile.TemporaryDirectory() as d:
@@ -182,41 +188,74 @@ def device_profile(f: Callable, args: tuple, iters: int = 20, top: int = 12) -> 
             jax.block_until_ready(out)
         finally:
             jax.profiler.stop_trace()
-        path = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))[-1]
-        data = ProfileData.from_file(path)
-    intervals, per_name = [], {}
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):
-                continue
-            for ev in line.events:
-                intervals.append((ev.start_ns, ev.start_ns + ev.duration_ns))
-                per_name[ev.name] = per_name.get(ev.name, 0.0) + ev.duration_ns
-    if not intervals:
+        paths = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))
+        return ProfileData.from_file(paths[-1]) if paths else None
+
+
+def gpu_events(data: Any) -> dict[str, list]:
+    """The events of each GPU's streams in a trace: ``{plane name: [event]}`` (GPUs with
+    stream events only)."""
+    out: dict[str, list] = {}
+    for plane in data.planes if data is not None else ():
+        if plane.name.startswith("/device:GPU"):
+            events = [ev for line in plane.lines if line.name.startswith("Stream") for ev in line.events]
+            if events:
+                out[plane.name] = events
+    return out
+
+
+def union_ns(events: list) -> float:
+    """Length of the union of the events' intervals (ns): the time any of them runs."""
+    total, end = 0.0, -1
+    for s, e in sorted((ev.start_ns, ev.start_ns + ev.duration_ns) for ev in events):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def device_profile(f: Callable, args: tuple, iters: int = 20, top: int = 12) -> dict:
+    """Device time per call from a profiler trace of ``iters`` queued calls (GPU).
+
+    busy_ms: union of the GPU stream intervals / iters; span_ms: first start to last end /
+    iters; categories_ms: per part (``CATEGORIES``, the rest is XLA glue) summed / iters;
+    kernels_ms: the ``top`` kernels by summed duration / iters.
+    """
+    events = [ev for evs in gpu_events(trace(f, args, iters)).values() for ev in evs]
+    if not events:
         raise RuntimeError("no GPU stream events in the profiler trace")
-    intervals.sort()
-    busy, (cur_s, cur_e) = 0.0, intervals[0]
-    for s, e in intervals[1:]:
-        if s > cur_e:
-            busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    busy += cur_e - cur_s
+    per_name: dict[str, float] = {}
+    for ev in events:
+        per_name[ev.name] = per_name.get(ev.name, 0.0) + ev.duration_ns
     cats: dict[str, float] = {}
     for name, ns in per_name.items():
         cat = next((c for c, pat in CATEGORIES if re.search(pat, name)), "XLA fusions (glue)")
         cats[cat] = cats.get(cat, 0.0) + ns / iters * 1e-6
     ranked = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
+    spans = sorted((ev.start_ns, ev.start_ns + ev.duration_ns) for ev in events)
     return {
-        "busy_ms": busy / iters * 1e-6,
-        "span_ms": (intervals[-1][1] - intervals[0][0]) / iters * 1e-6,
-        "events_per_call": len(intervals) / iters,
+        "busy_ms": union_ns(events) / iters * 1e-6,
+        "span_ms": (spans[-1][1] - spans[0][0]) / iters * 1e-6,  # first start to the last start's end
+        "events_per_call": len(events) / iters,
         "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
         "kernels_ms": {k[:90]: v / iters * 1e-6 for k, v in ranked},
     }
+
+
+def device_profiles(f: Callable, args: tuple, iters: int = 5, collective: str = "nccl") -> dict | None:
+    """Per GPU, from a profiler trace of ``iters`` queued calls: ``busy_ms`` per call (union
+    of its streams' events), ``collective_ms`` (union of the kernels whose name contains
+    ``collective``, any case) and their ``collective_share`` of the busy time; None
+    without GPU events (CPU)."""
+    out = {}
+    for name, events in gpu_events(trace(f, args, iters)).items():
+        busy = union_ns(events) / iters * 1e-6
+        coll = union_ns([ev for ev in events if collective in ev.name.lower()]) / iters * 1e-6
+        out[name] = {"busy_ms": busy, "collective_ms": coll, "collective_share": coll / busy}
+    return out or None
 
 
 def timed(f: Callable, args: tuple, *, target_s: float = 0.4, max_iters: int = 20, repeats: int = 5) -> dict:
@@ -225,7 +264,7 @@ def timed(f: Callable, args: tuple, *, target_s: float = 0.4, max_iters: int = 2
     Returns ``ms``, ``method``, ``iters`` (calls measured), ``first_call_ms`` (wall, blocking),
     and on a GPU the ``profile`` of ``device_profile``.
     """
-    first = _call_ms(f, args, warm=2)
+    first = blocking_ms(f, args, warm=2)
     iters = int(min(max_iters, max(3, target_s * 1e3 / max(first, 1e-3))))
     if method() == "profiler":
         prof = device_profile(f, args, iters=iters)

@@ -1,4 +1,5 @@
-"""Seeded workload generators: one TT table (the single-table sweep) and Meta-like collections.
+"""Seeded workload generators: one TT table (the single-table sweep), Meta-like collections
+and DLRM batches (``dlrm_batch``: the scaling stage's).
 
 Every workload comes in the packed form of a table-batched op (FBGEMM's TBE, design 3b):
 one flat int32 ``ids`` array, feature-major ``offsets [F*B + 1]`` (bag b of feature f is
@@ -37,14 +38,23 @@ collection). ``stats`` reports what a draw gives: mean pooling, one-hot fraction
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
 from flowtt_jax.tt.spec import TTSpec
 
-__all__ = ["HASH", "Workload", "MetaLikeCollection", "single_table", "bounded_zipf", "prefix_groups"]
+__all__ = [
+    "HASH",
+    "Workload",
+    "MetaLikeCollection",
+    "single_table",
+    "bounded_zipf",
+    "prefix_groups",
+    "dlrm_batch",
+]
 
 #: Knuth's multiplicative-hash constant, a prime: ``rank * HASH mod N`` scatters hot ranks.
 HASH = 2654435761
@@ -292,27 +302,51 @@ class MetaLikeCollection:
     def dense_param_bytes(self) -> int:
         return sum(s.dense_params for s in self.specs) * 4
 
-    def draw(self, batch: int) -> Workload:
-        """``batch`` bags per feature (one feature per table), seeded by (seed, t, batch)."""
-        ids, lengths = [], []
-        for t in range(self.num_tables):
+    def draw_tables(self, batch: int, tables: Iterable[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(int32 ids, bag lengths) of each table of ``tables`` in ``draw(batch)``: table t's
+        bags are seeded by (seed, t, batch) alone."""
+        out = []
+        for t in tables:
             rng = np.random.default_rng([self.seed, t, 1, batch])
             if self.one_hot[t]:
                 n_t = np.ones(batch, np.int64)
             else:
                 n_t = rng.poisson(self.pooling_mean[t], batch)
             ranks = bounded_zipf(rng, self.alpha[t], int(self.rows[t]), int(n_t.sum()))
-            ids.append((ranks.astype(np.uint64) * np.uint64(HASH)) % np.uint64(self.rows[t]))
-            lengths.append(n_t)
-        offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))])
-        if offsets[-1] >= 2**31:
+            ids = (ranks.astype(np.uint64) * np.uint64(HASH)) % np.uint64(self.rows[t])
+            out.append((ids.astype(np.int32), n_t))
+        return out
+
+    def draw(self, batch: int, *, map: Callable = map, wide_offsets: bool = False) -> Workload:
+        """``batch`` bags per feature (one feature per table), seeded by (seed, t, batch).
+
+        ``map`` runs ``draw_tables`` over chunks of 8 tables (e.g. a process pool's ``map``:
+        the same bags, drawn in parallel). Offsets are int32; past 2^31 ids an error, or
+        with ``wide_offsets`` int64 (a batch that is split over devices before the op).
+        """
+        chunks = [range(t, min(t + 8, self.num_tables)) for t in range(0, self.num_tables, 8)]
+        parts = [p for chunk in map(functools.partial(self.draw_tables, batch), chunks) for p in chunk]
+        offsets = np.concatenate([[0], np.cumsum(np.concatenate([n for _, n in parts]))])
+        if offsets[-1] >= 2**31 and not wide_offsets:
             raise ValueError(f"{offsets[-1]} ids do not fit int32 offsets")
         return Workload(
             name=f"meta{self.num_tables}_B{batch}",
             batch=batch,
-            ids=np.concatenate(ids).astype(np.int32),
-            offsets=offsets.astype(np.int32),
+            ids=np.concatenate([ids for ids, _ in parts]),
+            offsets=offsets.astype(np.int32 if offsets[-1] < 2**31 else np.int64),
             feature_table=tuple(range(self.num_tables)),
             specs=self.specs,
             params={**self.params, "batch": batch},
         )
+
+
+def dlrm_batch(cards: Sequence[int], batch: int, seed: int) -> tuple[np.ndarray, ...]:
+    """A DLRM batch over tables of ``cards`` rows: dense ``[B, 13]`` standard normal, sparse
+    ``[B, len(cards)]`` int32 Zipf(1.2) ranks scattered over each table by ``HASH``, labels
+    ``[B]`` (1 with probability 0.25)."""
+    rng = np.random.default_rng(seed)
+    dense = rng.standard_normal((batch, 13)).astype(np.float32)
+    ranks = np.minimum(rng.zipf(1.2, (batch, len(cards))) - 1, 2**40)
+    sparse = ((ranks.astype(np.uint64) * np.uint64(HASH)) % np.asarray(cards, np.uint64)).astype(np.int32)
+    labels = (rng.random(batch) < 0.25).astype(np.float32)
+    return dense, sparse, labels

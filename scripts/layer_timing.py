@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flax import nnx  # noqa: E402
 
-from benchmarks.__main__ import _commit  # noqa: E402
+from benchmarks.records import commit  # noqa: E402
 from benchmarks.workloads import MetaLikeCollection  # noqa: E402
 from flowtt_jax import KeyedJagged  # noqa: E402
 from flowtt_jax.collection import TableConfig  # noqa: E402
@@ -101,7 +101,7 @@ def main(argv=None) -> None:
         "backend": jax.default_backend(),
         "cpu_count": os.cpu_count(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": commit(),
         "records": recs,
     }
     if a.json:

@@ -1,6 +1,7 @@
 """The benchmark suite: ``python -m benchmarks --quick`` end to end on CPU (JSON structure,
-positive finite numbers, plots, the README generator), and the workload generators'
-statistics and reproducibility."""
+positive finite numbers, plots, the README generator), the scaling stage on 2 virtual CPU
+devices, the workload generators' statistics and reproducibility, and the package's imports
+(no cycle)."""
 
 import json
 import math
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks import scaling_report
 from benchmarks import workloads as wl
 from benchmarks.impls import REGISTRY
 from flowtt_jax.kernels import ffi
@@ -21,21 +23,27 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = ("fwd", "fwd_bwd")
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
+def run_benchmarks(out: Path, *argv: str, **env: str) -> str:
+    """``python -m benchmarks *argv --out-dir out`` on the CPU with commit ``test-commit``
+    and the environment ``env`` added; asserts it succeeds, returns its stdout."""
     if not ffi.available():
         pytest.skip("compiled extension not built (ours needs it)")
-    out = tmp_path_factory.mktemp("bench")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "FLOWTT_COMMIT": "test-commit"}
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--out-dir", str(out)],
+        [sys.executable, "-m", "benchmarks", *argv, "--out-dir", str(out)],
         cwd=ROOT,
-        env=env,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "FLOWTT_COMMIT": "test-commit", **env},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    run_benchmarks(out, "--quick")
     (path,) = out.glob("bench_quick_all_cpu_*.json")
     return out, json.loads(path.read_text())
 
@@ -117,19 +125,10 @@ def test_quick_run_plots_and_readme(quick_run, tmp_path):
 
 @pytest.fixture(scope="module")
 def weighted_run(tmp_path_factory):
-    if not ffi.available():
-        pytest.skip("compiled extension not built (ours needs it)")
     out = tmp_path_factory.mktemp("bench_w")
-    argv = ["--quick", "--suite", "single", "--weighted", "--batches", "32", "--dists", "zipf1.05"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", *argv, "--out-dir", str(out)],
-        cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "FLOWTT_COMMIT": "test-commit"},
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run_benchmarks(
+        out, "--quick", "--suite", "single", "--weighted", "--batches", "32", "--dists", "zipf1.05"
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = out.glob("bench_quick_single_cpu_*.json")
     return json.loads(path.read_text())
 
@@ -306,8 +305,6 @@ def test_hot_rows_scattered():
 
 
 def test_scaling_block_takes_each_case_from_its_newest_run(tmp_path):
-    from benchmarks import scaling_report
-
     def run(date, commit, step_1, step_2):
         rows = [
             {
@@ -383,3 +380,118 @@ def test_layer_impls_equal_the_packed_op():
         np.testing.assert_array_equal(results[name][0], out)
         for a, b in zip(results[name][1], grads, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def scaling_run(tmp_path_factory):
+    """The scaling stage at its quick sizes on 2 virtual CPU devices: (JSON path, JSON, stdout)."""
+    out = tmp_path_factory.mktemp("scaling")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+    stdout = run_benchmarks(out, "--stage", "scaling", "--quick", XLA_FLAGS=flags)
+    (path,) = (out / "scaling").glob("bench_quick_scaling_cpu_*.json")
+    return path, json.loads(path.read_text()), stdout
+
+
+def test_scaling_run_json(scaling_run):
+    _, doc, stdout = scaling_run
+    assert doc["stage"] == "scaling" and doc["quick"] is True and doc["status"] == "complete"
+    assert doc["commit"] == "test-commit" and doc["num_devices"] == 2
+    assert doc["env"]["NCCL_NVLS_ENABLE"] == os.environ.get("NCCL_NVLS_ENABLE", "0")
+    runs = {(r["workload"], r["num_gpus"], r["strategy"]): r for r in doc["results"]}
+    per_case = ((1, "single"), (2, "data"), (2, "table"))
+    assert set(runs) == {(w, n, s) for w in ("dlrm", "meta3") for n, s in per_case}
+    for key, r in runs.items():
+        assert "error" not in r and "skipped" not in r, (key, r)
+        assert r["per_gpu_batch"] == 32 and r["global_batch"] == 32 * r["num_gpus"]
+        assert r["step_s"] > 0 and r["examples_per_s"] > 0 and r["compile_s"] > 0
+        assert len(r["repeats_s"]) == 3 and r["memory_analysis"]["argument_size"] > 0
+        assert r["profile"] is None  # no GPU in the trace
+        if r["num_gpus"] == 2:
+            assert r["check"]["ok"] is True, (key, r["check"])
+    assert runs[("dlrm", 2, "table")]["placement"]["imbalance"] >= 1
+    assert {(e["workload"], e["strategy"]) for e in doc["efficiency"]} == {
+        (w, s) for w in ("dlrm", "meta3") for s in ("data", "table")
+    }
+    assert all(e["efficiency"] > 0 for e in doc["efficiency"])
+    assert "| meta3 | 32 | 2 | table |" in stdout
+
+
+def test_scaling_block_renders_from_the_stage(scaling_run, tmp_path):
+    path, doc, _ = scaling_run
+    pytest.importorskip("matplotlib")
+    assert Path(doc["plots"]["scaling"]) == path.with_suffix(".png") and path.with_suffix(".png").is_file()
+    # The report reads non-quick runs of its folder: the stage's JSON named as a stage writes it.
+    folder = tmp_path / "scaling"
+    folder.mkdir()
+    name = path.name.replace("bench_quick_", "bench_")
+    (folder / name).write_text(json.dumps({**doc, "quick": False}))
+    (folder / name).with_suffix(".png").write_bytes(path.with_suffix(".png").read_bytes())
+    text = scaling_report.section(scaling_report.load_runs(str(folder)), tmp_path)
+    assert f"`{name}` (cpu:cpu x2, {doc['date'][:10]}, commit test-co," in text
+    eff = {(e["workload"], e["strategy"]): e["efficiency"] for e in doc["efficiency"]}
+    for r in doc["results"]:
+        e = eff.get((r["workload"], r["strategy"]))
+        e = "-" if e is None else f"{e:.2f}"
+        cells = f"{1e3 * r['step_s']:.2f} | {r['examples_per_s']:,.0f} | {e} |"
+        assert f"| {r['workload']} | 32 | {r['num_gpus']} | {r['strategy']} | {cells}" in text
+    assert text.index("| dlrm |") < text.index("| meta3 |")
+    assert f"![scaling](scaling/{name[:-5]}.png)" in text
+
+
+def test_scaling_arguments():
+    from benchmarks.__main__ import FULL, SCALING_BUDGET, parse_args
+
+    a = parse_args(["--stage", "scaling", "--meta-cases", "788x4096,240x32768", "--strategies", "data"])
+    assert a.suite == "scaling" and a.meta_cases == ((788, 4096), (240, 32768)) and a.strategies == ("data",)
+    assert a.dlrm_batches == FULL["dlrm_batches"] and a.time_budget == SCALING_BUDGET and a.workers >= 1
+    assert parse_args(["--stage", "scaling", "--meta-cases", ""]).meta_cases == ()
+    for argv in (
+        ["--stage", "scaling", "--batches", "32"],  # the single-device suites' option
+        ["--stage", "collection", "--gpus", "2"],  # the scaling stage's
+        ["--stage", "scaling", "--strategies", "pipeline"],
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+
+
+def _benchmarks_imports() -> dict[str, set[str]]:
+    """Each module of ``benchmarks/`` and the package's modules it imports, at any depth of
+    its code (function-level imports too)."""
+    import ast
+
+    folder = ROOT / "benchmarks"
+    modules = {p.stem for p in folder.glob("*.py")}
+    graph = {}
+    for name in modules:
+        found = set()
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.Import):
+                parts = [a.name.split(".") for a in node.names]
+                found |= {p[1] for p in parts if p[0] == "benchmarks" and len(p) > 1}
+            elif isinstance(node, ast.ImportFrom):
+                mod = node.module or ""
+                if node.level == 0 and not mod.startswith("benchmarks"):
+                    continue
+                sub = mod.split(".")[1:] if node.level == 0 else mod.split(".")
+                # "from . import x" / "from benchmarks import x": x is the module
+                found |= {sub[0]} if sub and sub[0] else {a.name for a in node.names}
+        graph[name] = (found & modules) - {name}
+    return graph
+
+
+def test_benchmarks_have_no_import_cycle():
+    graph = _benchmarks_imports()
+    assert "scaling_report" in graph["report"] and "records" in graph["scaling_report"]  # it sees imports
+    state: dict[str, int] = {}  # 1: on the DFS path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            assert state.get(nxt) != 1, "import cycle: " + " -> ".join(path[path.index(nxt) :] + [node, nxt])
+            if nxt not in state:
+                visit(nxt, path + [node])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])

@@ -310,7 +310,7 @@ __device__ __forceinline__ void tb_stage_g1_rows(const DD& d, const float* __res
 // The whole prefix GEMM of a batch of nb groups: As staged, then each thread's register
 // tiles of P, handed to store(row0, c4, nR, acc) (rows row0 + i < nR, columns 4*c4 + c).
 // kTbRPT rows a thread always: tile_gemm_P's 4 / 6-row choice made the Meta-like forward
-// 3% slower (docs/kernel_log.md, session 25).
+// 3% slower (docs/log/kernels.md, session 25).
 template <class Store, class DD>
 __device__ __forceinline__ void tb_batch_P(const DD& d, const float* __restrict__ g1,
                                            const int* s_i1, int nb, int ldA, float* As,
