@@ -244,7 +244,7 @@ class Meta:
     / ``GroupTableWise``), its batches drawn by ``map`` (e.g. a process pool's)."""
 
     def __init__(self, coll: MetaLikeCollection, map: Callable = map):
-        from flowtt_jax.batched_plan import GroupLayout
+        from flowtt_jax import GroupLayout
 
         self.coll, self.map = coll, map
         self.name = f"meta{coll.num_tables}"
@@ -267,7 +267,7 @@ class Meta:
 
     def prepare(self, strategy: str, n: int, batches: dict) -> Prepared:
         from flowtt_jax import sharding as sh
-        from flowtt_jax.batched import tt_embedding_bag_group
+        from flowtt_jax import tt_embedding_bag_group
 
         feature_tables = tuple(range(self.coll.num_tables))
         if strategy == "single":

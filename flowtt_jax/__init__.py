@@ -11,7 +11,7 @@ from flowtt_jax.inputs.jagged import KeyedJagged
 from flowtt_jax.kernels.ffi import disabled_safety_checks
 from flowtt_jax.kernels.group_plan import GroupLayout
 from flowtt_jax.kernels.plan import Plan, make_plan
-from flowtt_jax.ops.single.embedding_bag import tt_embedding_bag, tt_embedding_bag_group, tt_lookup
+from flowtt_jax.ops.embedding_bag import tt_embedding_bag, tt_embedding_bag_group, tt_lookup
 from flowtt_jax.tt.cores import Cores, from_dense, init_cores, to_dense
 from flowtt_jax.tt.spec import TTSpec
 

@@ -8,8 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from flowtt_jax.ops.single.dense import dense_embedding_bag, dense_lookup
-from flowtt_jax.ops.single.embedding_bag import tt_embedding_bag, tt_lookup
+from flowtt_jax.ops.dense import dense_embedding_bag, dense_lookup
+from flowtt_jax.ops.embedding_bag import tt_embedding_bag, tt_lookup
 from flowtt_jax.tt.cores import to_dense
 
 

@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flowtt_jax.collection.config.config import TableConfig
-from flowtt_jax.collection.config.layout import CollectionLayout
+from flowtt_jax.collection.config import TableConfig
+from flowtt_jax.collection.layout import CollectionLayout
 from flowtt_jax.inputs.jagged import KeyedJagged
 from flowtt_jax.layer_methods import BagCall, DenseBagMethods, TTTableMethods
 from flowtt_jax.tt.cores import CoreInit, check_cores, resolve_init

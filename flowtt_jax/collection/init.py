@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flowtt_jax.collection.config.packs import TablePack
+from flowtt_jax.collection.packs import TablePack
 from flowtt_jax.tt.cores import resolve_init
 
 __all__ = ["init_params"]

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flowtt_jax.collection.config.config import TableConfig, check_tables
-from flowtt_jax.collection.config.init import init_params
-from flowtt_jax.collection.config.packs import FeatureSlot, TablePack, pack_tables, param_names
-from flowtt_jax.collection.config.pool import (
+from flowtt_jax.collection.config import TableConfig, check_tables
+from flowtt_jax.collection.init import init_params
+from flowtt_jax.collection.packs import FeatureSlot, TablePack, pack_tables, param_names
+from flowtt_jax.collection.pool import (
     feature_input,
     lookup_input,
     pool_canonical,

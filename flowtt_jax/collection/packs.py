@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from flowtt_jax.collection.config.config import TableConfig
+from flowtt_jax.collection.config import TableConfig
 from flowtt_jax.kernels.group_plan import GroupLayout
 
 __all__ = ["FeatureSlot", "TablePack", "pack_tables", "param_names"]

@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flowtt_jax.collection.config.packs import FeatureSlot, TablePack
+from flowtt_jax.collection.packs import FeatureSlot, TablePack
 from flowtt_jax.inputs.bag import CanonicalBags, apply_bags_oob, bag_kwargs, canonical_bags, packed_bags
 from flowtt_jax.inputs.csr import bag_of_positions, check_sizes, scale_by_modes
 from flowtt_jax.inputs.jagged import PackedCSR
 from flowtt_jax.inputs.oob import apply_oob, apply_table_oob, as_ids, saturate_int32
-from flowtt_jax.ops.single.pooled import choose_impl, pooled, to_batch_major
+from flowtt_jax.ops.pooled import choose_impl, pooled, to_batch_major
 from flowtt_jax.tt import reference
 
 __all__ = [

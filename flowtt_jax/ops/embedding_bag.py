@@ -34,7 +34,7 @@ from flowtt_jax.inputs.bag import CanonicalBags, packed_bags, prepare_bags
 from flowtt_jax.inputs.csr import MODES, check_sizes, scale_by_modes
 from flowtt_jax.inputs.oob import apply_oob, as_ids, park_dropped
 from flowtt_jax.kernels.group_plan import GroupLayout
-from flowtt_jax.ops.single.pooled import choose_impl, pooled
+from flowtt_jax.ops.pooled import choose_impl, pooled
 from flowtt_jax.tt.spec import TTSpec, as_cores
 
 __all__ = ["tt_embedding_bag", "tt_lookup", "tt_embedding_bag_group", "feature_modes"]

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from flowtt_jax.collection.config.layout import CollectionLayout
+from flowtt_jax.collection.layout import CollectionLayout
 from flowtt_jax.sharding.base import ShardedLayout
 
 __all__ = ["DataParallelLayout", "collection_data_parallel", "data_parallel"]
