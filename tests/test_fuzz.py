@@ -2,7 +2,7 @@
 ``tests/test_fuzz_corpus.py`` on drawn tables, ids, bags, weights, dtypes and policies.
 
 Profiles (``FLOWTT_HYPOTHESIS_PROFILE``): ``ci`` (default: a few derandomized examples
-per property, every new file of issue 13 together in about 3 minutes on 2 CPU cores)
+per property, the fuzz and policy files together in about 3 minutes on 2 CPU cores)
 and ``gpu`` (hundreds of examples, random, for the device run:
 ``FLOWTT_HYPOTHESIS_PROFILE=gpu python -m pytest tests/test_fuzz.py tests/test_fuzz_corpus.py``).
 No example database is written (``database=None``).

@@ -1,4 +1,4 @@
-"""Reproducibility pinned, not only repeated (issue 13).
+"""Reproducibility pinned, not only repeated.
 
 - Golden bits: SHA-256 of the outputs and gradients of small fixed inputs, checked in
   per platform under ``tests/golden/`` (``cpu_<machine>.json``, ``cuda_sm<NN>.json``).

@@ -1,4 +1,4 @@
-"""Sizes (issue 13): nnz and bag counts past int32 refused with a clear error, the
+"""Size limits: nnz and bag counts past int32 refused with a clear error, the
 largest table ``TTSpec`` accepts looked up at its last row, and (``FLOWTT_LARGE_TESTS=1``,
 about 17 GB of memory on the default device) a B x D output past 2^31 elements.
 """

@@ -1,8 +1,8 @@
-"""Issue 13's regressions, one test (or a few) per numbered item: ids of every integer
+"""The ops' documented input and AD policies, one test (or a few) per policy: ids of every integer
 dtype, host int64 ids without x64, zero bags, non-finite rows at dropped positions,
 traced offsets, forward-mode / second-order AD, jax.export in a fresh process, argument
 errors, float16 cores. Sizes (nnz, B x D, the largest table) are in
-``test_hardening_sizes.py``.
+``test_op_sizes.py``.
 """
 
 from __future__ import annotations
