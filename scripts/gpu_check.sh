@@ -42,11 +42,11 @@ run_tests() {
   if [[ $STAGE == full ]]; then
     echo "== pytest: the whole tests/ on the GPU backend (the -m gpu tests included)" | tee "$OUT/pytest.log"
     # shellcheck disable=SC2086  # FULL_TESTS is a list of paths
-    JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -p no:cacheprovider "${par[@]}" -rfE \
+    JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -p no:cacheprovider --slow "${par[@]}" -rfE \
       ${FULL_TESTS:-tests} 2>&1 | tee -a "$OUT/pytest.log" | tail -12
   else
     echo "== pytest -m gpu: the CUDA tests (CUDA path and CUDA plan against the references)"
-    $PY -m pytest -q -p no:cacheprovider "${par[@]}" -m gpu tests 2>&1 | tee "$OUT/pytest.log" | tail -5
+    $PY -m pytest -q -p no:cacheprovider --slow "${par[@]}" -m gpu tests 2>&1 | tee "$OUT/pytest.log" | tail -5
   fi
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   HARNESS=$(scripts/build_harness.sh "$BUILD_ROOT/harness") || status=1

@@ -22,6 +22,23 @@ jax.config.update("jax_default_matmul_precision", "highest")
 TEST_SEED = int(os.environ.get("FLOWTT_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        help="also run the tests marked slow (long property and size runs; CI runs them: -m slow --slow)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --slow (CI does)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return f"flowtt_jax: FLOWTT_TEST_SEED={TEST_SEED} (set it to repeat this run's random inputs)"
 
