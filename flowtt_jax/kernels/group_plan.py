@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flowtt_jax.kernels.plan import GroupPlan, Plan, _starts_to_offsets, make_plan
+from flowtt_jax.kernels.plan import GroupPlan, Plan, changes, make_plan, runs
 from flowtt_jax.tt import reference
 from flowtt_jax.tt.spec import TTSpec
 
@@ -168,17 +168,16 @@ def _sorted_unique(layout: GroupLayout, ids: jax.Array, tables: jax.Array, sort_
         # uint32 keys (XLA's sort; one radix sort of key-value pairs on the GPU)
         keys = jnp.asarray(base[:-1], jnp.uint32)[tables] + ids.astype(jnp.uint32)
         sk, perm = jax.lax.sort((keys, iota), num_keys=1, is_stable=True)
-        new = jnp.concatenate([jnp.ones((1,), bool), sk[1:] != sk[:-1]])
+        new = changes(sk)
     else:
         # past 32 bits: two stable sorts (by id, then by table) give the (table, id) order
         _, by_id = jax.lax.sort((ids, iota), num_keys=1, is_stable=True)
         _, perm = jax.lax.sort((tables[by_id], by_id), num_keys=1, is_stable=True)
         st, sid = tables[perm], ids[perm]
-        new = jnp.concatenate([jnp.ones((1,), bool), (st[1:] != st[:-1]) | (sid[1:] != sid[:-1])])
-    uidx = (jnp.cumsum(new, dtype=jnp.int32) - 1).astype(jnp.int32)
+        new = changes(st) | changes(sid)
+    uidx, run_offsets = runs(new, jnp.int32(n))
     num_unique = uidx[-1] + 1
     inverse = jnp.zeros((n,), jnp.int32).at[perm].set(uidx, unique_indices=True)
-    run_offsets = _starts_to_offsets(new, uidx, jnp.int32(n))
     first = perm[jnp.minimum(run_offsets[:n], n - 1)]
     return perm, inverse, run_offsets, num_unique, tables[first], ids[first]
 
@@ -242,12 +241,8 @@ def make_group_plan(layout: GroupLayout, ids: jax.Array, tables: jax.Array, sort
     uid = jnp.where(live, uid, 0)
     p2, p3 = meta["p2"][ut], meta["p3"][ut]
     prefix = uid // p3
-    new_group = live & jnp.concatenate(
-        [jnp.ones((1,), bool), (ut[1:] != ut[:-1]) | (prefix[1:] != prefix[:-1])]
-    )
-    gidx = (jnp.cumsum(new_group, dtype=jnp.int32) - 1).astype(jnp.int32)
+    gidx, group_offsets = runs(live & (changes(ut) | changes(prefix)), num_unique)
     num_groups = gidx[-1] + 1
-    group_offsets = _starts_to_offsets(new_group, gidx, num_unique)
     head = jnp.minimum(group_offsets[:n], n - 1)  # first unique index of each group
     g_live = iota < num_groups
     g_i1 = jnp.where(g_live, meta["o1"][ut[head]] + prefix[head] // p2[head], 0)

@@ -69,6 +69,18 @@ def _starts_to_offsets(is_start: jax.Array, rank: jax.Array, total: jax.Array) -
     return offsets.at[slot].set(jnp.arange(n, dtype=jnp.int32), mode="drop", unique_indices=True)
 
 
+def changes(keys: jax.Array) -> jax.Array:
+    """[n] bool: where sorted ``keys`` [n] start a new run (always at 0)."""
+    return jnp.concatenate([jnp.ones((1,), bool), keys[1:] != keys[:-1]])
+
+
+def runs(starts: jax.Array, total: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(run index of every position [n], run start offsets [n+1] padded with total)`` for
+    ``starts`` [n] bool (where a run starts; 0 starts one unless masked out)."""
+    idx = (jnp.cumsum(starts, dtype=jnp.int32) - 1).astype(jnp.int32)
+    return idx, _starts_to_offsets(starts, idx, total)
+
+
 def make_plan(ids: jax.Array, last_extent: int) -> Plan:
     """Plan for flat int32 ``ids`` [n] (n >= 1, values in range).
 
@@ -79,16 +91,11 @@ def make_plan(ids: jax.Array, last_extent: int) -> Plan:
     n = ids.shape[0]
     iota = jnp.arange(n, dtype=jnp.int32)
     sorted_ids, perm = jax.lax.sort((ids.astype(jnp.int32), iota), num_keys=1, is_stable=True)
-    new_id = jnp.concatenate([jnp.ones((1,), bool), sorted_ids[1:] != sorted_ids[:-1]])
-    uidx = (jnp.cumsum(new_id, dtype=jnp.int32) - 1).astype(jnp.int32)  # unique index per sorted position
+    uidx, run_offsets = runs(changes(sorted_ids), jnp.int32(n))  # unique index per sorted position
     num_unique = uidx[-1] + 1
     inverse = jnp.zeros((n,), jnp.int32).at[perm].set(uidx, unique_indices=True)
-    run_offsets = _starts_to_offsets(new_id, uidx, jnp.int32(n))
     live = iota < num_unique
     unique_ids = jnp.where(live, sorted_ids[jnp.minimum(run_offsets[:n], n - 1)], 0)
-    prefix = unique_ids // last_extent
-    new_group = live & jnp.concatenate([jnp.ones((1,), bool), prefix[1:] != prefix[:-1]])
-    gidx = (jnp.cumsum(new_group, dtype=jnp.int32) - 1).astype(jnp.int32)
-    group_offsets = _starts_to_offsets(new_group, gidx, num_unique)
+    gidx, group_offsets = runs(live & changes(unique_ids // last_extent), num_unique)
     counts = jnp.stack([num_unique, gidx[-1] + 1])
     return Plan(perm, inverse, unique_ids, run_offsets, group_offsets, counts)
