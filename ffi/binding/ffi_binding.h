@@ -1,5 +1,5 @@
 // Binding a target's operand and result buffer lists in one call (the XLA FFI binding
-// builder, one .Arg/.Ret per buffer): used by the single-table contract (op_contract.h)
+// builder, one .Arg/.Ret per buffer): used by the single-table contract (op_ffi.h)
 // and the table-batched one (tb_ffi.h).
 #pragma once
 

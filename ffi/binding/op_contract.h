@@ -1,15 +1,13 @@
 // The op contract (docs/op_contract.md) on XLA FFI buffers, shared by the CPU
 // (ffi/cpu/handlers.cc) and CUDA (ffi/cuda/handlers.cc) handlers: every argument check of
-// every op (Check<Op>, on any ffi::Buffer type) and the operand/result lists of the
-// targets (Bind<Op>). The platforms add only their own limits (the CUDA kernels'
-// supported shapes) and the CPU's checks of the plan's contents.
+// every op (Check<Op>, on any ffi::Buffer type; the operand/result lists of the targets,
+// Bind<Op>, are in ffi/binding/op_ffi.h). The platforms add only their own limits (the CUDA
+// kernels' supported shapes) and the CPU's checks of the plan's contents.
 #pragma once
 
 #include <cstdint>
 #include <string>
-#include <utility>
 
-#include "binding/ffi_binding.h"
 #include "contract/core_shape.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -210,63 +208,6 @@ ffi::Error CheckPlan(const Buf& ids, const Buf& perm, const Buf& inverse, const 
         "flowtt_plan: need 1 <= last_extent < 2^31 and 1 <= num_rows < 2^31");
   }
   return ffi::Error::Success();
-}
-
-// Operand and result lists of the targets, appended to a binding that may
-// already hold context arguments (the CUDA stream, the scratch allocator).
-// Trailing operands past the contract's are accepted and ignored (RemainingArgs).
-using F32Buffer = ffi::Buffer<ffi::F32>;
-using S32Buffer = ffi::Buffer<ffi::S32>;
-using S32Out = ffi::ResultBuffer<ffi::S32>;
-
-template <typename Binding>
-auto BindRowsFwd(Binding b) {  // g1 g2 g3 unique_ids group_offsets counts -> rows
-  return BindBuffers(std::move(b),
-                     Buffers<F32Buffer, F32Buffer, F32Buffer, S32Buffer, S32Buffer, S32Buffer>{},
-                     Buffers<F32Buffer>{});
-}
-
-template <typename Binding>
-auto BindRowsBwd(Binding b) {  // g1 g2 g3 d_rows unique_ids group_offsets counts -> dg1 dg2 dg3
-  return BindBuffers(
-      std::move(b),
-      Buffers<F32Buffer, F32Buffer, F32Buffer, F32Buffer, S32Buffer, S32Buffer, S32Buffer>{},
-      Buffers<F32Buffer, F32Buffer, F32Buffer>{});
-}
-
-template <typename Binding>
-auto BindPoolFwd(Binding b) {  // rows inverse weights offsets -> out; attr batch
-  return BindBuffers(std::move(b), Buffers<F32Buffer, S32Buffer, F32Buffer, S32Buffer>{},
-                     Buffers<F32Buffer>{})
-      .template Attr<int64_t>("batch");
-}
-
-template <typename Binding>
-auto BindPoolBwd(Binding b) {
-  // dout rows weights inverse bag_ids perm run_offsets counts -> d_rows d_weights
-  return BindBuffers(std::move(b),
-                     Buffers<F32Buffer, F32Buffer, F32Buffer, S32Buffer, S32Buffer, S32Buffer,
-                             S32Buffer, S32Buffer>{},
-                     Buffers<F32Buffer, F32Buffer>{});
-}
-
-template <typename Binding>
-auto BindBagFwd(Binding b) {
-  // g1 g2 g3 unique_ids group_offsets counts inverse weights offsets -> out; attr chunk_rows
-  return BindBuffers(std::move(b),
-                     Buffers<F32Buffer, F32Buffer, F32Buffer, S32Buffer, S32Buffer, S32Buffer,
-                             S32Buffer, F32Buffer, S32Buffer>{},
-                     Buffers<F32Buffer>{})
-      .template Attr<int64_t>("chunk_rows");
-}
-
-template <typename Binding>
-auto BindPlan(Binding b) {
-  // ids -> perm inverse unique_ids run_offsets group_offsets counts; attrs last_extent, num_rows
-  return BindBuffers(std::move(b), Buffers<S32Buffer>{},
-                     Buffers<S32Buffer, S32Buffer, S32Buffer, S32Buffer, S32Buffer, S32Buffer>{})
-      .template Attr<int64_t>("last_extent")
-      .template Attr<int64_t>("num_rows");
 }
 
 }  // namespace flowtt

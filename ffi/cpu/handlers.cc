@@ -9,6 +9,7 @@
 #include <string>
 
 #include "binding/op_contract.h"
+#include "binding/op_ffi.h"
 #include "cpu/ops.h"
 #include "cpu/plan.h"
 #include "xla/ffi/api/ffi.h"

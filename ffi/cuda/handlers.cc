@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "binding/op_contract.h"
+#include "binding/op_ffi.h"
 #include "cuda/ffi_status.h"
 #include "include/ops.h"
 #include "include/plan.h"
@@ -151,7 +152,7 @@ ffi::Error PlanImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, S32 ids,
 }
 
 // Context first (the stream XLA hands us, its scratch allocator), then the
-// contract's operands and results (ffi/binding/op_contract.h).
+// contract's operands and results (ffi/binding/op_ffi.h).
 auto WithStream() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
 auto WithStreamAndScratch() { return WithStream().Ctx<ffi::ScratchAllocator>(); }
 
