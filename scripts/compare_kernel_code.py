@@ -34,7 +34,9 @@ import tempfile
 from pathlib import Path
 
 NVCC_FLAGS = ["-arch=sm_90", "-O3", "-std=c++17"]
-SOURCE_DIRS = ("csrc", "cuda", "ffi")  # where CUDA sources live (old and new layouts)
+# Where CUDA sources and the headers they include live (old and new layouts); each is also an
+# include root (tests/native: the test helpers the table-batched harness includes).
+SOURCE_DIRS = ("csrc", "cuda", "ffi", "tests/native")
 
 
 def tool(name: str, env_var: str) -> str | None:

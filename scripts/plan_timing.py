@@ -1,6 +1,6 @@
 """Device time of the plan op, whole (sort) against forward-only (the bitmap where it
 applies), over table sizes and batch sizes: where the bitmap pays, to set
-``plan_bitmap::kWordsPerId`` (csrc/common/plan_bitmap.h) from measurements.
+``plan_bitmap::kWordsPerId`` (cuda/contract/plan_bitmap.h) from measurements.
 
 Zipf(1.05) ids scattered over the table as the benchmarks draw them, prefix extent 250.
 Prints one line per (num_rows, n) and writes ``plan_timing.json`` to ``--out``:

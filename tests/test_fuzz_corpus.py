@@ -323,7 +323,7 @@ PINNED = (
     dict(kind="group", rows=10**7, dim=32, rank=16, pattern="hot_prefix", n=700, weights="normal"),
 )
 CORPUS_SIZE = DRAWN + len(PINNED)
-KCH = 64  # unique ids per chunk of the CUDA forward (kCH, csrc/cuda/common.cuh)
+KCH = 64  # unique ids per chunk of the CUDA forward (kCH, cuda/common/common.cuh)
 CI_CASES = 6  # drawn cases run here by pytest unless FLOWTT_HYPOTHESIS_PROFILE=gpu (the pinned always)
 
 

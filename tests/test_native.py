@@ -1,13 +1,13 @@
 """The standalone C++ checks, built and run here (no GPU needed):
 
-- ``csrc/cpu/tb_rows_test.cc``: the CPU table-batched rows ops against the float64 oracle,
+- ``tests/native/tb_rows_test.cc``: the CPU table-batched rows ops against the float64 oracle,
   invalid plans and shapes refused;
-- ``csrc/cuda/tb_rows_emu_test.cc``: the CUDA table-batched kernels' own code run in
-  emulation (``csrc/cuda/tb_emu.h``) against the oracle, with the paths a device run
+- ``tests/native/tb_rows_emu_test.cc``: the CUDA table-batched kernels' own code run in
+  emulation (``tests/native/tb_emu.h``) against the oracle, with the paths a device run
   rarely takes (the dg1 merge fallback, groups past the P cache, both dg2 batch sizes)
   checked bit for bit against the usual ones, and invalid plans run to completion.
-- ``csrc/cuda/snake_slots_test.cc``: the backward tile kernel's deal of a batch's dP items
-  to threads (``csrc/cuda/snake_slots.cuh``): a permutation, in rank order, optimal pairs.
+- ``tests/native/snake_slots_test.cc``: the backward tile kernel's deal of a batch's dP items
+  to threads (``cuda/single/snake_slots.cuh``): a permutation, in rank order, optimal pairs.
 
 Each prints PASS/FAIL lines and exits 1 on any failure. Skipped without a C++ compiler.
 """
@@ -27,17 +27,21 @@ CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 
 CHECKS = {
-    "cpu_tb_rows": ["csrc/cpu/tb_rows_test.cc", "csrc/cpu/tb_rows.cc"],
-    "cuda_tb_emulation": ["csrc/cuda/tb_rows_emu_test.cc"],
-    "cuda_snake_slots": ["csrc/cuda/snake_slots_test.cc"],
+    "cpu_tb_rows": ["tests/native/tb_rows_test.cc", "ffi/cpu/tb_rows.cc"],
+    "cuda_tb_emulation": ["tests/native/tb_rows_emu_test.cc"],
+    "cuda_snake_slots": ["tests/native/snake_slots_test.cc"],
 }
+# The include roots (CMakeLists.txt): the kernels' cuda/, the CPU twins' ffi/ (no XLA header
+# is reached from these checks), the test helpers' tests/native/.
+INCLUDE_ROOTS = ["cuda", "ffi", "tests/native"]
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_native_check_passes(name, tmp_path):
     exe = tmp_path / name
     sources = [str(ROOT / s) for s in CHECKS[name]]
-    cmd = [CXX, "-std=c++17", "-O2", f"-I{ROOT / 'csrc'}", *sources, "-o", str(exe)]
+    includes = [f"-I{ROOT / d}" for d in INCLUDE_ROOTS]
+    cmd = [CXX, "-std=c++17", "-O2", *includes, *sources, "-o", str(exe)]
     build = subprocess.run(cmd, capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=900)

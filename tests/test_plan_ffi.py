@@ -93,7 +93,7 @@ def test_table_sizes(device, num_rows, last_extent):
 
 
 # The forward-only plan takes the table's bitmap where it has at most 2 words (64 rows)
-# per id (csrc/common/plan_bitmap.h), else the sort: (n, num_rows) on both sides of that
+# per id (cuda/contract/plan_bitmap.h), else the sort: (n, num_rows) on both sides of that
 # rule, last_extent below, at and above a word's 32 bits, and one past num_rows.
 FORWARD_CASES = [
     (1, 1, 1),  # bitmap: 1 word for 1 id

@@ -232,7 +232,7 @@ def plan(ids: jax.Array, last_extent: int, num_rows: int, forward_only: bool = F
     ``forward_only``: the plan of a forward without gradient (what ``bag_fwd`` and
     ``rows_fwd`` read): ``perm`` and ``run_offsets`` are ``[0]``, the other fields the same.
     Where the table's bitmap (``num_rows / 32`` words) is at most 2 words per id it is
-    built without a sort (``csrc/common/plan_bitmap.h``).
+    built without a sort (``cuda/contract/plan_bitmap.h``).
     """
     if ids.ndim != 1:
         raise ValueError(f"ids must be flat [n], got shape {ids.shape}")
