@@ -1,5 +1,7 @@
 """flowtt_jax.nnx layers: equal to the ops they wrap, differentiable, checkpointable."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,6 +206,17 @@ def test_checkpoint_roundtrip(tmp_path):
     after = fresh(x)
     for k in x:
         np.testing.assert_array_equal(np.asarray(after[k]), np.asarray(m(x)[k]))
+
+
+def test_collection_refuses_colliding_parameter_names():
+    """A 2-core table named "tt0" would store its cores as shape group 0's parameters."""
+    group = TableConfig("a", 1000, 8, rank=4, row_shape=(10, 10, 10), col_shape=(2, 2, 2))
+    two_core = TableConfig("tt0", 100, 8, rank=4, row_shape=(10, 10), col_shape=(2, 4))
+    with pytest.raises(ValueError, match=r"parameter 'tt0_core0' would hold both table\(s\) 'a' and .*'tt0'"):
+        TTEmbeddingCollection([group, two_core], rngs=nnx.Rngs(0))
+    renamed = TTEmbeddingCollection([group, dataclasses.replace(two_core, name="small")], rngs=nnx.Rngs(0))
+    assert [c.shape for c in renamed.cores("small")] == [(10, 1, 2, 4), (10, 4, 4, 1)]
+    assert [c.shape for c in renamed.cores("a")] == [(10, 1, 2, 4), (10, 4, 2, 4), (10, 4, 2, 1)]
 
 
 def test_collection_mixes_tt_and_dense():

@@ -26,7 +26,7 @@ import numpy as np
 
 from flowtt_jax.collection.config import TableConfig, check_tables
 from flowtt_jax.collection.init import init_params
-from flowtt_jax.collection.packs import FeatureSlot, TablePack, pack_tables, param_names
+from flowtt_jax.collection.packs import FeatureSlot, TablePack, check_param_names, pack_tables, param_names
 from flowtt_jax.collection.pool import (
     feature_input,
     lookup_input,
@@ -53,6 +53,7 @@ class CollectionLayout:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tables", check_tables(self.tables))
+        check_param_names(self.packs)
 
     @functools.cached_property
     def packs(self) -> tuple[TablePack, ...]:

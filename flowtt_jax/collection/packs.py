@@ -12,7 +12,7 @@ import numpy as np
 from flowtt_jax.collection.config import TableConfig
 from flowtt_jax.kernels.group_plan import GroupLayout
 
-__all__ = ["FeatureSlot", "TablePack", "pack_tables", "param_names"]
+__all__ = ["FeatureSlot", "TablePack", "check_param_names", "pack_tables", "param_names"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +72,20 @@ def param_names(packs: Sequence[TablePack], p: int) -> tuple[str, ...]:
     if pack.kind == "dense":
         return (f"dense{p}",)
     return tuple(f"{pack.tables[0].name}_core{k}" for k in range(pack.tables[0].spec().num_cores))
+
+
+def check_param_names(packs: Sequence[TablePack]) -> None:
+    """``ValueError`` when two packs would store their arrays under one parameter name (a
+    table of another core count is named after itself, e.g. a 2-core table ``"tt0"``
+    against shape group 0's ``tt0_core0``), naming both packs' tables."""
+    owners: dict[str, str] = {}
+    for p, pack in enumerate(packs):
+        tables = ", ".join(repr(t.name) for t in pack.tables)
+        for name in param_names(packs, p):
+            if name in owners:
+                raise ValueError(
+                    f"parameter {name!r} would hold both table(s) {owners[name]} and table(s) {tables}: "
+                    f"rename table {pack.tables[0].name!r} (a table of other than 3 cores stores its "
+                    "cores as '<table name>_core<k>')"
+                )
+            owners[name] = tables
