@@ -11,11 +11,12 @@ form on the host -- ids ``[S, C]`` and *local* feature-major offsets ``[S, F*B/S
   on its shard; the cores' gradient is all-reduced.
 - ``GroupTableWise``: each table on one device (``SplitGroup``, stacked cores sharded
   ``P(axis)``). Per device: its bags prepared as the op does (modes, out-of-range ids),
-  then every position is sent to its table's owner with one ``all_to_all`` each of ids,
-  weights and destination bag (``[S, K]``: K positions per owner, by default the shard's
-  whole capacity C, as one device may send one owner everything; ``needed_capacity``
-  gives the exact K of a batch); the owner pools all it got in one ``ops.pooled`` call
-  and the pooled bags return by ``all_to_all``. Vectorised: no per-feature code.
+  every position in a bag scattered to row e = its table's owner of ids and weights
+  ``[S, K]`` (K positions per owner, by default the shard's whole capacity C, as one
+  device may send one owner everything; ``needed_capacity`` gives the exact K of a batch;
+  a device with more for an owner gets NaN for its bags there), with each bag's count;
+  then the owner router ``SplitGroup.pool_routed``, the collection's too. Vectorised: no
+  per-feature code.
 
 Both return ``[F, B, D]`` split along B (dim 1).
 """
@@ -37,7 +38,6 @@ from flowtt_jax.inputs.csr import scale_by_modes
 from flowtt_jax.inputs.oob import OOB_POLICIES, apply_table_oob, host_ids
 from flowtt_jax.kernels.group_plan import GroupLayout
 from flowtt_jax.ops.embedding_bag import feature_modes, tt_embedding_bag_group
-from flowtt_jax.ops.pooled import choose_impl, pooled
 from flowtt_jax.sharding.placement import TableWisePlacement
 from flowtt_jax.sharding.split import SplitGroup
 
@@ -164,23 +164,21 @@ class GroupTableWise:
         return self.split.unstack(stacked)
 
     @functools.cached_property
-    def _routes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(owner of each feature [F], its rank k among its owner's features [F], the slot
-        of each (owner, k) [S, K])."""
-        n, tables = self.placement.num_devices, self.feature_tables
-        owner = np.array([self.split.where(t)[0] for t in tables], np.int32)
-        rank = np.array([int(np.sum(owner[:f] == owner[f])) for f in range(len(tables))], np.int32)
-        slot = np.zeros((n, max(1, int(np.bincount(owner, minlength=n).max()))), np.int32)
-        for f, t in enumerate(tables):
-            slot[owner[f], rank[f]] = self.split.where(t)[1]
-        return owner, rank, slot
+    def _routes(self) -> tuple[tuple, np.ndarray, np.ndarray]:
+        """(``SplitGroup.routes``, owner of each feature [F], its rank among its owner's)."""
+        routes = self.split.routes(self.feature_tables)
+        owner, rank = np.zeros((2, len(self.feature_tables)), np.int32)
+        for e, route in enumerate(routes):
+            for k, (f, _) in enumerate(route):
+                owner[f], rank[f] = e, k
+        return routes, owner, rank
 
     def needed_capacity(self, offsets: np.ndarray) -> int:
         """The most positions any shard sends one owner, from per-shard ``offsets
         [S, F*B/S + 1]`` (host): the smallest ``capacity`` of ``apply`` for that batch."""
         offsets = np.asarray(offsets).reshape(-1, np.shape(offsets)[-1])
         per = (offsets.shape[1] - 1) // len(self.feature_tables)
-        owner = self._routes[0]
+        owner = self._routes[1]
         sizes = offsets[:, per::per] - offsets[:, :-1:per]  # [S, F] ids per feature
         return int(max(sizes[:, owner == e].sum(axis=1).max() for e in range(self.placement.num_devices)))
 
@@ -217,16 +215,14 @@ class GroupTableWise:
         )
 
     def _local(self, stacked, ids, offsets, weights, *, modes, oob, impl, dtype, capacity) -> jax.Array:
-        n, axis = self.placement.num_devices, self.axis
-        num = len(self.feature_tables)
-        owner, rank, slot = self._routes
-        kmax = slot.shape[1]
-        cores = tuple(c[0] for c in stacked)
+        n, num = self.placement.num_devices, len(self.feature_tables)
+        routes, owner, rank = self._routes
+        kmax = int(rank.max()) + 1
         ids, offsets = ids[0], offsets[0]
         per = (offsets.shape[0] - 1) // num
         rows = ids.shape[0] if capacity is None else int(capacity)
-        dim = self.layout.dim
-        # this device's bags, as tt_embedding_bag_group prepares them
+        # this device's bags as tt_embedding_bag_group prepares them (packed_bags) less the
+        # parking: a dropped position keeps its own table, whose owner pools its bag
         local_weights = None if weights is None else weights[0]
         bags = canonical_bags(ids, offsets=offsets, weights=local_weights, mode="sum")
         feature = bags.bag_ids // per
@@ -236,46 +232,24 @@ class GroupTableWise:
         if valid is not None:  # oob="zero"
             w = jnp.where(valid, w, 0.0)
         w = scale_by_modes(w, bags.offsets, bags.bag_ids, modes, per)
-        # 1. every position in a bag to its table's owner: row = owner, in position order
+        # every position in a bag to its table's owner (row), in position order; feature f's
+        # bags are block rank[f] of row owner[f]
         pos = jnp.arange(ids.shape[0], dtype=jnp.int32)
         inside = (pos >= bags.offsets[0]) & (pos < bags.offsets[-1])
         dest = jnp.where(inside, jnp.asarray(owner)[feature], n)  # n: not sent
-        rbag = jnp.asarray(rank)[feature] * per + bags.bag_ids - feature * per  # its bag on the owner
         ranks = [jnp.cumsum(dest == e, dtype=jnp.int32) for e in range(n)]
         order = sum(jnp.where(dest == e, r - 1, 0) for e, r in enumerate(ranks))
 
-        def send(fill, dtype, values):  # positions past ``rows`` (overflow) or to n: dropped
-            buf = jnp.full((n, rows), fill, dtype)
+        def send(values, dtype):  # positions past ``rows`` (overflow) or to n: dropped
+            buf = jnp.zeros((n, rows), dtype)
             return buf.at[dest, order].set(values.astype(dtype), mode="drop", unique_indices=True)
 
-        send_ids = send(0, jnp.int32, local_ids)
-        send_w = send(0, jnp.float32, w)
-        send_bag = send(kmax * per - 1, jnp.int32, rbag)
-        recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0)  # row s: from device s
-        recv_w = jax.lax.all_to_all(send_w, axis, 0, 0)
-        recv_bag = jax.lax.all_to_all(send_bag, axis, 0, 0)
-        # 2. one CSR over all received positions (source-major, bags non-decreasing)
-        nbags = n * kmax * per
-        bag_ids = (jnp.arange(n, dtype=jnp.int32)[:, None] * (kmax * per) + recv_bag).reshape(-1)
-        counts = jnp.zeros((nbags,), jnp.int32).at[bag_ids].add(1)
-        csr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
-        tables = jnp.asarray(slot)[jax.lax.axis_index(axis)][recv_bag // per].reshape(-1)
-        group = self.split.group
-        out = pooled(
-            cores,
-            recv_ids.reshape(-1),
-            csr,
-            bag_ids,
-            recv_w.reshape(-1),
-            weighted=weights is not None,
-            impl=choose_impl(impl, cores, group),
-            layout=group,
-            tables=tables,
-        )
-        # 3. pooled bags back; feature f's are row owner[f], block rank[f]
-        out_dtype = cores[0].dtype if dtype is None else dtype
-        back = jax.lax.all_to_all(out.reshape(n, kmax * per, dim).astype(out_dtype), axis, 0, 0)
-        out = back.reshape(n, kmax, per, dim)[jnp.asarray(owner), jnp.asarray(rank)]
+        lengths = jnp.diff(bags.offsets).reshape(num, per)
+        counts = jnp.zeros((n, kmax, per), jnp.int32).at[owner, rank].set(lengths).reshape(n, kmax * per)
+        cores, kw = tuple(c[0] for c in stacked), dict(weighted=weights is not None, impl=impl, dtype=dtype)
+        sent = (send(local_ids, jnp.int32), send(w, jnp.float32), counts)
+        back = self.split.pool_routed(cores, routes, [per] * num, *sent, **kw)
+        out = back.reshape(n, kmax, per, self.layout.dim)[owner, rank]
         if capacity is None:
             return out
         overflow = jnp.stack([r[-1] > rows for r in ranks])  # this device sent an owner too much

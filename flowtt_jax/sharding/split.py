@@ -1,6 +1,8 @@
 """A shape group's tables split over the devices of a mesh axis (table-wise): each device's
-slots, their padded cores stacked ``[num_devices, ...]`` and the static layout of a
-device's slot (``DeviceGroupLayout``) that the table-batched op pools."""
+slots, their padded cores stacked ``[num_devices, ...]``, the static layout of a
+device's slot (``DeviceGroupLayout``) that the table-batched op pools, and the one owner
+router of the table-wise layouts (``SplitGroup.pool_routed``: ``sharding.group``'s packed
+batch, ``sharding.tablewise``'s collection)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flowtt_jax.kernels.group_plan import GroupLayout
+from flowtt_jax.ops.pooled import choose_impl, pooled
 from flowtt_jax.tt.spec import TTSpec
 
 __all__ = ["DeviceGroupLayout", "SplitGroup"]
@@ -127,6 +131,56 @@ class SplitGroup:
     def where(self, t: int) -> tuple[int, int]:
         """(device, slot) of table t."""
         return next((d, s.index(t)) for d, s in enumerate(self.slots) if t in s)
+
+    def routes(self, feature_tables: Sequence[int]) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per device: ``(feature, slot)`` of every feature whose table it holds, in feature order."""
+        return tuple(
+            tuple((f, s.index(t)) for f, t in enumerate(feature_tables) if t in s) for s in self.slots
+        )
+
+    def pool_routed(
+        self, cores, routes, sizes, ids, weights, counts, *, weighted: bool, impl: str, dtype: Any
+    ) -> jax.Array:
+        """The owner router of the table-wise layouts, inside ``shard_map`` over ``axis``:
+        ``[S, R, D]`` in ``dtype`` (default: the cores'), row e this device's bags as device e
+        pooled them with its blocks ``cores``.
+
+        Row e of ``ids``, ``weights [S, C]`` and ``counts [S, R]``: the positions this device
+        sends device e, bag by bag, then padding (weight 0), and each bag's count (positions
+        past C are dropped; a bag cut keeps what arrived). Its bags: those of the features
+        of ``routes[e]`` (``routes``: ``routes()``'s form), ``sizes[f]`` each, in order. One
+        ``all_to_all`` each of ids, weights and counts; the owner rebuilds one CSR over all
+        it got (source-major, a source's padding in its last bag), pools it in one
+        ``ops.pooled`` call over its slots and returns it by one more ``all_to_all``.
+        """
+        n, cap = ids.shape
+        nbags = counts.shape[1]
+        bag_slots = np.zeros((n, nbags), np.int32)
+        for e, route in enumerate(routes):
+            row = np.repeat([j for _, j in route], [sizes[f] for f, _ in route])
+            bag_slots[e, : row.size] = row
+        recv_ids, recv_w, recv_counts = (
+            jax.lax.all_to_all(x, self.axis, 0, 0) for x in (ids, weights, counts)
+        )
+        excl = jnp.minimum(jnp.cumsum(recv_counts, axis=1, dtype=jnp.int32) - recv_counts, cap)
+        starts = (jnp.arange(n, dtype=jnp.int32)[:, None] * cap + excl).reshape(-1)
+        offsets = jnp.concatenate([starts, jnp.full((1,), n * cap, jnp.int32)])
+        marks = jnp.zeros((n * cap + 1,), jnp.int32).at[starts].add(1)
+        bag_ids = jnp.cumsum(marks[:-1], dtype=jnp.int32) - 1
+        tables = jnp.asarray(bag_slots)[jax.lax.axis_index(self.axis)][bag_ids % max(nbags, 1)]
+        out = pooled(
+            cores,
+            recv_ids.reshape(-1),
+            offsets,
+            bag_ids,
+            recv_w.reshape(-1),
+            weighted=weighted,
+            impl=choose_impl(impl, cores, self.group),
+            layout=self.group,
+            tables=tables,
+        )
+        out = out.reshape(n, nbags, self.group.dim).astype(cores[0].dtype if dtype is None else dtype)
+        return jax.lax.all_to_all(out, self.axis, 0, 0)
 
     def stack(self, packed: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
         """Stacked cores from the group's packed ones (``GroupLayout.pack``'s layout)."""

@@ -9,17 +9,13 @@ own (slots in decreasing size); the group's packed core k is stored stacked
 over the axis, so a device holds only its own tables' cores (and optimizer state).
 Dense tables and tables of other core counts stay replicated (data parallel).
 
-Step (inside ``shard_map``, per shape group): each device prepares its local bags of
-every feature of the group (modes and out-of-range ids folded into weights), then
-
-1. routes ``ids [S, C]``, ``weights [S, C]`` and per-bag id counts ``[S, R]`` with one
-   ``all_to_all`` each: row e holds the features whose table lives on device e, features
-   concatenated in a static order (C, R: the largest destination's total, padded);
-2. the owner rebuilds one CSR over what it received (source-major, offsets from the
-   counts, padding in the last bag of its source with weight 0) and pools every bag in
-   one ``ops.pooled`` call over its local tables -- one plan and one launch per stage;
-3. returns the pooled ``[S, R, D]`` with one more ``all_to_all``; each device reads its
-   features' bags from row e = owner.
+Step (inside ``shard_map``, per shape group): each device prepares its bags of every
+feature of the group as the collection does (``collection.pool.prepare_feature``), puts
+device e's features' ids, weights and per-bag counts in row e (``[S, C]``, ``[S, R]``:
+the largest destination's total, padded), and the owner router ``SplitGroup.pool_routed``
+(``sharding.group``'s too) sends them by ``all_to_all``, pools all an owner got in one
+``ops.pooled`` call over its tables (one plan and one launch per stage) and returns the
+pooled ``[S, R, D]``; each device reads its features' bags from row e = owner.
 
 Gradients follow by transposition (``all_to_all`` back, the owner's fixed-order TT
 backward); no parameter gradient is all-reduced.
@@ -37,9 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from flowtt_jax.collection.layout import CollectionLayout, FeatureSlot
+from flowtt_jax.collection.layout import CollectionLayout
 from flowtt_jax.collection.pool import prepare_feature
-from flowtt_jax.ops.pooled import choose_impl, pooled
 from flowtt_jax.sharding.base import ShardedLayout
 from flowtt_jax.sharding.placement import PER_ID_COST, TableCost, TableWisePlacement, sample_ids, table_cost
 from flowtt_jax.sharding.split import DeviceGroupLayout, SplitGroup
@@ -49,11 +44,11 @@ __all__ = ["DeviceGroupLayout", "SplitGroup", "TableWiseLayout"]
 
 @dataclasses.dataclass(frozen=True)
 class _PlacedPack:
-    """A collection's shape group placed table-wise, and per device the (feature, slot)
-    pairs it pools."""
+    """A collection's shape group placed table-wise, and per device the (feature index in
+    the pack, slot) pairs it pools (``SplitGroup.routes``)."""
 
     split: SplitGroup
-    routes: tuple[tuple[tuple[FeatureSlot, int], ...], ...]
+    routes: tuple[tuple[tuple[int, int], ...], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +91,7 @@ class TableWiseLayout(ShardedLayout, CollectionLayout):
                 continue
             devices = [self.placement.device(c.name) for c in pack.tables]
             split = SplitGroup.create(pack.layout, devices, n, self.axis)
-            routes = tuple(
-                tuple((f, split.slots[d].index(f.table)) for f in pack.features if f.table in split.slots[d])
-                for d in range(n)
-            )
-            out[p] = _PlacedPack(split, routes)
+            out[p] = _PlacedPack(split, split.routes([f.table for f in pack.features]))
         return out
 
     @functools.cached_property
@@ -182,85 +173,43 @@ class TableWiseLayout(ShardedLayout, CollectionLayout):
     def _pool_placed(
         self, p, placed: _PlacedPack, params, features, oob, impl, dtype
     ) -> dict[str, jax.Array]:
-        """One shape group: route, pool on the owners, return (the module docstring's steps)."""
-        pack, axis, n = self.packs[p], self.axis, self.placement.num_devices
+        """One shape group: each feature's bags prepared as the collection does, sent to its
+        table's owner, pooled there and returned (``SplitGroup.pool_routed``)."""
+        pack = self.packs[p]
         cores = tuple(params[name][0] for name in self.param_names(p))  # this device's [R_k, ...]
-        out_dtype = cores[0].dtype if dtype is None else dtype
-        dim = placed.split.group.dim
-        bags, weighted = {}, False
-        for slot in pack.features:
-            bags[slot.feature], has_weights = prepare_feature(features, slot, pack, oob)
-            weighted |= has_weights
-        # 1. what goes to each device: its features' ids, weights and per-bag counts
-        send = []
-        for route in placed.routes:
-            ids, w, counts = [], [], []
-            for f, _ in route:
-                b = bags[f.feature]
-                num, m = b.offsets.shape[0] - 1, b.ids.shape[0]
-                if num == 0:
-                    continue
-                # every position in some bag: ids before offsets[0] / past offsets[-1] (weight
-                # 0) join the first / last bag
-                full = b.offsets.at[0].set(0).at[-1].set(m)
-                ids.append(b.ids)
-                w.append(b.weights.astype(jnp.float32))
-                counts.append(jnp.diff(full))
-            send.append((ids, w, counts))
-        cap = max(1, max(sum(x.shape[0] for x in ids) for ids, _, _ in send))
-        nbags = max(1, max(sum(x.shape[0] for x in c) for _, _, c in send))
-
-        def padded(parts, size, dt):
-            flat = jnp.concatenate(parts) if parts else jnp.zeros((0,), dt)
-            return jnp.pad(flat.astype(dt), (0, size - flat.shape[0]))
-
-        send_ids = jnp.stack([padded(ids, cap, jnp.int32) for ids, _, _ in send])
-        send_w = jnp.stack([padded(w, cap, jnp.float32) for _, w, _ in send])
-        send_counts = jnp.stack([padded(c, nbags, jnp.int32) for _, _, c in send])
-        recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0)  # row s: from device s
-        recv_w = jax.lax.all_to_all(send_w, axis, 0, 0)
-        recv_counts = jax.lax.all_to_all(send_counts, axis, 0, 0)
-        # 2. one CSR over the received ids, source-major; pool on this device's tables
-        excl = jnp.cumsum(recv_counts, axis=1) - recv_counts
-        starts = (jnp.arange(n, dtype=jnp.int32)[:, None] * cap + excl).reshape(-1)
-        offsets = jnp.concatenate([starts, jnp.full((1,), n * cap, jnp.int32)])
-        marks = jnp.zeros((n * cap + 1,), jnp.int32).at[starts].add(1)
-        bag_ids = jnp.cumsum(marks[:-1]) - 1
-        slot_of_bag = np.zeros((n, nbags), np.int32)
-        for d, route in enumerate(placed.routes):
-            lo = 0
-            for f, j in route:
-                num = bags[f.feature].offsets.shape[0] - 1
-                slot_of_bag[d, lo : lo + num] = j
-                lo += num
-        tables = jnp.asarray(slot_of_bag)[jax.lax.axis_index(axis)][bag_ids % nbags]
-        group = placed.split.group
-        out = pooled(
-            cores,
-            recv_ids.reshape(-1),
-            offsets,
-            bag_ids,
-            recv_w.reshape(-1),
-            weighted=weighted,
-            impl=choose_impl(impl, cores, group),
-            layout=group,
-            tables=tables,
+        prepared = [prepare_feature(features, slot, pack, oob) for slot in pack.features]
+        bags, sizes = [b for b, _ in prepared], [b.offsets.shape[0] - 1 for b, _ in prepared]
+        # row e: the ids, weights and per-bag counts of device e's features; every position
+        # in some bag (ids before offsets[0] / past offsets[-1], weight 0, join the first / last)
+        rows = [[bags[f] for f, _ in route if sizes[f]] for route in placed.routes]
+        parts = (
+            lambda b: b.ids,
+            lambda b: b.weights.astype(jnp.float32),
+            lambda b: jnp.diff(b.offsets.at[0].set(0).at[-1].set(b.ids.shape[0])),
         )
-        # 3. pooled bags back to the devices that asked
-        back = jax.lax.all_to_all(out.reshape(n, nbags, dim).astype(out_dtype), axis, 0, 0)
+        sent = [
+            [jnp.concatenate([part(b) for b in row] or [jnp.zeros((0,), jnp.int32)]) for row in rows]
+            for part in parts
+        ]
+        cap = max(1, max(x.shape[0] for x in sent[0]))
+        nbags = max(1, max(x.shape[0] for x in sent[2]))
+        sent = [
+            jnp.stack([jnp.pad(x.astype(dt), (0, size - x.shape[0])) for x in xs])
+            for xs, size, dt in zip(sent, (cap, cap, nbags), (jnp.int32, jnp.float32, jnp.int32))
+        ]
+        weighted = any(w for _, w in prepared)
+        back = placed.split.pool_routed(
+            cores, placed.routes, sizes, *sent, weighted=weighted, impl=impl, dtype=dtype
+        )
         # one split of all rows (per-feature slices would each transpose to the whole
         # buffer: F^2 adds in the backward); row e's features, then its padding
-        names, sizes = [], []
+        names, cuts = [], []
         for route in placed.routes:
-            used = 0
-            for f, _ in route:
-                names.append(f.feature)
-                sizes.append(bags[f.feature].offsets.shape[0] - 1)
-                used += sizes[-1]
-            names.append(None)
-            sizes.append(nbags - used)
-        parts = jnp.split(back.reshape(n * nbags, dim), np.cumsum(sizes)[:-1])
-        return {name: part for name, part in zip(names, parts) if name is not None}
+            row = [sizes[f] for f, _ in route]
+            names += [pack.features[f].feature for f, _ in route] + [None]
+            cuts += row + [nbags - sum(row)]
+        pieces = jnp.split(back.reshape(-1, back.shape[-1]), np.cumsum(cuts)[:-1])
+        return {name: piece for name, piece in zip(names, pieces) if name is not None}
 
 
 def table_costs(
