@@ -345,7 +345,7 @@ def kernel_refusal(case: Case, cores) -> str | None:
 
     if case.kind == "group":
         return kernels_unsupported_reason(layout=GroupLayout(case.specs))
-    return ffi.cuda_unsupported_reason(cores[0])
+    return ffi.cuda_unsupported_reason([c.shape for c in cores[0]])
 
 
 def _corpus_ids() -> list[int]:

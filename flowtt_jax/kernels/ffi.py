@@ -140,23 +140,15 @@ def available() -> bool:
     return "cpu" in _register()
 
 
-def cuda_unsupported_reason(cores) -> str | None:
-    """Why the CUDA kernels cannot take these 3 cores, or None (also None without CUDA)."""
+def cuda_unsupported_reason(shapes, table_batched: bool = False) -> str | None:
+    """Why the CUDA kernels (the table-batched ones for a group's packed cores) cannot take
+    3 cores of these shapes, or None (also None without CUDA)."""
     ext = _import("_flowtt_cuda") if "CUDA" in _register() else None
     if ext is None:
         return None
-    (p1, _, q1, r1), (p2, _, q2, r2), (p3, _, q3, _) = (c.shape for c in cores)
-    return ext.unsupported_reason(p1, p2, p3, q1, q2, q3, r1, r2)
-
-
-def cuda_tb_unsupported_reason(packed_shapes) -> str | None:
-    """Why the table-batched CUDA kernels cannot take packed cores of these shapes, or None
-    (also None without CUDA)."""
-    ext = _import("_flowtt_cuda") if "CUDA" in _register() else None
-    if ext is None:
-        return None
-    (p1, _, q1, r1), (p2, _, q2, r2), (p3, _, q3, _) = packed_shapes
-    return ext.tb_unsupported_reason(p1, p2, p3, q1, q2, q3, r1, r2)
+    (p1, _, q1, r1), (p2, _, q2, r2), (p3, _, q3, _) = shapes
+    reason = ext.tb_unsupported_reason if table_batched else ext.unsupported_reason
+    return reason(p1, p2, p3, q1, q2, q3, r1, r2)
 
 
 def has_target(name: str, platform: str) -> bool:

@@ -91,10 +91,10 @@ def kernels_unsupported_reason(cores: Sequence[Any] | None = None, layout: Any =
         return "the compiled extension (_flowtt_cpu) is not built"
     platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
     if layout is None:
-        return ffi.cuda_unsupported_reason(cores) if platform == "gpu" else None
+        return ffi.cuda_unsupported_reason([c.shape for c in cores]) if platform == "gpu" else None
     if not all(ffi.has_target(t, platform) for t in _TB_TARGETS):
         return f"this build has no table-batched kernels (flowtt_tb_rows_*) for {platform}"
-    return ffi.cuda_tb_unsupported_reason(layout.packed_shapes()) if platform == "gpu" else None
+    return ffi.cuda_unsupported_reason(layout.packed_shapes(), True) if platform == "gpu" else None
 
 
 def choose_impl(impl: str, cores: Sequence[Any], layout: Any = None, *, warn: bool = True) -> str:

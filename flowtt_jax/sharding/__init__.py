@@ -24,14 +24,8 @@ Multi-host: the same code after ``jax.distributed.initialize()``; the mesh spans
 process's devices and each process feeds its own part of the batch
 (``sharding.nnx.shard_batch``). Collectives are JAX's own (NCCL on GPU).
 
-The ops are right inside a user's own ``shard_map`` with jax's default ``check_vma=True``
-(the FFI calls type their results like their operands, and the ops cast their cores and
-weights to the batch's varying axes, so replicated cores' gradients are summed over
-devices: ``flowtt_jax.kernels.ffi``). The ``shard_map``s here pass ``check_vma=False`` all the same:
-they run the user's whole function (``make_train_step``, ``data_parallel``), which need
-not be typed for varying axes (a ``scan`` carry started from ``jnp.zeros``), and every
-replicated parameter's gradient is summed once at the boundary, not once per use
-(``docs/sharding.md``).
+The ops are also right inside a user's own ``shard_map`` (``check_vma=True``): see
+``flowtt_jax.kernels.ffi`` and ``docs/sharding.md``.
 """
 
 from __future__ import annotations

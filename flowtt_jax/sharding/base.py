@@ -161,6 +161,18 @@ def _merge_static(arrays: Mapping[str, Any], static: Mapping[str, int]) -> dict[
     return {n: {**v, "num_bags": static[n]} if n in static else v for n, v in arrays.items()}
 
 
+def per_device(mesh: Mesh, axis: str, fn: Callable, param_spec: Any, out_spec: PartitionSpec, params, *batch):
+    """``fn(params, *batch)`` on every device: called as it is inside a ``shard_map`` over
+    ``axis``, else in its own (``params`` split as ``param_spec``, every ``batch`` argument
+    along dim 0 over ``axis``, the output as ``out_spec``)."""
+    if axis in jax.sharding.get_abstract_mesh().manual_axes:
+        return fn(params, *batch)
+    in_specs = (param_spec,) + (PartitionSpec(axis),) * len(batch)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(
+        params, *batch
+    )
+
+
 def run_sharded(
     mesh: Mesh,
     axis: str,
@@ -261,17 +273,10 @@ class ShardedLayout(abc.ABC):
         split the same way; in its own ``shard_map`` unless called inside one over ``axis``."""
         ids, weights = self._check_stacked(ids, weights, oob)
         local = functools.partial(self.local_apply_stacked, oob=oob, impl=impl, dtype=dtype)
-        if self.axis in jax.sharding.get_abstract_mesh().manual_axes:
-            return local(params, ids, weights)
-        specs = self.param_specs()
-        mapped = jax.shard_map(
-            local,
-            mesh=self.mesh,
-            in_specs=({k: specs[k] for k in params}, PartitionSpec(self.axis), PartitionSpec(self.axis)),
-            out_specs=PartitionSpec(self.axis),
-            check_vma=False,
+        specs = {k: self.param_specs()[k] for k in params}
+        return per_device(
+            self.mesh, self.axis, local, specs, PartitionSpec(self.axis), dict(params), ids, weights
         )
-        return mapped(dict(params), ids, weights)
 
     def local_apply_stacked(
         self, params: Mapping[str, jax.Array], ids: jax.Array, weights: jax.Array | None, *, oob, impl, dtype

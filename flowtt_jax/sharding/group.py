@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -38,6 +38,7 @@ from flowtt_jax.inputs.csr import scale_by_modes
 from flowtt_jax.inputs.oob import OOB_POLICIES, apply_table_oob, host_ids
 from flowtt_jax.kernels.group_plan import GroupLayout
 from flowtt_jax.ops.embedding_bag import feature_modes, tt_embedding_bag_group
+from flowtt_jax.sharding.base import per_device
 from flowtt_jax.sharding.placement import TableWisePlacement
 from flowtt_jax.sharding.split import SplitGroup
 
@@ -92,21 +93,6 @@ def shard_packed(
     return out
 
 
-def _run(mesh: Mesh, axis: str, param_spec: PartitionSpec, local: Callable, params, ids, offsets, weights):
-    """``local(params, ids, offsets, weights)`` per device (inputs with a leading shard dim of
-    1), in a ``shard_map`` unless already inside one over ``axis``; ``[F, B, D]`` split on B."""
-    if axis in jax.sharding.get_abstract_mesh().manual_axes:
-        return local(params, ids, offsets, weights)
-    mapped = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(param_spec, PartitionSpec(axis), PartitionSpec(axis), PartitionSpec(axis)),
-        out_specs=PartitionSpec(None, axis),
-        check_vma=False,
-    )
-    return mapped(params, ids, offsets, weights)
-
-
 @dataclasses.dataclass(frozen=True)
 class GroupDataParallel:
     """``tt_embedding_bag_group`` data parallel over mesh axis ``axis`` (static, hashable)."""
@@ -136,7 +122,17 @@ class GroupDataParallel:
             kw = dict(weights=w, mode=mode, oob=oob, impl=impl, dtype=dtype)
             return tt_embedding_bag_group(packed, self.layout, ids[0], offsets[0], self.feature_tables, **kw)
 
-        return _run(self.mesh, self.axis, PartitionSpec(), local, tuple(packed), ids, offsets, weights)
+        return per_device(
+            self.mesh,
+            self.axis,
+            local,
+            PartitionSpec(),
+            PartitionSpec(None, self.axis),
+            tuple(packed),
+            ids,
+            offsets,
+            weights,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,8 +206,17 @@ class GroupTableWise:
             raise ValueError(f"oob must be one of {OOB_POLICIES}, got {oob!r}")
         kw = dict(modes=modes, oob=oob, impl=impl, dtype=dtype, capacity=capacity)
         local = functools.partial(self._local, **kw)
-        return _run(
-            self.mesh, self.axis, PartitionSpec(self.axis), local, tuple(stacked), ids, offsets, weights
+        spec = PartitionSpec(self.axis)
+        return per_device(
+            self.mesh,
+            self.axis,
+            local,
+            spec,
+            PartitionSpec(None, self.axis),
+            tuple(stacked),
+            ids,
+            offsets,
+            weights,
         )
 
     def _local(self, stacked, ids, offsets, weights, *, modes, oob, impl, dtype, capacity) -> jax.Array:
