@@ -62,6 +62,7 @@ def _numbers(x, path=""):
             yield from _numbers(v, f"{path}[{i}]")
 
 
+@pytest.mark.slow
 def test_quick_run_json(quick_run):
     _, doc = quick_run
     for key in ("device", "date", "commit", "jax", "timing_method", "status", "cases", "plots"):
@@ -87,6 +88,7 @@ def test_quick_run_json(quick_run):
         assert math.isfinite(x) and x >= 0, (path, x)
 
 
+@pytest.mark.slow
 def test_quick_run_plots_and_readme(quick_run, tmp_path):
     out, doc = quick_run
     pytest.importorskip("matplotlib")
@@ -133,6 +135,7 @@ def weighted_run(tmp_path_factory):
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_weighted_run_json(weighted_run, tmp_path):
     doc = weighted_run
     assert doc["status"] == "complete"
@@ -353,6 +356,7 @@ def test_scaling_block_takes_each_case_from_its_newest_run(tmp_path):
     assert "| dlrm | 64 | 1 | single | 1.00 | 64,000 | - | - | - |" in text
 
 
+@pytest.mark.slow
 def test_layer_impls_equal_the_packed_op():
     """``ours_layer`` (KeyedJagged call) and ``ours_layer_dict`` (dict call) give the values
     of ``ours_batched`` on a Meta-like collection, and their gradients (CPU: bit for bit)."""
@@ -392,6 +396,7 @@ def scaling_run(tmp_path_factory):
     return path, json.loads(path.read_text()), stdout
 
 
+@pytest.mark.slow
 def test_scaling_run_json(scaling_run):
     _, doc, stdout = scaling_run
     assert doc["stage"] == "scaling" and doc["quick"] is True and doc["status"] == "complete"
@@ -416,6 +421,7 @@ def test_scaling_run_json(scaling_run):
     assert "| meta3 | 32 | 2 | table |" in stdout
 
 
+@pytest.mark.slow
 def test_scaling_block_renders_from_the_stage(scaling_run, tmp_path):
     path, doc, _ = scaling_run
     pytest.importorskip("matplotlib")

@@ -204,6 +204,7 @@ def _count_compiles(fn) -> int:
     return len(events)
 
 
+@pytest.mark.slow
 def test_construction_compiles_do_not_grow_with_tables():
     """16 and 256 Meta-like tables: the same number of compiles to construct (one program
     per collection, not a draw per table), and each table's rows keep the std of its
@@ -301,6 +302,7 @@ def _largest_constant_bytes(text: str) -> int:
     return max(sizes)
 
 
+@pytest.mark.slow
 def test_no_batch_sized_constants():
     """100 Meta-like tables at batch 4,096 (the packed and the dict call, forward and
     backward): no constant above 64 KB in the lowered module, nor in the compiled one (XLA

@@ -225,6 +225,7 @@ def _check_sharded() -> None:
     print("stacked sharding OK")
 
 
+@pytest.mark.slow
 def test_stacked_over_four_devices():
     code = "from tests import test_collection_stacked as t; t._check_sharded()"
     [(returncode, out)] = _run_workers([(code, _cpu_env(cpu_devices=4))], timeout=600)

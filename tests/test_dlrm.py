@@ -125,6 +125,7 @@ def test_affine_mod_and_hash32_are_exact():
     assert (u > 0).all() and (u < 1).all()
 
 
+@pytest.mark.slow
 def test_check_fails_when_targets_are_missed():
     # Tiny tables compress little (far below 100x): --check must turn that into exit 1.
     with pytest.raises(SystemExit) as exc:
@@ -134,6 +135,7 @@ def test_check_fails_when_targets_are_missed():
         dlrm.main(TINY + ["--check"])  # --check without --compare is a usage error
 
 
+@pytest.mark.slow
 def test_meta_preset_tiny():
     """``--preset meta``: Meta-like multi-hot features as one KeyedJagged batch, TT and dense."""
     out = dlrm.main(TINY + ["--preset", "meta", "--tables", "12", "--compare", "--batch-size", "16"])

@@ -38,6 +38,9 @@ from tests.test_fuzz_corpus import (  # noqa: E402
     run,
 )
 
+pytestmark = pytest.mark.slow  # long property runs: CI runs them (-m slow --slow)
+
+
 PROFILE = os.environ.get("FLOWTT_HYPOTHESIS_PROFILE", "ci")
 _COMMON = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 settings.register_profile("ci", derandomize=True, **_COMMON)

@@ -435,6 +435,7 @@ def test_collection_packs_groups_and_matches_single_ops():
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS[1:])
 def test_program_size_does_not_grow_with_tables(impl):
     """The forward + backward of 4 and of 64 tables lower to the same FFI calls."""

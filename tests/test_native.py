@@ -24,7 +24,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
-pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+# compiling and running the C++ checks takes minutes: CI runs them (-m slow --slow)
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(CXX is None, reason="no C++ compiler")]
 
 CHECKS = {
     "cpu_tb_rows": ["tests/native/tb_rows_test.cc", "ffi/cpu/tb_rows.cc"],

@@ -253,6 +253,7 @@ def test_ops_inside_a_users_shard_map_with_check_vma():
     assert returncode == 0 and "user shard_map OK" in out, out[-3000:]
 
 
+@pytest.mark.slow
 def test_data_parallel_across_two_processes():
     port = _free_port()
     code = "from tests import test_sharding; test_sharding._multiprocess_worker({}, {})"

@@ -413,6 +413,7 @@ def _check_packed_group(mesh) -> None:
                 assert rel_err(got, want) < 1e-6, (dtype, oob, name)
 
 
+@pytest.mark.slow
 def test_collection_over_eight_devices():
     code = "from tests import test_sharding_collection as t; t._check_collection()"
     [(returncode, out)] = _run_workers([(code, _cpu_env(cpu_devices=8))], timeout=900)
@@ -438,6 +439,7 @@ def _train_worker(process_id: int, num_processes: int, port: int) -> None:
     print("LOSSES " + json.dumps(out))
 
 
+@pytest.mark.slow
 def test_train_step_across_two_processes():
     port = _free_port()
     code = "from tests import test_sharding_collection as t; t._train_worker({}, {}, {})"
