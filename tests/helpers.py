@@ -19,6 +19,10 @@ from flowtt_jax.tt import reference
 
 ID_KINDS = ("uniform", "zipf1.05", "zipf1.2", "all_equal", "last_row")
 
+#: ``impl="reference"`` as a parameter of the kernels' grids, marked slow: the default run
+#: checks the kernels against the oracle; the oracle's own grid runs with ``--slow``.
+SLOW_REFERENCE = pytest.param("reference", marks=pytest.mark.slow)
+
 
 def make_ids(kind: str, n: int, num_embeddings: int, seed: int) -> np.ndarray:
     """int32 ids [n] drawn from a named distribution; hot ids scattered over the table."""

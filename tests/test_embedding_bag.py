@@ -15,6 +15,7 @@ from flowtt_jax.kernels import ffi
 from flowtt_jax.ops.pooled import bag_chunk_rows
 from tests.helpers import (
     ID_KINDS,
+    SLOW_REFERENCE,
     assert_no_host_callback,
     custom_call_targets,
     make_cores,
@@ -71,7 +72,7 @@ def test_lookup_equals_dense_rows(impl, shape):
     assert rel_err(rows, dense_of(cores, spec.num_embeddings)[ids]) < 1e-5
 
 
-@pytest.mark.parametrize("impl", ["ffi", "reference"])
+@pytest.mark.parametrize("impl", ["ffi", SLOW_REFERENCE])
 @pytest.mark.parametrize("mode", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("form", ["offsets", "segment_ids", "padded", "padded_mask"])

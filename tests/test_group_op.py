@@ -20,6 +20,7 @@ from flowtt_jax import tt_embedding_bag_group
 from flowtt_jax.kernels import ffi
 from flowtt_jax.kernels.group_plan import GroupLayout, make_group_plan, plan_rows
 from flowtt_jax.ops.pooled import kernels_unsupported_reason, takes_single_table_kernels
+from tests.helpers import SLOW_REFERENCE
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -32,7 +33,7 @@ SPECS = (
 LAYOUT = GroupLayout(SPECS)
 # features -> tables: table 0 read by features 0 and 3, feature 4 (table 1) is empty
 FEATURE_TABLES = (0, 2, 1, 0, 1, 3)
-IMPLS = ["reference"] + ([] if kernels_unsupported_reason(layout=LAYOUT) else ["ffi"])
+IMPLS = [SLOW_REFERENCE] + ([] if kernels_unsupported_reason(layout=LAYOUT) else ["ffi"])
 
 
 def make_packed(seed: int, layout: GroupLayout = LAYOUT):
