@@ -9,6 +9,7 @@ import json
 import math
 import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -493,7 +494,15 @@ def test_shard_bags_and_shard_packed_split_bags_per_shard():
 def test_costs_see_the_input_and_placement_balances_them():
     from flowtt_jax.collection import TableConfig
     from flowtt_jax.collection.layout import CollectionLayout
-    from flowtt_jax.sharding import TableCost, group_costs, place_tables, shard_packed, table_costs
+    from flowtt_jax.sharding import (
+        TableCost,
+        TableWisePlacement,
+        collection_data_parallel,
+        group_costs,
+        place_tables,
+        shard_packed,
+        table_costs,
+    )
 
     layout = CollectionLayout(tuple(TableConfig(f"t{i}", 10_000, 16, rank=8) for i in range(4)))
     rng = np.random.default_rng(0)
@@ -517,6 +526,13 @@ def test_costs_see_the_input_and_placement_balances_them():
     given = [TableCost(n, 0, 0, 0, c) for n, c in zip(("t0", "t1", "t2", "t3"), (5.0, 7.0, 2.0, 4.0))]
     lpt = place_tables(given, 2)
     assert lpt.devices == (1, 0, 0, 1) and lpt.loads == (9.0, 9.0) and lpt.imbalance == 1.0
+    with pytest.raises(ValueError, match="table 't2' is placed on device 7: the axis has 4 devices"):
+        TableWisePlacement(4, ("t0", "t2"), (0, 7))
+    with pytest.raises(ValueError, match="num_devices must be an int >= 1, got 0"):
+        place_tables(given, 0)
+    mesh = jax.make_mesh((1,), ("model",))
+    with pytest.raises(ValueError, match=r"mesh axis 'data' is not an axis of the mesh \('model',\)"):
+        collection_data_parallel(layout, mesh)
     # a packed shape group: the same estimates from the global batch and from its shards
     group = layout.packs[0].layout
     offsets = np.concatenate([[0], np.cumsum(rng.integers(0, 5, 3 * 8))])

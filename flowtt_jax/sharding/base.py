@@ -217,6 +217,11 @@ class ShardedLayout(abc.ABC):
     mesh: Mesh
     axis: str
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.axis not in self.mesh.axis_names:
+            raise ValueError(f"mesh axis {self.axis!r} is not an axis of the mesh {self.mesh.axis_names}")
+
     @abc.abstractmethod
     def param_specs(self) -> dict[str, PartitionSpec]:
         """``PartitionSpec`` of every parameter."""

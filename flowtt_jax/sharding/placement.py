@@ -127,6 +127,18 @@ class TableWisePlacement:
     devices: tuple[int, ...]
     costs: tuple[TableCost, ...] = ()
 
+    def __post_init__(self) -> None:
+        _check_num_devices(self.num_devices)
+        if len(self.tables) != len(self.devices) or len(set(self.tables)) != len(self.tables):
+            raise ValueError(
+                f"one device per table, each table once: tables {self.tables}, devices {self.devices}"
+            )
+        for name, d in zip(self.tables, self.devices):
+            if not 0 <= d < self.num_devices:
+                raise ValueError(
+                    f"table {name!r} is placed on device {d}: the axis has {self.num_devices} devices"
+                )
+
     def device(self, name: str) -> int:
         return self.devices[self.tables.index(name)]
 
@@ -145,6 +157,11 @@ class TableWisePlacement:
         return max(loads) * len(loads) / max(sum(loads), 1e-30)
 
 
+def _check_num_devices(num_devices: int) -> None:
+    if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
+        raise ValueError(f"num_devices must be an int >= 1, got {num_devices!r}")
+
+
 def place_tables(costs: Sequence[TableCost], num_devices: int) -> TableWisePlacement:
     """Greedy longest-processing-time placement over ``num_devices``: tables by decreasing
     cost, each to the device with the least load so far (ties: lowest index).
@@ -152,6 +169,7 @@ def place_tables(costs: Sequence[TableCost], num_devices: int) -> TableWisePlace
     ``costs``: ``table_costs(layout, sample)`` (a collection) or ``group_costs(...)`` (one
     packed shape group), or estimates of one's own."""
     costs = tuple(costs)
+    _check_num_devices(num_devices)
     loads = [0.0] * num_devices
     device = {}
     for c in sorted(costs, key=lambda c: -c.cost):
