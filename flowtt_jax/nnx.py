@@ -287,6 +287,20 @@ class TTEmbeddingCollection(nnx.Module):
         self.load_table(name, values)
         return error
 
+    def table_state(self) -> dict[str, tuple[jax.Array, ...]]:
+        """``{table name: its cores, or (table,) if dense}``: a checkpoint by table name, which
+        ``load_table_state`` restores into a collection with the tables in another order, more
+        tables, or other tables re-ranked (a positional ``nnx.state`` fits only this layout)."""
+        return self.layout.table_state(self._values())
+
+    def load_table_state(self, state: Mapping[str, Sequence[jax.Array]], *, strict: bool = True) -> None:
+        """Loads every table of ``state`` (``table_state``'s form) by name; ``ValueError`` naming
+        the tables if ``state`` has one this collection lacks, lacks one of its tables
+        (``strict``), or a table's shapes differ (nothing is loaded then)."""
+        new = self.layout.load_table_state(self._values(), state, strict=strict)
+        for k, p in self.params.items():
+            p[...] = new[k]
+
     def embedding_bytes(self) -> dict[str, int]:
         """Bytes of parameters stored per table."""
         return self.layout.table_bytes(self._values())

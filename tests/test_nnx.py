@@ -11,6 +11,7 @@ from flax import nnx
 
 import flowtt_jax as ftt
 from flowtt_jax.collection import TableConfig, dense_embedding_bag
+from flowtt_jax.collection.layout import CollectionLayout
 from flowtt_jax.nnx import EmbedBag, TTEmbed, TTEmbedBag, TTEmbeddingCollection
 from tests.helpers import close
 
@@ -209,10 +210,14 @@ def test_checkpoint_roundtrip(tmp_path):
 
 
 def test_collection_refuses_colliding_parameter_names():
-    """A 2-core table named "tt0" would store its cores as shape group 0's parameters."""
+    """A 2-core table named like shape group 0's parameters ("tt0_<digest>") is refused."""
     group = TableConfig("a", 1000, 8, rank=4, row_shape=(10, 10, 10), col_shape=(2, 2, 2))
     two_core = TableConfig("tt0", 100, 8, rank=4, row_shape=(10, 10), col_shape=(2, 4))
-    with pytest.raises(ValueError, match=r"parameter 'tt0_core0' would hold both table\(s\) 'a' and .*'tt0'"):
+    digest = CollectionLayout((group,)).param_names(0)[0].split("_")[1]
+    two_core = dataclasses.replace(two_core, name=f"tt0_{digest}")
+    with pytest.raises(
+        ValueError, match=rf"parameter 'tt0_{digest}_core0' would hold both table\(s\) 'a' and"
+    ):
         TTEmbeddingCollection([group, two_core], rngs=nnx.Rngs(0))
     renamed = TTEmbeddingCollection([group, dataclasses.replace(two_core, name="small")], rngs=nnx.Rngs(0))
     assert [c.shape for c in renamed.cores("small")] == [(10, 1, 2, 4), (10, 4, 4, 1)]
@@ -326,3 +331,65 @@ def test_flax_initializer_sets_row_scale():
     assert abs(float(m.to_dense().std()) - 0.05) < 0.005
     with pytest.raises(ValueError, match="initializer returned cores"):
         TTEmbed(100, 8, rank=4, embedding_init=lambda key, spec, dtype: (jnp.ones((2, 2)),), rngs=nnx.Rngs(0))
+
+
+def _state_tables(order, rank_u=4):
+    shapes = dict(row_shape=(10, 10, 10), col_shape=(2, 2, 2))
+    cfgs = {
+        "u": TableConfig("u", 1000, 8, rank=rank_u, **shapes),
+        "v": TableConfig("v", 1000, 8, rank=4, **shapes),
+        "d": TableConfig("d", 50, 8, kind="dense"),
+        "w": TableConfig("w", 300, 8, rank=2),
+    }
+    return [cfgs[n] for n in order]
+
+
+def _state_features():
+    rng = np.random.default_rng(5)
+    return {
+        "u": rng.integers(0, 1000, (6, 3)),
+        "v": rng.integers(0, 1000, (6, 2)),
+        "d": rng.integers(0, 50, (6,)),
+    }
+
+
+def test_checkpoint_by_table_name_survives_reordering_and_new_tables():
+    src = TTEmbeddingCollection(_state_tables("uvd"), rngs=nnx.Rngs(0))
+    state = src.table_state()
+    assert set(state) == {"u", "v", "d"} and state["d"][0].shape == (50, 8)
+    dst = TTEmbeddingCollection(_state_tables("dvuw"), rngs=nnx.Rngs(1))
+    before_w = dst.to_dense("w")
+    with pytest.raises(ValueError, match=r"tables missing from the state: \['w'\]"):
+        dst.load_table_state(state)
+    dst.load_table_state(state, strict=False)
+    for name in "uvd":
+        np.testing.assert_array_equal(np.asarray(dst.to_dense(name)), np.asarray(src.to_dense(name)))
+    np.testing.assert_array_equal(np.asarray(dst.to_dense("w")), np.asarray(before_w))
+    feats = _state_features()
+    want, got = src(feats), dst({**feats, "w": feats["d"]})
+    for name in feats:
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]))
+    with pytest.raises(ValueError, match=r"tables not in this collection: \['zz'\]"):
+        dst.load_table_state({**state, "zz": state["u"]}, strict=False)
+
+
+def test_restores_of_another_layout_are_refused_never_scrambled():
+    src = TTEmbeddingCollection(_state_tables("uvd"), rngs=nnx.Rngs(0))
+    feats = _state_features()
+    # the same tables in another order: other parameter names, so a positional restore fails
+    reordered = TTEmbeddingCollection(_state_tables("vud"), rngs=nnx.Rngs(1))
+    assert set(nnx.state(reordered)["params"]) != set(nnx.state(src)["params"])
+    with pytest.raises((ValueError, KeyError)):
+        nnx.update(reordered, nnx.state(src))
+        reordered(feats)
+    # table u re-ranked: by name its shapes differ (nothing loaded), by position the call refuses
+    reranked = TTEmbeddingCollection(_state_tables("uvd", rank_u=3), rngs=nnx.Rngs(2))
+    before = np.asarray(reranked.to_dense("v"))
+    with pytest.raises(ValueError, match=r"table 'u': shapes \[\(10, 1, 2, 4\)"):
+        reranked.load_table_state(src.table_state())
+    np.testing.assert_array_equal(np.asarray(reranked.to_dense("v")), before)
+    params = {k: p[...] for k, p in src.params.items()}
+    with pytest.raises(
+        ValueError, match=r"do not fit this collection's tables(.|\n)*_core0 \(tables \['u'\]\): missing"
+    ):
+        reranked.layout.call(params, feats)

@@ -8,8 +8,9 @@ batched call per pack (Flax-free; ``nnx.py`` and ``linen.py`` hold the parameter
   one segment sum for all their features.
 - TT tables with another number of cores keep their own cores and the single-table op.
 
-Parameters are a flat ``{name: array}`` dict: ``tt{g}_core{k}`` (group g's packed core
-k), ``dense{g}`` (dense pack g), ``{table}_core{k}`` (a single TT table). Compile time
+Parameters are a flat ``{name: array}`` dict: ``tt{g}_{digest}_core{k}`` (group g's packed
+core k), ``dense{g}_{digest}`` (dense pack g), ``{table}_core{k}`` (a single TT table); the
+digest is of the pack's table names in order (``packs.param_names``). Compile time
 grows with the number of packs, not of tables.
 """
 
@@ -123,6 +124,87 @@ class CollectionLayout:
         return to_dense(tuple(c.astype(jnp.float32) for c in values), cfg.num_embeddings).astype(
             values[0].dtype
         )
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's shape, by name."""
+        shapes = {}
+        for p, pack in enumerate(self.packs):
+            if pack.kind == "tt":
+                arrays = pack.layout.packed_shapes()
+            elif pack.kind == "dense":
+                arrays = ((pack.row_offsets[-1], pack.tables[0].features),)
+            else:
+                arrays = pack.tables[0].spec().core_shapes
+            shapes.update(zip(self.param_names(p), (tuple(s) for s in arrays)))
+        return shapes
+
+    def check_params(self, params: Mapping[str, jax.Array]) -> None:
+        """``ValueError`` unless ``params`` has exactly this layout's names and shapes (a
+        state saved by another layout, restored by position after tables were re-ranked,
+        added or removed), naming the tables the wrong parameters would hold."""
+        want = self.param_shapes()
+        wrong = {n: (tuple(params[n].shape) if n in params else None, s) for n, s in want.items()}
+        wrong = {n: got_want for n, got_want in wrong.items() if got_want[0] != got_want[1]}
+        extra = sorted(set(params) - set(want))
+        if not wrong and not extra:
+            return
+        owners = {
+            n: [c.name for c in self.packs[p].tables]
+            for p in range(len(self.packs))
+            for n in self.param_names(p)
+        }
+        lines = [
+            f"{n} (tables {owners[n]}): "
+            + ("missing" if got is None else f"shape {got}")
+            + f", the layout's {s}"
+            for n, (got, s) in wrong.items()
+        ]
+        lines += [f"{n}: not a parameter of this layout" for n in extra]
+        raise ValueError(
+            "the parameters do not fit this collection's tables (a state of another layout? "
+            "restore by table name: table_state / load_table_state):\n  " + "\n  ".join(lines)
+        )
+
+    def table_state(self, params: Mapping[str, jax.Array]) -> dict[str, tuple[jax.Array, ...]]:
+        """``{table name: its parameters}`` (``table_params``: TT cores, or ``(table,)``): a
+        checkpoint that survives reordering tables, adding them or re-ranking others
+        (``load_table_state``)."""
+        return {cfg.name: self.table_params(params, cfg.name) for cfg in self.tables}
+
+    def load_table_state(
+        self,
+        params: Mapping[str, jax.Array],
+        state: Mapping[str, Sequence[jax.Array]],
+        *,
+        strict: bool = True,
+    ) -> dict[str, jax.Array]:
+        """``params`` with every table of ``state`` (``table_state``'s form) loaded by name.
+        ``ValueError`` naming the tables when ``state`` has a table this collection lacks,
+        lacks one of its tables (``strict``), or a table's shapes differ (another rank or
+        size: nothing is loaded then)."""
+        names = [cfg.name for cfg in self.tables]
+        unknown = sorted(set(state) - set(names))
+        missing = [n for n in names if n not in state] if strict else []
+        shapes = {cfg.name: _table_shapes(cfg) for cfg in self.tables if cfg.name in state}
+        differ = {
+            n: ([tuple(v.shape) for v in state[n]], list(s))
+            for n, s in shapes.items()
+            if tuple(tuple(v.shape) for v in state[n]) != s
+        }
+        problems = [
+            f"table {n!r}: shapes {got} != the collection's {want}" for n, (got, want) in differ.items()
+        ]
+        if unknown:
+            problems.insert(0, f"tables not in this collection: {unknown}")
+        if missing:
+            problems.insert(0, f"tables missing from the state: {missing}")
+        if problems:
+            raise ValueError("the table state does not fit this collection: " + "; ".join(problems))
+        out = dict(params)
+        for n in names:
+            if n in state:
+                out = self.with_table(out, n, tuple(state[n]))
+        return out
 
     def table_bytes(self, params: Mapping[str, jax.Array]) -> dict[str, int]:
         """Bytes of parameters stored per table."""
@@ -252,6 +334,7 @@ class CollectionLayout:
         ``KeyedJagged``, ``apply_stacked`` for stacked ids (``weights`` only with those);
         ``pooled=False``: ``lookup`` (a dict or a ``KeyedJagged``). ``kw``: ``oob``, ``impl``,
         ``dtype``."""
+        self.check_params(params)
         if isinstance(features, Mapping):
             self.check_feature_keys(features)
         if not pooled:
@@ -391,3 +474,8 @@ def _columns(x: jax.Array, cols: Sequence[int]) -> jax.Array:
         x[:, lo : lo + len(cols)] if list(cols) == list(range(lo, lo + len(cols))) else x[:, np.asarray(cols)]
     )
     return jnp.transpose(picked, (1, 0, 2))
+
+
+def _table_shapes(cfg: TableConfig) -> tuple[tuple[int, ...], ...]:
+    """A table's own parameters' shapes: its cores', or ``((N, D),)`` if dense."""
+    return ((cfg.num_embeddings, cfg.features),) if cfg.kind == "dense" else tuple(cfg.spec().core_shapes)

@@ -5,6 +5,7 @@ pack serves and the parameter names of its arrays. Static and hashable."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -64,20 +65,28 @@ def pack_tables(tables: Sequence[TableConfig]) -> tuple[TablePack, ...]:
     return tuple(packs)
 
 
+def _tables_digest(pack: TablePack) -> str:
+    """8 hex digits of the pack's table names in order: a state saved with other tables in
+    the pack, or the same in another order, has other parameter names (a positional restore
+    fails loudly instead of scrambling tables)."""
+    return hashlib.sha1("\0".join(t.name for t in pack.tables).encode()).hexdigest()[:8]
+
+
 def param_names(packs: Sequence[TablePack], p: int) -> tuple[str, ...]:
-    """Parameter names of pack ``p``."""
+    """Parameter names of pack ``p``: ``tt{p}_{digest}_core{k}`` (a TT shape group's packed
+    core k), ``dense{p}_{digest}`` (a dense pack), ``{table}_core{k}`` (a TT table of another
+    core count); the digest is ``_tables_digest``'s."""
     pack = packs[p]
     if pack.kind == "tt":
-        return tuple(f"tt{p}_core{k}" for k in range(3))
+        return tuple(f"tt{p}_{_tables_digest(pack)}_core{k}" for k in range(3))
     if pack.kind == "dense":
-        return (f"dense{p}",)
+        return (f"dense{p}_{_tables_digest(pack)}",)
     return tuple(f"{pack.tables[0].name}_core{k}" for k in range(pack.tables[0].spec().num_cores))
 
 
 def check_param_names(packs: Sequence[TablePack]) -> None:
     """``ValueError`` when two packs would store their arrays under one parameter name (a
-    table of another core count is named after itself, e.g. a 2-core table ``"tt0"``
-    against shape group 0's ``tt0_core0``), naming both packs' tables."""
+    table of another core count is named after itself), naming both packs' tables."""
     owners: dict[str, str] = {}
     for p, pack in enumerate(packs):
         tables = ", ".join(repr(t.name) for t in pack.tables)
