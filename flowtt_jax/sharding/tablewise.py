@@ -115,13 +115,6 @@ class TableWiseLayout(ShardedLayout, CollectionLayout):
             for n in self.param_names(p)
         }
 
-    def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every parameter's shape, the placed groups' stacked ``[S, ...]``."""
-        plain = {
-            n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in CollectionLayout.param_shapes(self).items()
-        }
-        return {n: tuple(a.shape) for n, a in jax.eval_shape(self.shard_params, plain).items()}
-
     def shard_params(self, params: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         """Table-wise parameters from ``CollectionLayout`` ones (same names)."""
         return self._convert_placed(params, SplitGroup.stack)
