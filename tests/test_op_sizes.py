@@ -66,8 +66,12 @@ def test_spec_limits():
         ftt.TTSpec(2**31, 1, (2**16, 2**15, 1), (1, 1, 1), (1, 1, 1, 1))
     with pytest.raises(ValueError, match="must be < 2\\^31"):
         ftt.TTSpec.create(2**31, 8)
-    with pytest.raises(ValueError, match="pass row_shape"):
-        ftt.TTSpec.create(2**31 - 1, 8)  # prime: no balanced exact row shape under 2^31
+    # prime: no balanced exact row shape under 2^31; the error names the degenerate one
+    with pytest.raises(
+        ValueError,
+        match=r"2147483647 is prime, so only a degenerate row shape .* row_shape=\(2147483647, 1, 1\)",
+    ):
+        ftt.TTSpec.create(2**31 - 1, 8)
     assert ftt.TTSpec.create(2**31 - 2, 8, 2).row_shape == (993, 1302, 1661)
     assert math.prod(ftt.TTSpec.create(2**31 - 1000, 8).row_shape) < 2**31
 

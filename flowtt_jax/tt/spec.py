@@ -78,11 +78,20 @@ def factor_rows(n: int, d: int, limit: int = ID_LIMIT) -> tuple[int, ...]:
         raise ValueError(f"need n >= 1 and d >= 1, got n={n}, d={d}")
     shape = _factor(n, d, limit)
     if shape is None:
+        hint = "pass row_shape"
+        if _is_prime(n):
+            hint = (
+                f"{n} is prime, so only a degenerate row shape holds it, e.g. "
+                f"row_shape={(n,) + (1,) * (d - 1)}; or use at most 2^31 - 2 rows (993 x 1302 x 1661)"
+            )
         raise ValueError(
-            f"no near-balanced row shape of {d} factors with {n} <= product < {limit} (ids are "
-            "int32); pass row_shape"
+            f"no near-balanced row shape of {d} factors with {n} <= product < {limit} (ids are int32): {hint}"
         )
     return shape
+
+
+def _is_prime(n: int) -> bool:
+    return n > 1 and all(n % k for k in range(2, math.isqrt(n) + 1))
 
 
 def factor_cols(dim: int, d: int) -> tuple[int, ...]:
