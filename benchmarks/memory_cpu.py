@@ -1,10 +1,10 @@
 """Forward temporary memory of tt_embedding_bag from XLA's memory analysis (no run).
 
 Usage: python -m benchmarks.memory_cpu [--num-embeddings N] [--dim D] [--rank R]
-                                       [--out results.json] [--readme README.md]
+                                       [--out results.json] [--readme docs/measurements.md]
 Prints temp bytes for the FFI path and the XLA reference at several nnz, so one
 can see which grows with nnz x r^2 (per-id gathered cores) and which does not;
-``--readme`` rewrites the README's memory table from this run.
+``--readme`` rewrites the measurements page's memory table from this run.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--bag-len", type=int, default=14)
     parser.add_argument("--out", help="write the results as JSON here")
-    parser.add_argument("--readme", help="rewrite this README's memory block")
+    parser.add_argument("--readme", help="rewrite this page's memory block (docs/measurements.md)")
     args = parser.parse_args()
     spec = ftt.TTSpec.create(args.num_embeddings, args.dim, args.rank)
     results = []

@@ -1,11 +1,11 @@
-"""Markdown, README blocks and plots from the benchmark JSON in ``benchmarks/results/``.
+"""Markdown, the measurements page's blocks and plots from the benchmark JSON in ``benchmarks/results/``.
 
 Usage:
   python -m benchmarks.report [FILE.json ...] > benchmarks/results/REPORT.md
       every run in full (default: every results JSON but ``--quick`` ones, oldest first)
-  python -m benchmarks.report --readme README.md [--plots-dir DIR] [FILE.json ...]
-      rewrites the README's ``bench`` block (single table) and, where the README has one,
-      its ``bench-collection`` block (each case and implementation from its newest run) and
+  python -m benchmarks.report --readme docs/measurements.md [--plots-dir DIR] [FILE.json ...]
+      rewrites the measurements page's ``bench`` block (single table) and, where the page
+      has one, its ``bench-collection`` block (each case and implementation from its newest run) and
       its ``scaling`` block (``benchmarks/scaling_report.py``), and draws the plots
       (default ``benchmarks/results/plots/``) that the blocks link to. Without runs of the
       suite (``python -m benchmarks``) the ``bench`` block shows the newest
@@ -352,7 +352,7 @@ def full_markdown(d: dict) -> None:
             print()
 
 
-# ---- README -----------------------------------------------------------------------------
+# ---- the page -----------------------------------------------------------------------------
 
 
 def replace_block(readme: str, name: str, body: str) -> None:
@@ -406,7 +406,7 @@ def update_readme(readme: str, paths: list[str], plots_dir: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="*", help="results JSON (default: benchmarks/results/)")
-    ap.add_argument("--readme", help="rewrite this README's bench blocks instead of printing")
+    ap.add_argument("--readme", help="rewrite this page's bench blocks (docs/measurements.md) instead of printing")
     ap.add_argument("--plots-dir", default=os.path.join(RESULTS, "plots"))
     a = ap.parse_args(argv)
     if a.readme:

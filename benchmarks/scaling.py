@@ -21,7 +21,7 @@ N / (N x throughput on 1)), compile time, XLA memory analysis and each GPU's pea
 bytes (the process's peak so far), and, from a ``jax.profiler`` trace, each GPU's busy
 time and the share of it in NCCL kernels (``timing.device_profiles``). The JSON
 (``<out-dir>/scaling/bench_scaling_<gpu>_<time>.json``, where ``benchmarks.scaling_report``
-reads it for the README's ``scaling`` block) is rewritten after every run, so a cut-short
+reads it for the measurements page's ``scaling`` block) is rewritten after every run, so a cut-short
 call keeps what was done; the plot (the JSON's path, ``.png``) comes last.
 
 On the 2-GPU machine (one 10-minute call, the build included):

@@ -1,4 +1,4 @@
-"""The README's ``scaling`` block from the runs of the scaling stage (``python -m benchmarks
+"""The measurements page's ``scaling`` block from the runs of the scaling stage (``python -m benchmarks
 --stage scaling``, ``benchmarks/scaling.py``; earlier runs: ``scripts/scaling_gpu.py``'s
 ``scaling_*.json``).
 
