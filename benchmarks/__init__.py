@@ -5,6 +5,6 @@ markdown, the measurements page's blocks and plots.
 Modules: ``workloads`` (seeded generators: the single-table sweep, Meta-like collections,
 DLRM batches), ``impls`` (the implementations compared, one registry), ``timing`` (compile,
 device time, memory), ``scaling`` (the scaling stage), ``records`` (the results JSON: run
-header, writing, reading back), ``plots``, ``report`` and ``scaling_report`` (the measurements page's
-blocks), ``memory_cpu`` (forward temporaries from XLA's memory analysis, no run).
+header, writing, reading back), ``plots``, ``report`` and ``scaling_report`` (the blocks of
+``docs/measurements.md``), ``memory_cpu`` (forward temporaries from XLA's memory analysis, no run).
 """

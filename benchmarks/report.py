@@ -406,7 +406,7 @@ def update_readme(readme: str, paths: list[str], plots_dir: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="*", help="results JSON (default: benchmarks/results/)")
-    ap.add_argument("--readme", help="rewrite this page's bench blocks (docs/measurements.md) instead of printing")
+    ap.add_argument("--readme", help="rewrite this page's bench blocks (docs/measurements.md), not print")
     ap.add_argument("--plots-dir", default=os.path.join(RESULTS, "plots"))
     a = ap.parse_args(argv)
     if a.readme:
