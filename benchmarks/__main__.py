@@ -35,6 +35,7 @@ import itertools
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -151,7 +152,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a named part of the suite: " + "; ".join(f"{k} = {v}" for k, v in STAGES.items()),
     )
     ap.add_argument(
-        "--out-dir", default="benchmarks/results", help="JSON and plots go here (scaling: its scaling/)"
+        "--out-dir",
+        default=os.path.join(tempfile.gettempdir(), "flowtt_jax_bench"),
+        help="JSON and plots go here (scaling: its scaling/); default outside the repository, "
+        "pass benchmarks/results to record a run",
     )
     ap.add_argument("--batches", type=_csv(int), help="bags per feature, e.g. 4096,32768")
     ap.add_argument("--tables", type=_csv(int), help="collection sizes, e.g. 240,480,788")
