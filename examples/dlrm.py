@@ -160,11 +160,13 @@ class StepTimes:
     def report(self, batch_size: int) -> str:
         ms = lambda t: f"{t * 1e3:.3f} ms"
         parts = self.data + self.train_step
+        # the loop dispatches asynchronously: the next batch's generation may overlap the step
+        rest = self.loop - parts
+        rest = f"dispatch, host syncs and gaps {ms(rest)}" if rest >= 0 else f"{ms(-rest)} of overlap"
         return (
             f"data generation {ms(self.data)} + forward+backward+update {ms(self.train_step)} "
             f"(forward alone {ms(self.forward)}) = {ms(parts)}; whole training step {ms(self.loop)} "
-            f"({batch_size / self.loop:,.0f} examples/s; dispatch, host syncs and gaps "
-            f"{ms(self.loop - parts)})"
+            f"({batch_size / self.loop:,.0f} examples/s; {rest})"
         )
 
 
