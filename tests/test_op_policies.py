@@ -401,3 +401,18 @@ def test_dense_tables_follow_the_same_policies():
     np.testing.assert_array_equal(rows, [[0.0, 0.0], [2.0, 3.0]])
     bag = dense_embedding_bag(table, jnp.array([[0, 1]]), mask=jnp.array([[False, True]]))
     np.testing.assert_array_equal(bag, [[2.0, 3.0]])
+
+
+def test_cuda_architecture_mismatch_names_the_gpu_and_the_fix():
+    """A GPU the CUDA build has no code for is refused at the kernels' choice, naming both
+    architectures (impl="auto" then runs the reference with a warning; "ffi" raises)."""
+    assert ffi.arch_mismatch("90", "9.0") is None
+    assert ffi.arch_mismatch("80,90-real", "8.0") is None
+    assert ffi.arch_mismatch("90", "10.0") is None  # a plain entry embeds PTX, JIT-compiled there
+    assert ffi.arch_mismatch("90-virtual", "12.0") is None
+    msg = ffi.arch_mismatch("90-real", "8.6")
+    assert msg and "sm_90-real" in msg and "sm_86" in msg and "FLOWTT_CUDA_ARCHITECTURES=86" in msg
+    assert "sm_80" in ffi.arch_mismatch("90a", "8.0")
+    cuda = ffi._import("_flowtt_cuda")
+    if cuda is not None and hasattr(cuda, "cuda_architectures"):
+        assert ffi.arch_mismatch(cuda.cuda_architectures(), "9.0") is None  # the default build: sm_90

@@ -27,6 +27,8 @@ NB_MODULE(_flowtt_cuda, m) {
                                   FlowttTbRowsFwdCuda, FlowttTbRowsBwdCuda, FlowttTbPlanCuda,
                                   FlowttTbBagsCuda});
   });
+  // CMake's CUDA_ARCHITECTURES the kernels were built for, comma-separated (e.g. "90")
+  m.def("cuda_architectures", []() { return std::string(FLOWTT_CUDA_ARCHS); });
   m.def("unsupported_reason",
         [](int p1, int p2, int p3, int q1, int q2, int q3, int r1, int r2) -> nb::object {
           const char* why = flowtt::check_dims(flowtt::TTDims{p1, p2, p3, q1, q2, q3, r1, r2});

@@ -140,12 +140,46 @@ def available() -> bool:
     return "cpu" in _register()
 
 
+def arch_mismatch(built: str, capability: str) -> str | None:
+    """Why kernels built for CMake's CUDA architectures ``built`` (e.g. ``"90"``,
+    ``"80,90-real,100-virtual"``) cannot run on a GPU of compute ``capability`` (``"9.0"``),
+    or None: it needs its own architecture's code, or PTX of one at most its own."""
+    major, minor = (int(x) for x in capability.split("."))
+    mine = 10 * major + minor
+    real, ptx = set(), set()
+    for entry in filter(None, (e.strip() for e in built.split(","))):
+        number = int("".join(ch for ch in entry.split("-")[0] if ch.isdigit()))
+        if not entry.endswith("-virtual"):
+            real.add(number)
+        if not entry.endswith("-real"):
+            ptx.add(number)  # a plain entry embeds both (CMake's CUDA_ARCHITECTURES)
+    if mine in real or any(p <= mine for p in ptx):
+        return None
+    return (
+        f"the CUDA kernels were built for sm_{built} and this GPU is sm_{mine}: rebuild with "
+        f"FLOWTT_CUDA_ARCHITECTURES={mine} (pip install -e . again)"
+    )
+
+
+@functools.cache
+def cuda_arch_reason() -> str | None:
+    """``arch_mismatch`` of the CUDA module's build and the default GPU (None without one);
+    checked once, when the kernels are first chosen for a GPU call."""
+    ext = _import("_flowtt_cuda") if "CUDA" in _register() else None
+    if ext is None or jax.default_backend() != "gpu":
+        return None
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    return arch_mismatch(ext.cuda_architectures(), capability) if capability else None
+
+
 def cuda_unsupported_reason(shapes, table_batched: bool = False) -> str | None:
     """Why the CUDA kernels (the table-batched ones for a group's packed cores) cannot take
     3 cores of these shapes, or None (also None without CUDA)."""
     ext = _import("_flowtt_cuda") if "CUDA" in _register() else None
     if ext is None:
         return None
+    if cuda_arch_reason():
+        return cuda_arch_reason()
     (p1, _, q1, r1), (p2, _, q2, r2), (p3, _, q3, _) = shapes
     reason = ext.tb_unsupported_reason if table_batched else ext.unsupported_reason
     return reason(p1, p2, p3, q1, q2, q3, r1, r2)
