@@ -50,8 +50,37 @@ def _legend(ax, names: list[str]) -> None:
 
 
 def _ticks(ax, xs: list[int]) -> None:
+    """The x values as ticks; y labels on every decade and in between (short log ranges)."""
+    from matplotlib.ticker import FuncFormatter, NullLocator
+
     ax.set_xticks(xs, [str(x) for x in xs])
-    ax.minorticks_off()
+    ax.xaxis.set_minor_locator(NullLocator())
+    fmt = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(fmt)
+    ax.yaxis.set_minor_formatter(fmt)
+
+
+def _timed(case: dict) -> bool:
+    return any(measured(r, m) for r in case["impls"].values() for m in _STYLE)
+
+
+def _run_label(doc: dict) -> str:
+    """One run's device, date and commit, for a plot's title."""
+    return f"{doc.get('device', '?')}, {str(doc.get('date', '?'))[:10]}, commit {doc.get('commit', '?')}"
+
+
+def _newest_run(docs: Iterable[dict], suite: str) -> tuple[list[dict], str]:
+    """The timed cases of the newest run (``docs`` newest first) that has any of ``suite``,
+    and its label: a plot shows one run, never cases of several."""
+    for doc in docs:
+        cases = [
+            c
+            for c in _cases([doc], suite)
+            if any(measured(r, m) for r in c["impls"].values() for m in _STYLE)
+        ]
+        if cases:
+            return cases, _run_label(doc)
+    return [], ""
 
 
 def _plot_modes(ax, cases: list[dict], name: str, x: str, *, marker: str, color: str) -> None:
@@ -63,7 +92,16 @@ def _plot_modes(ax, cases: list[dict], name: str, x: str, *, marker: str, color:
             ax.plot(*zip(*pts), ls, marker=marker, color=color)
 
 
-def _latency_vs_batch(plt, cases: list[dict], path: Path) -> str:
+def _sweeps(cases: list[dict]) -> list[dict]:
+    """The unweighted cases of the (dim, rank) pairs measured at two batch sizes or more."""
+    cases = [c for c in cases if not c["workload"].get("weighted")]
+    batches: dict[tuple, set] = {}
+    for c in cases:
+        batches.setdefault((c["workload"]["dim"], c["workload"]["rank"]), set()).add(c["workload"]["batch"])
+    return [c for c in cases if len(batches[(c["workload"]["dim"], c["workload"]["rank"])]) > 1]
+
+
+def _latency_vs_batch(plt, cases: list[dict], path: Path, label: str) -> str:
     combos = sorted({(c["workload"]["dim"], c["workload"]["rank"]) for c in cases})
     dists = {c["workload"]["dist"] for c in cases}
     dist = "zipf1.05" if "zipf1.05" in dists else sorted(dists)[0]
@@ -92,13 +130,13 @@ def _latency_vs_batch(plt, cases: list[dict], path: Path) -> str:
         ax.grid(True, which="both", alpha=0.3)
     _legend(axes[0][0], names)
     rows = cases[0]["workload"]["num_embeddings"]
-    fig.suptitle(f"Single table of {rows:.0e} rows: time per call vs batch", fontsize=10)
+    fig.suptitle(f"Single table of {rows:.0e} rows: time per call vs batch ({label})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return str(path)
 
 
-def _latency_vs_tables(plt, cases: list[dict], path: Path) -> str:
+def _latency_vs_tables(plt, cases: list[dict], path: Path, label: str) -> str:
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     batches = sorted({c["workload"]["batch"] for c in cases})
     names = _impl_names(cases)
@@ -114,10 +152,11 @@ def _latency_vs_tables(plt, cases: list[dict], path: Path) -> str:
         yscale="log",
         xlabel="tables",
         ylabel="ms per call",
-        title="Meta-like collections: time per call vs tables\n(markers: batch "
+        title=f"Meta-like collections: time per call vs tables\n{label}; markers: batch "
         + ", ".join(f"{_MARKERS[j % 4][1]} {b}" for j, b in enumerate(batches))
-        + ")",
+        + "",
     )
+    ax.title.set_fontsize(9)
     _ticks(ax, sorted({c["workload"]["num_tables"] for c in cases}))
     ax.grid(True, which="both", alpha=0.3)
     _legend(ax, names)
@@ -132,7 +171,7 @@ def _memory_cases(cases: list[dict]) -> list[dict]:
     return s1 or [c for c in cases if any(measured(r, "fwd") for r in c["impls"].values())][:2]
 
 
-def _memory(plt, picks: list[dict], path: Path) -> str:
+def _memory(plt, picks: list[dict], path: Path, label: str) -> str:
     fig, axes = plt.subplots(1, len(picks), figsize=(6.5 * len(picks), 4.2), squeeze=False)
     for ax, case in zip(axes[0], picks):
         names = impl_order(case["impls"])
@@ -142,16 +181,16 @@ def _memory(plt, picks: list[dict], path: Path) -> str:
             ("peak fwd+bwd", lambda r: (measured(r, "fwd_bwd") or {}).get("peak_bytes")),
         )
         width = 0.8 / len(series)
-        for j, (label, get) in enumerate(series):
+        for j, (what, get) in enumerate(series):
             xs = [i + (j - 1) * width for i, n in enumerate(names) if get(case["impls"][n])]
             ys = [get(case["impls"][n]) / 2**20 for n in names if get(case["impls"][n])]
-            ax.bar(xs, ys, width, label=label, color=f"C{j}")
+            ax.bar(xs, ys, width, label=what, color=f"C{j}")
         ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
         ax.set(yscale="log", ylabel="MiB", title=f"{case.get('alias') or case['case']}")
         ax.grid(True, axis="y", which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(
-        "Device memory per implementation (XLA memory analysis + FFI scratch; missing bar: not run)",
+        f"Device memory per implementation\n{label}; XLA memory analysis + FFI scratch; missing bar: not run",
         fontsize=9,
     )
     fig.tight_layout()
@@ -174,33 +213,32 @@ def _pyplot():
 
 
 def draw_all(docs: list[dict], out_dir: Path | str, prefix: str = "") -> dict[str, str]:
-    """Draws ``PLOTS`` from the cases of ``docs`` into ``out_dir/<prefix><plot>.png``."""
+    """Draws ``PLOTS`` into ``out_dir/<prefix><plot>.png``, each from the newest run of
+    ``docs`` (newest first) that has its suite."""
     plt = _pyplot()
     if isinstance(plt, str):
         return {p: plt for p in PLOTS}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    single, coll = (
-        [c for c in _cases(docs, suite) if any(measured(r, m) for r in c["impls"].values() for m in _STYLE)]
-        for suite in ("single", "collection")
-    )
+    (single, single_run), (coll, coll_run) = (_newest_run(docs, s) for s in ("single", "collection"))
     todo = {
         "latency_vs_batch": (
             _latency_vs_batch,
-            [c for c in single if not c["workload"].get("weighted")],
-            "no timed unweighted single-table case",
+            _sweeps(single),
+            single_run,
+            "no unweighted single-table case at two batch sizes in the newest run",
         ),
-        "latency_vs_tables": (_latency_vs_tables, coll, "no timed collection case"),
-        "memory_single": (_memory, _memory_cases(single), "no timed single-table case"),
-        "memory_collection": (_memory, _memory_cases(coll), "no timed collection case"),
+        "latency_vs_tables": (_latency_vs_tables, coll, coll_run, "no timed collection case"),
+        "memory_single": (_memory, _memory_cases(single), single_run, "no timed single-table case"),
+        "memory_collection": (_memory, _memory_cases(coll), coll_run, "no timed collection case"),
     }
     out = {}
-    for name, (fn, data, why) in todo.items():
+    for name, (fn, data, label, why) in todo.items():
         if not data:
             out[name] = f"skipped: {why}"
             continue
         try:
-            out[name] = fn(plt, data, out_dir / f"{prefix}{name}.png")
+            out[name] = fn(plt, data, out_dir / f"{prefix}{name}.png", label)
         finally:
             plt.close("all")
     return out
