@@ -542,3 +542,43 @@ def test_costs_see_the_input_and_placement_balances_them():
     assert group_costs(group, split["ids"], split["offsets"], (2, 0, 2)) == whole
     inside = (ids >= 0) & (ids < 10_000)
     assert whole[2].nnz == inside[: offsets[8]].sum() + inside[offsets[16] :].sum() and whole[1].nnz == 0
+
+
+def test_oob_error_on_a_sharded_collection_names_the_feature():
+    """oob="error" on a sharded collection: valid ids pool as oob="zero" does, invalid ones
+    raise naming the feature and table, eagerly and under jit through ftt.checked (a
+    1-device mesh in this process: the check runs before the shard_map either way)."""
+    from jax.experimental import checkify
+
+    import flowtt_jax as ftt
+    from flowtt_jax.collection import TableConfig
+    from flowtt_jax.collection.layout import CollectionLayout
+    from flowtt_jax.sharding import collection_data_parallel
+
+    layout = CollectionLayout((TableConfig("a", 1000, 8, rank=4), TableConfig("b", 50, 8, kind="dense")))
+    dp = collection_data_parallel(layout, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)))
+    params = layout.init(jax.random.key(0))
+    good = {"a": np.array([[1, 999], [5, 6]]), "b": np.array([3, 49])}
+    want = layout.apply(params, good)
+    for got in (
+        dp.apply(params, good, oob="error"),
+        ftt.checked(lambda p, f: dp.apply(p, f, oob="error"))(params, good),
+    ):
+        for name in good:
+            np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(dp.apply_stacked(params, np.array([[1, 3], [999, 49]]), oob="error")),
+        np.asarray(layout.apply_stacked(params, np.array([[1, 3], [999, 49]]))),
+        rtol=1e-6,
+    )
+    bad = {**good, "b": np.array([3, 50])}
+    with pytest.raises(
+        ValueError, match=r"feature 'b' \(table 'b'\): ids out of range \[0, 50\), e.g. \[50\]"
+    ):
+        dp.apply(params, bad, oob="error")
+    with pytest.raises(
+        checkify.JaxRuntimeError, match=r"feature 'b' \(table 'b'\): ids out of range \[0, 50\): found 50"
+    ):
+        ftt.checked(lambda p, f: dp.apply(p, f, oob="error"))(params, bad)
+    with pytest.raises(ValueError, match=r"feature 'a' \(table 'a'\)"):
+        dp.apply_stacked(params, np.array([[1000, 3], [999, 49]]), oob="error")

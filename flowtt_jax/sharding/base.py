@@ -30,9 +30,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 from jax.sharding import Mesh, PartitionSpec
 
-from flowtt_jax.inputs.oob import host_ids
+from flowtt_jax.inputs.csr import saturate_int32
+from flowtt_jax.inputs.oob import as_ids, host_ids
 
 __all__ = ["shard_bags", "local_features", "run_sharded", "ShardedLayout"]
 
@@ -255,8 +257,28 @@ class ShardedLayout(abc.ABC):
         """``{feature: [B, D]}`` from parameters placed as ``param_specs`` says and a batch split
         along dim 0 over ``axis``, split the same way; runs in its own ``shard_map`` unless
         called inside one over ``axis``."""
+        if oob == "error":
+            for name, value in features.items():
+                self._check_ids(name, value["ids"] if isinstance(value, Mapping) else value)
+            oob = "clip"  # every id is in range: the devices' clip leaves them as they are
         local = functools.partial(self.local_apply, oob=oob, impl=impl, dtype=dtype)
         return run_sharded(self.mesh, self.axis, self.param_specs(), local, params, features)
+
+    def _check_ids(self, feature: str, ids: Any) -> None:
+        """``oob="error"`` of a sharded call, before its ``shard_map`` (inside one a
+        ``checkify`` check cannot be functionalized): ``ValueError`` for concrete ids out of
+        range of the feature's table, a ``checkify`` check for traced ones (``ftt.checked``).
+        Per-shard inputs' padding ids are 0, in range."""
+        cfg = next(c for c in self.tables if feature in c.feature_keys)
+        ids = as_ids(ids if isinstance(ids, jax.Array) else np.asarray(ids), "error")
+        ids32 = saturate_int32(ids)
+        valid = (ids32 >= 0) & (ids32 < cfg.num_embeddings)
+        where = f"feature {feature!r} (table {cfg.name!r}): ids out of range [0, {cfg.num_embeddings})"
+        if isinstance(valid, jax.core.Tracer):
+            bad = ids.reshape(-1)[jnp.argmin(valid.reshape(-1))] if ids.size else 0
+            checkify.check(jnp.all(valid), where + ": found {bad}", bad=bad)
+        elif not np.all(valid):
+            raise ValueError(f"{where}, e.g. {np.asarray(ids)[~np.asarray(valid)][:5].tolist()}")
 
     def apply_jagged(self, params: Mapping[str, jax.Array], batch: Any, **kw: Any) -> jax.Array:
         """Not for a sharded collection: a ``KeyedJagged``'s flat ids do not split by example
@@ -288,6 +310,10 @@ class ShardedLayout(abc.ABC):
         ``param_specs`` says and stacked ids (and weights) split along dim 0 over ``axis``,
         split the same way; in its own ``shard_map`` unless called inside one over ``axis``."""
         ids, weights = self._check_stacked(ids, weights, oob)
+        if oob == "error":
+            for f, name in enumerate(self.feature_names):
+                self._check_ids(name, ids[:, f])
+            oob = "clip"
         local = functools.partial(self.local_apply_stacked, oob=oob, impl=impl, dtype=dtype)
         specs = {k: self.param_specs()[k] for k in params}
         return per_device(
