@@ -582,3 +582,28 @@ def test_oob_error_on_a_sharded_collection_names_the_feature():
         ftt.checked(lambda p, f: dp.apply(p, f, oob="error"))(params, bad)
     with pytest.raises(ValueError, match=r"feature 'a' \(table 'a'\)"):
         dp.apply_stacked(params, np.array([[1000, 3], [999, 49]]), oob="error")
+
+
+def test_load_table_into_a_table_wise_collection_on_an_explicit_mesh():
+    """load_table / from_dense on a table-wise collection over ``jax.make_mesh`` (explicit
+    axes: the stacked cores' update says its sharding), 1 device in this process."""
+    from flax import nnx
+
+    from flowtt_jax import sharding as sh
+    from flowtt_jax.collection import TableConfig
+    from flowtt_jax.nnx import TTEmbeddingCollection
+
+    shapes = dict(rank=4, row_shape=(10, 10, 10), col_shape=(2, 2, 2))
+    coll = TTEmbeddingCollection(
+        [TableConfig("a", 1000, 8, **shapes), TableConfig("b", 1000, 8, **shapes)], rngs=nnx.Rngs(0)
+    )
+    donor = TTEmbeddingCollection([TableConfig("a", 1000, 8, **shapes)], rngs=nnx.Rngs(7))
+    feats = {"a": np.array([1, 2]), "b": np.array([3, 4])}
+    placement = sh.place_tables(sh.table_costs(coll.layout, feats), 1)
+    sh.shard_collection(coll, jax.make_mesh((1,), ("data",)), placement=placement)
+    before_b = np.asarray(coll.to_dense("b"))
+    coll.load_table("a", donor.cores("a"))
+    np.testing.assert_array_equal(np.asarray(coll.to_dense("a")), np.asarray(donor.to_dense("a")))
+    np.testing.assert_array_equal(np.asarray(coll.to_dense("b")), before_b)
+    error = coll.from_dense("b", np.asarray(donor.to_dense("a")))
+    assert error < 1e-4  # donor's table has TT rank 4: exact at rank 4, to float32 rounding

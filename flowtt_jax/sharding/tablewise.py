@@ -153,7 +153,10 @@ class TableWiseLayout(ShardedLayout, CollectionLayout):
         offs = split.group.device_offsets(d)
         out = dict(params)
         for k, n in enumerate(self.param_names(p)):
-            out[n] = params[n].at[d, offs[k][j] : offs[k][j + 1]].set(values[k].astype(params[n].dtype))
+            # the stacked cores' own sharding (a mesh with explicit axes wants it said)
+            where = jax.typeof(params[n]).sharding
+            update = params[n].at[d, offs[k][j] : offs[k][j + 1]]
+            out[n] = update.set(values[k].astype(params[n].dtype), out_sharding=where)
         return out
 
     def local_apply(
