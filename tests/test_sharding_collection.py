@@ -489,6 +489,12 @@ def test_shard_bags_and_shard_packed_split_bags_per_shard():
     ):
         assert split.dtype == np.int32
         assert sorted(split[split != 0].tolist()) == [-(2**31), 7, 2**31 - 1]
+    for shard in (
+        lambda: shard_bags(np.arange(4), num_shards=0, offsets=np.array([0, 2, 4])),
+        lambda: shard_packed(np.arange(4), np.array([0, 2, 4]), 1, 0),
+    ):
+        with pytest.raises(ValueError, match="num_shards must be an int >= 1, got 0"):
+            shard()
 
 
 def test_costs_see_the_input_and_placement_balances_them():

@@ -89,6 +89,8 @@ def shard_bags(
     if offsets[0] < 0 or offsets[-1] > ids.size:
         raise ValueError(f"offsets must lie in [0, {ids.size}], got [{offsets[0]}, {offsets[-1]}]")
     num = offsets.size - 1
+    if not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
+        raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
     if num % num_shards:
         raise ValueError(f"{num} bags do not split into {num_shards} equal shards")
     per = num // num_shards

@@ -66,6 +66,8 @@ def shard_packed(
     if (offsets.size - 1) % num_features:
         raise ValueError(f"offsets [{offsets.size}] is not [F*B + 1] for F = {num_features}")
     batch = (offsets.size - 1) // num_features
+    if not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
+        raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
     if batch % num_shards:
         raise ValueError(f"{batch} bags per feature do not split into {num_shards} equal shards")
     per = batch // num_shards
