@@ -77,3 +77,13 @@ def test_invalid_specs_raise_clearly(kwargs, match):
 def test_from_cores_rejects_broken_rank_chain():
     with pytest.raises(ValueError, match="rank mismatch"):
         ftt.TTSpec.from_cores([np.zeros((2, 1, 2, 3)), np.zeros((2, 4, 2, 1))])
+
+
+def test_create_takes_the_dim_under_either_name():
+    import flowtt_jax as ftt
+
+    assert ftt.TTSpec.create(1000, features=16, rank=4) == ftt.TTSpec.create(1000, 16, 4)
+    with pytest.raises(TypeError, match="embedding_dim or features"):
+        ftt.TTSpec.create(1000, 16, features=16)
+    with pytest.raises(TypeError, match="embedding_dim or features"):
+        ftt.TTSpec.create(1000)

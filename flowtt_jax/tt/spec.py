@@ -202,14 +202,19 @@ class TTSpec:
     def create(
         cls,
         num_embeddings: int,
-        embedding_dim: int,
+        embedding_dim: int | None = None,
         rank: int | tuple[int, ...] = 32,
         *,
+        features: int | None = None,
         num_cores: int = 3,
         row_shape: tuple[int, ...] | None = None,
         col_shape: tuple[int, ...] | None = None,
     ) -> TTSpec:
-        """Spec with automatic shapes; ``rank`` (int or internal ranks) is capped at full rank."""
+        """Spec with automatic shapes; ``rank`` (int or internal ranks) is capped at full rank.
+        ``features`` is ``embedding_dim`` under the layers' (Flax's) name: give one."""
+        if (embedding_dim is None) == (features is None):
+            raise TypeError("TTSpec.create takes the dim as embedding_dim or features (one of them)")
+        embedding_dim = features if embedding_dim is None else embedding_dim
         if num_embeddings < 1 or embedding_dim < 1:
             raise ValueError(
                 f"num_embeddings and embedding_dim must be >= 1, got {num_embeddings}, {embedding_dim}"
