@@ -61,7 +61,7 @@ def hand_bags(table, ids, bag_of, num_bags, weights, mode, keep=None):
     return out
 
 
-@pytest.mark.parametrize("impl", ["ffi", "reference"])
+@pytest.mark.parametrize("impl", ["ffi", SLOW_REFERENCE])
 @pytest.mark.parametrize("shape", [(), (1,), (37,), (4, 9), (2, 3, 5)])
 def test_lookup_equals_dense_rows(impl, shape):
     spec = SPECS["d16r8"]
@@ -266,7 +266,7 @@ def test_gradients_bitwise_reproducible():
         assert a.tobytes() == b.tobytes()
 
 
-@pytest.mark.parametrize("impl", ["ffi", "reference"])
+@pytest.mark.parametrize("impl", ["ffi", SLOW_REFERENCE])
 def test_vmap_over_ids_and_over_cores(impl):
     spec = SPECS["d16r8"]
     cores = make_cores(spec, seed=3)
@@ -381,7 +381,7 @@ def test_bad_input_raises_clearly(call, error, match):
 
 
 @pytest.mark.parametrize("core_dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("impl", ["ffi", "reference"])
+@pytest.mark.parametrize("impl", ["ffi", SLOW_REFERENCE])
 def test_low_precision_cores_accumulate_in_float32(core_dtype, impl):
     spec = SPECS["d32r16"]
     cores = make_cores(spec, seed=14, dtype=core_dtype)

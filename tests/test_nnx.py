@@ -13,10 +13,10 @@ import flowtt_jax as ftt
 from flowtt_jax.collection import TableConfig, dense_embedding_bag
 from flowtt_jax.collection.layout import CollectionLayout
 from flowtt_jax.nnx import EmbedBag, TTEmbed, TTEmbedBag, TTEmbeddingCollection
-from tests.helpers import close
+from tests.helpers import SLOW_REFERENCE, close
 
 N, D, R = 1000, 16, 6
-IMPLS = ["reference", "auto"]
+IMPLS = [SLOW_REFERENCE, "auto"]
 
 
 def rand_ids(key, shape, n=N, oob=False):
