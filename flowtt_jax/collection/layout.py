@@ -127,6 +127,11 @@ class CollectionLayout:
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's shape, by name."""
+        return dict(self._param_shapes)
+
+    @functools.cached_property
+    def _param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """``param_shapes``, computed once: every call checks its parameters against it."""
         shapes = {}
         for p, pack in enumerate(self.packs):
             if pack.kind == "tt":
@@ -142,7 +147,7 @@ class CollectionLayout:
         """``ValueError`` unless ``params`` has exactly this layout's names and shapes (a
         state saved by another layout, restored by position after tables were re-ranked,
         added or removed), naming the tables the wrong parameters would hold."""
-        want = self.param_shapes()
+        want = self._param_shapes
         wrong = {n: (tuple(params[n].shape) if n in params else None, s) for n, s in want.items()}
         wrong = {n: got_want for n, got_want in wrong.items() if got_want[0] != got_want[1]}
         extra = sorted(set(params) - set(want))
@@ -360,6 +365,11 @@ class CollectionLayout:
             raise KeyError(
                 f"unknown feature(s) {unknown}: no table reads them (features: {list(self.feature_names)})"
             )
+
+    def table_of_feature(self, feature: str) -> TableConfig:
+        """The table ``feature`` reads (``KeyError`` naming it and the known features)."""
+        self.check_feature_keys({feature: None})
+        return next(cfg for cfg in self.tables if feature in cfg.feature_keys)
 
     @functools.cached_property
     def pack_order(self) -> tuple[int, ...]:

@@ -178,8 +178,9 @@ def cuda_unsupported_reason(shapes, table_batched: bool = False) -> str | None:
     ext = _import("_flowtt_cuda") if "CUDA" in _register() else None
     if ext is None:
         return None
-    if cuda_arch_reason():
-        return cuda_arch_reason()
+    arch = cuda_arch_reason()
+    if arch:
+        return arch
     (p1, _, q1, r1), (p2, _, q2, r2), (p3, _, q3, _) = shapes
     reason = ext.tb_unsupported_reason if table_batched else ext.unsupported_reason
     return reason(p1, p2, p3, q1, q2, q3, r1, r2)

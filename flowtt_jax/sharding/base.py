@@ -271,7 +271,7 @@ class ShardedLayout(abc.ABC):
         ``checkify`` check cannot be functionalized): ``ValueError`` for concrete ids out of
         range of the feature's table, a ``checkify`` check for traced ones (``ftt.checked``).
         Per-shard inputs' padding ids are 0, in range."""
-        cfg = next(c for c in self.tables if feature in c.feature_keys)
+        cfg = self.table_of_feature(feature)
         ids = as_ids(ids if isinstance(ids, jax.Array) else np.asarray(ids), "error")
         ids32 = saturate_int32(ids)
         valid = (ids32 >= 0) & (ids32 < cfg.num_embeddings)
