@@ -140,12 +140,24 @@ def target_rows_fwd(call, cores, plan):
     return rows
 
 
-def target_pool_fwd(call, rows, plan, weights, offsets, batch: int = 0):
-    """flowtt_bag_pool_fwd: bags [B, D] float32 from rows [n, D] and CSR offsets [B+1]
+def target_pool_fwd(call, rows, plan, weights, offsets, batch: int = 0, lo: int = 0, counts=None, prev=None):
+    """flowtt_bag_pool_fwd: bags [B, D] float32 from rows [m, D] (uniques [lo, lo + m),
+    capped at ``counts[0]`` when given) and CSR offsets [B+1], added onto ``prev`` when given
     (``batch`` > 0: feature-major bags written batch-major, as ``ffi.pool_fwd``)."""
     out_shape = [f32((len(offsets) - 1, rows.shape[1]))]
+    counts = np.zeros((0,), np.int32) if counts is None else counts
+    prev = np.zeros((0, rows.shape[1]), np.float32) if prev is None else prev
     (out,) = call(
-        "flowtt_bag_pool_fwd", out_shape, rows, plan.inverse, weights, offsets, batch=np.int64(batch)
+        "flowtt_bag_pool_fwd",
+        out_shape,
+        rows,
+        plan.inverse,
+        weights,
+        offsets,
+        counts,
+        prev,
+        batch=np.int64(batch),
+        lo=np.int64(lo),
     )
     return out
 
@@ -165,13 +177,17 @@ def check_pool_batch_major(call, rows, plan, weights, offsets, batch: int) -> No
         jax.block_until_ready(target_pool_fwd(call, rows, plan, weights, offsets, batch=bad))
 
 
-def target_pool_bwd(call, dout, rows, weights, plan, bag_ids, with_d_weights: bool = True):
-    """flowtt_bag_pool_bwd: ``(d_rows [n, D], d_weights [n] or [0])`` float32 (``rows`` may
-    be ``[0, D]`` without the weight gradient)."""
+def target_pool_bwd(
+    call, dout, rows, weights, plan, bag_ids, with_d_weights: bool = True, lo: int = 0, m: int | None = None
+):
+    """flowtt_bag_pool_bwd: ``(d_rows [m, D], d_weights [n] or [0])`` float32 for the uniques
+    ``[lo, lo + m)`` (default every one: m = n; ``rows`` [m, D], or ``[0, D]`` without the
+    weight gradient)."""
     n, dim = weights.shape[0], dout.shape[1]
-    outs = [f32((n, dim)), f32((n if with_d_weights else 0,))]
+    m = n if m is None else m
+    outs = [f32((m, dim)), f32((n if with_d_weights else 0,))]
     args = (plan.inverse, bag_ids, plan.perm, plan.run_offsets, plan.counts)
-    return call("flowtt_bag_pool_bwd", outs, dout, rows, weights, *args)
+    return call("flowtt_bag_pool_bwd", outs, dout, rows, weights, *args, lo=np.int64(lo))
 
 
 def target_rows_bwd(call, cores, d_rows, plan):

@@ -312,8 +312,11 @@ def test_pooling_sums_in_the_documented_order(platform):
         plan.inverse,
         weights,
         offsets,
+        np.zeros((0,), np.int32),
+        np.zeros((0, dim), np.float32),
         device=device,
         batch=np.int64(0),
+        lo=np.int64(0),
     )
     want = np.array([_seq_f32(s) for s in seqs], np.float32)
     assert want[0] == 0 and _seq_f32(seqs[0][::-1]) == 2  # the order shows
@@ -336,5 +339,6 @@ def test_pooling_sums_in_the_documented_order(platform):
         plan.run_offsets,
         plan.counts,
         device=device,
+        lo=np.int64(0),
     )
     assert np.array_equal(np.asarray(d_rows)[0], np.full(dim, _seq_f32(flat), np.float32))

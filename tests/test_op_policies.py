@@ -189,10 +189,28 @@ def test_pool_kernels_skip_zero_weights_on_raw_targets():
     weights[::3] = 0.0
     offsets = np.array([0, 10, 10, 55, 100], np.int32)
     (out,) = poisoned_call(
-        "flowtt_bag_pool_fwd", [f32((4, 8))], nan_rows, plan.inverse, weights, offsets, batch=np.int64(0)
+        "flowtt_bag_pool_fwd",
+        [f32((4, 8))],
+        nan_rows,
+        plan.inverse,
+        weights,
+        offsets,
+        np.zeros((0,), np.int32),
+        np.zeros((0, 8), np.float32),
+        batch=np.int64(0),
+        lo=np.int64(0),
     )
     (want,) = poisoned_call(
-        "flowtt_bag_pool_fwd", [f32((4, 8))], rows, plan.inverse, weights, offsets, batch=np.int64(0)
+        "flowtt_bag_pool_fwd",
+        [f32((4, 8))],
+        rows,
+        plan.inverse,
+        weights,
+        offsets,
+        np.zeros((0,), np.int32),
+        np.zeros((0, 8), np.float32),
+        batch=np.int64(0),
+        lo=np.int64(0),
     )
     assert np.isfinite(_np(out)).all() and _np(out).tobytes() == _np(want).tobytes()
     for chunk in (64, 1 << 20):  # bag_fwd: several chunks, one chunk

@@ -223,9 +223,9 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
   poison(d_dg2, g2.size());
   poison(d_dg3, g3.size());
   CK(flowtt::rows_fwd(t, d_g1, d_g2, d_g3, d_uids, d_goffs, d_counts, n, d_rows, d_fs, st));
-  CK(flowtt::bag_pool_fwd(d_rows, d_inv, d_w, d_bags, n, B, D, 0, d_out, st));
+  CK(flowtt::bag_pool_fwd(d_rows, d_inv, d_w, d_bags, n, B, D, 0, {0, n}, nullptr, nullptr, d_out, st));
   CK(flowtt::bag_pool_bwd(d_dout, d_rows, d_w, d_inv, d_bagids, d_perm, d_runs, d_counts, n, B, D,
-                          d_drows, d_dw, d_ps, st));
+                          {0, n}, d_drows, d_dw, d_ps, st));
   CK(flowtt::rows_bwd(t, d_g1, d_g2, d_g3, d_drows, d_uids, d_goffs, d_counts, n, d_dg1, d_dg2,
                       d_dg3, d_bs, st));
   CK(cudaStreamSynchronize(st));
@@ -392,7 +392,7 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
       flowtt::rows_fwd(t, d_g1, d_g2, d_g3, d_uids, d_goffs, d_counts, n, d_rows, d_fs, st);
     });
     float t_pool =
-        time_it([&] { flowtt::bag_pool_fwd(d_rows, d_inv, d_w, d_bags, n, B, D, 0, d_out, st); });
+        time_it([&] { flowtt::bag_pool_fwd(d_rows, d_inv, d_w, d_bags, n, B, D, 0, {0, n}, nullptr, nullptr, d_out, st); });
     const long long chunk =  // flowtt_jax.ops.bag_chunk_rows(D, B)
         std::max({64LL, (40LL << 20) / (4 * D), 8LL * B});
     const size_t bfs = flowtt::bag_fwd_scratch_bytes(t, n, chunk);
@@ -405,7 +405,7 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
     cudaFree(d_bfs);
     float t_pbwd = time_it([&] {
       flowtt::bag_pool_bwd(d_dout, d_rows, d_w, d_inv, d_bagids, d_perm, d_runs, d_counts, n, B, D,
-                           d_drows, d_dw, d_ps, st);
+                           {0, n}, d_drows, d_dw, d_ps, st);
     });
     float t_rbwd = time_it([&] {
       flowtt::rows_bwd(t, d_g1, d_g2, d_g3, d_drows, d_uids, d_goffs, d_counts, n, d_dg1, d_dg2,

@@ -46,18 +46,29 @@ cudaError_t rows_bwd(const TTDims& d, const float* g1, const float* g2, const fl
                      const int* counts, int n, float* dg1, float* dg2, float* dg3, void* scratch,
                      cudaStream_t stream);
 
+// The pooling ops' window of unique indices [lo, lo + m) (capped at num_unique where the
+// plan's counts are given): rows / d_rows [m, D] hold those uniques, row u - lo for unique u;
+// positions of other uniques add nothing (docs/op_contract.md). {0, n}: every unique.
+struct PoolWindow {
+  int lo;
+  int m;
+};
+
 // ---- op 2: flowtt_bag_pool_fwd ----
-// batch: the output layout (cuda/contract/pool_layout.h; 0: row b is bag b).
+// batch: the output layout (cuda/contract/pool_layout.h; 0: row b is bag b). counts: the
+// plan's (nullptr: the window is not capped); prev: nullptr, or [B, D] to add onto (may be
+// out itself: an aliased accumulation; a later window of an empty window returns at once).
 cudaError_t bag_pool_fwd(const float* rows, const int* inverse, const float* weights,
-                         const int* bag_offsets, int n, int B, int D, int batch, float* out,
-                         cudaStream_t stream);
+                         const int* bag_offsets, int n, int B, int D, int batch, PoolWindow w,
+                         const int* counts, const float* prev, float* out, cudaStream_t stream);
 
 // ---- op 3: flowtt_bag_pool_bwd ----
+// d_rows [w.m, D] of the window's uniques; d_weights of positions outside it are 0.
 size_t bag_pool_bwd_scratch_bytes(int n, int D);
 cudaError_t bag_pool_bwd(const float* dout, const float* rows, const float* weights,
                          const int* inverse, const int* bag_ids, const int* perm,
                          const int* run_offsets, const int* counts, int n, int B, int D,
-                         float* d_rows,
+                         PoolWindow w, float* d_rows,
                          float* d_weights,  // nullptr: not computed
                          void* scratch, cudaStream_t stream);
 

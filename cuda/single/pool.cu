@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(256, WEIGHTS ? FLOWTT_POOL_P1W_MINB : FLOWTT_P
     pool_bwd_rows_p1(const float* __restrict__ dout, const float* __restrict__ weights,
                      const int* __restrict__ bag_ids, const int* __restrict__ perm,
                      const int* __restrict__ inverse, const int* __restrict__ run_offsets,
-                     const int* __restrict__ counts, int n, int B, int D, int TS,
+                     const int* __restrict__ counts, int n, int B, int D, int TS, int lo, int m,
                      float* __restrict__ d_rows, float* __restrict__ part, int* __restrict__ hot,
                      const float* __restrict__ rows, float* __restrict__ d_weights) {
   using T = typename VecT<VEC>::T;
@@ -167,8 +167,14 @@ __global__ void __launch_bounds__(256, WEIGHTS ? FLOWTT_POOL_P1W_MINB : FLOWTT_P
   const int k = (int)(gt / TS), lane = (int)(gt % TS);
   const int nch = (n + kPL - 1) / kPL;
   if (k >= nch) return;
-  const int U = clampi(counts[0], 0, n);
+  // the window: uniques [lo, hi) are the sorted positions [s0, s1); uniques are relative to lo
+  const int hi = min(clampi(counts[0], 0, n), lo + m);
+  if (lo >= hi) return;
+  const int U = hi - lo;
+  const int s0 = clampi(run_offsets[lo], 0, n), s1 = clampi(run_offsets[hi], s0, n);
   const int cs = k * kPL, ce = min(n, cs + kPL);
+  const int js = max(cs, s0), je = min(ce, s1);
+  if (js >= je) return;
   const int DV = D / VEC;
   const T* dv_ = reinterpret_cast<const T*>(dout);
   const T* rv = reinterpret_cast<const T*>(rows);
@@ -183,7 +189,7 @@ __global__ void __launch_bounds__(256, WEIGHTS ? FLOWTT_POOL_P1W_MINB : FLOWTT_P
     T acc = vzero<T>();
     auto flush = [&](int u) {
       if (u < 0 || u >= U || !has) return;
-      const int s = run_offsets[u], e = run_offsets[u + 1];
+      const int s = run_offsets[lo + u], e = run_offsets[lo + u + 1];
       if (s >= cs && e <= ce) {
         o[(size_t)u * DV + dv] = acc;
       } else {
@@ -191,7 +197,7 @@ __global__ void __launch_bounds__(256, WEIGHTS ? FLOWTT_POOL_P1W_MINB : FLOWTT_P
         pv[((size_t)k * 2 + side) * DV + dv] = acc;
       }
     };
-    for (int j0 = cs; j0 < ce; j0 += kP1B) {
+    for (int j0 = js; j0 < je; j0 += kP1B) {
       int uj[kP1B], pj[kP1B];
       float wj[kP1B];
       T xj[kP1B], rj[WEIGHTS ? kP1B : 1];
@@ -202,19 +208,19 @@ __global__ void __launch_bounds__(256, WEIGHTS ? FLOWTT_POOL_P1W_MINB : FLOWTT_P
         wj[i] = 0.f;
         xj[i] = vzero<T>();
         if (WEIGHTS) rj[i] = vzero<T>();
-        if (j < ce) {
+        if (j < je) {
           const int p = clampi(__ldg(perm + j), 0, n - 1);
           pj[i] = p;
-          uj[i] = __ldg(inverse + p);
+          uj[i] = __ldg(inverse + p) - lo;
           wj[i] = __ldg(weights + p);
           const int b = clampi(__ldg(bag_ids + p), 0, B - 1);
           if (has) xj[i] = dv_[(size_t)b * DV + dv];
-          if (WEIGHTS && has) rj[i] = rv[(size_t)clampi(uj[i], 0, n - 1) * DV + dv];
+          if (WEIGHTS && has) rj[i] = rv[(size_t)clampi(uj[i], 0, m - 1) * DV + dv];
         }
       }
 #pragma unroll
       for (int i = 0; i < kP1B; ++i) {
-        if (j0 + i < ce) {
+        if (j0 + i < je) {
           if (uj[i] != cur) {
             flush(cur);
             cur = uj[i];
@@ -265,7 +271,7 @@ __device__ __forceinline__ T warp_run_sum(const T* pv, int k0, int L, int DV, in
 // valid plan) gets zeros.
 template <int VEC>
 __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
-                                 const int* __restrict__ counts, int n, int D,
+                                 const int* __restrict__ counts, int n, int D, int lo, int m,
                                  const float* __restrict__ part, float* __restrict__ d_rows,
                                  int* __restrict__ hot) {
   using T = typename VecT<VEC>::T;
@@ -273,7 +279,7 @@ __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
   const int lane = threadIdx.x & 31;
   const int gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int nw = (gridDim.x * blockDim.x) >> 5;
-  const int U = clampi(counts[0], 0, n);
+  const int U = max(min(clampi(counts[0], 0, n), lo + m) - lo, 0);  // the window's uniques
   const int DV = D / VEC;
   T* o = reinterpret_cast<T*>(d_rows);
   const T* pv = reinterpret_cast<const T*>(part);
@@ -281,8 +287,8 @@ __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
     const int u = base + lane;
     int s = 0, e = 0;
     if (u < U) {
-      s = clampi(run_offsets[u], 0, n);
-      e = clampi(run_offsets[u + 1], s, n);
+      s = clampi(run_offsets[lo + u], 0, n);
+      e = clampi(run_offsets[lo + u + 1], s, n);
     }
     const bool empty = u < U && e <= s;
     const int L = e > s ? (e - 1) / kPL - s / kPL + 1 : 0;  // partials of the run
@@ -330,7 +336,7 @@ __global__ void pool_bwd_rows_p2(const int* __restrict__ run_offsets,
 // per vector are the longest chain of the pooling backward).
 template <int VEC>
 __global__ void pool_bwd_rows_p3(const int* __restrict__ run_offsets, const int* __restrict__ hot,
-                                 int n, int D, const float* __restrict__ part,
+                                 int n, int D, int lo, const float* __restrict__ part,
                                  float* __restrict__ d_rows) {
   using T = typename VecT<VEC>::T;
   const int lane = threadIdx.x & 31;
@@ -342,7 +348,7 @@ __global__ void pool_bwd_rows_p3(const int* __restrict__ run_offsets, const int*
   const T* pv = reinterpret_cast<const T*>(part);
   for (long long t = gw; t < tasks; t += nw) {
     const int u = hot[1 + t / DV], dv = (int)(t % DV);
-    const int s = clampi(run_offsets[u], 0, n), e = clampi(run_offsets[u + 1], s, n);
+    const int s = clampi(run_offsets[lo + u], 0, n), e = clampi(run_offsets[lo + u + 1], s, n);
     const int k0 = s / kPL;
     const T acc = warp_run_sum(pv, k0, (e - 1) / kPL - k0 + 1, DV, dv, lane);
     if (lane == 0) o[(size_t)u * DV + dv] = acc;
@@ -356,19 +362,25 @@ __global__ void pool_bwd_weights_kernel(const float* __restrict__ dout,
                                         const float* __restrict__ rows,
                                         const int* __restrict__ inverse,
                                         const int* __restrict__ bag_ids,
-                                        const int* __restrict__ perm, int n, int B, int D, int TS,
-                                        float* __restrict__ d_weights) {
+                                        const int* __restrict__ perm,
+                                        const int* __restrict__ run_offsets,
+                                        const int* __restrict__ counts, int n, int B, int D,
+                                        int TS, int lo, int m, float* __restrict__ d_weights) {
   using T = typename VecT<VEC>::T;
   const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const int j = (int)(gt / TS), lane = (int)(gt % TS);
-  const bool valid = j < n;
+  // the window's sorted positions [s0, s1) (uniques [lo, hi)); the others are not written
+  const int hi = min(clampi(counts[0], 0, n), lo + m);
+  const int s0 = lo < hi ? clampi(run_offsets[lo], 0, n) : 0;
+  const int s1 = lo < hi ? clampi(run_offsets[hi], s0, n) : 0;
+  const bool valid = j >= s0 && j < s1;
   const int DV = D / VEC;
   float s = 0.f;
   int k = 0;
   if (valid) {
     k = clampi(__ldg(perm + j), 0, n - 1);
     const int b = clampi(__ldg(bag_ids + k), 0, B - 1);
-    const int idx = clampi(__ldg(inverse + k), 0, n - 1);
+    const int idx = clampi(__ldg(inverse + k) - lo, 0, m - 1);
     const T* a = reinterpret_cast<const T*>(dout) + (size_t)b * DV;
     const T* r = reinterpret_cast<const T*>(rows) + (size_t)idx * DV;
     for (int dv = lane; dv < DV; dv += TS) s += vdot(a[dv], r[dv]);
@@ -413,16 +425,22 @@ cudaError_t launch_pool_fwd(const float* rows, const int* inverse, const float* 
 }
 
 cudaError_t bag_pool_fwd(const float* rows, const int* inverse, const float* weights,
-                         const int* bag_offsets, int n, int B, int D, int batch, float* out,
-                         cudaStream_t stream) {
-  return launch_pool_fwd(rows, inverse, weights, bag_offsets, n, B, D, 0, n, nullptr, false, batch,
-                         out, stream);
+                         const int* bag_offsets, int n, int B, int D, int batch, PoolWindow w,
+                         const int* counts, const float* prev, float* out, cudaStream_t stream) {
+  if (prev != nullptr && prev != out) {  // accumulate onto prev (aliased to out, or copied)
+    cudaError_t e = cudaMemcpyAsync(out, prev, sizeof(float) * (size_t)B * D,
+                                    cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) return e;
+  }
+  return launch_pool_fwd(rows, inverse, weights, bag_offsets, n, B, D, w.lo, w.lo + w.m, counts,
+                         prev != nullptr, batch, out, stream);
 }
 
 cudaError_t bag_pool_bwd(const float* dout, const float* rows, const float* weights,
                          const int* inverse, const int* bag_ids, const int* perm,
                          const int* run_offsets, const int* counts, int n, int B, int D,
-                         float* d_rows, float* d_weights, void* scratch, cudaStream_t stream) {
+                         PoolWindow w, float* d_rows, float* d_weights, void* scratch,
+                         cudaStream_t stream) {
   float* part = static_cast<float*>(scratch);
   int* hot = reinterpret_cast<int*>(part + pool_bwd_part_floats(n, D));
   // rows is read only for d_weights (without it, it may be an empty placeholder)
@@ -434,10 +452,14 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows, const float* weig
   const int DV = v4 ? D / 4 : D;
   const int TS = team_size(DV);
   if (B <= 0) {
-    cudaError_t e = cudaMemsetAsync(d_rows, 0, sizeof(float) * (size_t)n * D, stream);
+    cudaError_t e = cudaMemsetAsync(d_rows, 0, sizeof(float) * (size_t)w.m * D, stream);
     if (e != cudaSuccess) return e;
     return d_weights == nullptr ? cudaSuccess
                                 : cudaMemsetAsync(d_weights, 0, sizeof(float) * (size_t)n, stream);
+  }
+  if (d_weights != nullptr && (w.lo > 0 || w.m < n)) {  // positions outside the window: 0
+    cudaError_t e = cudaMemsetAsync(d_weights, 0, sizeof(float) * (size_t)n, stream);
+    if (e != cudaSuccess) return e;
   }
   const int nch = (n + kPL - 1) / kPL;
   const int b1 = (int)(((long long)nch * TS + 255) / 256);
@@ -446,21 +468,23 @@ cudaError_t bag_pool_bwd(const float* dout, const float* rows, const float* weig
   with_vec(v4, [&](auto vec) {
     // d_weights in pass 1 where a team's lanes cover D (D <= 128), else by its own kernel
     const bool fused_w = FLOWTT_POOL_P1_WEIGHTS && d_weights != nullptr && DV <= TS;
-    auto p1 = [&](auto w) {
-      pool_bwd_rows_p1<vec(), w()><<<b1, 256, 0, stream>>>(
-          dout, weights, bag_ids, perm, inverse, run_offsets, counts, n, B, D, TS, d_rows, part,
-          hot, w() ? rows : nullptr, w() ? d_weights : nullptr);
+    auto p1 = [&](auto wt) {
+      pool_bwd_rows_p1<vec(), wt()><<<b1, 256, 0, stream>>>(
+          dout, weights, bag_ids, perm, inverse, run_offsets, counts, n, B, D, TS, w.lo, w.m,
+          d_rows, part, hot, wt() ? rows : nullptr, wt() ? d_weights : nullptr);
     };
     if (fused_w)
       p1(std::true_type{});
     else
       p1(std::false_type{});
-    pool_bwd_rows_p2<vec()><<<b2, 256, 0, stream>>>(run_offsets, counts, n, D, part, d_rows, hot);
+    pool_bwd_rows_p2<vec()>
+        <<<b2, 256, 0, stream>>>(run_offsets, counts, n, D, w.lo, w.m, part, d_rows, hot);
     pool_bwd_rows_p3<vec()>
-        <<<num_sms() * 4, 256, 0, stream>>>(run_offsets, hot, n, D, part, d_rows);
+        <<<num_sms() * 4, 256, 0, stream>>>(run_offsets, hot, n, D, w.lo, part, d_rows);
     if (d_weights != nullptr && !fused_w)
-      pool_bwd_weights_kernel<vec()>
-          <<<bw, 256, 0, stream>>>(dout, rows, inverse, bag_ids, perm, n, B, D, TS, d_weights);
+      pool_bwd_weights_kernel<vec()><<<bw, 256, 0, stream>>>(dout, rows, inverse, bag_ids, perm,
+                                                             run_offsets, counts, n, B, D, TS,
+                                                             w.lo, w.m, d_weights);
   });
   return cudaGetLastError();
 }

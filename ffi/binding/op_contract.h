@@ -113,15 +113,29 @@ ffi::Error CheckRowsBwd(const FBuf& g1, const FBuf& g2, const FBuf& g3, const FB
   return ffi::Error::Success();
 }
 
-// flowtt_bag_pool_fwd: rows [n, dim], the pooling operands and the output layout
-// (batch 0, or batch >= 1 dividing num_bags: cuda/contract/pool_layout.h); sets n, dim and
-// num_bags.
+// The window of unique indices [lo, lo + m) of the pooling ops (rows / d_rows [m, dim]):
+// 0 <= lo, 1 <= m, lo + m < 2^31.
+inline ffi::Error CheckPoolWindow(int64_t lo, int64_t m, const char* op) {
+  if (lo < 0 || m < 1 || lo + m >= (int64_t{1} << 31)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": need 0 <= lo, 1 <= m (rows [m, dim]), " +
+                                       "lo + m < 2^31; got lo " + std::to_string(lo) + ", m " +
+                                       std::to_string(m));
+  }
+  return ffi::Error::Success();
+}
+
+// flowtt_bag_pool_fwd: rows [m, dim] (the uniques [lo, lo + m)), the pooling operands, counts
+// [2] (the plan's: the window is capped at num_unique) or [0], prev [B, dim] (added onto) or
+// [0, dim], and the output layout (batch 0, or batch >= 1 dividing num_bags:
+// cuda/contract/pool_layout.h); sets n, dim, num_bags and m.
 template <typename FBuf, typename IBuf, typename OBuf>
 ffi::Error CheckPoolFwd(const FBuf& rows, const IBuf& inverse, const FBuf& weights,
-                        const IBuf& offsets, const OBuf& out, int64_t batch, int64_t* n,
-                        int64_t* dim, int64_t* num_bags) {
+                        const IBuf& offsets, const IBuf& counts, const FBuf& prev, const OBuf& out,
+                        int64_t batch, int64_t lo, int64_t* n, int64_t* dim, int64_t* num_bags,
+                        int64_t* m) {
   *n = Length(inverse);
   *dim = rows.dimensions().size() == 2 ? rows.dimensions()[1] : -1;
+  *m = rows.dimensions().size() == 2 ? rows.dimensions()[0] : -1;
   if (ffi::Error e = CheckPooling(inverse, weights, offsets, out, *n, *dim, num_bags);
       e.failure()) {
     return e;
@@ -131,21 +145,30 @@ ffi::Error CheckPoolFwd(const FBuf& rows, const IBuf& inverse, const FBuf& weigh
                                        std::to_string(*num_bags) + " bags, got " +
                                        std::to_string(batch));
   }
-  return CheckMatrix(rows, *n, *dim, "rows");
+  if (Length(counts) != 2 && Length(counts) != 0) {
+    return ffi::Error::InvalidArgument("flowtt_bag_pool_fwd: counts must be [2] or [0]");
+  }
+  const bool no_prev = prev.dimensions().size() == 2 && prev.dimensions()[0] == 0;
+  if (ffi::Error e = CheckMatrix(prev, no_prev ? 0 : *num_bags, *dim, "prev"); e.failure()) {
+    return e;
+  }
+  return CheckPoolWindow(lo, *m, "flowtt_bag_pool_fwd");
 }
 
-// flowtt_bag_pool_bwd: dout [B, dim], rows [n, dim] (or [0, dim] without the weight
+// flowtt_bag_pool_bwd: dout [B, dim], rows [m, dim] (or [0, dim] without the weight
 // gradient: only d_weights reads the rows), weights, inverse, bag_ids, perm [n],
-// run_offsets [n+1], counts [2], d_rows [n, dim], d_weights [n] or [0] (no weight
-// gradient); sets n, dim and num_bags = B.
+// run_offsets [n+1], counts [2], d_rows [m, dim] (the uniques [lo, lo + m)), d_weights [n]
+// or [0] (no weight gradient); sets n, dim, num_bags = B and m.
 template <typename FBuf, typename IBuf, typename OBuf>
 ffi::Error CheckPoolBwd(const FBuf& dout, const FBuf& rows, const FBuf& weights,
                         const IBuf& inverse, const IBuf& bag_ids, const IBuf& perm,
                         const IBuf& run_offsets, const IBuf& counts, const OBuf& d_rows,
-                        const OBuf& d_weights, int64_t* n, int64_t* dim, int64_t* num_bags) {
+                        const OBuf& d_weights, int64_t lo, int64_t* n, int64_t* dim,
+                        int64_t* num_bags, int64_t* m) {
   *n = Length(inverse);
   *dim = dout.dimensions().size() == 2 ? dout.dimensions()[1] : -1;
   *num_bags = dout.dimensions().size() == 2 ? dout.dimensions()[0] : -1;
+  *m = d_rows.dimensions().size() == 2 ? d_rows.dimensions()[0] : -1;
   if (*n < 1 || Length(weights) != *n || Length(bag_ids) != *n || Length(perm) != *n ||
       Length(run_offsets) != *n + 1 || Length(counts) != 2 ||
       (Length(d_weights) != *n && Length(d_weights) != 0)) {
@@ -155,9 +178,10 @@ ffi::Error CheckPoolBwd(const FBuf& dout, const FBuf& rows, const FBuf& weights,
   }
   const bool rows_unused =
       Length(d_weights) == 0 && rows.dimensions().size() == 2 && rows.dimensions()[0] == 0;
-  if (ffi::Error e = CheckMatrix(rows, rows_unused ? 0 : *n, *dim, "rows"); e.failure()) return e;
+  if (ffi::Error e = CheckMatrix(rows, rows_unused ? 0 : *m, *dim, "rows"); e.failure()) return e;
   if (ffi::Error e = CheckMatrix(dout, *num_bags, *dim, "dout"); e.failure()) return e;
-  return CheckMatrix(d_rows, *n, *dim, "d_rows");
+  if (ffi::Error e = CheckMatrix(d_rows, *m, *dim, "d_rows"); e.failure()) return e;
+  return CheckPoolWindow(lo, *m, "flowtt_bag_pool_bwd");
 }
 
 // flowtt_bag_fwd: cores, group plan, pooling operands, out [B, D], chunk_rows >= 1;

@@ -36,19 +36,22 @@ auto BindRowsBwd(Binding b) {  // g1 g2 g3 d_rows unique_ids group_offsets count
 }
 
 template <typename Binding>
-auto BindPoolFwd(Binding b) {  // rows inverse weights offsets -> out; attr batch
-  return BindBuffers(std::move(b), Buffers<F32Buffer, S32Buffer, F32Buffer, S32Buffer>{},
+auto BindPoolFwd(Binding b) {  // rows inverse weights offsets counts prev -> out; attrs batch, lo
+  return BindBuffers(std::move(b),
+                     Buffers<F32Buffer, S32Buffer, F32Buffer, S32Buffer, S32Buffer, F32Buffer>{},
                      Buffers<F32Buffer>{})
-      .template Attr<int64_t>("batch");
+      .template Attr<int64_t>("batch")
+      .template Attr<int64_t>("lo");
 }
 
 template <typename Binding>
 auto BindPoolBwd(Binding b) {
-  // dout rows weights inverse bag_ids perm run_offsets counts -> d_rows d_weights
+  // dout rows weights inverse bag_ids perm run_offsets counts -> d_rows d_weights; attr lo
   return BindBuffers(std::move(b),
                      Buffers<F32Buffer, F32Buffer, F32Buffer, S32Buffer, S32Buffer, S32Buffer,
                              S32Buffer, S32Buffer>{},
-                     Buffers<F32Buffer, F32Buffer>{});
+                     Buffers<F32Buffer, F32Buffer>{})
+      .template Attr<int64_t>("lo");
 }
 
 template <typename Binding>

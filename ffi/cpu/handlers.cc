@@ -59,15 +59,18 @@ ffi::Error RowsBwdImpl(F32 g1, F32 g2, F32 g3, F32 d_rows, S32 unique_ids, S32 g
                                   dg1->typed_data(), dg2->typed_data(), dg3->typed_data()));
 }
 
-ffi::Error PoolFwdImpl(F32 rows, S32 inverse, F32 weights, S32 offsets, ffi::RemainingArgs,
-                       F32Out out, int64_t batch) {
-  int64_t n, d, bags;
-  if (ffi::Error e = CheckPoolFwd(rows, inverse, weights, offsets, *out, batch, &n, &d, &bags);
+ffi::Error PoolFwdImpl(F32 rows, S32 inverse, F32 weights, S32 offsets, S32 counts, F32 prev,
+                       ffi::RemainingArgs, F32Out out, int64_t batch, int64_t lo) {
+  int64_t n, d, bags, m;
+  if (ffi::Error e = CheckPoolFwd(rows, inverse, weights, offsets, counts, prev, *out, batch, lo,
+                                  &n, &d, &bags, &m);
       e.failure()) {
     return e;
   }
   return FromMessage(cpu::PoolFwd(rows.typed_data(), n, d, inverse.typed_data(),
                                   weights.typed_data(), offsets.typed_data(), bags, batch,
+                                  cpu::Window{lo, m, Length(counts) == 0 ? -1 : counts.typed_data()[0]},
+                                  prev.element_count() == 0 ? nullptr : prev.typed_data(),
                                   out->typed_data()));
 }
 
@@ -89,17 +92,18 @@ ffi::Error BagFwdImpl(F32 g1, F32 g2, F32 g3, S32 unique_ids, S32 group_offsets,
 
 ffi::Error PoolBwdImpl(F32 dout, F32 rows, F32 weights, S32 inverse, S32 bag_ids, S32 perm,
                        S32 run_offsets, S32 counts, ffi::RemainingArgs, F32Out d_rows,
-                       F32Out d_weights) {
-  int64_t n, d, bags;
+                       F32Out d_weights, int64_t lo) {
+  int64_t n, d, bags, m;
   if (ffi::Error e = CheckPoolBwd(dout, rows, weights, inverse, bag_ids, perm, run_offsets, counts,
-                                  *d_rows, *d_weights, &n, &d, &bags);
+                                  *d_rows, *d_weights, lo, &n, &d, &bags, &m);
       e.failure()) {
     return e;
   }
   return FromMessage(cpu::PoolBwd(
       dout.typed_data(), bags, rows.typed_data(), n, d, weights.typed_data(), inverse.typed_data(),
       bag_ids.typed_data(), perm.typed_data(), run_offsets.typed_data(), counts.typed_data()[0],
-      d_rows->typed_data(), Length(*d_weights) == 0 ? nullptr : d_weights->typed_data()));
+      cpu::Window{lo, m, counts.typed_data()[0]}, d_rows->typed_data(),
+      Length(*d_weights) == 0 ? nullptr : d_weights->typed_data()));
 }
 
 ffi::Error PlanImpl(S32 ids, ffi::RemainingArgs, S32Out perm, S32Out inverse, S32Out unique_ids,

@@ -191,15 +191,27 @@ inline void PoolRange(const float* rows, int64_t d, const int32_t* inverse, cons
   }
 }
 
+// The pooling ops' window of unique indices [lo, lo + m), capped at cap (the plan's
+// num_unique) unless cap < 0: rows / d_rows [m, d] hold its uniques (row u - lo).
+struct Window {
+  int64_t lo, m, cap;
+  int64_t hi() const { return cap < 0 ? lo + m : std::max(lo, std::min(lo + m, cap)); }
+};
+
+// out = prev (or 0 when prev is null; prev may be out itself) + the window's PoolRange.
 inline std::string PoolFwd(const float* rows, int64_t n, int64_t d, const int32_t* inverse,
                            const float* weights, const int32_t* offsets, int64_t num_bags,
-                           int64_t batch, float* out) {
+                           int64_t batch, Window w, const float* prev, float* out) {
   if (std::string e = CheckOffsets(offsets, num_bags, n); !e.empty()) return e;
   for (int64_t k = offsets[0]; k < offsets[num_bags]; ++k) {  // the positions in some bag
     if (inverse[k] < 0 || inverse[k] >= n) return "inverse index out of range";
   }
-  std::memset(out, 0, sizeof(float) * num_bags * d);
-  PoolRange(rows, d, inverse, weights, offsets, num_bags, 0, n, batch, out);
+  if (prev == nullptr) {
+    std::memset(out, 0, sizeof(float) * num_bags * d);
+  } else if (prev != out) {
+    std::memcpy(out, prev, sizeof(float) * num_bags * d);
+  }
+  PoolRange(rows, d, inverse, weights, offsets, num_bags, w.lo, w.hi(), batch, out);
   return "";
 }
 
@@ -227,10 +239,13 @@ inline std::string BagFwd(const Shape& s, const float* g1, const float* g2, cons
   return "";
 }
 
+// d_rows [w.m, d] of the window's uniques (row u - w.lo; rows past its end 0) by the sorted
+// runs; d_weights [n] (when not null) dout[bag] . rows[u - w.lo] for positions of the
+// window's uniques, 0 for the others.
 inline std::string PoolBwd(const float* dout, int64_t num_bags, const float* rows, int64_t n,
                            int64_t d, const float* weights, const int32_t* inverse,
                            const int32_t* bag_ids, const int32_t* perm, const int32_t* run_offsets,
-                           int32_t num_unique, float* d_rows,
+                           int32_t num_unique, Window w, float* d_rows,
                            float* d_weights) {  // d_weights may be null: not computed
   if (num_unique < 0 || num_unique > n) return "plan counts out of range";
   for (int64_t k = 0; k < n; ++k) {
@@ -245,19 +260,22 @@ inline std::string PoolBwd(const float* dout, int64_t num_bags, const float* row
       return "run_offsets are not a valid partition";
     }
   }
-  std::memset(d_rows, 0, sizeof(float) * n * d);
-  for (int32_t u = 0; u < num_unique; ++u) {
-    float* dr = d_rows + int64_t(u) * d;
+  const int64_t hi = w.hi();
+  std::memset(d_rows, 0, sizeof(float) * w.m * d);
+  for (int64_t u = w.lo; u < hi; ++u) {
+    float* dr = d_rows + (u - w.lo) * d;
     for (int32_t j = run_offsets[u]; j < run_offsets[u + 1]; ++j) {
       const int32_t k = perm[j];
-      const float w = weights[k];
+      const float wk = weights[k];
       const float* g = dout + int64_t(bag_ids[k]) * d;
-      for (int64_t c = 0; c < d; ++c) dr[c] += w * g[c];
+      for (int64_t c = 0; c < d; ++c) dr[c] += wk * g[c];
     }
   }
   for (int64_t k = 0; d_weights != nullptr && k < n; ++k) {
+    d_weights[k] = 0.0f;
+    if (inverse[k] < w.lo || inverse[k] >= hi) continue;
     const float* g = dout + int64_t(bag_ids[k]) * d;
-    const float* r = rows + int64_t(inverse[k]) * d;
+    const float* r = rows + int64_t(inverse[k] - w.lo) * d;
     float acc = 0.0f;
     for (int64_t c = 0; c < d; ++c) acc += g[c] * r[c];
     d_weights[k] = acc;

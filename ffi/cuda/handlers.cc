@@ -94,23 +94,28 @@ ffi::Error BagFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 g1
 }
 
 ffi::Error PoolFwdImpl(cudaStream_t stream, F32 rows, S32 inverse, F32 weights, S32 offsets,
-                       ffi::RemainingArgs, F32Out out, int64_t batch) {
-  int64_t n, d, bags;
-  if (ffi::Error e = CheckPoolFwd(rows, inverse, weights, offsets, *out, batch, &n, &d, &bags);
+                       S32 counts, F32 prev, ffi::RemainingArgs, F32Out out, int64_t batch,
+                       int64_t lo) {
+  int64_t n, d, bags, m;
+  if (ffi::Error e = CheckPoolFwd(rows, inverse, weights, offsets, counts, prev, *out, batch, lo,
+                                  &n, &d, &bags, &m);
       e.failure())
     return e;
   return CudaError(bag_pool_fwd(rows.typed_data(), inverse.typed_data(), weights.typed_data(),
                                 offsets.typed_data(), (int)n, (int)bags, (int)d, (int)batch,
+                                PoolWindow{(int)lo, (int)m},
+                                Length(counts) == 0 ? nullptr : counts.typed_data(),
+                                prev.element_count() == 0 ? nullptr : prev.typed_data(),
                                 out->typed_data(), stream),
                    "bag_pool_fwd");
 }
 
 ffi::Error PoolBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 dout, F32 rows,
                        F32 weights, S32 inverse, S32 bag_ids, S32 perm, S32 run_offsets, S32 counts,
-                       ffi::RemainingArgs, F32Out d_rows, F32Out d_weights) {
-  int64_t n, d, bags;
+                       ffi::RemainingArgs, F32Out d_rows, F32Out d_weights, int64_t lo) {
+  int64_t n, d, bags, m;
   if (ffi::Error e = CheckPoolBwd(dout, rows, weights, inverse, bag_ids, perm, run_offsets, counts,
-                                  *d_rows, *d_weights, &n, &d, &bags);
+                                  *d_rows, *d_weights, lo, &n, &d, &bags, &m);
       e.failure())
     return e;
   void* ws;
@@ -120,7 +125,8 @@ ffi::Error PoolBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, F32 d
   return CudaError(
       bag_pool_bwd(dout.typed_data(), rows.typed_data(), weights.typed_data(), inverse.typed_data(),
                    bag_ids.typed_data(), perm.typed_data(), run_offsets.typed_data(),
-                   counts.typed_data(), (int)n, (int)bags, (int)d, d_rows->typed_data(),
+                   counts.typed_data(), (int)n, (int)bags, (int)d, PoolWindow{(int)lo, (int)m},
+                   d_rows->typed_data(),
                    Length(*d_weights) == 0 ? nullptr : d_weights->typed_data(), ws, stream),
       "bag_pool_bwd");
 }

@@ -237,11 +237,13 @@ def _require_extension() -> None:
         )
 
 
-def _call(target: str, outs, *args, **attrs):
+def _call(target: str, outs, *args, aliases: dict[int, int] | None = None, **attrs):
     _require_extension()
     axes = varying_axes(args)
     with explain_ad_errors():
-        results = jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*to_varying(args, axes), **attrs)
+        results = jax.ffi.ffi_call(
+            target, outs, vmap_method="sequential", input_output_aliases=aliases
+        )(*to_varying(args, axes), **attrs)
     return to_varying(results, axes)
 
 
@@ -367,16 +369,47 @@ def rows_bwd(cores, d_rows: jax.Array, plan: Plan) -> tuple[jax.Array, ...]:
 
 
 def pool_fwd(
-    rows: jax.Array, inverse: jax.Array, weights: jax.Array, offsets: jax.Array, batch: int = 0
+    rows: jax.Array,
+    inverse: jax.Array,
+    weights: jax.Array,
+    offsets: jax.Array,
+    batch: int = 0,
+    *,
+    lo: int = 0,
+    counts: jax.Array | None = None,
+    prev: jax.Array | None = None,
 ) -> jax.Array:
     """Bags [B, D]: weighted sums of unique rows through the inverse map, fixed order.
 
     ``batch`` (static): 0, row j is bag j; else the bags are feature-major (bag
     ``f*batch + b`` of ``F = B / batch`` features) and row ``b*F + f`` holds bag
     ``f*batch + b``: the ``[batch, F, D]`` layout, written so by the kernel.
+
+    A window of uniques: ``rows`` [m, D] holds uniques ``[lo, lo + m)`` (``lo`` static),
+    capped at the plan's ``counts[0]`` when ``counts`` is given; positions of other uniques
+    add nothing. ``prev`` [B, D]: the sums are added onto it (its buffer becomes the
+    result's; a window past the uniques costs a launch that returns at once).
     """
     out = _f32((offsets.shape[0] - 1, rows.shape[1]))
-    return _call("flowtt_bag_pool_fwd", out, rows, inverse, weights, offsets, batch=np.int64(batch))
+    counts = jnp.zeros((0,), jnp.int32) if counts is None else counts
+    aliases = None
+    if prev is None:
+        prev = jnp.zeros((0, rows.shape[1]), jnp.float32)
+    else:
+        aliases = {5: 0}
+    return _call(
+        "flowtt_bag_pool_fwd",
+        out,
+        rows,
+        inverse,
+        weights,
+        offsets,
+        counts,
+        prev,
+        aliases=aliases,
+        batch=np.int64(batch),
+        lo=np.int64(lo),
+    )
 
 
 def bag_fwd(cores, plan: Plan, weights: jax.Array, offsets: jax.Array, chunk_rows: int) -> jax.Array:
@@ -419,22 +452,35 @@ def _group_plan_args(plan: GroupPlan):
     return plan.u_i3, plan.g_i1, plan.g_i2, plan.group_offsets, plan.counts
 
 
-def pool_bwd(dout, rows, weights, bag_ids, plan: Plan | GroupPlan, with_d_weights: bool = True):
-    """(d_rows [n, D], d_weights [n] or None) of the pooling, reduced in sorted order;
-    d_rows past num_unique are unspecified. ``plan``: either plan (its ``inverse``,
-    ``perm``, ``run_offsets`` and ``counts``).
+def pool_bwd(
+    dout,
+    rows,
+    weights,
+    bag_ids,
+    plan: Plan | GroupPlan,
+    with_d_weights: bool = True,
+    *,
+    lo: int = 0,
+    m: int | None = None,
+):
+    """(d_rows [m, D], d_weights [n] or None) of the pooling, reduced in sorted order, for
+    the window of uniques ``[lo, lo + m)`` (static; default every unique: ``m = n``) capped
+    at num_unique; d_rows past it are unspecified, d_weights of positions outside it 0.
+    ``plan``: either plan (its ``inverse``, ``perm``, ``run_offsets`` and ``counts``).
 
     ``with_d_weights=False`` skips the weight gradient (the kernel gets a [0] result); only
-    that gradient reads ``rows``, so without it ``rows`` may be None (the kernel gets a
-    [0, D] placeholder made here) and the forward's rows need not live until the backward.
+    that gradient reads ``rows`` (the window's [m, D]), so without it ``rows`` may be None
+    (the kernel gets a [0, D] placeholder made here) and the forward's rows need not live
+    until the backward.
     """
+    m = weights.shape[0] if m is None else m
     if rows is None:
         if with_d_weights:
             raise ValueError("pool_bwd: the weight gradient needs the forward's rows")
         # made in the backward, never a residual: a zero-size array passed between the two
         # shard_map bodies of a sharded step crashes XLA's GPU SPMD partitioner (jax 0.11.2)
         rows = jnp.zeros((0, dout.shape[1]), jnp.float32)
-    outs = (_f32((weights.shape[0], dout.shape[1])), _f32(weights.shape if with_d_weights else (0,)))
+    outs = (_f32((m, dout.shape[1])), _f32(weights.shape if with_d_weights else (0,)))
     d_rows, d_weights = _call(
         "flowtt_bag_pool_bwd",
         outs,
@@ -446,6 +492,7 @@ def pool_bwd(dout, rows, weights, bag_ids, plan: Plan | GroupPlan, with_d_weight
         plan.perm,
         plan.run_offsets,
         plan.counts,
+        lo=np.int64(lo),
     )
     return d_rows, (d_weights if with_d_weights else None)
 

@@ -25,7 +25,7 @@ from flowtt_jax.kernels.plan import GroupPlan, Plan, changes, make_plan, runs
 from flowtt_jax.tt import reference
 from flowtt_jax.tt.spec import TTSpec
 
-__all__ = ["GroupLayout", "GroupPlan", "make_group_plan"]
+__all__ = ["GroupLayout", "GroupPlan", "make_group_plan", "window_plan"]
 
 _INT32_MAX = 2**31 - 1
 _UINT32_MAX = 2**32 - 1
@@ -258,6 +258,45 @@ def make_group_plan(layout: GroupLayout, ids: jax.Array, tables: jax.Array, sort
         g_i1.astype(jnp.int32),
         g_i2.astype(jnp.int32),
         counts,
+    )
+
+
+def window_plan(plan: GroupPlan, lo: int, size: int) -> GroupPlan:
+    """The rows ops' plan of the uniques ``[lo, lo + size)`` of ``plan`` (``lo``, ``size``
+    static), capped at num_unique: ``u_i3``, ``g_i1``, ``g_i2`` [size] and ``group_offsets``
+    [size + 1] relative to ``lo`` (a prefix group cut by the window's ends keeps its part in
+    it), counts (uniques, groups) of the window, 0 past the uniques; ``perm``, ``inverse``
+    and ``run_offsets`` are ``plan``'s (the rows ops do not read them). Unique rows of the
+    window are ``tb_rows_fwd`` of it; a window past the uniques has counts (0, 0)."""
+    num_unique = plan.counts[0]
+    iota = jnp.arange(size, dtype=jnp.int32)
+    hi = jnp.clip(num_unique, lo, lo + size)
+    live = iota < hi - lo
+
+    def group_of(u):  # the prefix group holding unique u (group_offsets is ascending)
+        g = jnp.searchsorted(plan.group_offsets, u, side="right", method="scan_unrolled") - 1
+        return g.astype(jnp.int32)
+
+    first = jnp.int32(0) if lo == 0 else group_of(jnp.int32(lo))
+    num_groups = jnp.where(hi > lo, group_of(hi - 1) - first + 1, 0).astype(jnp.int32)
+    g_live = iota < num_groups
+
+    def take(x, start, fill=0):
+        return jnp.take(x, start + iota, mode="fill", fill_value=fill)
+
+    # past the groups: clipped to the window's end (so is the fill)
+    offsets = jnp.take(
+        plan.group_offsets, first + jnp.arange(size + 1, dtype=jnp.int32), mode="fill", fill_value=_INT32_MAX
+    )
+    return GroupPlan(
+        plan.perm,
+        plan.inverse,
+        plan.run_offsets,
+        (jnp.clip(offsets, lo, hi) - lo).astype(jnp.int32),
+        jnp.where(live, take(plan.u_i3, lo), 0),
+        jnp.where(g_live, take(plan.g_i1, first), 0),
+        jnp.where(g_live, take(plan.g_i2, first), 0),
+        jnp.stack([hi - lo, num_groups]).astype(jnp.int32),
     )
 
 

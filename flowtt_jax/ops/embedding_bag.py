@@ -169,6 +169,7 @@ def tt_embedding_bag_group(
     impl: str = "auto",
     dtype: jnp.dtype | None = None,
     batch_major: bool = False,
+    unique_capacity: int | None = None,
 ) -> jax.Array:
     """Pooled bags of every feature of a shape group: ``[F, B, D]`` in ``dtype``, or
     ``[B, F, D]`` with ``batch_major`` (FBGEMM's layout: the pooling kernel writes it, so a
@@ -190,6 +191,9 @@ def tt_embedding_bag_group(
       impl: ``"auto" | "ffi" | "reference"`` (the kernels: one reverse-mode derivative;
         forward mode and higher orders need ``"reference"``).
       dtype: output dtype (default: the cores'); accumulation is float32 at least.
+      unique_capacity: static; the unique (table, id) rows the kernels hold at a time (their
+        rows and row gradients are ``[unique_capacity, D]``, not ``[n, D]``); a batch with
+        more runs extra passes, exact, and is reported (``flowtt_jax.capacity``). None: n.
     """
     packed = tuple(packed)
     shapes = tuple(tuple(c.shape) for c in packed)
@@ -233,5 +237,6 @@ def tt_embedding_bag_group(
         layout=layout,
         tables=tables,
         batch=batch if batch_major else 0,
+        unique_capacity=unique_capacity,
     )
     return out.reshape(out_shape).astype(out_dtype)

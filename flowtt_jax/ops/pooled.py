@@ -34,9 +34,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from flowtt_jax.capacity import capacity_passes, report_overflow
 from flowtt_jax.fallback import warn_reference
 from flowtt_jax.kernels import ffi
-from flowtt_jax.kernels.group_plan import GroupLayout, make_group_plan
+from flowtt_jax.kernels.group_plan import GroupLayout, make_group_plan, window_plan
 from flowtt_jax.kernels.plan import GroupPlan, Plan
 from flowtt_jax.tt import reference
 
@@ -157,9 +158,11 @@ class SingleTable:
 
 @dataclasses.dataclass(frozen=True)
 class TableBatched:
-    """The table-batched kernels' stages over a shape group's packed cores (static)."""
+    """The table-batched kernels' stages over a shape group's packed cores (static), with
+    unique rows held ``capacity`` at a time (``flowtt_jax.capacity``; None: all of them)."""
 
     layout: Any
+    capacity: int | None = None
 
     def plan(self, cores, ids, tables) -> GroupPlan:
         """``flowtt_tb_plan`` for a ``GroupLayout``; other layouts (a table-wise
@@ -185,18 +188,41 @@ def _kernel_bags(stages, weighted, batch, cores, weights, ids, tables, offsets, 
     return stages.forward(cores, weights, ids, tables, offsets, batch)
 
 
+def _windows(stages, n: int) -> tuple[int, range]:
+    """``(rows a pass holds, the passes' first uniques)`` of ``stages`` for ``n`` ids."""
+    size, _ = capacity_passes(n, getattr(stages, "capacity", None))
+    return size, range(0, n, size)
+
+
 def _kernel_bags_fwd(stages, weighted, batch, cores, weights, ids, tables, offsets, bag_ids):
     plan = stages.plan(cores, ids, tables)
-    rows = stages.rows_fwd(cores, plan)
-    out = ffi.pool_fwd(rows, plan.inverse, weights, offsets, batch)
-    return out, (cores, weights, bag_ids, plan, ffi.rows_residual(rows, weighted))
+    size, starts = _windows(stages, ids.shape[0])
+    if len(starts) == 1:
+        rows = stages.rows_fwd(cores, plan)
+        out = ffi.pool_fwd(rows, plan.inverse, weights, offsets, batch)
+        return out, (cores, weights, bag_ids, plan, ffi.rows_residual(rows, weighted))
+    # capacity passes: the rows of uniques [lo, lo + size), pooled onto the output
+    jax.debug.callback(functools.partial(report_overflow, capacity=size, what="the table-batched op"), plan.counts[0])
+    out = None
+    for lo in starts:
+        rows = stages.rows_fwd(cores, window_plan(plan, lo, size))
+        out = ffi.pool_fwd(rows, plan.inverse, weights, offsets, batch, lo=lo, counts=plan.counts, prev=out)
+    return out, (cores, weights, bag_ids, plan, None)
 
 
 def _kernel_bags_bwd(stages, weighted, batch, res, dout):
     cores, weights, bag_ids, plan, rows = res
     out_rows = batch_major_rows(bag_ids, dout.shape[0], batch)  # dout's row of each position's bag
-    d_rows, d_weights = ffi.pool_bwd(dout, rows, weights, out_rows, plan, with_d_weights=weighted)
-    d_cores = stages.rows_bwd(cores, d_rows, plan)
+    size, starts = _windows(stages, weights.shape[0])
+    d_cores = d_weights = None
+    for lo in starts:  # one pass, or the capacity's: gradients summed in pass order
+        sub = plan if len(starts) == 1 else window_plan(plan, lo, size)
+        if len(starts) > 1 and weighted:  # the weights' gradient reads the pass's rows again
+            rows = stages.rows_fwd(cores, sub)
+        d_rows, d_w = ffi.pool_bwd(dout, rows, weights, out_rows, plan, with_d_weights=weighted, lo=lo, m=size)
+        grads = stages.rows_bwd(cores, d_rows, sub)
+        d_cores = grads if d_cores is None else tuple(a + b for a, b in zip(d_cores, grads))
+        d_weights = d_w if d_weights is None else d_weights + d_w
     if d_weights is None:
         d_weights = jnp.zeros_like(weights)
     return d_cores, d_weights, None, None, None, None
@@ -246,6 +272,7 @@ def pooled(
     layout: Any = None,
     tables: jax.Array | None = None,
     batch: int = 0,
+    unique_capacity: int | None = None,
 ) -> jax.Array:
     """Weighted bag sums ``[num_bags, D]`` in float32 (float64 cores stay float64) of
     prepared bags: ids [n] int32 in range of their table, valid CSR ``offsets
@@ -257,7 +284,8 @@ def pooled(
     (static): the weights' gradient is wanted; ``impl``: ``"ffi"`` or ``"reference"`` (as
     ``choose_impl`` gives); ``batch`` (static): 0, row j is bag j; else ``batch`` divides
     num_bags, the bags are feature-major (``f*batch + b``) and the rows batch-major
-    (``b*F + f``).
+    (``b*F + f``); ``unique_capacity`` (static): the unique rows the table-batched kernels
+    hold at a time (``flowtt_jax.capacity``; None: n).
     """
     c32 = tuple(c.astype(jnp.promote_types(c.dtype, jnp.float32)) for c in cores)
     num_bags = offsets.shape[0] - 1
@@ -273,7 +301,7 @@ def pooled(
     axes = ffi.varying_axes(c32, weights, ids, tables, offsets, bag_ids)  # ffi.py: inside shard_map
     c32, weights = ffi.to_varying((c32, weights), axes)
     single = layout is None or takes_single_table_kernels(layout, c32)
-    stages = SingleTable() if single else TableBatched(layout)
+    stages = SingleTable() if single else TableBatched(layout, unique_capacity)
     with ffi.explain_ad_errors():
         return _kernel_bags(
             stages, weighted, batch, c32, weights.astype(jnp.float32), ids, tables, offsets, bag_ids
