@@ -288,16 +288,36 @@ def _pack_groups(w: Workload, cores: TTCores) -> tuple[tuple[jax.Array, ...], ..
     return tuple(layout.pack([cores[t] for t in ts]) for layout, ts in _shape_groups(w))
 
 
-def batched_scratch_bytes(w: Workload, mode: str) -> int | None:
+#: Margin of the measured unique rows in ``ours_batched_capacity``'s capacities.
+CAPACITY_MARGIN = 1.1
+
+
+def group_capacities(w: Workload) -> tuple[int, ...]:
+    """Per shape group: its batch's unique (table, id) rows times ``CAPACITY_MARGIN``, a
+    multiple of 64 (what ``flowtt_jax.capacity.measure_unique_ids`` gives on this batch)."""
+    bounds, caps = w.feature_bounds, []
+    for _, ts in _shape_groups(w):
+        keys = [
+            np.int64(t) << 32 | w.ids[bounds[f] : bounds[f + 1]].astype(np.int64)
+            for f, t in enumerate(w.feature_table)
+            if t in ts
+        ]
+        unique = np.unique(np.concatenate(keys)).size if keys else 0
+        caps.append(max(64, -(-math.ceil(unique * CAPACITY_MARGIN) // 64) * 64))
+    return tuple(caps)
+
+
+def batched_scratch_bytes(w: Workload, mode: str, capacities: tuple[int, ...] | None = None) -> int | None:
     """Largest run-time scratch of one CUDA call of the table-batched op over the shape
     groups (None off GPU): a one-table group's single-table calls, else the plan's sort of
-    the group's (table, id) keys and the table-batched rows forward (and backward)."""
+    the group's (table, id) keys and the table-batched rows forward (and backward) of a
+    pass (``capacities``: per group, else every id's)."""
     if jax.default_backend() != "gpu":
         return None
     from flowtt_jax import _flowtt_cuda
 
     bounds, worst = w.feature_bounds, 0
-    for layout, ts in _shape_groups(w):
+    for g, (layout, ts) in enumerate(_shape_groups(w)):
         n = sum(bounds[f + 1] - bounds[f] for f, t in enumerate(w.feature_table) if t in ts)
         if n == 0:
             continue
@@ -307,7 +327,8 @@ def batched_scratch_bytes(w: Workload, mode: str) -> int | None:
             worst = max(worst, _single_table_scratch(spec, n, bags, mode))
             continue
         (p1, _, q1, r1), (p2, _, q2, r2), (p3, _, q3, _) = layout.packed_shapes()
-        tb = _flowtt_cuda.tb_scratch_bytes(p1, p2, p3, q1, q2, q3, r1, r2, n)
+        rows = n if capacities is None else min(n, capacities[g])
+        tb = _flowtt_cuda.tb_scratch_bytes(p1, p2, p3, q1, q2, q3, r1, r2, rows)
         plan = _flowtt_cuda.tb_plan_scratch_bytes(n, layout.tb_plan_meta()[3]) or 0
         keys = ("tb_rows_fwd",) if mode == "fwd" else ("tb_rows_fwd", "tb_rows_bwd")
         worst = max(worst, int(plan), *(int(tb[k]) for k in keys))
@@ -324,7 +345,27 @@ def batched_scratch_bytes(w: Workload, mode: str) -> int | None:
     "tables of a shape group (packed cores)",
 )
 def _ours_batched(w: Workload) -> Fwd:
+    return _batched(w, None)
+
+
+@register(
+    "ours_batched_capacity",
+    suites=("collection",),
+    ours=True,
+    init=_pack_groups,
+    scratch=lambda w, mode: batched_scratch_bytes(w, mode, group_capacities(w)),
+    description="ours_batched with unique_capacity per shape group: the batch's unique rows "
+    f"x {CAPACITY_MARGIN} (rows and their gradient [capacity, D], not [nnz, D])",
+)
+def _ours_batched_capacity(w: Workload) -> Fwd:
+    return _batched(w, group_capacities(w))
+
+
+def _batched(w: Workload, capacities: tuple[int, ...] | None) -> Fwd:
+    """``tt_embedding_bag_group`` per shape group (``capacities``: each group's
+    ``unique_capacity``)."""
     groups = _shape_groups(w)
+    caps = capacities or (None,) * len(groups)
     bounds, b = w.feature_bounds, w.batch
     feature_group = []
     for t in w.feature_table:
@@ -338,7 +379,15 @@ def _ours_batched(w: Workload) -> Fwd:
             tables = tuple(feature_group[f][1] for f in feats)
             if len(groups) == 1:  # [B, F, D] as the pooling writes it -> [B, F*D]
                 out = tt_embedding_bag_group(
-                    params[g], layout, ids, offsets, tables, weights=weights, impl="ffi", batch_major=True
+                    params[g],
+                    layout,
+                    ids,
+                    offsets,
+                    tables,
+                    weights=weights,
+                    impl="ffi",
+                    batch_major=True,
+                    unique_capacity=caps[g],
                 )
                 return out.reshape(b, -1)
 
@@ -353,7 +402,7 @@ def _ours_batched(w: Workload) -> Fwd:
                 + [jnp.full((1,), starts[-1], offsets.dtype)]
             )
             out = tt_embedding_bag_group(
-                params[g], layout, g_ids, g_offsets, tables, weights=g_weights, impl="ffi"
+                params[g], layout, g_ids, g_offsets, tables, weights=g_weights, impl="ffi", unique_capacity=caps[g]
             )
             # split, not indexing: an index's transpose pads to the whole [F, B, D] (F^2 work)
             for f, part in zip(feats, jnp.split(out, len(feats))):

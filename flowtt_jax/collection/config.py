@@ -65,6 +65,11 @@ class TableConfig:
         several features may share one table.
       row_shape, col_shape, num_cores: optional TT shapes (see ``TTSpec.create``).
       init_std: std of the (materialised) rows at init; default ``1/sqrt(D)``.
+      max_unique_ids: the most unique ids one batch looks up in this table (all its
+        features together; ``flowtt_jax.capacity.measure_unique_ids``): when every TT table
+        of a shape group has one, the group's kernels hold their sum of unique rows at a
+        time, not one per id (a batch past it runs exact extra passes, reported). None: one
+        per id.
     """
 
     name: str
@@ -78,6 +83,7 @@ class TableConfig:
     col_shape: tuple[int, ...] | None = None
     num_cores: int = 3
     init_std: float | None = None
+    max_unique_ids: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -112,6 +118,10 @@ class TableConfig:
                     )
                 )
             object.__setattr__(self, "feature_names", tuple(self.feature_names))
+        if self.max_unique_ids is not None:
+            object.__setattr__(self, "max_unique_ids", _as_int(self.max_unique_ids, f"{where}: max_unique_ids"))
+            if self.max_unique_ids < 1:
+                raise ValueError(f"{where}: max_unique_ids must be >= 1, got {self.max_unique_ids}")
         if self.init_std is not None and not (isinstance(self.init_std, (int, float)) and self.init_std > 0):
             raise ValueError(f"{where}: init_std must be a positive number, got {self.init_std!r}")
 

@@ -36,6 +36,15 @@ class TablePack:
     layout: GroupLayout | None = None
 
     @property
+    def unique_capacity(self) -> int | None:
+        """A shape group's unique rows held at a time: the sum of its tables'
+        ``max_unique_ids`` (each at most its rows) when every table has one, else None."""
+        caps = [t.max_unique_ids for t in self.tables]
+        if self.kind != "tt" or any(c is None for c in caps):
+            return None
+        return sum(min(c, t.num_embeddings) for c, t in zip(caps, self.tables))
+
+    @property
     def row_offsets(self) -> tuple[int, ...]:
         """Dense packs: ``T + 1`` offsets of the tables' rows in the packed table."""
         return tuple(

@@ -263,6 +263,7 @@ def pool_packed(
         layout=None if single else pack.layout,
         tables=None if single else tables,
         batch=batch,
+        unique_capacity=pack.unique_capacity,
     )
 
 

@@ -1,0 +1,284 @@
+"""Unique-row capacities (``flowtt_jax.capacity``): the pooling ops' window of uniques, the
+table-batched op in capacity passes (fewer, as many and more uniques than the capacity:
+the reference's outputs and gradients, the overflow reported, passes deterministic), and
+where capacities come from (``TableConfig.max_unique_ids``, ``measure_unique_ids``, the
+default)."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flowtt_jax as ftt
+from flowtt_jax import capacity
+from flowtt_jax.kernels.group_plan import GroupLayout
+from flowtt_jax.ops.pooled import kernels_unsupported_reason
+from tests.helpers import bag_ids_of, f32, poisoned_call, target_pool_bwd, target_pool_fwd
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+SPECS = (
+    ftt.TTSpec.create(1000, 8, 4, row_shape=(10, 10, 10), col_shape=(2, 2, 2)),
+    ftt.TTSpec.create(37, 8, 4, row_shape=(2, 4, 5), col_shape=(2, 2, 2)),
+    ftt.TTSpec.create(5000, 8, 4, row_shape=(5, 4, 250), col_shape=(2, 2, 2)),
+)
+LAYOUT = GroupLayout(SPECS)
+FEATURE_TABLES = (0, 2, 1, 0)
+KERNELS = kernels_unsupported_reason(layout=LAYOUT) is None
+needs_kernels = pytest.mark.skipif(not KERNELS, reason="no table-batched kernels in this build")
+
+
+def _packed(seed: int):
+    keys = jax.random.split(jax.random.key(seed), LAYOUT.num_tables)
+    return LAYOUT.pack([ftt.init_cores(k, s, std=1.0) for k, s in zip(keys, LAYOUT.specs)])
+
+
+def _batch(seed: int, batch: int = 6, unique: bool = False):
+    """ids [n], offsets [F*B+1], weights [n]; ``unique``: every (table, id) once (each
+    feature draws distinct ids, features of one table disjoint ones)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.choice([0, 1, 3, 7], size=len(FEATURE_TABLES) * batch)
+    ids, start = [], {}
+    for f, t in enumerate(FEATURE_TABLES):
+        count = int(lengths[f * batch : (f + 1) * batch].sum())
+        n_rows = SPECS[t].num_embeddings
+        if unique:
+            first = start.get(t, 0)
+            draw = (first + rng.permutation(n_rows - first)[:count]) % n_rows
+            start[t] = first + count
+        else:
+            draw = rng.integers(0, n_rows, count)
+            draw[rng.random(count) < 0.3] = n_rows - 1  # the last row, many times
+        ids.append(draw)
+    ids = np.concatenate(ids).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return ids, offsets, rng.standard_normal(ids.shape[0]).astype(np.float32)
+
+
+def _num_unique(ids, offsets, batch: int = 6) -> int:
+    tables = np.repeat(np.repeat(FEATURE_TABLES, batch), np.diff(offsets))
+    return len(set(zip(tables.tolist(), ids.tolist())))
+
+
+def _op(packed, ids, offsets, weights, cap, impl="ffi"):
+    return ftt.tt_embedding_bag_group(
+        packed, LAYOUT, ids, offsets, FEATURE_TABLES, weights=weights, impl=impl, unique_capacity=cap
+    )
+
+
+# ---- the pooling ops' window (the targets, outputs poisoned) ----
+
+
+def _window_case(seed: int):
+    rng = np.random.default_rng(seed)
+    n, dim, num_bags = 60, 8, 9
+    ids = rng.integers(0, 25, n).astype(np.int32)
+    plan = ftt.make_plan(jnp.asarray(ids), 5)
+    offsets = np.sort(rng.integers(0, n + 1, num_bags + 1)).astype(np.int32)
+    offsets[0], offsets[-1] = 0, n
+    weights = rng.standard_normal(n).astype(np.float32)
+    rows = rng.standard_normal((n, dim)).astype(np.float32)  # the rows of every unique
+    return plan, offsets, weights, rows, int(plan.counts[0])
+
+
+@pytest.mark.parametrize("lo, m", [(0, 7), (5, 7), (14, 30), (40, 8)])
+def test_pool_fwd_window_adds_its_uniques_onto_prev(lo, m):
+    """Rows [m, D] of uniques [lo, lo + m) capped at num_unique, added onto prev: the sum
+    over the positions of those uniques, in float64 within rounding; a window past the
+    uniques gives prev."""
+    plan, offsets, weights, rows, num_unique = _window_case(lo + m)
+    inverse = np.asarray(plan.inverse)
+    prev = np.random.default_rng(1).standard_normal((len(offsets) - 1, rows.shape[1])).astype(np.float32)
+    window = np.zeros((m, rows.shape[1]), np.float32)
+    hi = min(lo + m, num_unique)
+    window[: max(hi - lo, 0)] = rows[lo:hi]
+    got = target_pool_fwd(poisoned_call, window, plan, weights, offsets, lo=lo, counts=plan.counts, prev=prev)
+    want = prev.astype(np.float64)
+    for b in range(len(offsets) - 1):
+        for k in range(offsets[b], offsets[b + 1]):
+            if lo <= inverse[k] < hi:
+                want[b] += weights[k] * rows[inverse[k]].astype(np.float64)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lo, m", [(0, 7), (5, 7), (14, 30), (40, 8)])
+def test_pool_bwd_window_gives_its_uniques_gradient(lo, m):
+    """d_rows [m, D] of uniques [lo, lo + m): the sums over their runs; d_weights of the
+    other positions 0."""
+    plan, offsets, weights, rows, num_unique = _window_case(lo + m + 100)
+    n, dim = weights.shape[0], rows.shape[1]
+    dout = np.random.default_rng(2).standard_normal((len(offsets) - 1, dim)).astype(np.float32)
+    bag_ids = bag_ids_of(offsets, n)
+    hi = min(lo + m, num_unique)
+    window = np.zeros((m, dim), np.float32)
+    window[: max(hi - lo, 0)] = rows[lo:hi]
+    d_rows, d_w = target_pool_bwd(poisoned_call, dout, window, weights, plan, bag_ids, lo=lo, m=m)
+    inverse = np.asarray(plan.inverse)
+    want_rows = np.zeros((max(hi - lo, 0), dim))
+    want_w = np.zeros(n)
+    for k in range(n):
+        u = inverse[k]
+        if lo <= u < hi:
+            want_rows[u - lo] += weights[k] * dout[bag_ids[k]]
+            want_w[k] = dout[bag_ids[k]] @ rows[u]
+    np.testing.assert_allclose(np.asarray(d_rows)[: hi - lo], want_rows, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(d_w), want_w, rtol=1e-5, atol=1e-5)
+
+
+def test_pool_window_errors_name_the_window():
+    plan, offsets, weights, rows, _ = _window_case(0)
+    with pytest.raises(Exception, match="lo"):
+        jax.block_until_ready(target_pool_fwd(poisoned_call, rows, plan, weights, offsets, lo=-1))
+    with pytest.raises(Exception, match="prev must be"):
+        bad_prev = np.zeros((3, rows.shape[1]), np.float32)
+        jax.block_until_ready(target_pool_fwd(poisoned_call, rows, plan, weights, offsets, prev=bad_prev))
+    with pytest.raises(Exception, match=r"rows must be \[5, 8\]"):  # rows and d_rows: one window
+        outs = [f32((5, rows.shape[1])), f32((weights.shape[0],))]
+        args = (plan.inverse, bag_ids_of(offsets, weights.shape[0]), plan.perm, plan.run_offsets, plan.counts)
+        dout = np.zeros((len(offsets) - 1, rows.shape[1]), np.float32)
+        jax.block_until_ready(
+            poisoned_call("flowtt_bag_pool_bwd", outs, dout, rows, weights, *args, lo=np.int64(0))
+        )
+
+
+# ---- the op in capacity passes ----
+
+
+@needs_kernels
+@pytest.mark.parametrize("unique", [False, True], ids=["skewed", "all-unique"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_capacity_passes_give_the_reference(unique, weighted):
+    """Capacities below, at and above the batch's unique rows (and 1): outputs and
+    gradients (cores, weights) of the reference; every capacity below the uniques is
+    reported."""
+    packed = _packed(3)
+    ids, offsets, weights = _batch(4, unique=unique)
+    num_unique = _num_unique(ids, offsets)
+    w = jnp.asarray(weights) if weighted else None
+
+    def loss(p, w, cap, impl):
+        out = _op(p, ids, offsets, w, cap, impl)
+        return jnp.sum(jnp.sin(out) * jnp.arange(out.size).reshape(out.shape) / out.size), out
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True), static_argnums=(2, 3))
+    (g_ref, w_ref), out_ref = grad(packed, w, None, "reference")
+    n = ids.shape[0]
+    for cap in (n, num_unique, num_unique - 1, num_unique // 3 + 1, -(-n // capacity.MAX_PASSES)):
+        before = capacity.overflow_count()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            (g, gw), out = grad(packed, w, cap, "ffi")
+            jax.block_until_ready(out)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(out_ref), rtol=1e-4, atol=1e-4)
+        for a, b in zip(g, g_ref):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+        if weighted:
+            np.testing.assert_allclose(np.asarray(gw), np.asarray(w_ref), rtol=1e-4, atol=1e-4)
+        overflowed = cap < num_unique
+        assert (capacity.overflow_count() > before) == overflowed, (cap, num_unique)
+        warned = [x for x in seen if issubclass(x.category, capacity.CapacityOverflowWarning)]
+        assert not overflowed or warned or capacity.overflow_count() > before
+
+
+@needs_kernels
+def test_passes_are_deterministic_and_one_pass_within_rounding():
+    """Two runs in passes are bitwise equal; one pass (no capacity) equal within rounding."""
+    packed = _packed(5)
+    ids, offsets, weights = _batch(6, unique=True)
+    cap = _num_unique(ids, offsets) // 4 + 1
+
+    def grads(cap):
+        f = lambda p: jnp.sum(_op(p, ids, offsets, jnp.asarray(weights), cap) ** 2)  # noqa: E731
+        return jax.jit(jax.grad(f))(packed)
+
+    a, b, one = grads(cap), grads(cap), grads(None)
+    for x, y, z in zip(a, b, one):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+        np.testing.assert_allclose(np.asarray(x), np.asarray(z), rtol=1e-5, atol=1e-5)
+
+
+def test_capacity_passes_and_errors():
+    assert capacity.capacity_passes(100, None) == (100, 1)
+    assert capacity.capacity_passes(100, 500) == (100, 1)
+    assert capacity.capacity_passes(100, 30) == (30, 4)
+    with pytest.raises(ValueError, match="unique_capacity must be >= 1"):
+        capacity.capacity_passes(100, 0)
+    with pytest.raises(ValueError, match="at most 64.*use at least 157"):
+        capacity.capacity_passes(10_000, 10)
+
+
+# ---- where capacities come from ----
+
+
+def test_measure_unique_ids_counts_each_tables_features_together():
+    batches = [
+        {"a": (np.array([1, 2, 2, 3]), np.array([0, 4])), "b": np.array([3, 9]), "c": np.array([5])},
+        {"a": np.array([1, 1]), "b": np.array([7, 8, 9]), "c": np.arange(200)},
+    ]
+    caps = capacity.measure_unique_ids(batches, {"a": "x", "b": "x", "c": "y", "d": "z"}, margin=1.0)
+    assert caps == {"x": 64, "y": 256, "z": 64}  # x: {1,2,3,9} / {1,7,8,9}; y: 200 -> 256
+    big = capacity.measure_unique_ids([{"c": np.arange(1000)}], {"c": "y"}, margin=1.5)
+    assert big == {"y": 1536}
+    with pytest.raises(KeyError, match=r"\['q'\]"):
+        capacity.measure_unique_ids([{"q": np.arange(3)}], {"c": "y"})
+    with pytest.raises(ValueError, match="margin"):
+        capacity.measure_unique_ids([], {}, margin=0.5)
+
+
+def test_table_config_capacity_makes_the_group_capacity():
+    from flowtt_jax.collection import TableConfig
+    from flowtt_jax.collection.packs import pack_tables
+
+    def tables(caps):
+        return [
+            TableConfig("u", 1000, 8, rank=4, max_unique_ids=caps[0]),
+            TableConfig("v", 50, 8, rank=4, max_unique_ids=caps[1]),
+        ]
+
+    (pack,) = pack_tables(tables((100, 80)))
+    assert pack.unique_capacity == 150  # v's capacity is at most its 50 rows
+    (pack,) = pack_tables(tables((100, None)))
+    assert pack.unique_capacity is None  # the default: one row per id
+    with pytest.raises(ValueError, match="table 'w': max_unique_ids must be >= 1"):
+        TableConfig("w", 10, 8, max_unique_ids=0)
+    with pytest.raises(TypeError, match="table 'w': max_unique_ids"):
+        TableConfig("w", 10, 8, max_unique_ids=2.5)
+
+
+@needs_kernels
+def test_collection_with_capacities_matches_without():
+    """A TTEmbeddingCollection whose tables carry measured capacities (one far too small:
+    passes) gives the same bags and gradients as without."""
+    from flax import nnx
+
+    from flowtt_jax.collection import TableConfig
+    from flowtt_jax.nnx import TTEmbeddingCollection
+
+    rng = np.random.default_rng(0)
+    feats = {"a": rng.integers(0, 1000, (16, 5)), "b": rng.integers(0, 500, (16, 3))}
+    caps = capacity.measure_unique_ids([feats], {"a": "ta", "b": "tb"}, margin=1.0)
+
+    def make(with_caps: bool):
+        cfgs = [
+            TableConfig("ta", 1000, 8, rank=4, feature_names=("a",), max_unique_ids=caps["ta"] if with_caps else None),
+            TableConfig("tb", 500, 8, rank=4, feature_names=("b",), max_unique_ids=7 if with_caps else None),
+        ]
+        return TTEmbeddingCollection(cfgs, rngs=nnx.Rngs(0))
+
+    plain, capped = make(False), make(True)
+    nnx.update(capped, nnx.state(plain))
+
+    def loss(model):
+        out = model(feats)
+        return sum(jnp.sum(v**2) for v in out.values())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", capacity.CapacityOverflowWarning)
+        got, want = nnx.grad(loss)(capped), nnx.grad(loss)(plain)
+        np.testing.assert_allclose(float(loss(capped)), float(loss(plain)), rtol=1e-5)
+    for (path, a), (_, b) in zip(jax.tree.leaves_with_path(got), jax.tree.leaves_with_path(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5, err_msg=str(path))
