@@ -436,10 +436,17 @@ def bag_fwd(cores, plan: Plan, weights: jax.Array, offsets: jax.Array, chunk_row
     )
 
 
-def tb_rows_fwd(packed, plan: GroupPlan, dim: int) -> jax.Array:
+def _after(after) -> tuple:
+    """Trailing operands (the targets accept and ignore them) that order a call after the
+    arrays of ``after`` exist (None: none)."""
+    return () if after is None else tuple(jax.tree.leaves(after))
+
+
+def tb_rows_fwd(packed, plan: GroupPlan, dim: int, after=None) -> jax.Array:
     """A shape group's unique rows [n, D] (``flowtt_tb_rows_fwd``); rows past num_unique
-    are unspecified."""
-    return _call("flowtt_tb_rows_fwd", _f32((plan.u_i3.shape[0], dim)), *packed, *_group_plan_args(plan))
+    are unspecified. ``after``: arrays the call must wait for (not read)."""
+    args = (*packed, *_group_plan_args(plan), *_after(after))
+    return _call("flowtt_tb_rows_fwd", _f32((plan.u_i3.shape[0], dim)), *args)
 
 
 def tb_rows_bwd(packed, d_rows: jax.Array, plan: GroupPlan) -> tuple[jax.Array, ...]:
@@ -462,6 +469,7 @@ def pool_bwd(
     *,
     lo: int = 0,
     m: int | None = None,
+    after=None,
 ):
     """(d_rows [m, D], d_weights [n] or None) of the pooling, reduced in sorted order, for
     the window of uniques ``[lo, lo + m)`` (static; default every unique: ``m = n``) capped
@@ -471,7 +479,7 @@ def pool_bwd(
     ``with_d_weights=False`` skips the weight gradient (the kernel gets a [0] result); only
     that gradient reads ``rows`` (the window's [m, D]), so without it ``rows`` may be None
     (the kernel gets a [0, D] placeholder made here) and the forward's rows need not live
-    until the backward.
+    until the backward. ``after``: arrays the call must wait for (not read).
     """
     m = weights.shape[0] if m is None else m
     if rows is None:
@@ -492,6 +500,7 @@ def pool_bwd(
         plan.perm,
         plan.run_offsets,
         plan.counts,
+        *_after(after),
         lo=np.int64(lo),
     )
     return d_rows, (d_weights if with_d_weights else None)

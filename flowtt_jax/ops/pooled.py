@@ -142,7 +142,7 @@ class SingleTable:
         num_rows = math.prod(c.shape[0] for c in cores)
         return ffi.plan(ids, cores[-1].shape[0], num_rows, forward_only)
 
-    def rows_fwd(self, cores, plan) -> jax.Array:
+    def rows_fwd(self, cores, plan, after=None) -> jax.Array:
         return ffi.rows_fwd(cores, plan)
 
     def rows_bwd(self, cores, d_rows, plan) -> tuple[jax.Array, ...]:
@@ -171,8 +171,8 @@ class TableBatched:
             return ffi.tb_plan(ids, tables, *self.layout.tb_plan_meta())
         return make_group_plan(self.layout, ids, tables, ffi.plan)
 
-    def rows_fwd(self, cores, plan) -> jax.Array:
-        return ffi.tb_rows_fwd(cores, plan, self.layout.dim)
+    def rows_fwd(self, cores, plan, after=None) -> jax.Array:
+        return ffi.tb_rows_fwd(cores, plan, self.layout.dim, after)
 
     def rows_bwd(self, cores, d_rows, plan) -> tuple[jax.Array, ...]:
         return ffi.tb_rows_bwd(cores, d_rows, plan)
@@ -205,7 +205,10 @@ def _kernel_bags_fwd(stages, weighted, batch, cores, weights, ids, tables, offse
     jax.debug.callback(functools.partial(report_overflow, capacity=size, what="the table-batched op"), plan.counts[0])
     out = None
     for lo in starts:
-        rows = stages.rows_fwd(cores, window_plan(plan, lo, size))
+        # after the previous pass's pooling (a trailing operand the kernels ignore): one
+        # pass's [size, D] rows are dead before the next pass's are made (XLA would make
+        # every pass's rows first otherwise: they depend on the cores and the plan only)
+        rows = stages.rows_fwd(cores, window_plan(plan, lo, size), after=out)
         out = ffi.pool_fwd(rows, plan.inverse, weights, offsets, batch, lo=lo, counts=plan.counts, prev=out)
     return out, (cores, weights, bag_ids, plan, None)
 
@@ -218,8 +221,10 @@ def _kernel_bags_bwd(stages, weighted, batch, res, dout):
     for lo in starts:  # one pass, or the capacity's: gradients summed in pass order
         sub = plan if len(starts) == 1 else window_plan(plan, lo, size)
         if len(starts) > 1 and weighted:  # the weights' gradient reads the pass's rows again
-            rows = stages.rows_fwd(cores, sub)
-        d_rows, d_w = ffi.pool_bwd(dout, rows, weights, out_rows, plan, with_d_weights=weighted, lo=lo, m=size)
+            rows = stages.rows_fwd(cores, sub, after=d_cores)
+        d_rows, d_w = ffi.pool_bwd(
+            dout, rows, weights, out_rows, plan, with_d_weights=weighted, lo=lo, m=size, after=d_cores
+        )
         grads = stages.rows_bwd(cores, d_rows, sub)
         d_cores = grads if d_cores is None else tuple(a + b for a, b in zip(d_cores, grads))
         d_weights = d_w if d_weights is None else d_weights + d_w
