@@ -1,49 +1,89 @@
-"""Forward temporary memory: the fused path holds no per-id gathered cores, and without
-a gradient no [n, D] rows either."""
+"""``estimate_memory`` against XLA's memory analysis of the collection's compiled step on
+CPU (within 15 %), with and without unique-row capacities, with a dense table; its
+parameters and optimizer state; ``BatchStats.measure``."""
+
+from __future__ import annotations
+
+import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
+from flax import nnx
 
-import flowtt_jax as ftt
-from benchmarks.memory_cpu import temp_bytes
-from flowtt_jax.kernels import ffi
-
-pytestmark = pytest.mark.skipif(not ffi.available(), reason="compiled extension not built")
-
-
-def test_fused_forward_temp_memory_does_not_grow_with_nnz_r2():
-    spec = ftt.TTSpec.create(10**6, 32, 32)
-    bag_len = 14
-    small, large = (temp_bytes(spec, b, bag_len, "ffi") for b in (512, 4096))
-    nnz = 4096 * bag_len
-    # Per id: a few dozen int32 plan and bag entries (no rows: flowtt_bag_fwd), never r^2 floats.
-    per_id_budget = 32 * 4
-    assert large <= nnz * per_id_budget
-    assert large < nnz * 32 * 32 * 4 / 16
-    # Growth from 512 to 4096 bags is linear in nnz with the same per-id bound.
-    assert (large - small) <= (4096 - 512) * bag_len * per_id_budget
-    # The XLA reference does materialise gathered cores: the check can tell them apart.
-    assert temp_bytes(spec, 4096, bag_len, "reference") > nnz * 32 * 32 * 4
+from flowtt_jax.capacity import measure_unique_ids
+from flowtt_jax.collection import TableConfig
+from flowtt_jax.memory import BatchStats, estimate_memory
+from flowtt_jax.nnx import TTEmbeddingCollection
 
 
-def test_forward_holds_no_rows_array():
-    """The no-gradient forward (flowtt_bag_fwd) has no [n, D] float array in its temp
-    memory, while rows_fwd + pool_fwd (the training forward) does."""
-    spec = ftt.TTSpec.create(10**6, 128, 16)
-    num_bags, bag_len = 4096, 14
-    nnz = num_bags * bag_len
-    rows_bytes = nnz * spec.embedding_dim * 4
-    assert temp_bytes(spec, num_bags, bag_len, "ffi") < rows_bytes / 4
+def _case(seed: int, capacities: bool, dense: bool):
+    rng = np.random.default_rng(seed)
+    cfgs = [TableConfig(f"t{i}", int(n), 16, rank=8) for i, n in enumerate(rng.integers(10**4, 10**6, 4))]
+    if dense:
+        cfgs.append(TableConfig("d", 3000, 16, kind="dense"))
+    feats = {c.name: rng.zipf(1.3, (1024, int(rng.integers(3, 20)))) % c.num_embeddings for c in cfgs}
+    if capacities:
+        caps = measure_unique_ids([feats], {c.name: c.name for c in cfgs}, margin=1.1)
+        cfgs = [
+            TableConfig(c.name, c.num_embeddings, 16, kind=c.kind, rank=8, max_unique_ids=caps[c.name])
+            for c in cfgs
+        ]
+    return cfgs, feats
 
-    def two_ops(cores, ids, offsets):
-        plan = ffi.plan(ids, spec.row_shape[-1], spec.num_embeddings)
-        rows = ffi.rows_fwd(cores, plan)
-        return ffi.pool_fwd(rows, plan.inverse, jnp.ones(ids.shape, jnp.float32), offsets)
 
-    args = (
-        [jax.ShapeDtypeStruct(s, jnp.float32) for s in spec.core_shapes],
-        jax.ShapeDtypeStruct((nnz,), jnp.int32),
-        jax.ShapeDtypeStruct((num_bags + 1,), jnp.int32),
-    )
-    assert jax.jit(two_ops).lower(*args).compile().memory_analysis().temp_size_in_bytes >= rows_bytes
+@pytest.mark.parametrize("capacities", [False, True], ids=["per-id", "capacity"])
+@pytest.mark.parametrize("dense", [False, True], ids=["tt", "tt+dense"])
+def test_activations_within_15_percent_of_xla(capacities, dense):
+    """XLA's temporaries and outputs: of inference (the bags) and of training (the gradient
+    of a loss of the bags)."""
+    cfgs, feats = _case(1, capacities, dense)
+    coll = TTEmbeddingCollection(cfgs, rngs=nnx.Rngs(0))
+    stats = BatchStats.measure([feats], cfgs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for training in (False, True):
+            if training:
+                step = nnx.jit(nnx.grad(lambda m, x: sum(jnp.sum(v**2) for v in m(x).values())))
+            else:
+                step = nnx.jit(lambda m, x: m(x))
+            m = step.lower(coll, feats).compile().memory_analysis()
+            xla = m.temp_size_in_bytes + m.output_size_in_bytes
+            est = estimate_memory(cfgs, stats, training=training).activation_bytes
+            assert abs(est / xla - 1) <= 0.15, (training, est, xla)
+
+
+def test_parameters_and_optimizer_state():
+    cfgs, feats = _case(2, False, True)
+    coll = TTEmbeddingCollection(cfgs, rngs=nnx.Rngs(0))
+    params = nnx.state(coll, nnx.Param)
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    stats = BatchStats.measure([feats], cfgs)
+    est = estimate_memory(cfgs, stats, optimizer=optax.adam(1e-3))
+    assert est.parameters == param_bytes
+    adam = optax.adam(1e-3).init(jax.tree.map(jnp.asarray, params))
+    assert est.optimizer_state == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(adam))
+    assert estimate_memory(cfgs, stats).optimizer_state == 0
+    assert est.total == est.parameters + est.optimizer_state + est.activation_bytes + est.scratch
+    assert "total" in str(est) and "parameters" in str(est)
+    # capacities shrink the row buffers, nothing else
+    capped, _ = _case(2, True, True)
+    assert estimate_memory(capped, stats).activation_bytes < estimate_memory(cfgs, stats).activation_bytes
+
+
+def test_batch_stats_measure_and_unknown_features():
+    cfgs = [TableConfig("a", 100, 8, feature_names=("x", "y")), TableConfig("b", 50, 8)]
+    batches = [
+        {"x": np.array([[1, 2], [2, 3]]), "y": (np.array([3, 9, 9]), np.array([0, 1, 3])), "b": np.array([[4]])},
+        {"x": np.array([[5, 5, 5], [5, 5, 6]]), "b": np.zeros((2, 2), int)},
+    ]
+    stats = BatchStats.measure(batches, cfgs)
+    assert stats.batch_size == 2
+    assert dict(stats.ids) == {"x": 6, "y": 3, "b": 4}
+    assert dict(stats.unique) == {"a": 4, "b": 1}  # a: {1, 2, 3, 9}; then {5, 6}
+    with pytest.raises(KeyError, match=r"\['z'\]"):
+        BatchStats.measure([{"z": np.zeros((2, 1), int)}], cfgs)
+    with pytest.raises(KeyError, match=r"\['z'\]"):
+        estimate_memory(cfgs, BatchStats(2, {"z": 4}))
