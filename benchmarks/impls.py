@@ -402,7 +402,14 @@ def _batched(w: Workload, capacities: tuple[int, ...] | None) -> Fwd:
                 + [jnp.full((1,), starts[-1], offsets.dtype)]
             )
             out = tt_embedding_bag_group(
-                params[g], layout, g_ids, g_offsets, tables, weights=g_weights, impl="ffi", unique_capacity=caps[g]
+                params[g],
+                layout,
+                g_ids,
+                g_offsets,
+                tables,
+                weights=g_weights,
+                impl="ffi",
+                unique_capacity=caps[g],
             )
             # split, not indexing: an index's transpose pads to the whole [F, B, D] (F^2 work)
             for f, part in zip(feats, jnp.split(out, len(feats))):

@@ -6,26 +6,33 @@ load on first access, so the core ops need no Flax.
 
 import importlib
 
+from flowtt_jax.capacity import CapacityOverflowWarning, measure_unique_ids
 from flowtt_jax.checks import checked
 from flowtt_jax.inputs.jagged import KeyedJagged
 from flowtt_jax.kernels.ffi import disabled_safety_checks
 from flowtt_jax.kernels.group_plan import GroupLayout
 from flowtt_jax.kernels.plan import Plan, make_plan
+from flowtt_jax.memory import BatchStats, MemoryEstimate, estimate_memory
 from flowtt_jax.ops.embedding_bag import tt_embedding_bag, tt_embedding_bag_group, tt_lookup
 from flowtt_jax.tt.cores import Cores, from_dense, init_cores, to_dense
 from flowtt_jax.tt.spec import TTSpec
 
 __all__ = [
+    "BatchStats",
+    "CapacityOverflowWarning",
     "Cores",
     "GroupLayout",
     "KeyedJagged",
+    "MemoryEstimate",
     "Plan",
     "TTSpec",
     "checked",
     "disabled_safety_checks",
+    "estimate_memory",
     "from_dense",
     "init_cores",
     "make_plan",
+    "measure_unique_ids",
     "to_dense",
     "tt_embedding_bag",
     "tt_embedding_bag_group",

@@ -29,8 +29,7 @@ import jax
 import numpy as np
 
 from flowtt_jax.collection.config import TableConfig
-from flowtt_jax.collection.layout import CollectionLayout
-from flowtt_jax.collection.packs import TablePack
+from flowtt_jax.collection.packs import TablePack, pack_tables
 
 __all__ = ["BatchStats", "MemoryEstimate", "estimate_memory"]
 
@@ -146,17 +145,18 @@ def estimate_memory(
     parameters (``jax.eval_shape`` of its ``init``); None: no state. Features of ``stats``
     no table reads raise ``KeyError``; features it lacks count as empty.
     """
-    layout = CollectionLayout(tuple(tables))
-    packs = layout.packs
+    packs = pack_tables(tables)
     known = {s.feature for p in packs for s in p.features}
     unknown = sorted(set(stats.ids) - known)
     if unknown:
         raise KeyError(f"estimate_memory: features {unknown} are read by no table")
-    shapes = {k: jax.ShapeDtypeStruct(v, param_dtype) for k, v in layout.param_shapes().items()}
-    parameters = sum(x.size * x.dtype.itemsize for x in shapes.values())
+    shapes = [jax.ShapeDtypeStruct(shape, param_dtype) for p in packs for shape in p.array_shapes]
+    parameters = sum(x.size * x.dtype.itemsize for x in shapes)
     state = 0
     if optimizer is not None:
-        state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(optimizer.init, shapes)))
+        state = sum(
+            x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(optimizer.init, shapes))
+        )
     sizes = [_pack_bytes(p, stats) for p in packs]
     if not sizes:
         return MemoryEstimate(parameters, state, {}, 0)

@@ -35,6 +35,7 @@ from flowtt_jax.collection.config import TableConfig
 from flowtt_jax.collection.layout import CollectionLayout
 from flowtt_jax.inputs.jagged import KeyedJagged
 from flowtt_jax.layer_methods import BagCall, DenseBagMethods, TTTableMethods
+from flowtt_jax.memory import BatchStats, MemoryEstimate, estimate_memory
 from flowtt_jax.tt.cores import CoreInit, check_cores, resolve_init
 from flowtt_jax.tt.cores import from_dense as _tt_svd
 from flowtt_jax.tt.spec import TTSpec
@@ -304,6 +305,16 @@ class TTEmbeddingCollection(nnx.Module):
     def embedding_bytes(self) -> dict[str, int]:
         """Bytes of parameters stored per table."""
         return self.layout.table_bytes(self._values())
+
+    def estimate_memory(
+        self, stats: BatchStats, *, optimizer: Any = None, training: bool = True
+    ) -> MemoryEstimate:
+        """``flowtt_jax.memory.estimate_memory`` of this collection's tables (in its
+        parameter dtype) on batches of ``stats``."""
+        dtype = next(iter(self._values().values())).dtype
+        return estimate_memory(
+            self.layout.tables, stats, optimizer=optimizer, training=training, param_dtype=dtype
+        )
 
     def _config(self, name: str) -> TableConfig:
         p, t = self.layout.locate(name)

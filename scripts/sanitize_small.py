@@ -56,21 +56,29 @@ jax.block_until_ready(jax.jit(single)(cores))
 print("one id: row", np.asarray(ftt.tt_lookup(cores, one, impl="ffi"))[0, :3])
 
 # the table-batched op in capacity passes: weighted and not, a capacity below the uniques
-specs = tuple(ftt.TTSpec.create(m, 32, 8, row_shape=r) for m, r in ((2000, (10, 10, 20)), (3000, (10, 15, 20))))
+specs = tuple(
+    ftt.TTSpec.create(m, 32, 8, row_shape=r) for m, r in ((2000, (10, 10, 20)), (3000, (10, 15, 20)))
+)
 layout = ftt.GroupLayout(specs)
 packed = layout.pack([ftt.init_cores(jax.random.key(t), s) for t, s in enumerate(specs)])
 rng = np.random.default_rng(1)
 lens = rng.integers(0, 9, 2 * 40)
 offsets = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
 n = int(offsets[-1])
-ids = jnp.asarray(np.concatenate([rng.integers(0, 300, lens[:40].sum()), rng.integers(0, 300, lens[40:].sum())]).astype(np.int32))
+ids = jnp.asarray(
+    np.concatenate([rng.integers(0, 300, lens[:40].sum()), rng.integers(0, 300, lens[40:].sum())]).astype(
+        np.int32
+    )
+)
 w = jnp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
 for weights in (w, None):
     for cap in (n // 3 + 1, n // 9 + 1):
         group = jax.value_and_grad(
             lambda p, cap=cap, weights=weights: jnp.sum(
-                ftt.tt_embedding_bag_group(p, layout, ids, offsets, (0, 1), weights=weights, impl="ffi",
-                                           unique_capacity=cap) ** 2
+                ftt.tt_embedding_bag_group(
+                    p, layout, ids, offsets, (0, 1), weights=weights, impl="ffi", unique_capacity=cap
+                )
+                ** 2
             )
         )
         val, g = jax.jit(group)(packed)

@@ -264,7 +264,9 @@ def test_collection_with_capacities_matches_without():
 
     def make(with_caps: bool):
         cfgs = [
-            TableConfig("ta", 1000, 8, rank=4, feature_names=("a",), max_unique_ids=caps["ta"] if with_caps else None),
+            TableConfig(
+                "ta", 1000, 8, rank=4, feature_names=("a",), max_unique_ids=caps["ta"] if with_caps else None
+            ),
             TableConfig("tb", 500, 8, rank=4, feature_names=("b",), max_unique_ids=7 if with_caps else None),
         ]
         return TTEmbeddingCollection(cfgs, rngs=nnx.Rngs(0))

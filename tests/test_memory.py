@@ -66,6 +66,7 @@ def test_parameters_and_optimizer_state():
     adam = optax.adam(1e-3).init(jax.tree.map(jnp.asarray, params))
     assert est.optimizer_state == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(adam))
     assert estimate_memory(cfgs, stats).optimizer_state == 0
+    assert coll.estimate_memory(stats, optimizer=optax.adam(1e-3)) == est  # the layer's
     assert est.total == est.parameters + est.optimizer_state + est.activation_bytes + est.scratch
     assert "total" in str(est) and "parameters" in str(est)
     # capacities shrink the row buffers, nothing else
@@ -76,7 +77,11 @@ def test_parameters_and_optimizer_state():
 def test_batch_stats_measure_and_unknown_features():
     cfgs = [TableConfig("a", 100, 8, feature_names=("x", "y")), TableConfig("b", 50, 8)]
     batches = [
-        {"x": np.array([[1, 2], [2, 3]]), "y": (np.array([3, 9, 9]), np.array([0, 1, 3])), "b": np.array([[4]])},
+        {
+            "x": np.array([[1, 2], [2, 3]]),
+            "y": (np.array([3, 9, 9]), np.array([0, 1, 3])),
+            "b": np.array([[4]]),
+        },
         {"x": np.array([[5, 5, 5], [5, 5, 6]]), "b": np.zeros((2, 2), int)},
     ]
     stats = BatchStats.measure(batches, cfgs)

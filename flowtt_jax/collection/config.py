@@ -119,7 +119,9 @@ class TableConfig:
                 )
             object.__setattr__(self, "feature_names", tuple(self.feature_names))
         if self.max_unique_ids is not None:
-            object.__setattr__(self, "max_unique_ids", _as_int(self.max_unique_ids, f"{where}: max_unique_ids"))
+            object.__setattr__(
+                self, "max_unique_ids", _as_int(self.max_unique_ids, f"{where}: max_unique_ids")
+            )
             if self.max_unique_ids < 1:
                 raise ValueError(f"{where}: max_unique_ids must be >= 1, got {self.max_unique_ids}")
         if self.init_std is not None and not (isinstance(self.init_std, (int, float)) and self.init_std > 0):

@@ -134,13 +134,7 @@ class CollectionLayout:
         """``param_shapes``, computed once: every call checks its parameters against it."""
         shapes = {}
         for p, pack in enumerate(self.packs):
-            if pack.kind == "tt":
-                arrays = pack.layout.packed_shapes()
-            elif pack.kind == "dense":
-                arrays = ((pack.row_offsets[-1], pack.tables[0].features),)
-            else:
-                arrays = pack.tables[0].spec().core_shapes
-            shapes.update(zip(self.param_names(p), (tuple(s) for s in arrays)))
+            shapes.update(zip(self.param_names(p), pack.array_shapes))
         return shapes
 
     def check_params(self, params: Mapping[str, jax.Array]) -> None:

@@ -45,6 +45,15 @@ class TablePack:
         return sum(min(c, t.num_embeddings) for c, t in zip(caps, self.tables))
 
     @property
+    def array_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of the pack's arrays, in ``param_names`` order."""
+        if self.kind == "tt":
+            return tuple(tuple(s) for s in self.layout.packed_shapes())
+        if self.kind == "dense":
+            return ((self.row_offsets[-1], self.tables[0].features),)
+        return tuple(tuple(s) for s in self.tables[0].spec().core_shapes)
+
+    @property
     def row_offsets(self) -> tuple[int, ...]:
         """Dense packs: ``T + 1`` offsets of the tables' rows in the packed table."""
         return tuple(

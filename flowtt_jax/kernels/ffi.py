@@ -241,9 +241,9 @@ def _call(target: str, outs, *args, aliases: dict[int, int] | None = None, **att
     _require_extension()
     axes = varying_axes(args)
     with explain_ad_errors():
-        results = jax.ffi.ffi_call(
-            target, outs, vmap_method="sequential", input_output_aliases=aliases
-        )(*to_varying(args, axes), **attrs)
+        results = jax.ffi.ffi_call(target, outs, vmap_method="sequential", input_output_aliases=aliases)(
+            *to_varying(args, axes), **attrs
+        )
     return to_varying(results, axes)
 
 

@@ -202,7 +202,9 @@ def _kernel_bags_fwd(stages, weighted, batch, cores, weights, ids, tables, offse
         out = ffi.pool_fwd(rows, plan.inverse, weights, offsets, batch)
         return out, (cores, weights, bag_ids, plan, ffi.rows_residual(rows, weighted))
     # capacity passes: the rows of uniques [lo, lo + size), pooled onto the output
-    jax.debug.callback(functools.partial(report_overflow, capacity=size, what="the table-batched op"), plan.counts[0])
+    jax.debug.callback(
+        functools.partial(report_overflow, capacity=size, what="the table-batched op"), plan.counts[0]
+    )
     out = None
     for lo in starts:
         # after the previous pass's pooling (a trailing operand the kernels ignore): one
