@@ -15,7 +15,7 @@ import pytest
 
 import flowtt_jax as ftt
 from flowtt_jax import capacity
-from flowtt_jax.kernels.group_plan import GroupLayout
+from flowtt_jax.kernels.group_plan import GroupLayout, make_group_plan, window_plan
 from flowtt_jax.ops.pooled import kernels_unsupported_reason
 from tests.helpers import bag_ids_of, f32, poisoned_call, target_pool_bwd, target_pool_fwd
 
@@ -143,6 +143,37 @@ def test_pool_window_errors_name_the_window():
         jax.block_until_ready(
             poisoned_call("flowtt_bag_pool_bwd", outs, dout, rows, weights, *args, lo=np.int64(0))
         )
+
+
+@pytest.mark.parametrize("lo, size", [(0, 1), (0, 40), (7, 13), (30, 64), (61, 5), (500, 9)])
+def test_window_op_is_the_reference_window(lo, size):
+    """flowtt_tb_window (outputs poisoned) equals window_plan bit for bit: windows at 0, cut
+    inside prefix groups, at the last unique and past every unique."""
+    ids, offsets, _ = _batch(lo + size)
+    tables = np.repeat(np.repeat(FEATURE_TABLES, 6), np.diff(offsets)).astype(np.int32)
+    plan = make_group_plan(LAYOUT, jnp.asarray(ids), jnp.asarray(tables))
+    want = window_plan(plan, lo, size)
+    outs = [jax.ShapeDtypeStruct((size + 1,), jnp.int32)]
+    outs += [jax.ShapeDtypeStruct((size,), jnp.int32)] * 3 + [jax.ShapeDtypeStruct((2,), jnp.int32)]
+    args = (plan.group_offsets, plan.u_i3, plan.g_i1, plan.g_i2, plan.counts)
+    got = poisoned_call("flowtt_tb_window", outs, *args, lo=np.int64(lo))
+    names = ("group_offsets", "u_i3", "g_i1", "g_i2", "counts")
+    for name, a in zip(names, got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(getattr(want, name)), err_msg=name)
+    assert int(want.counts[0]) == max(0, min(size, int(plan.counts[0]) - lo))
+
+
+def test_window_op_errors_name_the_window():
+    ids, offsets, _ = _batch(1)
+    tables = np.repeat(np.repeat(FEATURE_TABLES, 6), np.diff(offsets)).astype(np.int32)
+    plan = make_group_plan(LAYOUT, jnp.asarray(ids), jnp.asarray(tables))
+    args = (plan.group_offsets, plan.u_i3, plan.g_i1, plan.g_i2, plan.counts)
+    outs = [jax.ShapeDtypeStruct((5,), jnp.int32)] * 4 + [jax.ShapeDtypeStruct((2,), jnp.int32)]
+    with pytest.raises(Exception, match="flowtt_tb_window: the window must be"):
+        jax.block_until_ready(poisoned_call("flowtt_tb_window", outs, *args, lo=np.int64(0)))
+    outs[0] = jax.ShapeDtypeStruct((6,), jnp.int32)
+    with pytest.raises(Exception, match="need 0 <= lo"):
+        jax.block_until_ready(poisoned_call("flowtt_tb_window", outs, *args, lo=np.int64(-1)))
 
 
 # ---- the op in capacity passes ----

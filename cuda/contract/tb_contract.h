@@ -149,4 +149,28 @@ std::string TbCheckPlanOp(const Dims& ids, const Dims& tables, const Dims& meta,
   return "";
 }
 
+// flowtt_tb_window: a plan's u_i3, g_i1, g_i2 [n], group_offsets [n+1], counts [2] (as
+// TbCheckPlan) and the window's u_i3, g_i1, g_i2 [size], group_offsets [size+1], counts [2]
+// with size >= 1; 0 <= lo and lo + size < 2^31. Sets *n and *size.
+template <typename Dims>
+std::string TbCheckWindow(const Dims& u_i3, const Dims& g_i1, const Dims& g_i2,
+                          const Dims& group_offsets, const Dims& counts, const Dims& w_u_i3,
+                          const Dims& w_g_i1, const Dims& w_g_i2, const Dims& w_group_offsets,
+                          const Dims& w_counts, int64_t lo, int64_t* n, int64_t* size) {
+  if (std::string e = TbCheckPlan(u_i3, g_i1, g_i2, group_offsets, counts, n); !e.empty()) {
+    return "flowtt_tb_window: " + e;
+  }
+  *size = TbLength(w_u_i3);
+  if (*size < 1 || TbLength(w_g_i1) != *size || TbLength(w_g_i2) != *size ||
+      TbLength(w_group_offsets) != *size + 1 || TbLength(w_counts) != 2) {
+    return "flowtt_tb_window: the window must be u_i3, g_i1, g_i2 [size], group_offsets "
+           "[size+1], counts [2] with size >= 1";
+  }
+  if (lo < 0 || lo + *size >= kTbInt32Limit) {
+    return "flowtt_tb_window: need 0 <= lo and lo + size < 2^31, got lo " + std::to_string(lo) +
+           ", size " + std::to_string(*size);
+  }
+  return "";
+}
+
 }  // namespace flowtt::tb

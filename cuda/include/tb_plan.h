@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "contract/tb_plan_meta.h"
+#include "contract/tb_window.h"
 
 namespace flowtt::tb {
 
@@ -24,5 +25,9 @@ cudaError_t tb_plan_scratch_bytes(int n, int64_t num_keys, size_t* bytes);
 cudaError_t build_tb_plan(const int* ids, const int* tables, int n, const TbKeyForm& form,
                           int64_t num_keys, const TbPlanOut& out, void* scratch,
                           cudaStream_t stream);
+
+// The window of a plan (target flowtt_tb_window, cuda/contract/tb_window.h): every output
+// element of TbWindowWrite, on `stream`; in's pointers are device memory.
+cudaError_t tb_window(const TbWindowIn& in, const TbWindowOut& out, cudaStream_t stream);
 
 }  // namespace flowtt::tb

@@ -29,6 +29,7 @@ struct OpHandlers {
   XLA_FFI_Handler* tb_rows_bwd;
   XLA_FFI_Handler* tb_plan;
   XLA_FFI_Handler* tb_bags;
+  XLA_FFI_Handler* tb_window;
 };
 
 // {target name: handler capsule}.
@@ -44,6 +45,7 @@ inline nanobind::dict Registrations(const OpHandlers& h) {
   d["flowtt_tb_rows_bwd"] = EncapsulateFfiHandler(h.tb_rows_bwd);
   d["flowtt_tb_plan"] = EncapsulateFfiHandler(h.tb_plan);
   d["flowtt_tb_bags"] = EncapsulateFfiHandler(h.tb_bags);
+  d["flowtt_tb_window"] = EncapsulateFfiHandler(h.tb_window);
   return d;
 }
 

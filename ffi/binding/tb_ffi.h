@@ -13,6 +13,7 @@
 #include "contract/tb_bags.h"
 #include "contract/tb_contract.h"
 #include "contract/tb_plan_meta.h"
+#include "contract/tb_window.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace flowtt::tb {
@@ -150,6 +151,36 @@ auto TbBindBags(Binding b) {
                      Buffers<TbS32, TbS32, TbF32, TbS32, TbS32>{})
       .template Attr<int64_t>("batch")
       .template Attr<bool>("clip");
+}
+
+// TbCheckWindow on a handler's buffers: the window's input and output pointers.
+struct TbWindowChecked {
+  TbWindowIn in;
+  TbWindowOut out;
+};
+inline ffi::ErrorOr<TbWindowChecked> TbCheckWindowBuffers(
+    const TbS32& group_offsets, const TbS32& u_i3, const TbS32& g_i1, const TbS32& g_i2,
+    const TbS32& counts, TbS32Out& w_group_offsets, TbS32Out& w_u_i3, TbS32Out& w_g_i1,
+    TbS32Out& w_g_i2, TbS32Out& w_counts, int64_t lo) {
+  int64_t n = 0, size = 0;
+  const std::string e = TbCheckWindow(
+      u_i3.dimensions(), g_i1.dimensions(), g_i2.dimensions(), group_offsets.dimensions(),
+      counts.dimensions(), w_u_i3->dimensions(), w_g_i1->dimensions(), w_g_i2->dimensions(),
+      w_group_offsets->dimensions(), w_counts->dimensions(), lo, &n, &size);
+  if (!e.empty()) return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(e));
+  return TbWindowChecked{
+      {group_offsets.typed_data(), u_i3.typed_data(), g_i1.typed_data(), g_i2.typed_data(),
+       counts.typed_data(), n, lo, size},
+      {w_group_offsets->typed_data(), w_u_i3->typed_data(), w_g_i1->typed_data(),
+       w_g_i2->typed_data(), w_counts->typed_data()}};
+}
+
+template <typename Binding>
+auto TbBindWindow(Binding b) {
+  // group_offsets u_i3 g_i1 g_i2 counts -> group_offsets u_i3 g_i1 g_i2 counts; attr lo
+  return BindBuffers(std::move(b), Buffers<TbS32, TbS32, TbS32, TbS32, TbS32>{},
+                     Buffers<TbS32, TbS32, TbS32, TbS32, TbS32>{})
+      .template Attr<int64_t>("lo");
 }
 
 }  // namespace flowtt::tb

@@ -11,10 +11,11 @@
 NB_MODULE(_flowtt_cpu, m) {
   m.def("registrations", []() {
     // OpHandlers order: rows_fwd, rows_bwd, pool_fwd, pool_bwd, bag_fwd, plan, tb_rows_fwd,
-    // tb_rows_bwd, tb_plan, tb_bags
-    return flowtt::Registrations(
-        {FlowttRowsFwdCpu, FlowttRowsBwdCpu, FlowttPoolFwdCpu, FlowttPoolBwdCpu, FlowttBagFwdCpu,
-         FlowttPlanCpu, FlowttTbRowsFwdCpu, FlowttTbRowsBwdCpu, FlowttTbPlanCpu, FlowttTbBagsCpu});
+    // tb_rows_bwd, tb_plan, tb_bags, tb_window
+    return flowtt::Registrations({FlowttRowsFwdCpu, FlowttRowsBwdCpu, FlowttPoolFwdCpu,
+                                  FlowttPoolBwdCpu, FlowttBagFwdCpu, FlowttPlanCpu,
+                                  FlowttTbRowsFwdCpu, FlowttTbRowsBwdCpu, FlowttTbPlanCpu,
+                                  FlowttTbBagsCpu, FlowttTbWindowCpu});
   });
   m.def("plan_bitmap_applies",
         [](int64_t n, int64_t num_rows) { return flowtt::plan_bitmap::Applies(n, num_rows); });

@@ -72,6 +72,17 @@ ffi::Error TbBagsCpuImpl(TbS32 ids, TbS32 offsets, TbS32 feature_tables, TbS32 n
   return ffi::Error::Success();
 }
 
+ffi::Error TbWindowCpuImpl(TbS32 group_offsets, TbS32 u_i3, TbS32 g_i1, TbS32 g_i2, TbS32 counts,
+                           ffi::RemainingArgs, TbS32Out w_group_offsets, TbS32Out w_u_i3,
+                           TbS32Out w_g_i1, TbS32Out w_g_i2, TbS32Out w_counts, int64_t lo) {
+  ffi::ErrorOr<TbWindowChecked> c = TbCheckWindowBuffers(
+      group_offsets, u_i3, g_i1, g_i2, counts, w_group_offsets, w_u_i3, w_g_i1, w_g_i2, w_counts, lo);
+  if (c.has_error()) return c.error();
+  const TbWindowHead h = TbWindowHeadOf(c->in);
+  for (int64_t i = 0; i <= c->in.size; ++i) TbWindowWrite(c->in, h, i, c->out);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace flowtt::tb
 
@@ -83,3 +94,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttTbPlanCpu, flowtt::tb::TbPlanCpuImpl,
                               flowtt::tb::TbBindPlan(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttTbBagsCpu, flowtt::tb::TbBagsCpuImpl,
                               flowtt::tb::TbBindBags(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlowttTbWindowCpu, flowtt::tb::TbWindowCpuImpl,
+                              flowtt::tb::TbBindWindow(xla::ffi::Ffi::Bind()));

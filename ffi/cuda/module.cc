@@ -21,11 +21,11 @@ NB_MODULE(_flowtt_cuda, m) {
   namespace nb = nanobind;
   m.def("registrations", []() {
     // OpHandlers order: rows_fwd, rows_bwd, pool_fwd, pool_bwd, bag_fwd, plan, tb_rows_fwd,
-    // tb_rows_bwd, tb_plan, tb_bags
+    // tb_rows_bwd, tb_plan, tb_bags, tb_window
     return flowtt::Registrations({FlowttRowsFwdCuda, FlowttRowsBwdCuda, FlowttPoolFwdCuda,
                                   FlowttPoolBwdCuda, FlowttBagFwdCuda, FlowttPlanCuda,
                                   FlowttTbRowsFwdCuda, FlowttTbRowsBwdCuda, FlowttTbPlanCuda,
-                                  FlowttTbBagsCuda});
+                                  FlowttTbBagsCuda, FlowttTbWindowCuda});
   });
   // CMake's CUDA_ARCHITECTURES the kernels were built for, comma-separated (e.g. "90")
   m.def("cuda_architectures", []() { return std::string(FLOWTT_CUDA_ARCHS); });

@@ -107,6 +107,16 @@ ffi::Error TbBagsCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, Tb
   return CudaError(tb_bags(c->in, c->out, ws, stream), "tb_bags");
 }
 
+ffi::Error TbWindowCudaImpl(cudaStream_t stream, TbS32 group_offsets, TbS32 u_i3, TbS32 g_i1,
+                            TbS32 g_i2, TbS32 counts, ffi::RemainingArgs, TbS32Out w_group_offsets,
+                            TbS32Out w_u_i3, TbS32Out w_g_i1, TbS32Out w_g_i2, TbS32Out w_counts,
+                            int64_t lo) {
+  ffi::ErrorOr<TbWindowChecked> c = TbCheckWindowBuffers(
+      group_offsets, u_i3, g_i1, g_i2, counts, w_group_offsets, w_u_i3, w_g_i1, w_g_i2, w_counts, lo);
+  if (c.has_error()) return c.error();
+  return CudaError(tb_window(c->in, c->out, stream), "tb_window");
+}
+
 }  // namespace
 }  // namespace flowtt::tb
 
@@ -131,3 +141,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     flowtt::tb::TbBindBags(xla::ffi::Ffi::Bind()
                                .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                .Ctx<xla::ffi::ScratchAllocator>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlowttTbWindowCuda, flowtt::tb::TbWindowCudaImpl,
+    flowtt::tb::TbBindWindow(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));

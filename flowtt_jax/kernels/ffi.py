@@ -52,6 +52,7 @@ __all__ = [
     "plan",
     "plan_bitmap_applies",
     "tb_plan",
+    "tb_window",
     "to_varying",
     "varying_axes",
     "rows_fwd",
@@ -447,6 +448,22 @@ def tb_rows_fwd(packed, plan: GroupPlan, dim: int, after=None) -> jax.Array:
     are unspecified. ``after``: arrays the call must wait for (not read)."""
     args = (*packed, *_group_plan_args(plan), *_after(after))
     return _call("flowtt_tb_rows_fwd", _f32((plan.u_i3.shape[0], dim)), *args)
+
+
+def tb_window(plan: GroupPlan, lo: int, size: int, after=None) -> GroupPlan:
+    """``kernels.group_plan.window_plan(plan, lo, size)`` as one call of target
+    ``flowtt_tb_window`` (bit for bit): the rows ops' plan of the uniques ``[lo, lo + size)``
+    (static). ``after``: arrays the call must wait for (not read); a window made in the
+    backward after its cotangent is not merged with the forward's (XLA would keep every
+    pass's window from the forward to the backward)."""
+    outs = (
+        jax.ShapeDtypeStruct((size + 1,), jnp.int32),
+        *(jax.ShapeDtypeStruct((size,), jnp.int32) for _ in range(3)),
+        jax.ShapeDtypeStruct((2,), jnp.int32),
+    )
+    args = (plan.group_offsets, plan.u_i3, plan.g_i1, plan.g_i2, plan.counts, *_after(after))
+    go, u_i3, g_i1, g_i2, counts = _call("flowtt_tb_window", outs, *args, lo=np.int64(lo))
+    return GroupPlan(plan.perm, plan.inverse, plan.run_offsets, go, u_i3, g_i1, g_i2, counts)
 
 
 def tb_rows_bwd(packed, d_rows: jax.Array, plan: GroupPlan) -> tuple[jax.Array, ...]:

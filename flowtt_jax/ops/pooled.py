@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flowtt_jax.capacity import capacity_passes, report_overflow
 from flowtt_jax.fallback import warn_reference
 from flowtt_jax.kernels import ffi
-from flowtt_jax.kernels.group_plan import GroupLayout, make_group_plan, window_plan
+from flowtt_jax.kernels.group_plan import GroupLayout, make_group_plan
 from flowtt_jax.kernels.plan import GroupPlan, Plan
 from flowtt_jax.tt import reference
 
@@ -174,6 +174,10 @@ class TableBatched:
     def rows_fwd(self, cores, plan, after=None) -> jax.Array:
         return ffi.tb_rows_fwd(cores, plan, self.layout.dim, after)
 
+    def window(self, plan, lo: int, size: int, after=None) -> GroupPlan:
+        """The rows ops' plan of the uniques ``[lo, lo + size)`` of ``plan``."""
+        return ffi.tb_window(plan, lo, size, after)
+
     def rows_bwd(self, cores, d_rows, plan) -> tuple[jax.Array, ...]:
         return ffi.tb_rows_bwd(cores, d_rows, plan)
 
@@ -210,7 +214,7 @@ def _kernel_bags_fwd(stages, weighted, batch, cores, weights, ids, tables, offse
         # after the previous pass's pooling (a trailing operand the kernels ignore): one
         # pass's [size, D] rows are dead before the next pass's are made (XLA would make
         # every pass's rows first otherwise: they depend on the cores and the plan only)
-        rows = stages.rows_fwd(cores, window_plan(plan, lo, size), after=out)
+        rows = stages.rows_fwd(cores, stages.window(plan, lo, size, after=out), after=out)
         out = ffi.pool_fwd(rows, plan.inverse, weights, offsets, batch, lo=lo, counts=plan.counts, prev=out)
     return out, (cores, weights, bag_ids, plan, None)
 
@@ -221,7 +225,8 @@ def _kernel_bags_bwd(stages, weighted, batch, res, dout):
     size, starts = _windows(stages, weights.shape[0])
     d_cores = d_weights = None
     for lo in starts:  # one pass, or the capacity's: gradients summed in pass order
-        sub = plan if len(starts) == 1 else window_plan(plan, lo, size)
+        after = dout if d_cores is None else d_cores  # not the forward's window, nor before
+        sub = plan if len(starts) == 1 else stages.window(plan, lo, size, after=after)
         if len(starts) > 1 and weighted:  # the weights' gradient reads the pass's rows again
             rows = stages.rows_fwd(cores, sub, after=d_cores)
         d_rows, d_w = ffi.pool_bwd(
