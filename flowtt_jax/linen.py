@@ -77,11 +77,13 @@ class _TTTable(TTTableMethods, nn.Module):
         row_shape=None,
         col_shape=None,
         num_cores: int = 3,
+        on_device: bool = False,
     ) -> dict[str, jax.Array]:
-        """``{"core_k": ...}`` from the TT-SVD of a dense ``[N, D]`` table."""
+        """``{"core_k": ...}`` from the TT-SVD of a dense ``[N, D]`` table (on the host in
+        float64, or on jax's default device with ``on_device``)."""
         n, d = jnp.shape(table)
         spec = TTSpec.create(n, d, rank, num_cores=num_cores, row_shape=row_shape, col_shape=col_shape)
-        cores = _tt_svd(table, spec, param_dtype)
+        cores = _tt_svd(table, spec, param_dtype, on_device=on_device)
         return {f"core_{k}": c for k, c in enumerate(cores)}
 
 

@@ -94,16 +94,18 @@ class _TTTable(TTTableMethods, nnx.Module):
         rank: int | tuple[int, ...] = 32,
         *,
         rngs: nnx.Rngs | None = None,
+        on_device: bool = False,
         **kwargs: Any,
     ):
         """A layer initialised with the TT-SVD of a dense ``[N, D]`` table (truncated to ``rank``).
 
         Exact when ``rank`` is at least the full TT rank; otherwise the best
-        truncation TT-SVD finds. Runs on the host in float64.
+        truncation TT-SVD finds. Runs on the host in float64, or on jax's default device
+        with ``on_device`` (``flowtt_jax.tt.cores.from_dense``).
         """
         table = jnp.asarray(table)
         n, d = table.shape
-        init = lambda key, spec, dtype: _tt_svd(table, spec, dtype)  # noqa: E731
+        init = lambda key, spec, dtype: _tt_svd(table, spec, dtype, on_device=on_device)  # noqa: E731
         return cls(n, d, rank=rank, embedding_init=init, rngs=rngs or nnx.Rngs(0), **kwargs)
 
 
@@ -275,16 +277,17 @@ class TTEmbeddingCollection(nnx.Module):
         for k, p in self.params.items():
             p[...] = new[k]
 
-    def from_dense(self, name: str, dense: jax.Array) -> float:
+    def from_dense(self, name: str, dense: jax.Array, *, on_device: bool = False) -> float:
         """Loads a dense ``[N, D]`` table into table ``name``: its TT-SVD truncated to the
-        table's ranks (TT tables) or the table itself (dense tables). Returns the relative
-        error of what was loaded, ``||dense - table||_F / ||dense||_F`` (0.0 for a dense table;
-        also logged, ``flowtt_jax.tt.cores.from_dense``)."""
+        table's ranks (TT tables; on jax's default device with ``on_device``) or the table
+        itself (dense tables). Returns the relative error of what was loaded,
+        ``||dense - table||_F / ||dense||_F`` (0.0 for a dense table; also logged,
+        ``flowtt_jax.tt.cores.from_dense``)."""
         cfg = self._config(name)
         if cfg.kind == "dense":
             self.load_table(name, (dense,))
             return 0.0
-        values, error = _tt_svd(dense, cfg.spec(), self.param_dtype, return_error=True)
+        values, error = _tt_svd(dense, cfg.spec(), self.param_dtype, return_error=True, on_device=on_device)
         self.load_table(name, values)
         return error
 

@@ -82,3 +82,29 @@ def test_from_dense_reports_its_error(x64, caplog):
     got = col.from_dense("t", jnp.asarray(table, jnp.float32))
     np.testing.assert_allclose(got, error, rtol=1e-4)
     assert col.from_dense("d", jnp.ones((50, 16))) == 0.0
+
+
+@pytest.mark.parametrize("rank", [4, 64])
+def test_from_dense_on_device_matches_the_host(rank):
+    """``on_device``: the TT-SVD by jnp.linalg.svd on jax's default device (float32) gives
+    the host's float64 truncation within float32 rounding: the same table back, the same
+    error reported (SVD signs may differ, so the tables are compared, not the cores)."""
+    rng = np.random.default_rng(3)
+    table = (rng.standard_normal((700, 16)) @ np.diag(0.8 ** np.arange(16))).astype(np.float32)
+    spec = ftt.TTSpec.create(700, 16, rank)
+    host, host_error = ftt.from_dense(table, spec, return_error=True)
+    dev, dev_error = ftt.from_dense(jnp.asarray(table), spec, return_error=True, on_device=True)
+    assert all(isinstance(c, jax.Array) and c.dtype == jnp.float32 for c in dev)
+    assert rel_err(ftt.to_dense(dev, 700), ftt.to_dense(host, 700)) < 1e-4
+    assert dev_error == pytest.approx(host_error, abs=1e-4)
+    assert (host_error < 1e-5) == (rank == 64)
+
+    from flax import nnx
+
+    from flowtt_jax.collection import TableConfig
+    from flowtt_jax.nnx import TTEmbed, TTEmbeddingCollection
+
+    col = TTEmbeddingCollection([TableConfig("t", 700, 16, rank=rank)], rngs=nnx.Rngs(0))
+    assert col.from_dense("t", jnp.asarray(table), on_device=True) == pytest.approx(host_error, abs=1e-4)
+    layer = TTEmbed.from_dense(jnp.asarray(table), rank, on_device=True)
+    assert rel_err(layer.to_dense(), ftt.to_dense(host, 700)) < 1e-4

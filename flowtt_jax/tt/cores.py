@@ -75,23 +75,28 @@ def from_dense(
     dtype: jnp.dtype = jnp.float32,
     *,
     return_error: bool = False,
+    on_device: bool = False,
 ) -> Cores | tuple[Cores, float]:
     """TT-SVD of a dense ``[N, D]`` table, truncated to ``spec.ranks``.
 
-    Exact (up to float64 rounding) when the ranks are the full ranks
-    (``TTSpec.create`` caps ranks there); the error falls as ranks grow.
-    Runs on the host in float64. The relative error ``||table - TT||_F / ||table||_F``
-    of the truncation (in float64, before the cast to ``dtype``) is logged at INFO on the
-    ``flowtt_jax`` logger and, with ``return_error``, returned: ``(cores, error)``.
+    Exact (up to rounding) when the ranks are the full ranks (``TTSpec.create`` caps ranks
+    there); the error falls as ranks grow. Runs on the host in float64, or with
+    ``on_device`` on jax's default device (``jnp.linalg.svd`` in float32, float64 under
+    ``jax_enable_x64``: a large table's SVDs on a GPU rather than the host's cores). The
+    relative error ``||table - TT||_F / ||table||_F`` of the truncation (in float64, before
+    the cast to ``dtype``) is logged at INFO on the ``flowtt_jax`` logger and, with
+    ``return_error``, returned: ``(cores, error)``.
     """
-    t = np.asarray(table, dtype=np.float64)
-    if t.shape != (spec.num_embeddings, spec.embedding_dim):
+    if tuple(np.shape(table)) != (spec.num_embeddings, spec.embedding_dim):
         raise ValueError(
-            f"table shape {t.shape} != (num_embeddings, embedding_dim) = "
+            f"table shape {tuple(np.shape(table))} != (num_embeddings, embedding_dim) = "
             f"({spec.num_embeddings}, {spec.embedding_dim})"
         )
+    xp = jnp if on_device else np
+    t = jnp.asarray(table, jnp.promote_types(jnp.float32, jnp.asarray(table).dtype)) if on_device else None
+    t = np.asarray(table, dtype=np.float64) if t is None else t
     rows = math.prod(spec.row_shape)
-    t = np.concatenate([t, np.zeros((rows - t.shape[0], t.shape[1]))], axis=0)
+    t = xp.concatenate([t, xp.zeros((rows - t.shape[0], t.shape[1]), t.dtype)], axis=0)
     d = spec.num_cores
     # [p1..pd, q1..qd] -> [p1, q1, p2, q2, ...]
     t = t.reshape(spec.row_shape + spec.col_shape)
@@ -102,22 +107,22 @@ def from_dense(
     for k in range(d - 1):
         p, q = spec.row_shape[k], spec.col_shape[k]
         mat = rest.reshape(r_prev * p * q, -1)
-        u, s, vt = np.linalg.svd(mat, full_matrices=False)
-        r = min(spec.ranks[k + 1], s.shape[0])
+        u, sv, vt = xp.linalg.svd(mat, full_matrices=False)
+        r = min(spec.ranks[k + 1], sv.shape[0])
         core = u[:, :r].reshape(r_prev, p, q, r).transpose(1, 0, 2, 3)
         if r < spec.ranks[k + 1]:  # matrix rank below the spec's rank: pad with zeros
-            core = np.pad(core, ((0, 0), (0, 0), (0, 0), (0, spec.ranks[k + 1] - r)))
-            s = np.pad(s[:r], (0, spec.ranks[k + 1] - r))
-            vt = np.pad(vt[:r], ((0, spec.ranks[k + 1] - r), (0, 0)))
+            core = xp.pad(core, ((0, 0), (0, 0), (0, 0), (0, spec.ranks[k + 1] - r)))
+            sv = xp.pad(sv[:r], (0, spec.ranks[k + 1] - r))
+            vt = xp.pad(vt[:r], ((0, spec.ranks[k + 1] - r), (0, 0)))
         cores.append(core)
         r_prev = spec.ranks[k + 1]
-        rest = s[:r_prev, None] * vt[:r_prev]
+        rest = sv[:r_prev, None] * vt[:r_prev]
     p, q = spec.row_shape[-1], spec.col_shape[-1]
     cores.append(rest.reshape(r_prev, p, q, 1).transpose(1, 0, 2, 3))
     out = tuple(jnp.asarray(c, dtype=dtype) for c in cores)
     if not (return_error or _LOG.isEnabledFor(logging.INFO)):
         return out
-    error = _relative_error(table, cores, spec.num_embeddings)
+    error = _relative_error(table, [np.asarray(c, np.float64) for c in cores], spec.num_embeddings)
     _LOG.info(
         "from_dense: rank %s TT of a %s table, relative error %.3g", spec.ranks, tuple(np.shape(table)), error
     )
