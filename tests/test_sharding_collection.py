@@ -590,6 +590,65 @@ def test_oob_error_on_a_sharded_collection_names_the_feature():
         dp.apply_stacked(params, np.array([[1000, 3], [999, 49]]), oob="error")
 
 
+def _check_oob_error_over_devices() -> None:
+    """oob="error" over 4 devices (a worker): the sharded collection (feature dict and
+    stacked ids) and GroupDataParallel, eagerly (ValueError) and under ftt.checked (the
+    check after the shard_map: checkify cannot carry an error into one over 4 devices)."""
+    from jax.experimental import checkify
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import flowtt_jax as ftt
+    from flowtt_jax import sharding as sh
+    from flowtt_jax.collection import TableConfig
+    from flowtt_jax.collection.layout import CollectionLayout
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+    layout = CollectionLayout((TableConfig("a", 1000, 8, rank=4), TableConfig("b", 50, 8, kind="dense")))
+    dp = sh.collection_data_parallel(layout, mesh)
+    params = layout.init(jax.random.key(0))
+    good = {"a": np.arange(8).reshape(4, 2) * 100, "b": np.array([3, 49, 1, 2])}
+    want = layout.apply(params, good)
+    got = ftt.checked(lambda p, f: dp.apply(p, f, oob="error"))(params, good)
+    for name in good:
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), rtol=1e-6)
+    bad = {**good, "b": np.array([3, 50, 1, 2])}
+    with pytest.raises(checkify.JaxRuntimeError, match=r"feature 'b' \(table 'b'\): ids out of range"):
+        ftt.checked(lambda p, f: dp.apply(p, f, oob="error"))(params, bad)
+    with pytest.raises(checkify.JaxRuntimeError, match=r"feature 'a' \(table 'a'\)"):
+        ftt.checked(lambda p, i: dp.apply_stacked(p, i, oob="error"))(params, np.array([[1000, 3]] * 4))
+
+    specs = (ftt.TTSpec.create(100, 8, 4), ftt.TTSpec.create(300, 8, 4))
+    group = ftt.GroupLayout(specs)
+    packed = group.pack([ftt.init_cores(jax.random.key(t), s) for t, s in enumerate(specs)])
+    rng = np.random.default_rng(0)
+    lens = rng.integers(0, 4, 2 * 8)
+    offsets = np.concatenate([[0], np.cumsum(lens)])
+    ids = np.concatenate([rng.integers(0, 100, lens[:8].sum()), rng.integers(0, 300, lens[8:].sum())])
+    split = sh.shard_packed(ids, offsets, 2, 4, capacity=int(lens.sum()))  # padded shards
+    gdp = sh.GroupDataParallel(group, (0, 1), mesh)
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
+    p, i, o = put(packed, P()), put(split["ids"], P("data")), put(split["offsets"], P("data"))
+    ref = gdp.apply(p, i, o, oob="zero")
+    np.testing.assert_allclose(np.asarray(gdp.apply(p, i, o, oob="error")), np.asarray(ref), rtol=1e-6)
+    checked = ftt.checked(lambda p, i, o: gdp.apply(p, i, o, oob="error"))
+    np.testing.assert_allclose(np.asarray(checked(p, i, o)), np.asarray(ref), rtol=1e-6)
+    shard = next(s for s in range(4) if split["offsets"][s, 1] > 0)  # its first id: feature 0 (100 rows)
+    wrong = split["ids"].copy()
+    wrong[shard, 0] = 250
+    with pytest.raises(ValueError, match=f"id 250 at shard {shard}, position 0 \\(100 rows\\)"):
+        gdp.apply(p, put(wrong, P("data")), o, oob="error")
+    with pytest.raises(checkify.JaxRuntimeError, match="found 250"):
+        checked(p, put(wrong, P("data")), o)
+    print("oob error over devices OK")
+
+
+def test_oob_error_over_four_devices():
+    code = "from tests import test_sharding_collection as t; t._check_oob_error_over_devices()"
+    [(returncode, out)] = _run_workers([(code, _cpu_env(cpu_devices=4))], timeout=600)
+    assert returncode == 0 and "oob error over devices OK" in out, out[-10000:]
+
+
 def test_load_table_into_a_table_wise_collection_on_an_explicit_mesh():
     """load_table / from_dense on a table-wise collection over ``jax.make_mesh`` (explicit
     axes: the stacked cores' update says its sharding), 1 device in this process."""

@@ -259,12 +259,31 @@ class ShardedLayout(abc.ABC):
         """``{feature: [B, D]}`` from parameters placed as ``param_specs`` says and a batch split
         along dim 0 over ``axis``, split the same way; runs in its own ``shard_map`` unless
         called inside one over ``axis``."""
-        if oob == "error":
-            for name, value in features.items():
-                self._check_ids(name, value["ids"] if isinstance(value, Mapping) else value)
-            oob = "clip"  # every id is in range: the devices' clip leaves them as they are
-        local = functools.partial(self.local_apply, oob=oob, impl=impl, dtype=dtype)
-        return run_sharded(self.mesh, self.axis, self.param_specs(), local, params, features)
+        ids = {k: v["ids"] if isinstance(v, Mapping) else v for k, v in features.items()}
+        local = functools.partial(
+            self.local_apply, oob="clip" if oob == "error" else oob, impl=impl, dtype=dtype
+        )
+        # oob="error": every id in range, so the devices' clip leaves them as they are
+        return self._checked(
+            oob, ids, lambda: run_sharded(self.mesh, self.axis, self.param_specs(), local, params, features)
+        )
+
+    def _checked(self, oob: str, ids: Mapping[str, Any], run: Any) -> Any:
+        """``run()``, with ``oob="error"``'s check of ``ids`` (``{feature: ids}``): before it
+        for concrete ids (a ``ValueError`` before any work), after it for traced ones (a
+        ``checkify`` check; checkify cannot carry an error raised before a ``shard_map``
+        over several devices into it)."""
+        if oob != "error":
+            return run()
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(dict(ids)))
+        if not traced:
+            for name, value in ids.items():
+                self._check_ids(name, value)
+        out = run()
+        if traced:
+            for name, value in ids.items():
+                self._check_ids(name, value)
+        return out
 
     def _check_ids(self, feature: str, ids: Any) -> None:
         """``oob="error"`` of a sharded call, before its ``shard_map`` (inside one a
@@ -312,14 +331,17 @@ class ShardedLayout(abc.ABC):
         ``param_specs`` says and stacked ids (and weights) split along dim 0 over ``axis``,
         split the same way; in its own ``shard_map`` unless called inside one over ``axis``."""
         ids, weights = self._check_stacked(ids, weights, oob)
-        if oob == "error":
-            for f, name in enumerate(self.feature_names):
-                self._check_ids(name, ids[:, f])
-            oob = "clip"
-        local = functools.partial(self.local_apply_stacked, oob=oob, impl=impl, dtype=dtype)
+        local = functools.partial(
+            self.local_apply_stacked, oob="clip" if oob == "error" else oob, impl=impl, dtype=dtype
+        )
         specs = {k: self.param_specs()[k] for k in params}
-        return per_device(
-            self.mesh, self.axis, local, specs, PartitionSpec(self.axis), dict(params), ids, weights
+        columns = {name: ids[:, f] for f, name in enumerate(self.feature_names)} if oob == "error" else {}
+        return self._checked(
+            oob,
+            columns,
+            lambda: per_device(
+                self.mesh, self.axis, local, specs, PartitionSpec(self.axis), dict(params), ids, weights
+            ),
         )
 
     def local_apply_stacked(

@@ -31,11 +31,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 from jax.sharding import Mesh, PartitionSpec
 
 from flowtt_jax.inputs.bag import canonical_bags
 from flowtt_jax.inputs.csr import scale_by_modes
-from flowtt_jax.inputs.oob import OOB_POLICIES, apply_table_oob, host_ids
+from flowtt_jax.inputs.oob import OOB_POLICIES, apply_table_oob, as_ids, host_ids, saturate_int32
 from flowtt_jax.kernels.group_plan import GroupLayout
 from flowtt_jax.ops.embedding_bag import feature_modes, tt_embedding_bag_group
 from flowtt_jax.sharding.base import per_device
@@ -117,14 +118,21 @@ class GroupDataParallel:
         dtype: Any | None = None,
     ) -> jax.Array:
         """``[F, B, D]`` from replicated ``packed`` cores and per-shard ``ids [S, C]``,
-        ``offsets [S, F*B/S + 1]``, ``weights [S, C]`` (``shard_packed``)."""
+        ``offsets [S, F*B/S + 1]``, ``weights [S, C]`` (``shard_packed``). ``oob="error"``
+        checks the ids in the shards' bags before the ``shard_map`` (a ``ValueError`` for
+        concrete ids, a ``checkify`` check for traced ones; the padding past a shard's ids is
+        not checked), then clips."""
+        check = oob == "error"
+        if check and not any(isinstance(x, jax.core.Tracer) for x in (ids, offsets)):
+            self._check_ids(ids, offsets)  # concrete: raises before any work
+        oob = "clip" if check else oob  # ids in range: clip leaves them as they are
 
         def local(packed, ids, offsets, weights):
             w = None if weights is None else weights[0]
             kw = dict(weights=w, mode=mode, oob=oob, impl=impl, dtype=dtype)
             return tt_embedding_bag_group(packed, self.layout, ids[0], offsets[0], self.feature_tables, **kw)
 
-        return per_device(
+        out = per_device(
             self.mesh,
             self.axis,
             local,
@@ -134,6 +142,44 @@ class GroupDataParallel:
             ids,
             offsets,
             weights,
+        )
+        if check and any(isinstance(x, jax.core.Tracer) for x in (ids, offsets)):
+            # traced: the checkify check after the shard_map (checkify cannot carry an error
+            # raised before it into a shard_map over several devices)
+            self._check_ids(ids, offsets)
+        return out
+
+    def _check_ids(self, ids: jax.Array, offsets: jax.Array) -> None:
+        """``oob="error"`` of the per-shard batch: each shard's positions before its last
+        offset against the rows of their feature's table: ``ValueError`` for concrete ids,
+        a ``checkify`` check for traced ones (elementwise only: no gather of sharded
+        indices, which an explicit mesh refuses outside its context)."""
+        concrete = not any(isinstance(x, jax.core.Tracer) for x in (ids, offsets))
+        xp = np if concrete else jnp
+        ids = saturate_int32(as_ids(np.asarray(ids) if concrete else ids, "error"))
+        offsets = xp.asarray(offsets)
+        per_feature = (offsets.shape[1] - 1) // len(self.feature_tables)
+        slot = xp.arange(ids.shape[1])[None, :]
+        limit = xp.zeros(ids.shape, np.int32)  # the rows of each slot's table; 0 past the bags
+        for f, t in enumerate(self.feature_tables):
+            in_feature = (slot >= offsets[:, f * per_feature : f * per_feature + 1]) & (
+                slot < offsets[:, (f + 1) * per_feature : (f + 1) * per_feature + 1]
+            )
+            limit = xp.where(in_feature, self.layout.specs[t].num_embeddings, limit)
+        in_bag = slot < offsets[:, -1:]
+        valid = ~in_bag | ((ids >= 0) & (ids < limit))
+        where = "GroupDataParallel: an id out of range of its table"
+        if concrete:
+            bad = np.argwhere(~valid)
+            if bad.size:
+                s, i = bad[0]
+                raise ValueError(f"{where}: id {ids[s, i]} at shard {s}, position {i} ({limit[s, i]} rows)")
+            return
+        checkify.check(  # reductions only (no gather of a sharded array)
+            jnp.all(valid),
+            where + ": found {bad} (the largest offender) at position {pos} of the shards' ids (flattened)",
+            bad=jnp.max(jnp.where(valid, jnp.iinfo(jnp.int32).min, ids)),
+            pos=jnp.argmin(valid.reshape(-1)),
         )
 
 
