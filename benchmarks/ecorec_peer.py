@@ -153,10 +153,10 @@ def np_bag(cores, row_shape, ids, lengths) -> np.ndarray:
 def np_bag_grads(cores, row_shape, ids, lengths, cot) -> tuple[np.ndarray, ...]:
     """Gradients of ``sum(np_bag(...) * cot)`` w.r.t. the cores (our layout)."""
     idx, (g1, g2, g3), pre = _factors(cores, row_shape, ids)
-    n, (q1, q2, q3) = len(ids), (c.shape[2] for c in cores)
+    n, (q1, q2, q3), r2 = len(ids), (c.shape[2] for c in cores), g3.shape[1]
     drow = np.asarray(cot)[np.repeat(np.arange(len(lengths)), lengths)].reshape(n, q1 * q2, q3)
     d3 = pre.transpose(0, 2, 1) @ drow
-    dpre = (drow @ g3.transpose(0, 2, 1)).reshape(n, q1, -1)
+    dpre = (drow @ g3.transpose(0, 2, 1)).reshape(n, q1, q2 * r2)
     d2 = g1.transpose(0, 2, 1) @ dpre
     d1 = dpre @ g2.transpose(0, 2, 1)
     grads = [np.zeros(c.shape, np.float64) for c in cores]
