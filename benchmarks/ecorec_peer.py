@@ -1,23 +1,16 @@
-"""EcoRec (SC24, artifact repository SC24_ADE) as a peer on the Meta-like collections
-(docs/benchmarks_ecorec.md: what maps exactly, what differs, how to run it on the device).
+"""EcoRec (SC24, repository SC24_ADE) as a peer on the Meta-like collections; docs/benchmarks_ecorec.md
+says what maps exactly, what differs and how to run it on the device:
 
     python3 -m benchmarks.ecorec_peer --ecorec-path third_party/SC24_ADE \\
         --cases 240x4096,240x32768 --out-dir DIR [--time-budget S] [--quick]
 
-(``--tables``/``--batches`` give their product instead of ``--cases``.) Per case: the bags of
-``python -m benchmarks --suite collection`` (same generator, seed and sizes), one EcoRec
-``TTEmbeddingBag`` per table with our shapes and our cores (``impls.tt_cores``' draws), the
-forward (``torch.no_grad``) and the forward + backward (seeded by ``out - target``; EcoRec's
-backward is fused with an SGD step, here with lr 0) over all tables in a loop, timed with
-CUDA events (warm-up, median of repeats) plus a ``torch.profiler`` busy time, memory from
-``torch.cuda.max_memory_allocated``; one JSON per run in the suite's shape (``records``).
-
-EcoRec's extension (``ecorec/tt_emb``) is built by ``torch.utils.cpp_extension`` (its setup.py's
-flags less ``-g``, ``-masm=intel``) for ``--arch`` into ``--build-dir``, outside the repository,
-keyed by a hash of sources, torch, CUDA, arch and flags; its ``tt_emb.py`` is used as it is.
-``--backend numpy`` runs the loop on the host with a NumPy emulation of EcoRec's GEMMs (impl
-``numpy_emulation``; tests the harness, not a peer). torch is imported only by the torch
-backend; the workloads load without flowtt_jax's package ``__init__`` (no jax in the process).
+Per case (``--tables``/``--batches``: their product): the bags of ``python -m benchmarks --suite
+collection``, one EcoRec ``TTEmbeddingBag`` per table with our shapes and cores, forward and
+forward + backward over all tables (CUDA events, a torch.profiler busy time, peak memory), JSON
+in the suite's shape. EcoRec's extension is built by ``torch.utils.cpp_extension`` into
+``--build-dir`` (cached by a hash of sources, torch, CUDA, arch, flags). ``--backend numpy``: the
+harness on the host with a NumPy emulation of EcoRec's GEMMs (tests; not a peer). torch is
+imported by the torch backend only; the workloads load without flowtt_jax's ``__init__`` (no jax).
 """
 
 from __future__ import annotations
@@ -70,9 +63,8 @@ class Interrupted(BaseException):
 
 
 def workloads_module() -> types.ModuleType:
-    """``benchmarks.workloads``; unless flowtt_jax is imported already, its package is a bare
-    module over the package folder, so ``flowtt_jax.tt.spec`` (NumPy only) loads without the
-    package ``__init__`` (jax and the built extension)."""
+    """``benchmarks.workloads``; flowtt_jax (unless imported) as a bare package over its folder, so
+    ``flowtt_jax.tt.spec`` (NumPy only) loads without its ``__init__`` (jax, the built extension)."""
     if "flowtt_jax" not in sys.modules:
         pkg = types.ModuleType("flowtt_jax")
         pkg.__path__ = [str(ROOT / "flowtt_jax")]
@@ -106,14 +98,9 @@ def mapping_summary(specs) -> dict:
             ecorec_args(spec)
         except ValueError as e:
             bad.append(f"table {t}: {e}")
-    return {
-        "exact": not bad,
-        "unsupported": bad,
-        "col_shapes": sorted({tuple(s.col_shape) for s in specs}),
-        "ranks": sorted({tuple(s.ranks) for s in specs}),
-        "distinct_row_shapes": len({tuple(s.row_shape) for s in specs}),
-        "core_layout": "EcoRec core k [p_k, r_{k-1}*q_k*r_k] = ours [p_k, r_{k-1}, q_k, r_k] reshaped",
-    }
+    out = {"exact": not bad, "unsupported": bad, "col_shapes": sorted({tuple(s.col_shape) for s in specs})}
+    out.update(ranks=sorted({tuple(s.ranks) for s in specs}), row_shapes=len({s.row_shape for s in specs}))
+    return {**out, "core_layout": "EcoRec core k [p_k, r_{k-1}*q_k*r_k] = ours [p_k, r_{k-1}, q_k, r_k]"}
 
 
 def core_std(spec) -> float:
@@ -180,22 +167,15 @@ def _draw_chunk(job) -> tuple[np.ndarray, np.ndarray, dict]:
 
 def merge_stats(parts: list[dict], batch: int) -> dict:
     """``Workload.stats()`` of a whole draw from its chunks' stats."""
-    s = {k: sum(p[k] for p in parts) for k in ("tables", "features", "nnz", "num_unique", "num_groups")}
-    rows, dense, tt = (sum(p[k] for p in parts) for k in ("rows", "dense_param_bytes", "tt_param_bytes"))
-    return {
-        "tables": s["tables"],
-        "features": s["features"],
-        "batch": batch,
-        **s,
-        "unique_fraction": s["num_unique"] / max(s["nnz"], 1),
-        "mean_pooling": s["nnz"] / (s["features"] * batch),
-        "one_hot_fraction": sum(p["one_hot_fraction"] * p["features"] for p in parts) / s["features"],
-        "rows": rows,
-        "dense_param_bytes": dense,
-        "tt_param_bytes": tt,
-        "compression_ratio": dense / tt,
-        "flop_floor": {m: sum(p["flop_floor"][m] for p in parts) for m in MODES},
-    }
+    total = lambda *keys: {k: sum(p[k] for p in parts) for k in keys}  # noqa: E731
+    s = {**total("tables", "features"), "batch": batch, **total("nnz", "num_unique", "num_groups")}
+    s.update(
+        unique_fraction=s["num_unique"] / max(s["nnz"], 1), mean_pooling=s["nnz"] / (s["features"] * batch)
+    )
+    s["one_hot_fraction"] = sum(p["one_hot_fraction"] * p["features"] for p in parts) / s["features"]
+    s.update(total("rows", "dense_param_bytes", "tt_param_bytes"))
+    s["compression_ratio"] = s["dense_param_bytes"] / s["tt_param_bytes"]
+    return {**s, "flop_floor": {m: sum(p["flop_floor"][m] for p in parts) for m in MODES}}
 
 
 def draw_case(coll, batch: int, map_fn=map):
@@ -206,20 +186,18 @@ def draw_case(coll, batch: int, map_fn=map):
     offsets = np.concatenate([[0], np.cumsum(np.concatenate([p[1] for p in parts]))])
     if offsets[-1] >= 2**31:
         raise ValueError(f"{offsets[-1]} ids do not fit int32 offsets")
+    ids, tables = np.concatenate([p[0] for p in parts]), tuple(range(coll.num_tables))
+    params = {**coll.params, "batch": batch}
     w = wl.Workload(
-        name=f"meta{coll.num_tables}_B{batch}",
-        batch=batch,
-        ids=np.concatenate([p[0] for p in parts]),
-        offsets=offsets.astype(np.int32),
-        feature_table=tuple(range(coll.num_tables)),
-        specs=coll.specs,
-        params={**coll.params, "batch": batch},
+        f"meta{coll.num_tables}_B{batch}", batch, ids, offsets.astype(np.int32), tables, coll.specs, params
     )
     return w, merge_stats([p[2] for p in parts], batch)
 
 
-def _lengths(w) -> np.ndarray:
-    return np.diff(w.offsets).reshape(w.num_features, w.batch)
+def wall_ms(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
 
 
 class NumpyBackend:
@@ -230,7 +208,7 @@ class NumpyBackend:
 
     def prepare(self, w) -> dict:
         self.w, self.cores = w, list(our_cores(w.specs))
-        self.lengths = _lengths(w)
+        self.lengths = np.diff(w.offsets).reshape(w.num_features, w.batch)
         dim = sum(w.specs[t].embedding_dim for t in w.feature_table)
         self.target = np.random.default_rng(2).standard_normal((w.batch, dim)).astype(np.float32)
         return {"param_bytes": sum(c.nbytes for cs in self.cores for c in cs), "input_bytes": w.ids.nbytes}
@@ -253,11 +231,7 @@ class NumpyBackend:
             np_bag_grads(self.cores[t], self.w.specs[t].row_shape, ids, self.lengths[f], cot[f])
         return out
 
-    def elapsed_ms(self, fn) -> float:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-
+    elapsed_ms = staticmethod(lambda fn: wall_ms(fn))
     memory_begin = memory_end = profile = staticmethod(lambda *args: None)  # no device memory, no trace
 
     def check(self, bags: int) -> dict:
@@ -265,6 +239,37 @@ class NumpyBackend:
 
     def release(self) -> None:
         self.w = self.cores = None
+
+
+def toolkit_fallbacks(cuda_home: str | None, out: Path) -> tuple[list[str], list[str]]:
+    """Extra (include, library) folders where torch's toolkit lacks what the build needs: cuBLAS,
+    cuSPARSE, cuSOLVER headers (torch's CUDA headers include them; its pip CUDA libraries
+    ``nvidia/*/`` have them), an unversioned ``libcudart.so`` (else a link in ``out/libs``)."""
+    need = ("cublas_v2.h", "cusparse.h", "cusolverDn.h")
+    homes = [Path(cuda_home or "/usr/local/cuda"), Path("/usr/local/cuda")]
+    spec = importlib.util.find_spec("nvidia")
+    pip = sorted(d for r in (spec.submodule_search_locations if spec else []) for d in Path(r).glob("*"))
+    includes = []
+    if not any(
+        all((d / n).is_file() for n in need)
+        for h in homes
+        for d in (h / "include", *h.glob("targets/*/include"))
+    ):
+        includes = [str(d / "include") for d in pip if any((d / "include" / n).is_file() for n in need)]
+    libs = [d for h in homes for d in (h / "lib64", h / "lib", *h.glob("targets/*/lib"))] + [
+        d / "lib" for d in pip
+    ]
+    if any((d / "libcudart.so").exists() for d in libs[:2]):  # where torch links from
+        return includes, []
+    for d in libs:
+        if (d / "libcudart.so").exists():
+            return includes, [str(d)]
+    for so in (so for d in libs for so in sorted(d.glob("libcudart.so.*"))):
+        (out / "libs").mkdir(parents=True, exist_ok=True)
+        (out / "libs" / "libcudart.so").unlink(missing_ok=True)
+        (out / "libs" / "libcudart.so").symlink_to(so)
+        return includes, [str(out / "libs")]
+    return includes, []
 
 
 def build_extension(eco: Path, build_dir: Path, arch: str, log=print) -> tuple[Path, dict]:
@@ -279,10 +284,15 @@ def build_extension(eco: Path, build_dir: Path, arch: str, log=print) -> tuple[P
     for s in SOURCES:
         h.update((src / s).read_bytes())
     sources_sha = h.hexdigest()
-    h.update(repr((torch.__version__, torch.version.cuda, arch, CXX_FLAGS, NVCC_FLAGS, sys.version)).encode())
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    key = (torch.__version__, torch.version.cuda, CUDA_HOME, arch, CXX_FLAGS, NVCC_FLAGS, sys.version)
+    h.update(repr(key).encode())
     out = build_dir / f"ecorec_{h.hexdigest()[:16]}"
     info = {"dir": str(out), "arch": arch, "cxx_flags": CXX_FLAGS, "nvcc_flags": NVCC_FLAGS}
     info["sources_sha256"] = sources_sha
+    includes, libs = toolkit_fallbacks(CUDA_HOME, out)
+    info.update(cuda_home=CUDA_HOME, extra_include_dirs=includes, extra_library_dirs=libs)
     found = sorted((out / "lib").glob("_C*.so"))
     if found:
         return found[0], {**info, "cached": True}
@@ -293,9 +303,10 @@ def build_extension(eco: Path, build_dir: Path, arch: str, log=print) -> tuple[P
         "import sys\n"
         "from setuptools import setup\n"
         "from torch.utils.cpp_extension import BuildExtension, CUDAExtension\n"
-        "cxx, nvcc = sys.argv[1].split(), sys.argv[2].split()\n"
+        "cxx, nvcc, inc, lib = (a.split(':') for a in sys.argv[1:5])\n"
         'srcs = ["src/tt_emb_kernel_wrap.cpp", "src/tt_emb_cuda.cu"]\n'
-        'ext = CUDAExtension("_C", srcs, extra_compile_args={"cxx": cxx, "nvcc": nvcc})\n'
+        "kw = dict(include_dirs=[d for d in inc if d], library_dirs=[d for d in lib if d])\n"
+        'ext = CUDAExtension("_C", srcs, extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kw)\n'
         'setup(name="ecorec_peer_ext", ext_modules=[ext], cmdclass={"build_ext": BuildExtension},\n'
         '      script_args=["build_ext", "--build-lib", "lib", "--build-temp", "tmp"])\n'
     )
@@ -303,7 +314,8 @@ def build_extension(eco: Path, build_dir: Path, arch: str, log=print) -> tuple[P
     log(f"building EcoRec's extension for sm {arch} in {out} ...")
     t = time.monotonic()
     with open(out / "build.log", "w") as f:
-        cmd = [sys.executable, "setup_peer.py", " ".join(CXX_FLAGS), " ".join(NVCC_FLAGS)]
+        args = [":".join(x) for x in (CXX_FLAGS, NVCC_FLAGS, includes, libs)]
+        cmd = [sys.executable, "setup_peer.py", *args]
         rc = subprocess.run(cmd, cwd=out, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     found = sorted((out / "lib").glob("_C*.so"))
     if rc or not found:
@@ -325,16 +337,23 @@ def load_ecorec(eco: Path, so: Path):
 
 
 class TorchBackend:
-    """EcoRec on the GPU: one ``TTEmbeddingBag`` per table, a loop over the features."""
+    """EcoRec on the GPU: one ``TTEmbeddingBag`` per table, a loop over the features (``device``
+    cpu: the glue alone, with a stand-in class; wall times, no memory, no trace)."""
 
-    name, method = IMPL, "cuda_events"
+    name = IMPL
     description = "EcoRec's TTEmbeddingBag (SC24_ADE ecorec/tt_emb), one per table, in a Python loop"
 
-    def __init__(self, torch, bag_cls):
+    def __init__(self, torch, bag_cls, device=None):
         self.torch, self.cls = torch, bag_cls
-        self.dev = torch.device("cuda", torch.cuda.current_device())
-        self.device = f"gpu:{torch.cuda.get_device_name(self.dev)}"
+        self.dev = torch.device(device or f"cuda:{torch.cuda.current_device()}")
+        self.cuda = self.dev.type == "cuda"
+        self.method = "cuda_events" if self.cuda else "perf_counter"
+        self.device = f"gpu:{torch.cuda.get_device_name(self.dev)}" if self.cuda else "cpu:torch"
         self.tables = self.features = self.target = None
+
+    def _sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
 
     def prepare(self, w) -> dict:
         t, dev = self.torch, self.dev
@@ -354,16 +373,12 @@ class TorchBackend:
             for f, tab in enumerate(w.feature_table)
         ]
         dim = sum(w.specs[tab].embedding_dim for tab in w.feature_table)
-        g = t.Generator(device=dev)
-        g.manual_seed(2)
-        self.target = t.randn(b, dim, generator=g, device=dev)
-        t.cuda.synchronize()
+        self.target = t.randn(b, dim, generator=t.Generator(device=dev).manual_seed(2), device=dev)
+        self._sync()
         inputs = ids.nbytes + offsets.nbytes + self.target.nbytes + sum(o.nbytes for _, _, o in self.features)
         params = sum(p.nbytes for emb in self.tables for p in emb.tt_cores)
-        return {"param_bytes": params, "input_bytes": inputs, "empty_features": self._empty()}
-
-    def _empty(self) -> int:
-        return sum(1 for _, ids, _ in self.features if ids.numel() == 0)
+        empty = sum(1 for _, i, _ in self.features if i.numel() == 0)
+        return {"param_bytes": params, "input_bytes": inputs, "empty_features": empty}
 
     def forward(self):
         outs = []
@@ -385,8 +400,9 @@ class TorchBackend:
         return out
 
     def elapsed_ms(self, fn) -> float:
-        c = self.torch.cuda
-        start, end = c.Event(enable_timing=True), c.Event(enable_timing=True)
+        if not self.cuda:
+            return wall_ms(fn)
+        start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
         start.record()
         r = fn()
         end.record()
@@ -394,26 +410,30 @@ class TorchBackend:
         del r
         return start.elapsed_time(end)
 
-    def memory_begin(self) -> int:
-        self.torch.cuda.synchronize()
-        self.torch.cuda.reset_peak_memory_stats(self.dev)
-        return self.torch.cuda.memory_allocated(self.dev)
+    def memory_begin(self) -> int | None:
+        if self.cuda:
+            self._sync()
+            self.torch.cuda.reset_peak_memory_stats(self.dev)
+            return self.torch.cuda.memory_allocated(self.dev)
 
-    def memory_end(self) -> int:
-        self.torch.cuda.synchronize()
-        return self.torch.cuda.max_memory_allocated(self.dev)
+    def memory_end(self) -> int | None:
+        if self.cuda:
+            self._sync()
+            return self.torch.cuda.max_memory_allocated(self.dev)
 
     def profile(self, fn, iters: int) -> dict:
         """Busy time per call: the union of the GPU intervals of a torch.profiler trace."""
         from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
 
-        self.torch.cuda.synchronize()
+        if not self.cuda:
+            return None
+        self._sync()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(iters):
                 r = fn()
                 del r
-            self.torch.cuda.synchronize()
+            self._sync()
         spans, names = [], {}
         for e in prof.profiler.kineto_results.events():
             if e.device_type() != DeviceType.CUDA:
@@ -435,7 +455,8 @@ class TorchBackend:
 
     def _host_cores(self, emb, tab: int) -> list[np.ndarray]:
         return [
-            p.detach().cpu().numpy().reshape(s) for p, s in zip(emb.tt_cores, self.w.specs[tab].core_shapes)
+            p.detach().cpu().numpy().copy().reshape(s)
+            for p, s in zip(emb.tt_cores, self.w.specs[tab].core_shapes)
         ]
 
     def check(self, bags: int) -> dict:
@@ -463,7 +484,7 @@ class TorchBackend:
             y = emb(ids, offs)
             cot = t.randn(y.shape, generator=t.Generator(device=self.dev).manual_seed(3), device=self.dev)
             y.backward(cot)
-            t.cuda.synchronize()
+            self._sync()
             got = [b.astype(np.float64) - a for b, a in zip(before, self._host_cores(emb, tab))]
             ref = np_bag_grads(before, specs[tab].row_shape, h_ids, lengths, cot.cpu().numpy())
             out["grad_max_abs_err"] = max(float(np.abs(g - r).max()) for g, r in zip(got, ref))
@@ -473,8 +494,8 @@ class TorchBackend:
 
     def release(self) -> None:
         self.tables = self.features = self.target = None
-        if self.torch.cuda.is_initialized():
-            self.torch.cuda.synchronize()
+        if self.cuda:
+            self._sync()
             self.torch.cuda.empty_cache()
 
 
@@ -487,11 +508,8 @@ def busy(spans: list[tuple[int, int]], iters: int) -> dict:
         elif e > end:
             total, end = total + (e - end), e
     span = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0
-    return {
-        "busy_ms": total / iters / 1e6,
-        "span_ms": span / iters / 1e6,
-        "events_per_call": len(spans) / iters,
-    }
+    out = {"busy_ms": total / iters / 1e6, "span_ms": span / iters / 1e6}
+    return {**out, "events_per_call": len(spans) / iters}
 
 
 def top_names(names: dict, iters: int, top: int = 12) -> dict:
@@ -544,9 +562,7 @@ def _case(s: str) -> tuple[int, int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python3 -m benchmarks.ecorec_peer", description=__doc__.split("\n\n")[0]
-    )
+    ap = argparse.ArgumentParser(prog="python3 -m benchmarks.ecorec_peer", description="EcoRec as a peer")
     ap.add_argument("--ecorec-path", type=Path, default=ROOT / "third_party" / "SC24_ADE")
     ap.add_argument("--out-dir", type=Path, default=Path(tempfile.gettempdir()) / "flowtt_jax_bench")
     ap.add_argument("--build-dir", type=Path, default=Path.home() / ".cache" / "flowtt_jax" / "ecorec")
@@ -573,29 +589,16 @@ def header(a: argparse.Namespace, backend, argv, extra: dict) -> tuple[Path, dic
     name = backend.device.split(":", 1)[1]
     short = next((t for t in name.split() if re.match(r"^[A-Za-z]+\d+", t)), name.split()[-1]).lower()
     path = a.out_dir / f"bench_{'quick_' if a.quick else ''}ecorec_{short}_{now:%Y-%m-%dT%H%M%S}.json"
-    doc = {
-        "schema": records.SCHEMA,
-        "suite": "collection",
-        "stage": "ecorec",
-        "quick": a.quick,
-        "device": backend.device,
-        "device_count": 1,
-        "date": now.isoformat(timespec="seconds"),
-        "commit": records.commit(),
-        **extra,
-        "argv": argv,
-        "time_budget_s": a.time_budget,
-        "timing_method": backend.method,
-        "timing": "ms: median over repeats of one call's time (on the GPU CUDA events around the call, "
-        "host gaps included); profile.busy_ms: the union of a torch.profiler trace's GPU intervals per call",
-        "cases": [],
-    }
+    doc = {"schema": records.SCHEMA, "suite": "collection", "stage": "ecorec", "quick": a.quick}
+    doc.update(device=backend.device, device_count=1, date=now.isoformat(timespec="seconds"))
+    doc.update(commit=records.commit(), **extra, argv=argv, time_budget_s=a.time_budget)
+    doc["timing_method"] = backend.method
+    doc["timing"] = (
+        "ms: median over repeats of one call's time (on the GPU CUDA events around the call, host gaps "
+        "included); profile.busy_ms: the union of a torch.profiler trace's GPU intervals per call"
+    )
+    doc["cases"] = []
     return path, doc
-
-
-def ecorec_source(eco: Path) -> str:
-    f = eco / "FLOWTT_SOURCE"  # written when the checkout was copied (no .git travels)
-    return f.read_text().strip() if f.is_file() else "unknown"
 
 
 def run_case(run: records.Run, backend, coll, batch: int, map_fn) -> None:
@@ -658,11 +661,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             backend = TorchBackend(torch, load_ecorec(a.ecorec_path, so))
             extra.update(torch=torch.__version__, cuda=torch.version.cuda)
-            extra["ecorec"] = {
-                "path": str(a.ecorec_path),
-                "source": ecorec_source(a.ecorec_path),
-                "build": build,
-            }
+            src = a.ecorec_path / "FLOWTT_SOURCE"  # written with the checkout's copy (no .git travels)
+            source = src.read_text().strip() if src.is_file() else "unknown"
+            extra["ecorec"] = {"path": str(a.ecorec_path), "source": source, "build": build}
         else:
             backend = NumpyBackend()
         path, doc = header(a, backend, argv, extra)

@@ -143,7 +143,6 @@ def test_cases_and_missing_checkout(tmp_path):
     a = peer.parse_args(["--tables", "240,480", "--batches", "4096"])
     assert peer.case_list(a, peer.FULL) == [(240, 4096), (480, 4096)]
     assert len(peer.case_list(peer.parse_args([]), peer.FULL)) == 6
-    assert peer.ecorec_source(tmp_path) == "unknown"
     pytest.importorskip("torch")
     with pytest.raises(FileNotFoundError, match="ecorec-path"):
         peer.build_extension(tmp_path, tmp_path / "build", "9.0")
@@ -187,6 +186,81 @@ def test_workloads_import_without_jax():
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True)
+
+
+def fake_ecorec(torch):
+    """A stand-in for EcoRec's ``TTEmbeddingBag`` on the CPU: its constructor and call, its
+    int64 inputs, its core storage ``[p_k, r_{k-1} q_k r_k]`` and its backward, an SGD step."""
+
+    class Step(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, bag, ids, offsets, *cores):
+            ctx.bag, ctx.args = bag, (ids, offsets)
+            return bag.pooled(ids, offsets, cores)
+
+        @staticmethod
+        def backward(ctx, d):
+            bag = ctx.bag
+            cores = [c.detach().requires_grad_() for c in bag.tt_cores]
+            with torch.enable_grad():
+                grads = torch.autograd.grad(bag.pooled(*ctx.args, cores), cores, d)
+            with torch.no_grad():
+                for c, g in zip(bag.tt_cores, grads):
+                    c -= bag.learning_rate * g
+            return (None,) * (3 + len(cores))
+
+    class Bag(torch.nn.Module):
+        def __init__(
+            self, num_embeddings, embedding_dim, tt_ranks, tt_p_shapes, tt_q_shapes, learning_rate, device
+        ):
+            super().__init__()
+            self.embedding_dim, self.learning_rate = embedding_dim, learning_rate
+            self.p, self.q, r = tt_p_shapes, tt_q_shapes, [1, *tt_ranks, 1]
+            shapes = [(p, r[k] * q * r[k + 1]) for k, (p, q) in enumerate(zip(self.p, self.q))]
+            self.tt_cores = torch.nn.ParameterList(
+                torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes
+            )
+
+        def pooled(self, ids, offsets, cores):
+            (_, p2, p3), (q1, q2, q3) = self.p, self.q
+            r1, r2 = cores[0].shape[1] // q1, cores[2].shape[1] // q3
+            g1 = cores[0][ids // (p2 * p3)].view(-1, q1, r1)
+            g2 = cores[1][(ids // p3) % p2].view(-1, r1, q2 * r2)
+            g3 = cores[2][ids % p3].view(-1, r2, q3)
+            rows = ((g1 @ g2).view(-1, q1 * q2, r2) @ g3).reshape(len(ids), -1)
+            bag = torch.repeat_interleave(torch.arange(len(offsets) - 1), offsets.diff())
+            return torch.zeros(len(offsets) - 1, rows.shape[1]).index_add_(0, bag, rows)
+
+        def forward(self, indices, offsets):
+            assert indices.dtype == offsets.dtype == torch.int64 and int(offsets[0]) == 0
+            assert int(offsets[-1]) == len(indices) and len(indices) > 0
+            return Step.apply(self, indices, offsets, *self.tt_cores)
+
+    return Bag
+
+
+def test_torch_glue_on_cpu():
+    """The torch backend's glue (inputs, loop, concatenation, backward seed, check, timing) with
+    a stand-in for EcoRec on the CPU: its bags are the NumPy emulation's, lr 0 keeps the cores."""
+    torch = pytest.importorskip("torch")
+    backend = peer.TorchBackend(torch, fake_ecorec(torch), device="cpu")
+    coll = wl.MetaLikeCollection.create(3, 0, rows_range=(1e3, 1e5), rank=8)
+    w, _ = peer.draw_case(coll, 32)
+    info = backend.prepare(w)
+    assert info["param_bytes"] == sum(s.num_params for s in w.specs) * 4 and info["empty_features"] == 0
+    check = backend.check(16)
+    assert check["ok"] and check["features"] == 3 and check["grad_max_abs_ref"] > 0, check
+    ref = peer.NumpyBackend()
+    ref.prepare(w)
+    np.testing.assert_allclose(backend.fwd().numpy(), ref.fwd(), rtol=1e-4, atol=1e-5)
+    before = [c.detach().clone() for c in backend.tables[0].tt_cores]
+    backend.fwd_bwd()
+    assert all(torch.equal(a, b) for a, b in zip(before, backend.tables[0].tt_cores))
+    a = peer.parse_args(["--repeats", "2", "--warmup", "1"])
+    run = peer.records.Run(a, Path("unused.json"), {})
+    for mode in peer.MODES:
+        r = peer.measure(backend, mode, run, w.nnz, info["param_bytes"])
+        assert r["ms"] > 0 and r["method"] == "perf_counter" and "peak_bytes" not in r
 
 
 def test_ecorec_on_the_gpu(tmp_path):
