@@ -15,11 +15,12 @@ stage() { local limit=$1 name=$2; shift 2; echo "== $name ($(date +%T))"; timeou
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 stage 240 build env FLOWTT_CUDA=ON FLOWTT_CUDA_ARCHITECTURES=90 $PY -m pip install --no-build-isolation --no-deps -v -e .
 par=(); $PY -c "import xdist" 2>/dev/null && par=(-n 8)
-stage 150 tests $PY -m pytest -q -p no:cacheprovider "${par[@]}" tests/test_capacity.py tests/test_group_op.py tests/test_cuda.py
-for tool in memcheck racecheck; do
+stage 110 tests $PY -m pytest -q -p no:cacheprovider "${par[@]}" tests/test_capacity.py tests/test_group_op.py \
+  tests/test_memory.py
+for tool in ${SANITIZERS:-memcheck racecheck}; do
   stage 60 "sanitizer_$tool" compute-sanitizer --error-exitcode 1 --tool $tool --kernel-name kns=flowtt \
     --target-processes all $PY scripts/sanitize_small.py
 done
-TAIL=14 stage ${BENCH_LIMIT:-270} bench $PY -m benchmarks --suite collection --tables "${TABLES:-240,480}" \
-  --batches 32768 --impls ours_batched,ours_batched_capacity --out-dir "$OUT/bench" --time-budget 250
+TAIL=14 stage ${BENCH_LIMIT:-230} bench $PY -m benchmarks --suite collection --tables "${TABLES:-240,480}" \
+  --batches 32768 --impls ours_batched,ours_batched_capacity --out-dir "$OUT/bench" --time-budget 210
 exit $status
