@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
 __all__ = [
     "CapacityOverflowWarning",
+    "batch_counts",
     "capacity_passes",
     "measure_unique_ids",
     "overflow_count",
@@ -83,29 +85,46 @@ def report_overflow(num_unique, capacity: int, what: str) -> None:
     )
 
 
+def batch_counts(
+    batches: Iterable[Mapping[str, Any]], feature_tables: Mapping[str, str], what: str
+) -> tuple[int, dict[str, int], dict[str, int]]:
+    """``(bags per feature, ids per feature, unique ids per table)``, each the most over
+    sample ``batches``: dicts ``{feature: ids [B, L]}`` or ``{feature: (ids, offsets [B + 1])}``
+    (host or device arrays). ``feature_tables``: ``{feature: table name}``; a feature it
+    lacks raises ``KeyError`` naming ``what`` and the features."""
+    batch_size, ids, unique = 0, {}, {}
+    for batch in batches:
+        unknown = sorted(set(batch) - set(feature_tables))
+        if unknown:
+            raise KeyError(f"{what}: features {unknown} are read by no table")
+        per_table: dict[str, list[np.ndarray]] = {}
+        for feature, value in batch.items():
+            if isinstance(value, tuple):
+                flat, bags = np.asarray(value[0]).ravel(), np.asarray(value[1]).shape[0] - 1
+            else:
+                flat, bags = np.asarray(value).ravel(), np.asarray(value).shape[0]
+            batch_size = max(batch_size, bags)
+            ids[feature] = max(ids.get(feature, 0), flat.size)
+            per_table.setdefault(feature_tables[feature], []).append(flat)
+        for table, parts in per_table.items():
+            unique[table] = max(unique.get(table, 0), int(np.unique(np.concatenate(parts)).size))
+    return batch_size, ids, unique
+
+
 def measure_unique_ids(
-    batches: Iterable[dict[str, tuple]],
-    feature_tables: dict[str, str],
+    batches: Iterable[Mapping[str, Any]],
+    feature_tables: Mapping[str, str],
     margin: float = 1.2,
 ) -> dict[str, int]:
     """The capacity of each table from sample batches: the most unique ids any batch looked
     up in it (over all of its features), times ``margin``, rounded up to a multiple of 64.
 
-    ``batches``: dicts ``{feature: (ids, offsets)}`` or ``{feature: ids}`` (host or device
-    arrays; ids of every bag); ``feature_tables``: ``{feature: table name}``. A table no
-    batch touched gets 64. Pass the result as ``TableConfig.max_unique_ids``.
+    ``batches``: as ``batch_counts`` takes them; ``feature_tables``: ``{feature: table
+    name}``. A table no batch touched gets 64. Pass the result as
+    ``TableConfig.max_unique_ids``.
     """
     if margin < 1:
         raise ValueError(f"margin must be >= 1, got {margin}")
-    most: dict[str, int] = dict.fromkeys(feature_tables.values(), 0)
-    for batch in batches:
-        unknown = sorted(set(batch) - set(feature_tables))
-        if unknown:
-            raise KeyError(f"measure_unique_ids: features {unknown} have no table in feature_tables")
-        ids_of: dict[str, list[np.ndarray]] = {}
-        for feature, value in batch.items():
-            ids = value[0] if isinstance(value, Sequence) and not hasattr(value, "shape") else value
-            ids_of.setdefault(feature_tables[feature], []).append(np.asarray(ids).ravel())
-        for table, parts in ids_of.items():
-            most[table] = max(most[table], int(np.unique(np.concatenate(parts)).size))
+    _, _, unique = batch_counts(batches, feature_tables, "measure_unique_ids")
+    most = {t: unique.get(t, 0) for t in feature_tables.values()}
     return {t: max(64, -(-math.ceil(u * margin) // 64) * 64) for t, u in most.items()}

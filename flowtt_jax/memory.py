@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from flowtt_jax.capacity import batch_counts
 from flowtt_jax.collection.config import TableConfig
 from flowtt_jax.collection.packs import TablePack, pack_tables
 
@@ -52,25 +53,7 @@ class BatchStats:
         """The most ids per feature and unique ids per table over sample ``batches`` (dicts
         ``{feature: ids [B, L]}`` or ``{feature: (ids, offsets)}`` with offsets [B + 1])."""
         table_of = {f: t.name for t in tables for f in t.feature_keys}
-        ids: dict[str, int] = {}
-        unique: dict[str, int] = {}
-        batch_size = 0
-        for batch in batches:
-            unknown = sorted(set(batch) - set(table_of))
-            if unknown:
-                raise KeyError(f"BatchStats.measure: features {unknown} are read by no table")
-            per_table: dict[str, list[np.ndarray]] = {}
-            for feature, value in batch.items():
-                if isinstance(value, tuple):
-                    flat, offsets = np.asarray(value[0]).ravel(), np.asarray(value[1])
-                    batch_size = max(batch_size, offsets.shape[0] - 1)
-                else:
-                    flat = np.asarray(value).ravel()
-                    batch_size = max(batch_size, np.asarray(value).shape[0])
-                ids[feature] = max(ids.get(feature, 0), flat.size)
-                per_table.setdefault(table_of[feature], []).append(flat)
-            for table, parts in per_table.items():
-                unique[table] = max(unique.get(table, 0), int(np.unique(np.concatenate(parts)).size))
+        batch_size, ids, unique = batch_counts(batches, table_of, "BatchStats.measure")
         return cls(batch_size, ids, unique)
 
 

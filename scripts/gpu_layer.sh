@@ -9,12 +9,8 @@
 # Logs and JSON go to $OUT (default ./gpu_layer_out).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_layer_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export FLOWTT_COMMIT=${FLOWTT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-PY=${PY:-python3}
-status=0
-stage() { local limit=$1 name=$2; shift 2; echo "== $name ($(date +%T))"; timeout "$limit" "$@" >"$OUT/$name.log" 2>&1 || { echo "   rc $?"; status=1; }; tail -${TAIL:-4} "$OUT/$name.log"; }
+# shellcheck source=scripts/device_stage.sh
+source "$(dirname "$0")/device_stage.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 STAGE=${1:-layer}
 stage 240 build env FLOWTT_CUDA=ON FLOWTT_CUDA_ARCHITECTURES=90 $PY -m pip install --no-build-isolation --no-deps -v -e .

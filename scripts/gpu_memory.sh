@@ -6,12 +6,8 @@
 # per case). TABLES (default 240,480) picks the collections. Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_memory_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export FLOWTT_COMMIT=${FLOWTT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-PY=${PY:-python3}
-status=0
-stage() { local limit=$1 name=$2; shift 2; echo "== $name ($(date +%T))"; timeout "$limit" "$@" >"$OUT/$name.log" 2>&1 || { echo "   rc $?"; status=1; }; tail -${TAIL:-4} "$OUT/$name.log"; }
+# shellcheck source=scripts/device_stage.sh
+source "$(dirname "$0")/device_stage.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 stage 240 build env FLOWTT_CUDA=ON FLOWTT_CUDA_ARCHITECTURES=90 $PY -m pip install --no-build-isolation --no-deps -v -e .
 par=(); $PY -c "import xdist" 2>/dev/null && par=(-n 8)

@@ -254,7 +254,7 @@ def test_measure_unique_ids_counts_each_tables_features_together():
     assert caps == {"x": 64, "y": 256, "z": 64}  # x: {1,2,3,9} / {1,7,8,9}; y: 200 -> 256
     big = capacity.measure_unique_ids([{"c": np.arange(1000)}], {"c": "y"}, margin=1.5)
     assert big == {"y": 1536}
-    with pytest.raises(KeyError, match=r"\['q'\]"):
+    with pytest.raises(KeyError, match=r"measure_unique_ids: features \['q'\]"):
         capacity.measure_unique_ids([{"q": np.arange(3)}], {"c": "y"})
     with pytest.raises(ValueError, match="margin"):
         capacity.measure_unique_ids([], {}, margin=0.5)

@@ -25,7 +25,7 @@ from flowtt_jax.kernels import ffi
 from flowtt_jax.kernels.group_plan import GroupLayout
 from flowtt_jax.ops import embedding_bag
 from flowtt_jax.ops.pooled import choose_impl
-from tests.helpers import f32, make_cores, poisoned_call
+from tests.helpers import make_cores, poisoned_call, target_pool_fwd
 
 IMPLS = ["ffi", "reference"]
 INT_DTYPES = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64]
@@ -188,30 +188,8 @@ def test_pool_kernels_skip_zero_weights_on_raw_targets():
     weights = np.ones(n, np.float32)
     weights[::3] = 0.0
     offsets = np.array([0, 10, 10, 55, 100], np.int32)
-    (out,) = poisoned_call(
-        "flowtt_bag_pool_fwd",
-        [f32((4, 8))],
-        nan_rows,
-        plan.inverse,
-        weights,
-        offsets,
-        np.zeros((0,), np.int32),
-        np.zeros((0, 8), np.float32),
-        batch=np.int64(0),
-        lo=np.int64(0),
-    )
-    (want,) = poisoned_call(
-        "flowtt_bag_pool_fwd",
-        [f32((4, 8))],
-        rows,
-        plan.inverse,
-        weights,
-        offsets,
-        np.zeros((0,), np.int32),
-        np.zeros((0, 8), np.float32),
-        batch=np.int64(0),
-        lo=np.int64(0),
-    )
+    out = target_pool_fwd(poisoned_call, nan_rows, plan, weights, offsets)
+    want = target_pool_fwd(poisoned_call, rows, plan, weights, offsets)
     assert np.isfinite(_np(out)).all() and _np(out).tobytes() == _np(want).tobytes()
     for chunk in (64, 1 << 20):  # bag_fwd: several chunks, one chunk
         bag = ffi.bag_fwd(cores, plan, jnp.asarray(weights), jnp.asarray(offsets), chunk)

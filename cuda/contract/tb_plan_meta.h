@@ -5,11 +5,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define FLOWTT_HD __host__ __device__ __forceinline__
-#else
-#define FLOWTT_HD inline
-#endif
+#include "contract/host_device.h"
 
 namespace flowtt::tb {
 
@@ -147,5 +143,3 @@ struct TbKeyForm {
 };
 
 }  // namespace flowtt::tb
-
-#undef FLOWTT_HD

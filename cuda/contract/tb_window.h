@@ -9,11 +9,7 @@
 
 #include "contract/tb_plan_meta.h"  // TbClamp64
 
-#if defined(__CUDACC__)
-#define FLOWTT_HD __host__ __device__ __forceinline__
-#else
-#define FLOWTT_HD inline
-#endif
+#include "contract/host_device.h"
 
 namespace flowtt::tb {
 
@@ -75,5 +71,3 @@ FLOWTT_HD void TbWindowWrite(const TbWindowIn& in, const TbWindowHead& h, int64_
 }
 
 }  // namespace flowtt::tb
-
-#undef FLOWTT_HD
