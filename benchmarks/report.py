@@ -141,11 +141,66 @@ def cases_of(docs: list[dict], suite: str) -> list[dict]:
 def provenance(docs: list[dict]) -> str:
     lines = [
         f"- stage `{d['stage']}`: `{Path(d['_path']).name}`, device `{d['device']}`, {d['date']}, "
-        f"commit `{str(d['commit'])[:7]}`, jax {d['jax']}, timing `{d['timing_method']}`, "
+        f"commit `{str(d['commit'])[:7]}`, {_framework(d)}, timing `{d['timing_method']}`, "
         f"{d['status']}" + (f", time budget {d['time_budget_s']:.0f} s" if d.get("time_budget_s") else "")
         for d in docs
     ]
     return "\n".join(lines) + "\n"
+
+
+def _framework(d: dict) -> str:
+    """``jax <version>`` of our runs, ``torch <version>`` of a PyTorch peer's."""
+    if "jax" in d:
+        return f"jax {d['jax']}"
+    return f"torch {d.get('torch', '?')}"
+
+
+def bytes_per_id(rec: dict, nnz: int) -> float | None:
+    """A measured mode's step memory per id: ours, XLA's peak of the executable plus the
+    kernels' run-time scratch, less its arguments (parameters and inputs); a peer's, its
+    own ``bytes_per_id`` (its allocator's peak less its parameters)."""
+    if "bytes_per_id" in rec:
+        return rec["bytes_per_id"]
+    mem = rec.get("memory") or {}
+    if "peak_memory" not in mem or not nnz:
+        return None
+    return (mem["peak_memory"] + (rec.get("scratch_bytes") or 0) - mem.get("argument_size", 0)) / nnz
+
+
+#: The memory table's implementations, in order.
+MEMORY_IMPLS = ("ecorec", "ours_batched", "ours_batched_capacity")
+
+
+def memory_section(docs: list[dict]) -> None:
+    """The collections' step memory per id beside the time, every implementation measured
+    (EcoRec, the seed's baseline, where its peer ran: ``benchmarks/ecorec_peer.py``)."""
+    cases = sorted(
+        (c for c in cases_of(docs, "collection") if c["workload"]["batch"] >= 4096),
+        key=lambda c: (c["workload"]["batch"], c["workload"]["num_tables"]),
+    )
+    present = {n for c in cases for n in c["impls"]}
+    names = [n for n in MEMORY_IMPLS if n in present]
+    cases = [c for c in cases if any(n in c["impls"] for n in names)]
+    print(provenance(sorted({id(c["_doc"]): c["_doc"] for c in cases}.values(), key=lambda d: d["date"])))
+    print(
+        "Bytes per id (forward / forward + backward): ours, XLA's peak of the step's executable "
+        "plus the kernels' run-time scratch, less parameters and inputs; EcoRec, its allocator's "
+        "peak less its parameters (its int64 ids included). Time in ms (device busy time where "
+        "profiled).\n"
+    )
+    print("| tables | bags | ids | unique | " + " | ".join(f"{n} B/id | {n} ms" for n in names) + " |")
+    print("|---" * (4 + 2 * len(names)) + "|")
+    for c in cases:
+        s, cells = c["stats"], []
+        for n in names:
+            rec = c["impls"].get(n, {})
+            cells.append(pair(rec, lambda v, nnz=s.get("nnz", 0): bytes_per_id(v, nnz), nd=0))
+            cells.append(pair(rec, lambda v: (v.get("profile") or {}).get("busy_ms", v["ms"]), nd=2))
+        uniq = f"{100 * s['unique_fraction']:.1f}%" if "unique_fraction" in s else "-"
+        print(f"| {s['tables']} | {s['batch']} | {s.get('nnz', 0):,} | {uniq} | " + " | ".join(cells) + " |")
+    for line in notes(cases, names):
+        print(line)
+    print()
 
 
 def ms_pair(rec: dict) -> str:
@@ -397,6 +452,8 @@ def update_readme(readme: str, paths: list[str], plots_dir: str) -> None:
                 f"{readme} has no <!-- bench-collection:start --> ... <!-- bench-collection:end --> "
                 "block: the collection results are not shown there"
             )
+    if cases_of(docs, "collection") and "<!-- memory-collection:start -->" in open(readme).read():
+        replace_block(readme, "memory-collection", captured(memory_section, docs))
     if "<!-- scaling:start -->" in open(readme).read():
         replace_block(readme, "scaling", scaling_report.section(scaling_report.load_runs(), link_root))
     for name, where in plots.items():
