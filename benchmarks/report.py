@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
 import io
 import json
@@ -192,9 +193,10 @@ def memory_section(docs: list[dict]) -> None:
     print("|---" * (4 + 2 * len(names)) + "|")
     for c in cases:
         s, cells = c["stats"], []
+        nnz = s.get("nnz", 0)
         for n in names:
             rec = c["impls"].get(n, {})
-            cells.append(pair(rec, lambda v, nnz=s.get("nnz", 0): bytes_per_id(v, nnz), nd=0))
+            cells.append(pair(rec, functools.partial(bytes_per_id, nnz=nnz), nd=0))
             cells.append(pair(rec, lambda v: (v.get("profile") or {}).get("busy_ms", v["ms"]), nd=2))
         uniq = f"{100 * s['unique_fraction']:.1f}%" if "unique_fraction" in s else "-"
         print(f"| {s['tables']} | {s['batch']} | {s.get('nnz', 0):,} | {uniq} | " + " | ".join(cells) + " |")
