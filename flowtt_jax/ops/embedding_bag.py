@@ -170,6 +170,7 @@ def tt_embedding_bag_group(
     dtype: jnp.dtype | None = None,
     batch_major: bool = False,
     unique_capacity: int | None = None,
+    ids_per_pass: int | None = None,
 ) -> jax.Array:
     """Pooled bags of every feature of a shape group: ``[F, B, D]`` in ``dtype``, or
     ``[B, F, D]`` with ``batch_major`` (FBGEMM's layout: the pooling kernel writes it, so a
@@ -194,6 +195,9 @@ def tt_embedding_bag_group(
       unique_capacity: static; the unique (table, id) rows the kernels hold at a time (their
         rows and row gradients are ``[unique_capacity, D]``, not ``[n, D]``); a batch with
         more runs extra passes, exact, and is reported (``flowtt_jax.capacity``). None: n.
+      ids_per_pass: static; the kernels take the ids this many at a time, in order (one
+        plan, rows and gradients of that many at a time; the backward recomputes each
+        pass's): for batches whose per-id buffers do not fit at once. None: all at once.
     """
     packed = tuple(packed)
     shapes = tuple(tuple(c.shape) for c in packed)
@@ -238,5 +242,6 @@ def tt_embedding_bag_group(
         tables=tables,
         batch=batch if batch_major else 0,
         unique_capacity=unique_capacity,
+        ids_per_pass=ids_per_pass,
     )
     return out.reshape(out_shape).astype(out_dtype)

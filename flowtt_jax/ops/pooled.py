@@ -285,6 +285,7 @@ def pooled(
     tables: jax.Array | None = None,
     batch: int = 0,
     unique_capacity: int | None = None,
+    ids_per_pass: int | None = None,
 ) -> jax.Array:
     """Weighted bag sums ``[num_bags, D]`` in float32 (float64 cores stay float64) of
     prepared bags: ids [n] int32 in range of their table, valid CSR ``offsets
@@ -297,7 +298,8 @@ def pooled(
     ``choose_impl`` gives); ``batch`` (static): 0, row j is bag j; else ``batch`` divides
     num_bags, the bags are feature-major (``f*batch + b``) and the rows batch-major
     (``b*F + f``); ``unique_capacity`` (static): the unique rows the table-batched kernels
-    hold at a time (``flowtt_jax.capacity``; None: n).
+    hold at a time (``flowtt_jax.capacity``; None: n); ``ids_per_pass`` (static): the kernels
+    see at most this many ids at a time (``_in_passes``; None: all n).
     """
     c32 = tuple(c.astype(jnp.promote_types(c.dtype, jnp.float32)) for c in cores)
     num_bags = offsets.shape[0] - 1
@@ -314,7 +316,45 @@ def pooled(
     c32, weights = ffi.to_varying((c32, weights), axes)
     single = layout is None or takes_single_table_kernels(layout, c32)
     stages = SingleTable() if single else TableBatched(layout, unique_capacity)
+    args = (c32, weights.astype(jnp.float32), ids, tables, offsets, bag_ids)
     with ffi.explain_ad_errors():
+        if ids_per_pass is not None and ids_per_pass < ids.shape[0]:
+            return _in_passes(stages, weighted, batch, ids_per_pass, *args)
+        return _kernel_bags(stages, weighted, batch, *args)
+
+
+def _in_passes(stages, weighted, batch, size, cores, weights, ids, tables, offsets, bag_ids):
+    """``_kernel_bags`` over the ids ``size`` at a time: pass ``k`` (a ``lax.scan`` step, in
+    order) pools positions ``[k*size, (k+1)*size)`` onto the output (a bag cut by a pass's
+    end is summed over both passes). Its plan, rows and their gradients are sized by ``size``;
+    the backward recomputes each pass's (``jax.checkpoint``) and adds its core gradients in
+    reverse pass order, so the step holds one pass's buffers at a time beside the per-id
+    inputs. Bitwise reproducible; one pass's result within float rounding."""
+    n, num_bags = ids.shape[0], offsets.shape[0] - 1
+    passes = -(-n // size)
+
+    @jax.checkpoint
+    def one(cores, weights, ids, tables, offsets, bag_ids, k):
+        first = k * size
+        start = jnp.minimum(first, n - size)  # the last pass's slice ends at n (and overlaps)
+        mine = start + jnp.arange(size) >= first  # the overlap is the previous pass's
+        cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size)  # noqa: E731
+        local = jnp.clip(offsets, first, first + size) - start
         return _kernel_bags(
-            stages, weighted, batch, c32, weights.astype(jnp.float32), ids, tables, offsets, bag_ids
+            stages,
+            weighted,
+            batch,
+            cores,
+            jnp.where(mine, cut(weights), 0.0),
+            cut(ids),
+            None if tables is None else cut(tables),
+            local,
+            cut(bag_ids),
         )
+
+    def step(out, k):
+        return out + one(cores, weights, ids, tables, offsets, bag_ids, k), None
+
+    dim = math.prod(c.shape[2] for c in cores)
+    out0 = jnp.zeros((num_bags, dim), jnp.float32)
+    return jax.lax.scan(step, out0, jnp.arange(passes, dtype=jnp.int32))[0]
