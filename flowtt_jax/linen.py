@@ -145,6 +145,7 @@ class TTEmbeddingCollection(nn.Module):
     param_dtype: Any = jnp.float32
     oob: str = "zero"
     impl: str = "auto"
+    ids_per_pass: int | None = None
 
     @nn.compact
     def __call__(
@@ -156,7 +157,7 @@ class TTEmbeddingCollection(nn.Module):
     ) -> dict[str, jax.Array] | jax.Array:
         """A feature dict, a ``KeyedJagged``, or stacked ids (and ``weights``) as the nnx twin
         takes them; ``pooled=False`` for each id's row."""
-        layout = CollectionLayout(tuple(self.tables))
+        layout = CollectionLayout(tuple(self.tables), ids_per_pass=self.ids_per_pass)
         cache: dict[str, dict] = {}
 
         def init(key, name):

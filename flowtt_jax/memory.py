@@ -4,19 +4,21 @@ transform), the step's activations at their peak (named buffers) and the kernels
 run-time scratch.
 
 The activations follow the op's buffers (``docs/memory.md``). For a pack of tables (a TT
-shape group, a dense pack) read by ``n`` ids in ``b`` bags of dim ``D``, holding
-``C = min(capacity, n)`` unique rows at a time (``TableConfig.max_unique_ids``; none: ``n``):
+shape group, a dense pack) read by ``n`` ids in ``b`` bags of dim ``D``, the kernels taking
+``m = min(ids_per_pass, n)`` ids at a time and holding ``C = min(capacity, m)`` unique rows
+(``TableConfig.max_unique_ids``; none: ``m``):
 
-- kept from the forward for the backward: the plan (``28 n``; ``20 n`` for a one-table
-  group, whose plan has no per-group arrays), the pooling weights and bag ids (``8 n``);
-- forward only: the prepared ids, tables and live flags (``12 n``);
-- the pooled output ``4 b D`` (in the backward, its gradient in its place);
-- a pass's rows ``4 C D`` (forward) or their gradient (backward); a dense pack's gathered
-  rows ``4 n D``.
+- per-id inputs (prepared ids, tables, live flags, weights, bag ids): ``20 n``;
+- the plan of a pass: ``28 m`` (``20 m`` for a one-table group: no per-group arrays);
+- a pass's rows ``4 C D`` (or their gradient); a dense pack's gathered rows ``4 n D``;
+- the pooled output ``4 b D`` (its gradient in its place in the backward).
 
-The peak: every pack's arrays and outputs (XLA prepares every pack's inputs before the
-first pooling), plus the largest pack's rows or row gradients; a training step also holds
-the parameters' gradients.
+Inference peaks in the largest pack's forward (its plan and rows; in passes, its per-id
+inputs too) beside every output. A training step holds every pack's per-id inputs and plan
+into the backward, the largest pack's row gradients and the parameters' gradients. Checked
+against XLA's analysis of TT collections (``tests/test_memory.py``); a dense pack's buffers
+are counted coarsely (XLA interleaves the packs' buffers: with dense tables the estimate can
+be a third off).
 """
 
 from __future__ import annotations
@@ -86,10 +88,10 @@ class MemoryEstimate:
 
 @dataclasses.dataclass(frozen=True)
 class _PackBytes:
-    kept: int  # from the forward to the backward: plan, weights, bag ids
-    prepared: int  # forward only: the prepared ids, tables and live flags
+    kept: int  # what a training step holds into the backward: the per-id inputs and the plan
+    own: int  # the pack's forward at its peak: its plan (and per-id inputs in passes) and rows
     out: int  # the pooled output (its gradient in the backward)
-    rows: int  # a pass's rows (forward) or their gradient (backward)
+    rows: int  # a pass's rows, or their gradient
 
 
 def _pack_bytes(pack: TablePack, stats: BatchStats) -> _PackBytes:
@@ -99,13 +101,18 @@ def _pack_bytes(pack: TablePack, stats: BatchStats) -> _PackBytes:
     out = 4 * bags * dim
     if n == 0:
         return _PackBytes(0, 0, out, 0)
+    inputs = (2 * ID_BYTES + PREPARED_BYTES) * n  # prepared ids, tables, live; weights, bag ids
     if pack.kind == "dense":  # gathered rows [n, D] and their gradient
-        return _PackBytes(2 * ID_BYTES * n, PREPARED_BYTES * n, out, 4 * n * dim)
+        rows = 4 * n * dim
+        return _PackBytes(inputs, inputs + rows, out, rows)
+    per_pass = min(n, pack.ids_per_pass or n)  # the ids the kernels take at a time
     capacity = pack.unique_capacity
-    rows = 4 * min(n, capacity if capacity is not None else n) * dim
+    rows = 4 * min(per_pass, capacity if capacity is not None else per_pass) * dim
     one_table = pack.kind == "single" or len(pack.tables) == 1
-    plan = (SINGLE_PLAN_BYTES if one_table else PLAN_BYTES) * n
-    return _PackBytes(2 * ID_BYTES * n + plan, PREPARED_BYTES * n, out, rows)
+    plan = (SINGLE_PLAN_BYTES if one_table else PLAN_BYTES) * per_pass
+    if per_pass < n:  # passes: the per-id inputs live through the passes
+        return _PackBytes(inputs + plan, inputs + plan + rows, out, rows)
+    return _PackBytes(inputs + plan, plan + rows, out, rows)
 
 
 def _scratch(pack: TablePack, stats: BatchStats) -> int:
@@ -120,15 +127,17 @@ def estimate_memory(
     optimizer: Any = None,
     training: bool = True,
     param_dtype: Any = np.float32,
+    ids_per_pass: int | None = None,
 ) -> MemoryEstimate:
     """The step's memory for ``tables`` (as ``TTEmbeddingCollection`` packs them) on batches
     of ``stats``: a training step (forward and backward) or, ``training=False``, inference.
 
     ``optimizer``: an optax ``GradientTransformation`` whose state is sized on the
     parameters (``jax.eval_shape`` of its ``init``); None: no state. Features of ``stats``
-    no table reads raise ``KeyError``; features it lacks count as empty.
+    no table reads raise ``KeyError``; features it lacks count as empty. ``ids_per_pass``:
+    as ``TTEmbeddingCollection``'s.
     """
-    packs = pack_tables(tables)
+    packs = pack_tables(tables, ids_per_pass)
     known = {s.feature for p in packs for s in p.features}
     unknown = sorted(set(stats.ids) - known)
     if unknown:
@@ -143,12 +152,12 @@ def estimate_memory(
     sizes = [_pack_bytes(p, stats) for p in packs]
     if not sizes:
         return MemoryEstimate(parameters, state, {}, 0)
-    activations = {
-        "plans, pooling weights and bag ids": sum(s.kept for s in sizes),
-        "prepared ids, tables, live flags": sum(s.prepared for s in sizes),
-        "pooled outputs (their gradients in the backward)": sum(s.out for s in sizes),
-        "the largest pack's rows (or their gradients)": max(s.rows for s in sizes),
-    }
+    biggest = max(sizes, key=lambda s: s.own)
+    activations = {"pooled outputs (their gradients in the backward)": sum(s.out for s in sizes)}
     if training:
+        activations["per-id inputs and plans kept for the backward"] = sum(s.kept for s in sizes)
+        activations["the largest pack's row gradients"] = max(s.rows for s in sizes)
         activations["parameter gradients"] = parameters
+    else:
+        activations["the largest pack's forward (plan, rows)"] = biggest.own
     return MemoryEstimate(parameters, state, activations, max(_scratch(p, stats) for p in packs))

@@ -205,6 +205,8 @@ class TTEmbeddingCollection(nnx.Module):
     (one gather and segment sum). Parameters: ``self.params[name]`` (``nnx.Param``s named
     as ``CollectionLayout.param_names``); per table: ``cores(name)``, ``table(name)``,
     ``to_dense(name)``, ``load_table(name, ...)``, ``from_dense(name, dense)``.
+    ``ids_per_pass``: the TT kernels take each shape group's ids this many at a time (memory
+    bounded by a pass, not a batch: ``docs/memory.md``); None: all at once.
     """
 
     def __init__(
@@ -215,9 +217,10 @@ class TTEmbeddingCollection(nnx.Module):
         param_dtype: Any = jnp.float32,
         oob: str = "zero",
         impl: str = "auto",
+        ids_per_pass: int | None = None,
         rngs: nnx.Rngs,
     ):
-        self.layout = CollectionLayout(tuple(tables))
+        self.layout = CollectionLayout(tuple(tables), ids_per_pass=ids_per_pass)
         self.tables = self.layout.tables
         self.dtype = dtype
         self.param_dtype = param_dtype
@@ -316,7 +319,12 @@ class TTEmbeddingCollection(nnx.Module):
         parameter dtype) on batches of ``stats``."""
         dtype = next(iter(self._values().values())).dtype
         return estimate_memory(
-            self.layout.tables, stats, optimizer=optimizer, training=training, param_dtype=dtype
+            self.layout.tables,
+            stats,
+            optimizer=optimizer,
+            training=training,
+            param_dtype=dtype,
+            ids_per_pass=self.layout.ids_per_pass,
         )
 
     def _config(self, name: str) -> TableConfig:

@@ -51,15 +51,21 @@ class CollectionLayout:
     """Static packing of a collection's ``TableConfig``s (hashable)."""
 
     tables: tuple[TableConfig, ...]
+    ids_per_pass: int | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tables", check_tables(self.tables))
+        if self.ids_per_pass is not None and (
+            not isinstance(self.ids_per_pass, int) or self.ids_per_pass < 1
+        ):
+            raise ValueError(f"ids_per_pass must be an int >= 1 or None, got {self.ids_per_pass!r}")
         check_param_names(self.packs)
 
     @functools.cached_property
     def packs(self) -> tuple[TablePack, ...]:
-        """TT shape groups (in order of first table), then dense packs by dim, then singles."""
-        return pack_tables(self.tables)
+        """TT shape groups (in order of first table), then dense packs by dim, then singles;
+        the TT packs' kernels take their ids ``ids_per_pass`` at a time (None: all)."""
+        return pack_tables(self.tables, self.ids_per_pass)
 
     def param_names(self, p: int) -> tuple[str, ...]:
         """Parameter names of pack ``p``."""

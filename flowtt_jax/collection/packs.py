@@ -34,6 +34,7 @@ class TablePack:
     tables: tuple[TableConfig, ...]
     features: tuple[FeatureSlot, ...]
     layout: GroupLayout | None = None
+    ids_per_pass: int | None = None  # the kernels take its ids this many at a time (None: all)
 
     @property
     def unique_capacity(self) -> int | None:
@@ -68,8 +69,9 @@ def _group_key(cfg: TableConfig) -> tuple:
     return ("tt", spec.col_shape, spec.ranks)
 
 
-def pack_tables(tables: Sequence[TableConfig]) -> tuple[TablePack, ...]:
-    """TT shape groups (in order of first table), then dense packs by dim, then singles."""
+def pack_tables(tables: Sequence[TableConfig], ids_per_pass: int | None = None) -> tuple[TablePack, ...]:
+    """TT shape groups (in order of first table), then dense packs by dim, then singles;
+    ``ids_per_pass``: the TT packs' kernels take their ids this many at a time."""
     keys: dict[tuple, list[TableConfig]] = {}
     for cfg in tables:
         key = ("dense", cfg.features) if cfg.kind == "dense" else _group_key(cfg)
@@ -79,7 +81,8 @@ def pack_tables(tables: Sequence[TableConfig]) -> tuple[TablePack, ...]:
     for key, cfgs in sorted(keys.items(), key=lambda kv: order[kv[0][0]]):
         slots = tuple(FeatureSlot(f, t, cfg.mode) for t, cfg in enumerate(cfgs) for f in cfg.feature_keys)
         layout = GroupLayout(tuple(c.spec() for c in cfgs)) if key[0] == "tt" else None
-        packs.append(TablePack(key[0], tuple(cfgs), slots, layout))
+        per_pass = ids_per_pass if key[0] != "dense" else None
+        packs.append(TablePack(key[0], tuple(cfgs), slots, layout, per_pass))
     return tuple(packs)
 
 

@@ -264,6 +264,7 @@ def pool_packed(
         tables=None if single else tables,
         batch=batch,
         unique_capacity=pack.unique_capacity,
+        ids_per_pass=pack.ids_per_pass,
     )
 
 

@@ -148,12 +148,14 @@ class SingleTable:
     def rows_bwd(self, cores, d_rows, plan) -> tuple[jax.Array, ...]:
         return ffi.rows_bwd(cores, d_rows, plan)
 
-    def forward(self, cores, weights, ids, tables, offsets, batch: int) -> jax.Array:
-        """Without a gradient: the forward-only plan and one ``flowtt_bag_fwd``."""
+    def forward(self, cores, weights, ids, tables, offsets, batch: int, prev=None) -> jax.Array:
+        """Without a gradient: the forward-only plan and one ``flowtt_bag_fwd`` (added to
+        ``prev`` when given)."""
         dim = math.prod(c.shape[2] for c in cores)
         chunk_rows = bag_chunk_rows(dim, offsets.shape[0] - 1)
         plan = self.plan(cores, ids, tables, forward_only=True)
-        return to_batch_major(ffi.bag_fwd(cores, plan, weights, offsets, chunk_rows), batch)
+        out = to_batch_major(ffi.bag_fwd(cores, plan, weights, offsets, chunk_rows), batch)
+        return out if prev is None else prev + out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,15 +183,19 @@ class TableBatched:
     def rows_bwd(self, cores, d_rows, plan) -> tuple[jax.Array, ...]:
         return ffi.tb_rows_bwd(cores, d_rows, plan)
 
-    def forward(self, cores, weights, ids, tables, offsets, batch: int) -> jax.Array:
-        return _kernel_bags_fwd(self, False, batch, cores, weights, ids, tables, offsets, None)[0]
+    def forward(self, cores, weights, ids, tables, offsets, batch: int, prev=None) -> jax.Array:
+        return _kernel_bags_fwd(
+            self, False, batch, prev is not None, cores, weights, ids, tables, offsets, None, prev
+        )[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _kernel_bags(stages, weighted, batch, cores, weights, ids, tables, offsets, bag_ids):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _kernel_bags(stages, weighted, batch, onto, cores, weights, ids, tables, offsets, bag_ids, prev):
     """Bags ``[num_bags, D]`` float32 by the kernels of ``stages`` (``pooled``'s arguments,
-    float32 cores and weights). ``weighted`` (static): the weights' gradient is wanted."""
-    return stages.forward(cores, weights, ids, tables, offsets, batch)
+    float32 cores and weights). ``weighted`` (static): the weights' gradient is wanted;
+    ``onto`` (static): the bags are added onto ``prev`` [num_bags, D] (in place where the
+    pooling writes them), else ``prev`` is None."""
+    return stages.forward(cores, weights, ids, tables, offsets, batch, prev)
 
 
 def _windows(stages, n: int) -> tuple[int, range]:
@@ -198,18 +204,18 @@ def _windows(stages, n: int) -> tuple[int, range]:
     return size, range(0, n, size)
 
 
-def _kernel_bags_fwd(stages, weighted, batch, cores, weights, ids, tables, offsets, bag_ids):
+def _kernel_bags_fwd(stages, weighted, batch, onto, cores, weights, ids, tables, offsets, bag_ids, prev):
     plan = stages.plan(cores, ids, tables)
     size, starts = _windows(stages, ids.shape[0])
     if len(starts) == 1:
         rows = stages.rows_fwd(cores, plan)
-        out = ffi.pool_fwd(rows, plan.inverse, weights, offsets, batch)
+        out = ffi.pool_fwd(rows, plan.inverse, weights, offsets, batch, prev=prev)
         return out, (cores, weights, bag_ids, plan, ffi.rows_residual(rows, weighted))
     # capacity passes: the rows of uniques [lo, lo + size), pooled onto the output
     jax.debug.callback(
         functools.partial(report_overflow, capacity=size, what="the table-batched op"), plan.counts[0]
     )
-    out = None
+    out = prev
     for lo in starts:
         # after the previous pass's pooling (a trailing operand the kernels ignore): one
         # pass's [size, D] rows are dead before the next pass's are made (XLA would make
@@ -219,7 +225,7 @@ def _kernel_bags_fwd(stages, weighted, batch, cores, weights, ids, tables, offse
     return out, (cores, weights, bag_ids, plan, None)
 
 
-def _kernel_bags_bwd(stages, weighted, batch, res, dout):
+def _kernel_bags_bwd(stages, weighted, batch, onto, res, dout):
     cores, weights, bag_ids, plan, rows = res
     out_rows = batch_major_rows(bag_ids, dout.shape[0], batch)  # dout's row of each position's bag
     size, starts = _windows(stages, weights.shape[0])
@@ -237,7 +243,7 @@ def _kernel_bags_bwd(stages, weighted, batch, res, dout):
         d_weights = d_w if d_weights is None else d_weights + d_w
     if d_weights is None:
         d_weights = jnp.zeros_like(weights)
-    return d_cores, d_weights, None, None, None, None
+    return d_cores, d_weights, None, None, None, None, dout if onto else None
 
 
 _kernel_bags.defvjp(_kernel_bags_fwd, _kernel_bags_bwd)
@@ -320,7 +326,7 @@ def pooled(
     with ffi.explain_ad_errors():
         if ids_per_pass is not None and ids_per_pass < ids.shape[0]:
             return _in_passes(stages, weighted, batch, ids_per_pass, *args)
-        return _kernel_bags(stages, weighted, batch, *args)
+        return _kernel_bags(stages, weighted, batch, False, *args, None)
 
 
 def _in_passes(stages, weighted, batch, size, cores, weights, ids, tables, offsets, bag_ids):
@@ -334,26 +340,14 @@ def _in_passes(stages, weighted, batch, size, cores, weights, ids, tables, offse
     passes = -(-n // size)
 
     @jax.checkpoint
-    def one(cores, weights, ids, tables, offsets, bag_ids, k):
+    def step(out, k):  # pass k's bags added onto out (in place where the pooling writes them)
         first = k * size
         start = jnp.minimum(first, n - size)  # the last pass's slice ends at n (and overlaps)
         mine = start + jnp.arange(size) >= first  # the overlap is the previous pass's
         cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size)  # noqa: E731
         local = jnp.clip(offsets, first, first + size) - start
-        return _kernel_bags(
-            stages,
-            weighted,
-            batch,
-            cores,
-            jnp.where(mine, cut(weights), 0.0),
-            cut(ids),
-            None if tables is None else cut(tables),
-            local,
-            cut(bag_ids),
-        )
-
-    def step(out, k):
-        return out + one(cores, weights, ids, tables, offsets, bag_ids, k), None
+        args = (jnp.where(mine, cut(weights), 0.0), cut(ids), None if tables is None else cut(tables))
+        return _kernel_bags(stages, weighted, batch, True, cores, *args, local, cut(bag_ids), out), None
 
     dim = math.prod(c.shape[2] for c in cores)
     out0 = jnp.zeros((num_bags, dim), jnp.float32)
