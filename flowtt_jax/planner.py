@@ -362,12 +362,14 @@ def plan_tables(
         return estimate_memory([t.options[i].config for t, i in zip(plan, lv)], sizes, **kw)
 
     est = joint(level)
+    if est.total > budget:  # packs make bytes non-additive: look for a smaller plan nearby
+        level, est = _descend(plan, level, est, joint)
     if est.total > budget:
-        heavy = sorted(range(len(plan)), key=lambda t: -plan[t].options[0].bytes)[:3]
-        top = ", ".join(f"{configs[t].name} ({plan[t].options[0].bytes:,} B)" for t in heavy)
+        heavy = sorted(range(len(plan)), key=lambda t: -plan[t].options[level[t]].bytes)[:3]
+        top = ", ".join(f"{configs[t].name} ({plan[t].options[level[t]].bytes:,} B)" for t in heavy)
         raise ValueError(
-            f"plan_tables: no plan fits {budget:,} bytes: the smallest (every table TT at rank "
-            f"{min(ranks)} or dense where TT saves nothing) needs {est.total:,} bytes (parameters "
+            f"plan_tables: no plan fits {budget:,} bytes: the smallest found (TT at ranks from "
+            f"{min(ranks)}, dense where TT saves nothing) needs {est.total:,} bytes (parameters "
             f"{est.parameters:,}, optimizer state {est.optimizer_state:,}, activations "
             f"{est.activation_bytes:,}, scratch {est.scratch:,}); largest tables alone: {top}"
         )
@@ -403,6 +405,27 @@ def plan_tables(
     )
     notes = (machine,) if machine else ()
     return TablePlan(tuple(t.options[i].config for t, i in zip(plan, level)), choices, est, budget, notes)
+
+
+def _descend(
+    plan: Sequence[_Table], level: list[int], est: MemoryEstimate, joint: Any
+) -> tuple[list[int], MemoryEstimate]:
+    """The plan from ``level`` down the steepest single-table moves in ``joint``'s total,
+    to a plan no one move shrinks: a shape group's tables at distinct ranks form separate
+    packs, whose activations can total less than the group's."""
+    while True:
+        best = None
+        for t, table in enumerate(plan):
+            for i in range(len(table.options)):
+                if i != level[t]:
+                    trial = level.copy()
+                    trial[t] = i
+                    e = joint(trial)
+                    if e.total < (best[1].total if best else est.total):
+                        best = (trial, e)
+        if best is None:
+            return level, est
+        level, est = best
 
 
 def _choice(base: TableConfig, table: _Table, level: int, dense_below: int) -> TableChoice:
