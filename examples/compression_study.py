@@ -1,7 +1,7 @@
 """What a memory budget buys: the DLRM on synthetic Criteo-format data at several embedding
 budgets, three ways at each, scored on held-out data (AUC, log loss).
 
-    python examples/compression_study.py                  # CPU scale (about 10 minutes on 2 cores)
+    python examples/compression_study.py                  # CPU scale (about 13 minutes on 2 cores)
     python examples/compression_study.py --docs docs/planner.md   # also rewrite the docs' table
 
 At each budget (``--factors``: 10x, 100x, 1000x fewer bytes than the dense tables) the
@@ -9,8 +9,8 @@ embedding parameters get at most that many bytes, spent:
 
 - ``uniform``: one TT rank for every table, the largest that fits (``make_table_configs``;
   tables under ``DENSE_BELOW`` rows dense when that fits, else none);
-- ``planner``: ``flowtt_jax.plan_tables`` (ranks from ``DEFAULT_RANKS``, small tables dense
-  first, rank where the sample batches' traffic is; ``docs/planner.md``);
+- ``planner``: ``flowtt_jax.plan_tables`` (ranks ``--planner-ranks``: 2 and ``DEFAULT_RANKS``;
+  small tables dense first, rank where the sample batches' traffic is; ``docs/planner.md``);
 - ``hashed``: dense tables of at most ``m`` rows, ids hashed by ``id mod m`` (the hashing
   trick), ``m`` the largest that fits.
 
@@ -110,10 +110,12 @@ def make_data(args: argparse.Namespace) -> SynthCriteo:
 
 
 # ----------------------------------------------------------------------------- training
-def train_eval(tables: Sequence[TableConfig], data: SynthCriteo, args, rows: int | None = None) -> dict:
-    """Trains the DLRM over ``tables`` (ids ``mod rows`` when given) for ``--steps`` batches
-    of stream 0; AUC and log loss on ``--eval-batches`` batches of stream 1."""
-    model = DLRM(tables, dim=args.dim, bottom=args.bottom, top=args.top, rngs=nnx.Rngs(args.seed))
+def train_eval(
+    tables: Sequence[TableConfig], data: SynthCriteo, args, seed: int, rows: int | None = None
+) -> dict:
+    """Trains the DLRM over ``tables`` (ids ``mod rows`` when given; init ``seed``) for
+    ``--steps`` batches of stream 0; AUC and log loss on ``--eval-batches`` batches of stream 1."""
+    model = DLRM(tables, dim=args.dim, bottom=args.bottom, top=args.top, rngs=nnx.Rngs(seed))
     emb_bytes = embedding_bytes(model)
     opt = nnx.Optimizer(model, optax.adam(args.lr), wrt=nnx.Param)
     graphdef, state = nnx.split((model, opt))
@@ -195,53 +197,84 @@ def describe(tables: Sequence[TableConfig]) -> list[list]:
     return [[t.name, t.kind, t.rank if t.kind == "tt" else None, t.num_embeddings] for t in tables]
 
 
+def summarize(doc: dict) -> list[dict]:
+    """One row per (budget, method) in run order: the seeds' mean AUC and log loss and their
+    half range (``*_pm``), or the run's ``error``."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in doc["runs"]:
+        groups.setdefault((r["factor"], r["method"]), []).append(r)
+    rows = []
+    for runs in groups.values():
+        row = {k: runs[0][k] for k in ("factor", "method", "budget_bytes", "hashed_rows")}
+        if "error" in runs[0]:
+            rows.append({**row, "error": runs[0]["error"]})
+            continue
+        row.update(embedding_bytes=runs[0]["embedding_bytes"], tables=runs[0]["tables"], seeds=len(runs))
+        for key in ("auc", "logloss"):
+            v = np.array([r[key] for r in runs])
+            row[key], row[f"{key}_pm"] = float(v.mean()), float(np.ptp(v) / 2)
+        rows.append(row)
+    return rows
+
+
 def results_table(doc: dict) -> str:
-    """The runs as a Markdown table: per budget and method, embedding bytes, AUC, log loss."""
+    """The runs as a Markdown table: per budget and method, embedding bytes, AUC and log loss
+    (mean over the seeds +- half their range) and the tables."""
+    a = doc["args"]
     lines = [
-        f"{doc['device']}, {doc['date'][:10]}, commit `{doc['commit'][:8]}`; {doc['args']['steps']} steps x "
-        f"{doc['args']['batch_size']}, held-out {doc['args']['eval_batches'] * doc['args']['batch_size']:,} "
-        f"examples (Bayes AUC {doc['bayes_auc']:.4f}); dense tables {doc['dense_bytes'] / 2**20:,.0f} MiB.\n",
+        f"{doc['device']}, {doc['date'][:10]}, commit `{doc['commit'][:8]}`; {a['steps']} steps x "
+        f"{a['batch_size']}, seeds {a['seeds']}, held-out {a['eval_batches'] * a['batch_size']:,} examples "
+        f"(Bayes AUC {doc['bayes_auc']:.4f}); dense tables {doc['dense_bytes'] / 2**20:,.0f} MiB; "
+        f"{doc['elapsed_s'] / 60:.1f} min in all.\n",
         "| budget | method | embedding bytes | AUC | log loss | tables |",
         "|---|---|---|---|---|---|",
     ]
-    for r in doc["runs"]:
+    for r in summarize(doc):
+        budget = f"{r['factor']}x ({r['budget_bytes'] / 2**20:.2f} MiB)"
+        if "error" in r:
+            need = re.search(r"needs ([\d,]+) bytes", r["error"])
+            why = f"no plan: the smallest needs {need.group(1)} bytes" if need else r["error"]
+            lines.append(f"| {budget} | {r['method']} | - | - | - | {why} |")
+            continue
         kinds = [t[1] for t in r["tables"]]
-        ranks = sorted({t[2] for t in r["tables"] if t[1] == "tt"}, key=str)
+        ranks = sorted({str(t[2]) for t in r["tables"] if t[1] == "tt"}, key=lambda x: (len(x), x))
         what = (
             f"rows <= {r['hashed_rows']:,}"
             if r["method"] == "hashed"
-            else (f"{kinds.count('tt')} TT (rank {', '.join(map(str, ranks))}), {kinds.count('dense')} dense")
+            else f"{kinds.count('tt')} TT (rank {', '.join(ranks)}), {kinds.count('dense')} dense"
         )
         lines.append(
-            f"| {r['factor']}x ({r['budget_bytes'] / 2**20:.2f} MiB) | {r['method']} | "
-            f"{r['embedding_bytes'] / 2**20:.2f} MiB | {r['auc']:.4f} | {r['logloss']:.4f} | {what} |"
+            f"| {budget} | {r['method']} | {r['embedding_bytes'] / 2**20:.2f} MiB | {r['auc']:.4f} +- "
+            f"{r['auc_pm']:.4f} | {r['logloss']:.4f} +- {r['logloss_pm']:.4f} | {what} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def plot(doc: dict, path: Path) -> None:
-    """AUC and log loss against embedding bytes (log x), one line per method."""
+    """AUC and log loss against embedding bytes (log x), one line per method (the seeds'
+    mean, bars: their range)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in summarize(doc) if "error" not in r]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for method, marker in zip(METHODS, "os^"):
-        runs = sorted((r for r in doc["runs"] if r["method"] == method), key=lambda r: r["embedding_bytes"])
-        x = [r["embedding_bytes"] / 2**20 for r in runs]
-        axes[0].plot(x, [r["auc"] for r in runs], marker=marker, label=method)
-        axes[1].plot(x, [r["logloss"] for r in runs], marker=marker, label=method)
-    axes[0].axhline(doc["bayes_auc"], color="gray", ls=":", label="Bayes (teacher)")
+        mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["embedding_bytes"])
+        x = [r["embedding_bytes"] / 2**20 for r in mine]
+        for ax, key in zip(axes, ("auc", "logloss")):
+            y, pm = [r[key] for r in mine], [r[f"{key}_pm"] for r in mine]
+            ax.errorbar(x, y, yerr=pm, marker=marker, capsize=3, label=method)
     for ax, what in zip(axes, ("held-out AUC", "held-out log loss")):
         ax.set_xscale("log")
         ax.set_xlabel("embedding parameter bytes (MiB, log)")
         ax.set_ylabel(what)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend()
+    axes[0].legend(title=f"Bayes AUC {doc['bayes_auc']:.3f}")
     fig.suptitle(
-        f"DLRM, synthetic Criteo, budgets {', '.join(f'{f}x' for f in doc['args']['factors'])} below dense "
-        f"({doc['device']}, {doc['date'][:10]}, commit {doc['commit'][:8]})",
+        f"DLRM, synthetic Criteo, budgets {', '.join(f'{f}x' for f in doc['args']['factors'])} below dense, "
+        f"seeds {doc['args']['seeds']} ({doc['device']}, {doc['date'][:10]}, commit {doc['commit'][:8]})",
         fontsize=10,
     )
     fig.tight_layout()
@@ -272,13 +305,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument(
-        "--factors", type=int, nargs="+", default=[10, 100, 1000], help="budgets: dense bytes / factor"
+        "--factors", type=int, nargs="+", default=[10, 100, 1000, 10000], help="budgets: dense bytes / factor"
     )
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--sample-batches", type=int, default=4, help="batches the planner measures")
+    p.add_argument(
+        "--planner-ranks",
+        type=int,
+        nargs="+",
+        default=[2, *DEFAULT_RANKS],
+        help="the planner's ranks (rank 2 below the default's: the smallest budgets need it)",
+    )
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--bottom", type=int, nargs="*", default=[64])
@@ -287,7 +327,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--max-rows", type=int, default=0, help="cap rows by id mod cap (0: full Criteo cardinalities)"
     )
     p.add_argument("--zipf-range", type=float, nargs=2, default=[1.05, 1.5])
-    p.add_argument("--seed", type=int, default=0, help="model init seed")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="model init seeds (one run each)")
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--crossover-rows", type=int, nargs="*", default=[1000, 2000, 4096, 8192, 16384, 65536])
     p.add_argument("--out", type=Path, default=None, help="JSON (default: benchmarks/results/cpu/...)")
@@ -329,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         },
         "dense_bytes": dense_bytes,
         "bayes_auc": roc_auc(np.concatenate([b[0] for b in bayes]), np.concatenate([b[1] for b in bayes])),
-        "planner": {"ranks": list(DEFAULT_RANKS), "dense_below": DENSE_BELOW},
+        "planner": {"ranks": args.planner_ranks, "dense_below": DENSE_BELOW},
         "runs": [],
     }
     out = args.out or ROOT / f"benchmarks/results/cpu/compression_study_{dev.platform}_{now:%Y-%m-%d}.json"
@@ -337,34 +377,39 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for factor in args.factors:
         budget = dense_bytes // factor
         for method in args.methods:
-            rows = None
+            run = {"method": method, "factor": factor, "budget_bytes": budget, "hashed_rows": None}
+            tables = None
             if method == "uniform":
                 tables = uniform_tables(cards, args.dim, budget)
                 if tables is None:
-                    print(f"{factor}x uniform: not even rank 1 fits {budget:,} bytes")
-                    continue
+                    run["error"] = f"not even rank 1 fits {budget:,} bytes"
             elif method == "planner":
                 try:
-                    plan = ftt.plan_tables(cards, budget, dim=args.dim, traffic=traffic, training=False)
+                    plan = ftt.plan_tables(
+                        cards, budget, dim=args.dim, traffic=traffic, training=False, ranks=args.planner_ranks
+                    )
+                    print(plan)
+                    tables = list(plan.tables)
                 except ValueError as e:
-                    print(f"{factor}x planner: {e}")
-                    continue
-                print(plan)
-                tables = list(plan.tables)
+                    run["error"] = str(e)
             else:
-                rows = hashed_rows(cards, args.dim, budget)
-                tables = make_table_configs(
-                    {k: min(n, rows) for k, n in cards.items()}, args.dim, all_dense=True
+                run["hashed_rows"] = hashed_rows(cards, args.dim, budget)
+                capped = {k: min(n, run["hashed_rows"]) for k, n in cards.items()}
+                tables = make_table_configs(capped, args.dim, all_dense=True)
+            if tables is None:
+                print(f"{factor:>5}x {method:<8} {run['error']}")
+                doc["runs"].append(run)
+                continue
+            for seed in args.seeds:
+                result = {**run, "seed": seed, **train_eval(tables, data, args, seed, run["hashed_rows"])}
+                result["tables"] = describe(tables)
+                doc["runs"].append(result)
+                print(
+                    f"{factor:>5}x {method:<8} seed {seed} {result['embedding_bytes'] / 2**20:9.2f} MiB  "
+                    f"AUC {result['auc']:.4f}  log loss {result['logloss']:.4f}  "
+                    f"({result['train_seconds']:.0f} s)",
+                    flush=True,
                 )
-            run = {"method": method, "factor": factor, "budget_bytes": budget, "hashed_rows": rows}
-            run.update(train_eval(tables, data, args, rows))
-            run["tables"] = describe(tables)
-            doc["runs"].append(run)
-            print(
-                f"{factor:>5}x {method:<8} {run['embedding_bytes'] / 2**20:9.2f} MiB  AUC {run['auc']:.4f}  "
-                f"log loss {run['logloss']:.4f}  ({run['train_seconds']:.0f} s)",
-                flush=True,
-            )
     if args.crossover_rows:
         doc["crossover"] = measure_crossover(args.crossover_rows, (4, 16), args.batch_size)
     doc["elapsed_s"] = time.perf_counter() - t_start
