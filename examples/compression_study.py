@@ -24,7 +24,8 @@ against TT, by rows: the crossover behind ``DENSE_BELOW``.
 
 Writes the JSON (device, date, commit, arguments, per run: method, budget, embedding bytes,
 AUC, log loss, tables) to ``--out`` and a plot of AUC and log loss against embedding bytes
-to ``--plot``; ``results_table(doc)`` is the Markdown table ``--docs`` writes.
+to ``--plot``; ``results_table(doc)`` and ``crossover_table(doc)`` are the Markdown tables
+``--docs`` writes (``--from-json`` redoes the plot and tables from a run's JSON).
 """
 
 from __future__ import annotations
@@ -237,7 +238,8 @@ def results_table(doc: dict) -> str:
             lines.append(f"| {budget} | {r['method']} | - | - | - | {why} |")
             continue
         kinds = [t[1] for t in r["tables"]]
-        ranks = sorted({str(t[2]) for t in r["tables"] if t[1] == "tt"}, key=lambda x: (len(x), x))
+        ranks = {str(tuple(t[2]) if isinstance(t[2], list) else t[2]) for t in r["tables"] if t[1] == "tt"}
+        ranks = sorted(ranks, key=lambda x: (len(x), x))
         what = (
             f"rows <= {r['hashed_rows']:,}"
             if r["method"] == "hashed"
@@ -247,6 +249,22 @@ def results_table(doc: dict) -> str:
             f"| {budget} | {r['method']} | {r['embedding_bytes'] / 2**20:.2f} MiB | {r['auc']:.4f} +- "
             f"{r['auc_pm']:.4f} | {r['logloss']:.4f} +- {r['logloss_pm']:.4f} | {what} |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def crossover_table(doc: dict) -> str:
+    """The crossover runs as a Markdown table: a training step's time by rows, dense and TT."""
+    runs = doc["crossover"]
+    ranks = [k[2:-2] for k in runs[0] if k.startswith("tt")]
+    lines = [
+        f"One table, dim 16, {doc['args']['batch_size']} Zipf(1.2) ids, forward + backward + Adam; "
+        f"{doc['device']}, {doc['date'][:10]}, commit `{doc['commit'][:8]}`:\n",
+        "| rows | dense | " + " | ".join(f"TT rank {r}" for r in ranks) + " |",
+        "|---" * (2 + len(ranks)) + "|",
+    ]
+    for r in runs:
+        tt = " | ".join(f"{r[f'tt{k}_s'] * 1e3:.2f} ms" for k in ranks)
+        lines.append(f"| {r['rows']:,} | {r['dense_s'] * 1e3:.2f} ms | {tt} |")
     return "\n".join(lines) + "\n"
 
 
@@ -294,6 +312,12 @@ def replace_block(page: Path, name: str, body: str) -> None:
     )
 
 
+def _relative(path: Path) -> str:
+    """``path`` relative to the repository when inside it (the JSON names no checkout)."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def commit() -> str:
     run = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     return run.stdout.strip() or "unknown"
@@ -332,12 +356,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--crossover-rows", type=int, nargs="*", default=[1000, 2000, 4096, 8192, 16384, 65536])
     p.add_argument("--out", type=Path, default=None, help="JSON (default: benchmarks/results/cpu/...)")
     p.add_argument("--plot", type=Path, default=ROOT / "benchmarks/results/plots/compression_study.png")
-    p.add_argument("--docs", type=Path, default=None, help="rewrite this page's compression-study block")
+    p.add_argument(
+        "--docs",
+        type=Path,
+        default=None,
+        help="rewrite this page's compression-study and dense-crossover blocks",
+    )
+    p.add_argument(
+        "--from-json", type=Path, default=None, help="report this run's JSON (plot, tables), no training"
+    )
     return p.parse_args(argv)
+
+
+def report(doc: dict, plot_path: Path, docs: Path | None) -> None:
+    """The plot, the tables printed, and ``docs``' blocks rewritten, from a run's document."""
+    plot(doc, plot_path)
+    print(results_table(doc))
+    if "crossover" in doc:
+        print(crossover_table(doc))
+    if docs:
+        replace_block(docs, "compression-study", results_table(doc))
+        if "crossover" in doc:
+            replace_block(docs, "dense-crossover", crossover_table(doc))
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.from_json:
+        doc = json.loads(args.from_json.read_text())
+        report(doc, args.plot, args.docs)
+        return doc
     t_start = time.perf_counter()
     dev = jax.devices()[0]
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -361,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "date": now.isoformat(timespec="seconds"),
         "commit": commit(),
         "jax": jax.__version__,
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": {k: (_relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "data": {
             "cardinalities": list(data.cardinalities),
             "zipf_a": list(data.config.feature_zipf_a),
@@ -415,11 +463,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     doc["elapsed_s"] = time.perf_counter() - t_start
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
-    plot(doc, args.plot)
-    print(results_table(doc))
+    report(doc, args.plot, args.docs)
     print(f"wrote {out} and {args.plot} ({doc['elapsed_s']:.0f} s)")
-    if args.docs:
-        replace_block(args.docs, "compression-study", results_table(doc))
     return doc
 
 
