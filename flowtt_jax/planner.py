@@ -11,8 +11,10 @@ The rule:
    whose core shapes the kernels refuse are dropped, with a note) or dense. TT options
    that cost at least the dense table's bytes are dropped: a table whose dense bytes are
    at most TT's at the smallest rank is *tiny* and dense from the start.
-2. **Start.** Every table at its cheapest option. If that does not fit, ``ValueError``
-   with the bytes it needs and the tables that dominate.
+2. **Start.** Every table at its cheapest option; if that does not fit, the single-table
+   moves that shrink the collection's estimate most (packs make bytes non-additive) until
+   none does; if that does not fit either, ``ValueError`` with the bytes it needs and the
+   tables that dominate.
 3. **Small tables dense.** Tables of fewer than ``dense_below`` rows become dense first,
    smallest first, while the budget allows: below that size a TT table is slower than the
    dense one (measured: ``docs/planner.md``) and saves little.
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -62,10 +63,10 @@ _MAX_ZIPF = 8.0
 
 
 # ----------------------------------------------------------------------------- skew model
-def _tail_mass(lo: float, hi: float, a: float) -> float:
-    """``integral_lo^hi x^-a dx``."""
+def _tail_mass(lo, hi, a: float):
+    """``integral_lo^hi x^-a dx`` (floats or float64 arrays ``lo``, ``hi``)."""
     if abs(a - 1.0) < 1e-9:
-        return math.log(hi / lo)
+        return np.log(hi / lo)
     return (hi ** (1.0 - a) - lo ** (1.0 - a)) / (1.0 - a)
 
 
@@ -76,7 +77,7 @@ def _mass(num_rows: int, a: float, k: float) -> float:
     head = np.arange(1, min(int(k), _EXACT) + 1, dtype=np.float64)
     total = float(np.sum(head**-a))
     if k > _EXACT:
-        total += _tail_mass(_EXACT + 0.5, k + 0.5, a)
+        total += float(_tail_mass(_EXACT + 0.5, k + 0.5, a))
     elif k > int(k):  # a fractional row: linear within it
         total += (k - int(k)) * (int(k) + 1) ** -a
     return total
@@ -99,12 +100,8 @@ def _expected_unique(num_rows: int, ids: int, a: float) -> float:
     if num_rows > _EXACT:  # geometric bins of ranks, each at its mean probability
         edges = np.unique(np.round(np.geomspace(_EXACT + 0.5, num_rows + 0.5, 2000)))
         lo, hi = edges[:-1], edges[1:]
-        if a == 1.0:
-            mass = np.log(hi / lo)
-        else:
-            mass = (hi ** (1.0 - a) - lo ** (1.0 - a)) / (1.0 - a)
         count = hi - lo
-        p_bin = mass / norm / count
+        p_bin = _tail_mass(lo, hi, a) / norm / count
         total += float(np.sum(count * -np.expm1(ids * np.log1p(-p_bin))))
     return total
 
