@@ -40,6 +40,12 @@ How the data is made (all documented knobs are ``SynthConfig`` fields):
    model-visible id: ``id mod max_rows`` (the ids are already scattered, so this is a
    hash). The teacher still uses the raw id, so collisions cost accuracy, for every
    model alike.
+6. **Tables that differ.** Features differ in cardinality (the Criteo Kaggle ones) and,
+   optionally, in skew and signal: ``feature_zipf_a`` (one exponent per feature, in place
+   of ``zipf_a``) and ``feature_signal`` (one teacher weight per feature: ``e_f`` is
+   scaled by it in every term of the logit, so 0 makes a feature pure noise; weights of
+   root-mean-square 1 keep the logit's scale). Both default to None: the data are then
+   bit-for-bit those of the same config without them.
 """
 
 from __future__ import annotations
@@ -153,12 +159,21 @@ class SynthConfig:
     dense_scale: float = 1.0
     bias: float = -1.5
     seed: int = 0
+    feature_zipf_a: tuple[float, ...] | None = None
+    feature_signal: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not all(1 <= n <= MAX_CARDINALITY for n in self.cardinalities):
             raise ValueError(f"cardinalities must be in [1, 2**24], got {self.cardinalities}")
-        if self.zipf_a == 1.0:
+        exponents = (self.zipf_a,) if self.feature_zipf_a is None else self.feature_zipf_a
+        if 1.0 in exponents:
             raise ValueError("zipf_a must differ from 1 (the bounded Pareto's inverse CDF)")
+        for field in ("feature_zipf_a", "feature_signal"):
+            value = getattr(self, field)
+            if value is not None and len(value) != len(self.cardinalities):
+                raise ValueError(
+                    f"{field} needs one value per feature ({len(self.cardinalities)}), got {value}"
+                )
 
 
 class SynthCriteo:
@@ -219,7 +234,8 @@ class SynthCriteo:
         bits = self._bits(stream, index, b, 0, self.num_sparse)
         v = bits.astype(jnp.float32) * (1.0 / 2**32) + (1.0 / 2**33)  # (0, 1], fine near 0
         n = np.array(self.raw_cardinalities, np.float64)
-        e = 1.0 - self.config.zipf_a
+        a = self.config.zipf_a if self.config.feature_zipf_a is None else np.array(self.config.feature_zipf_a)
+        e = 1.0 - a
         hi = ((n + 1.0) ** e).astype(np.float32)
         x = (hi + v * (1.0 - hi)) ** np.float32(1.0 / e)  # continuous Pareto on [1, N+1)
         rank = jnp.clip(jnp.floor(x).astype(jnp.int32) - 1, 0, n.astype(np.int32) - 1)
@@ -237,6 +253,8 @@ class SynthCriteo:
         raw = self._raw_ids(stream, index, b)
         log_counts = self._log_counts(stream, index, b)
         e = self.teacher_embedding(raw)
+        if c.feature_signal is not None:
+            e = e * jnp.asarray(c.feature_signal, jnp.float32)[None, :, None]
         f, k = self.num_sparse, c.hidden_dim
         hp = jax.lax.Precision.HIGHEST  # the same logits on every backend (no TF32)
         first = jnp.einsum("bfk,fk->b", e, self._v, precision=hp) / math.sqrt(f * k)

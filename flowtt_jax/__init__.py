@@ -14,6 +14,7 @@ from flowtt_jax.kernels.group_plan import GroupLayout
 from flowtt_jax.kernels.plan import Plan, make_plan
 from flowtt_jax.memory import BatchStats, MemoryEstimate, estimate_memory
 from flowtt_jax.ops.embedding_bag import tt_embedding_bag, tt_embedding_bag_group, tt_lookup
+from flowtt_jax.planner import TablePlan, plan_tables
 from flowtt_jax.tt.cores import Cores, from_dense, init_cores, to_dense
 from flowtt_jax.tt.spec import TTSpec
 
@@ -26,6 +27,7 @@ __all__ = [
     "MemoryEstimate",
     "Plan",
     "TTSpec",
+    "TablePlan",
     "checked",
     "disabled_safety_checks",
     "estimate_memory",
@@ -33,6 +35,7 @@ __all__ = [
     "init_cores",
     "make_plan",
     "measure_unique_ids",
+    "plan_tables",
     "to_dense",
     "tt_embedding_bag",
     "tt_embedding_bag_group",

@@ -1,0 +1,453 @@
+"""Compression planning from a memory budget: which tables become TT, at which rank, and
+which stay dense (``docs/planner.md``).
+
+``plan_tables(tables, budget_bytes, ...)`` returns a ``TablePlan``: the ``TableConfig``s of
+a ``TTEmbeddingCollection`` whose step fits ``budget_bytes`` as ``estimate_memory`` counts
+it (parameters, optimizer state, activations and kernel scratch), and a report per table.
+
+The rule:
+
+1. **Options.** Each table may be TT at a rank of ``ranks`` (capped at full rank; ranks
+   whose core shapes the kernels refuse are dropped, with a note) or dense. TT options
+   that cost at least the dense table's bytes are dropped: a table whose dense bytes are
+   at most TT's at the smallest rank is *tiny* and dense from the start.
+2. **Start.** Every table at its cheapest option; if that does not fit, the single-table
+   moves that shrink the collection's estimate most (packs make bytes non-additive) until
+   none does; if that does not fit either, ``ValueError`` with the bytes it needs and the
+   tables that dominate.
+3. **Small tables dense.** Tables of fewer than ``dense_below`` rows become dense first,
+   smallest first, while the budget allows: below that size a TT table is slower than the
+   dense one (measured: ``docs/planner.md``) and saves little.
+4. **Rank where the traffic is.** Then, repeatedly, the move (a table to any higher
+   option) of the highest ``(gain in modelled hits) / (added bytes)`` that fits. A table's
+   modelled hits are ``ids per batch * coverage(k)``: the share of its lookups that go to
+   its ``k`` most popular rows under a bounded Zipf law fitted to the sample's ids and
+   unique ids (``fit_zipf``), ``k`` = the rows' worth of parameters the option stores
+   (``num_params / dim``; dense: every row).
+
+Deterministic: the same inputs give the same plan (ties go to the earlier table).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from flowtt_jax.collection.config import TableConfig
+from flowtt_jax.kernels import ffi
+from flowtt_jax.memory import BatchStats, MemoryEstimate, estimate_memory
+from flowtt_jax.ops.pooled import kernels_unsupported_reason
+from flowtt_jax.tt.spec import TTSpec
+
+__all__ = [
+    "DEFAULT_RANKS",
+    "DENSE_BELOW",
+    "TableChoice",
+    "TablePlan",
+    "fit_zipf",
+    "plan_tables",
+    "zipf_coverage",
+]
+
+DEFAULT_RANKS = (4, 8, 16, 32, 64)
+#: Rows under which a table is made dense first (rule 3): the measured rows where one
+#: table's training step (1024 ids, Adam) is as fast dense as TT at rank 4 on 2 CPU cores.
+DENSE_BELOW = 4096
+_EXACT = 4096  # Zipf ranks summed exactly; past them, geometric bins / the integral
+_MAX_ZIPF = 8.0
+
+
+# ----------------------------------------------------------------------------- skew model
+def _tail_mass(lo, hi, a: float):
+    """``integral_lo^hi x^-a dx`` (floats or float64 arrays ``lo``, ``hi``)."""
+    if abs(a - 1.0) < 1e-9:
+        return np.log(hi / lo)
+    return (hi ** (1.0 - a) - lo ** (1.0 - a)) / (1.0 - a)
+
+
+def _mass(num_rows: int, a: float, k: float) -> float:
+    """``sum_{i <= k} i^-a`` over ranks ``1..num_rows`` (exact up to ``_EXACT``, then the
+    integral from ``_EXACT + 0.5`` to ``k + 0.5``)."""
+    k = min(float(k), float(num_rows))
+    head = np.arange(1, min(int(k), _EXACT) + 1, dtype=np.float64)
+    total = float(np.sum(head**-a))
+    if k > _EXACT:
+        total += float(_tail_mass(_EXACT + 0.5, k + 0.5, a))
+    elif k > int(k):  # a fractional row: linear within it
+        total += (k - int(k)) * (int(k) + 1) ** -a
+    return total
+
+
+def zipf_coverage(num_rows: int, a: float, k: float) -> float:
+    """Share of lookups that hit the ``k`` most popular of ``num_rows`` rows when ids follow
+    a bounded Zipf law of exponent ``a`` (``p_i ~ i^-a``, ``i = 1..num_rows``); in [0, 1]."""
+    if k >= num_rows:
+        return 1.0
+    return _mass(num_rows, a, k) / _mass(num_rows, a, num_rows)
+
+
+def _expected_unique(num_rows: int, ids: int, a: float) -> float:
+    """Expected unique rows among ``ids`` draws from the bounded Zipf law."""
+    norm = _mass(num_rows, a, num_rows)
+    head = np.arange(1, min(num_rows, _EXACT) + 1, dtype=np.float64)
+    p = head**-a / norm
+    total = float(np.sum(-np.expm1(ids * np.log1p(-np.minimum(p, 1.0 - 1e-16)))))
+    if num_rows > _EXACT:  # geometric bins of ranks, each at its mean probability
+        edges = np.unique(np.round(np.geomspace(_EXACT + 0.5, num_rows + 0.5, 2000)))
+        lo, hi = edges[:-1], edges[1:]
+        count = hi - lo
+        p_bin = _tail_mass(lo, hi, a) / norm / count
+        total += float(np.sum(count * -np.expm1(ids * np.log1p(-p_bin))))
+    return total
+
+
+@functools.lru_cache(maxsize=4096)
+def fit_zipf(num_rows: int, ids: int, unique: int) -> float:
+    """The exponent ``a`` in [0, 8] of the bounded Zipf law over ``num_rows`` rows under which
+    ``ids`` draws give ``unique`` expected unique rows (bisection: more skew, fewer uniques).
+    0 (uniform) when ``unique`` reaches the uniform law's expectation."""
+    if ids <= 0 or unique <= 0:
+        raise ValueError(f"fit_zipf needs ids >= 1 and unique >= 1, got ids={ids}, unique={unique}")
+    if unique >= _expected_unique(num_rows, ids, 0.0):
+        return 0.0
+    lo, hi = 0.0, _MAX_ZIPF
+    if unique <= _expected_unique(num_rows, ids, hi):
+        return hi
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        if _expected_unique(num_rows, ids, mid) > unique:
+            lo = mid
+        else:
+            hi = mid
+    return round(0.5 * (lo + hi), 6)
+
+
+# ----------------------------------------------------------------------------- the plan
+@dataclasses.dataclass(frozen=True)
+class TableChoice:
+    """One table of a plan. Bytes are the table's alone (``estimate_memory`` of it by itself
+    on its features' ids): ``activation_bytes`` includes its parameters' gradient when
+    training and its kernel scratch. ``zipf_a``: the fitted skew (None: no sample);
+    ``coverage``: the modelled share of its lookups its bytes hold; ``note``: why its kind."""
+
+    name: str
+    kind: str
+    rank: int | tuple[int, ...] | None
+    row_shape: tuple[int, ...] | None
+    num_embeddings: int
+    ids_per_batch: int
+    zipf_a: float | None
+    parameter_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    coverage: float
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TablePlan:
+    """A compression plan: ``tables`` (``TableConfig``s for ``TTEmbeddingCollection``, in
+    the input's order), ``choices`` (one report row per table), ``estimate`` (the whole
+    collection's ``MemoryEstimate``, at most ``budget``) and plan-wide ``notes``."""
+
+    tables: tuple[TableConfig, ...]
+    choices: tuple[TableChoice, ...]
+    estimate: MemoryEstimate
+    budget: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return self.estimate.total
+
+    @property
+    def parameter_bytes(self) -> int:
+        return self.estimate.parameters
+
+    def __str__(self) -> str:
+        head = ("table", "kind", "rank", "row shape", "rows", "ids", "zipf", "params", "opt", "act", "cover")
+        body = [
+            (
+                c.name,
+                c.kind,
+                "-" if c.rank is None else str(c.rank),
+                "-" if c.row_shape is None else "x".join(map(str, c.row_shape)),
+                f"{c.num_embeddings:,}",
+                f"{c.ids_per_batch:,}",
+                "-" if c.zipf_a is None else f"{c.zipf_a:.2f}",
+                _fmt(c.parameter_bytes),
+                _fmt(c.optimizer_bytes),
+                _fmt(c.activation_bytes),
+                f"{c.coverage:.3f}",
+            )
+            for c in self.choices
+        ]
+        widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+
+        def line(row: Sequence[str], note: str = "") -> str:
+            cells = (x.ljust(w) if i < 4 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths)))
+            return ("  ".join(cells) + "  " + note).rstrip()
+
+        e = self.estimate
+        return "\n".join(
+            [line(head, "note"), *(line(r, c.note) for r, c in zip(body, self.choices))]
+            + [
+                f"collection: parameters {_fmt(e.parameters)}, optimizer state {_fmt(e.optimizer_state)}, "
+                f"activations {_fmt(e.activation_bytes)}, scratch {_fmt(e.scratch)}; total {_fmt(e.total)} "
+                f"of {_fmt(self.budget)} ({e.total / self.budget:.0%})"
+            ]
+            + [f"note: {n}" for n in self.notes]
+        )
+
+
+def _fmt(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    config: TableConfig
+    estimate: MemoryEstimate  # the table alone
+    held: float  # rows' worth of parameters (dense: every row)
+
+    @property
+    def bytes(self) -> int:
+        return self.estimate.total
+
+
+@dataclasses.dataclass(frozen=True)
+class _Table:
+    options: tuple[_Option, ...]  # ascending bytes; the last is dense
+    hits: tuple[float, ...]  # each option's modelled hits per batch
+    ids: int  # ids per batch over its features (0: none in the sample)
+    zipf_a: float | None
+    notes: tuple[str, ...]
+
+
+def _as_configs(tables: Mapping[str, int] | Sequence[int] | Sequence[TableConfig], dim: int | None):
+    if isinstance(tables, Mapping) or not all(isinstance(t, TableConfig) for t in tables):
+        if dim is None:
+            raise TypeError("plan_tables: pass dim= with cardinalities (TableConfigs carry their own)")
+        items = (
+            tables.items() if isinstance(tables, Mapping) else ((f"t{i}", n) for i, n in enumerate(tables))
+        )
+        return [TableConfig(name, n, dim) for name, n in items]
+    wrong = [t.name for t in tables if dim is not None and t.features != dim]
+    if wrong:
+        raise ValueError(f"plan_tables: dim={dim} but tables {wrong} have another dim")
+    return list(tables)
+
+
+def _machine_reason() -> str | None:
+    """Why no TT table runs the kernels here whatever its shape (then shapes are not
+    checked, and the plan says so), or None."""
+    if not ffi.available():
+        return "the compiled kernels are not built: every TT table runs the pure-JAX reference"
+    arch = ffi.cuda_arch_reason()
+    return f"{arch}: every TT table runs the pure-JAX reference here" if arch else None
+
+
+def _kernel_reason(spec: TTSpec, check: bool) -> str | None:
+    """Why the kernels of this machine (and the CUDA ones, where built) refuse ``spec``."""
+    if not check:
+        return None
+    shapes = [jax.ShapeDtypeStruct(s, np.float32) for s in spec.core_shapes]
+    reason = kernels_unsupported_reason(shapes)
+    if reason is None and spec.num_cores == 3:
+        reason = ffi.cuda_unsupported_reason(spec.core_shapes) or ffi.cuda_unsupported_reason(
+            spec.core_shapes, True
+        )
+    return reason
+
+
+def _table_options(
+    base: TableConfig,
+    ranks: Sequence[int],
+    stats: BatchStats,
+    traffic: BatchStats | None,
+    kw: dict,
+    check: bool,
+) -> _Table:
+    feats = base.feature_keys
+    alone = BatchStats(
+        stats.batch_size,
+        {f: stats.ids[f] for f in feats if f in stats.ids},
+        {base.name: stats.unique[base.name]} if base.name in stats.unique else {},
+    )
+    dense_cfg = dataclasses.replace(base, kind="dense")
+    dense = _Option(dense_cfg, estimate_memory([dense_cfg], alone, **kw), float(base.num_embeddings))
+    options, seen, notes = [], set(), []
+    for r in sorted(set(ranks)):
+        spec = dataclasses.replace(base, kind="tt", rank=r).spec()
+        inner = spec.ranks[1:-1]
+        if inner in seen:
+            continue
+        seen.add(inner)
+        reason = _kernel_reason(spec, check)
+        if reason is not None:
+            notes.append(f"rank {r} dropped: {reason}")
+            continue
+        cfg = dataclasses.replace(base, kind="tt", rank=inner[0] if len(set(inner)) == 1 else inner)
+        opt = _Option(cfg, estimate_memory([cfg], alone, **kw), spec.num_params / base.features)
+        if opt.bytes < dense.bytes:
+            options.append(opt)
+    options.append(dense)
+    ids = unique = 0
+    if traffic is not None:
+        ids = sum(traffic.ids.get(f, 0) for f in feats)
+        unique = min(traffic.unique.get(base.name, 0), ids)
+    zipf_a = fit_zipf(base.num_embeddings, ids, unique) if ids and unique else None
+    weight = 1 if traffic is None else ids  # no sample: every table read once a batch
+    hits = tuple(weight * zipf_coverage(base.num_embeddings, zipf_a or 0.0, o.held) for o in options)
+    return _Table(tuple(options), hits, ids, zipf_a, tuple(notes))
+
+
+def plan_tables(
+    tables: Mapping[str, int] | Sequence[int] | Sequence[TableConfig],
+    budget_bytes: int,
+    *,
+    dim: int | None = None,
+    stats: BatchStats | None = None,
+    traffic: BatchStats | None = None,
+    optimizer: Any = None,
+    training: bool = True,
+    ranks: Sequence[int] = DEFAULT_RANKS,
+    dense_below: int = DENSE_BELOW,
+) -> TablePlan:
+    """Which tables become TT and at which rank, the rest dense, so that the collection's
+    step fits ``budget_bytes`` (the rule: this module's docstring, ``docs/planner.md``).
+
+    Args:
+      tables: ``{name: rows}``, a list of rows (names ``t0, t1, ...``; both need ``dim``) or
+        ``TableConfig``s (their names, dims, features, modes and capacities are kept; kind and
+        rank are planned).
+      budget_bytes: what ``estimate_memory`` of the plan may total.
+      stats: ``BatchStats`` of sample batches (``BatchStats.measure``): sizes the activations
+        and scratch; None: they are not counted (a budget of parameters and optimizer state).
+      traffic: the ``BatchStats`` rank is allocated by (ids and unique ids per table);
+        default ``stats``. Without either, every table counts as read uniformly, once a batch.
+      optimizer: an optax transform whose state counts (None: no state).
+      training: count the step's parameter gradients (and the backward's buffers).
+      ranks: TT ranks to choose from (each capped at a table's full rank).
+      dense_below: tables with fewer rows are made dense first while the budget allows.
+
+    Raises ``ValueError`` when even the cheapest plan exceeds the budget, with its bytes and
+    the tables that dominate them.
+    """
+    configs = _as_configs(tables, dim)
+    if not configs:
+        raise ValueError("plan_tables: no tables")
+    if int(budget_bytes) < 1 or not ranks or min(ranks) < 1:
+        raise ValueError(f"plan_tables: need budget_bytes >= 1 and ranks >= 1, got {budget_bytes}, {ranks}")
+    budget = int(budget_bytes)
+    kw = {"optimizer": optimizer, "training": training}
+    sizes = stats if stats is not None else BatchStats(0, {})
+    machine = _machine_reason()
+    traffic = traffic if traffic is not None else stats
+    plan = [_table_options(c, ranks, sizes, traffic, kw, machine is None) for c in configs]
+    level = [0] * len(plan)
+
+    def joint(lv: Sequence[int]) -> MemoryEstimate:
+        return estimate_memory([t.options[i].config for t, i in zip(plan, lv)], sizes, **kw)
+
+    est = joint(level)
+    if est.total > budget:  # packs make bytes non-additive: look for a smaller plan nearby
+        level, est = _descend(plan, level, est, joint)
+    if est.total > budget:
+        heavy = sorted(range(len(plan)), key=lambda t: -plan[t].options[level[t]].bytes)[:3]
+        top = ", ".join(f"{configs[t].name} ({plan[t].options[level[t]].bytes:,} B)" for t in heavy)
+        raise ValueError(
+            f"plan_tables: no plan fits {budget:,} bytes: the smallest found (TT at ranks from "
+            f"{min(ranks)}, dense where TT saves nothing) needs {est.total:,} bytes (parameters "
+            f"{est.parameters:,}, optimizer state {est.optimizer_state:,}, activations "
+            f"{est.activation_bytes:,}, scratch {est.scratch:,}); largest tables alone: {top}"
+        )
+    refused: set[tuple[int, int]] = set()
+    while True:
+        moves = []
+        for t, table in enumerate(plan):
+            now = table.options[level[t]]
+            small = configs[t].num_embeddings < dense_below
+            for i in range(level[t] + 1, len(table.options)):
+                if (t, i) in refused:
+                    continue
+                cost = max(table.options[i].bytes - now.bytes, 1)
+                if small and i == len(table.options) - 1:  # rule 3: dense first, cheapest first
+                    moves.append((0, cost, 0.0, t, i))
+                    continue
+                gain = table.hits[i] - table.hits[level[t]]
+                if gain > 0:
+                    moves.append((1, -gain / cost, cost, t, i))
+        if not moves:
+            break
+        *_, t, i = min(moves)
+        trial = level.copy()
+        trial[t] = i
+        trial_est = joint(trial)
+        if trial_est.total <= budget:
+            level, est = trial, trial_est
+            refused = {(u, j) for u, j in refused if u != t}
+        else:
+            refused.add((t, i))
+    choices = tuple(
+        _choice(c, table, level[t], dense_below) for t, (c, table) in enumerate(zip(configs, plan))
+    )
+    notes = (machine,) if machine else ()
+    return TablePlan(tuple(t.options[i].config for t, i in zip(plan, level)), choices, est, budget, notes)
+
+
+def _descend(
+    plan: Sequence[_Table], level: list[int], est: MemoryEstimate, joint: Any
+) -> tuple[list[int], MemoryEstimate]:
+    """The plan from ``level`` down the steepest single-table moves in ``joint``'s total,
+    to a plan no one move shrinks: a shape group's tables at distinct ranks form separate
+    packs, whose activations can total less than the group's."""
+    while True:
+        best = None
+        for t, table in enumerate(plan):
+            for i in range(len(table.options)):
+                if i != level[t]:
+                    trial = level.copy()
+                    trial[t] = i
+                    e = joint(trial)
+                    if e.total < (best[1].total if best else est.total):
+                        best = (trial, e)
+        if best is None:
+            return level, est
+        level, est = best
+
+
+def _choice(base: TableConfig, table: _Table, level: int, dense_below: int) -> TableChoice:
+    opt = table.options[level]
+    cfg, e = opt.config, opt.estimate
+    notes = list(table.notes)
+    if cfg.kind == "dense":
+        if len(table.options) == 1:
+            notes.append("tiny: TT saves no bytes")
+        elif base.num_embeddings < dense_below:
+            notes.append(f"small: < dense_below={dense_below:,} rows")
+    elif base.num_embeddings < dense_below:
+        notes.append("small, but dense did not fit the budget")
+    spec = cfg.spec() if cfg.kind == "tt" else None
+    return TableChoice(
+        base.name,
+        cfg.kind,
+        cfg.rank if spec else None,
+        spec.row_shape if spec else None,
+        base.num_embeddings,
+        table.ids,
+        table.zipf_a,
+        e.parameters,
+        e.optimizer_state,
+        e.activation_bytes + e.scratch,
+        zipf_coverage(base.num_embeddings, table.zipf_a or 0.0, opt.held),
+        "; ".join(notes),
+    )
