@@ -142,7 +142,7 @@ class SingleTable:
         num_rows = math.prod(c.shape[0] for c in cores)
         return ffi.plan(ids, cores[-1].shape[0], num_rows, forward_only)
 
-    def rows_fwd(self, cores, plan, after=None) -> jax.Array:
+    def rows_fwd(self, cores, plan) -> jax.Array:
         return ffi.rows_fwd(cores, plan)
 
     def rows_bwd(self, cores, d_rows, plan) -> tuple[jax.Array, ...]:
@@ -231,10 +231,11 @@ def _kernel_bags_bwd(stages, weighted, batch, onto, res, dout):
     size, starts = _windows(stages, weights.shape[0])
     d_cores = d_weights = None
     for lo in starts:  # one pass, or the capacity's: gradients summed in pass order
-        after = dout if d_cores is None else d_cores  # not the forward's window, nor before
-        sub = plan if len(starts) == 1 else stages.window(plan, lo, size, after=after)
-        if len(starts) > 1 and weighted:  # the weights' gradient reads the pass's rows again
-            rows = stages.rows_fwd(cores, sub, after=d_cores)
+        sub = plan
+        if len(starts) > 1:  # the window made here, after the previous pass (not the forward's)
+            sub = stages.window(plan, lo, size, after=dout if d_cores is None else d_cores)
+            if weighted:  # the weights' gradient reads the pass's rows again
+                rows = stages.rows_fwd(cores, sub, after=d_cores)
         d_rows, d_w = ffi.pool_bwd(
             dout, rows, weights, out_rows, plan, with_d_weights=weighted, lo=lo, m=size, after=d_cores
         )
