@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check on the device machine (one `run` call per stage):
 #   scripts/gpu_check.sh test   build + GPU tests (pytest -m gpu) + compute-sanitizer + CUDA harness
-#   scripts/gpu_check.sh full   as test, but the whole tests/ on the GPU backend (the gpu tests
+#   scripts/gpu_check.sh full   as test (SKIP_SANITIZER=1: tests only; PYTEST_LIMIT s, 450), but the whole tests/ on the GPU backend (the gpu tests
 #                               included); FULL_TESTS="tests/a.py tests/b.py ..." for a part. With
 #                               pytest-xdist installed the tests run in WORKERS (8) processes
 #                               (~3 minutes on an H200); without it, in one process, the whole
@@ -38,17 +38,26 @@ run_tests() {
   # pytest-xdist, where installed, spreads the tests over WORKERS processes sharing the GPU
   # (compiles are CPU-bound; no preallocation, so they fit)
   local par=()
-  $PY -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-8}")
+  $PY -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-14}")
   if [[ $STAGE == full ]]; then
     echo "== pytest: the whole tests/ on the GPU backend (the -m gpu tests included)" | tee "$OUT/pytest.log"
+    # -v streams each result as it lands ("[gwN] ... FAILED name"), so a call cut short still
+    # names every failure so far; SIGINT at PYTEST_LIMIT (s) lets pytest print its short
+    # summary; the failures are listed from the log either way
     # shellcheck disable=SC2086  # FULL_TESTS is a list of paths
-    JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -p no:cacheprovider --slow "${par[@]}" -rfE \
-      ${FULL_TESTS:-tests} 2>&1 | tee -a "$OUT/pytest.log" | tail -12
+    JAX_DEFAULT_MATMUL_PRECISION=highest timeout -s INT -k 20 "${PYTEST_LIMIT:-450}" \
+      $PY -m pytest -v -p no:cacheprovider --slow "${par[@]}" -rfE --tb=short \
+      ${FULL_TESTS:-tests} >>"$OUT/pytest.log" 2>&1
+    local rc=$?
+    grep -E "^(FAILED|ERROR) |\] (FAILED|ERROR) " "$OUT/pytest.log" | sort -u | head -60
+    grep -E "^=+ .*(passed|failed|error).* =+$" "$OUT/pytest.log" | tail -1
+    [[ $rc == 0 ]] || { echo "pytest rc $rc"; status=1; }
   else
     echo "== pytest -m gpu: the CUDA tests (CUDA path and CUDA plan against the references)"
     $PY -m pytest -q -p no:cacheprovider --slow "${par[@]}" -m gpu tests 2>&1 | tee "$OUT/pytest.log" | tail -5
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   fi
-  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+  [[ ${SKIP_SANITIZER:-0} == 1 ]] && return
   HARNESS=$(scripts/build_harness.sh "$BUILD_ROOT/harness") || status=1
   echo "== compute-sanitizer (memcheck, racecheck, initcheck, synccheck) on a small forward+backward" | tee "$OUT/sanitizer.log"
   # initcheck and synccheck: the kernels' own reads and barriers, not XLA's copies of whole
@@ -104,7 +113,7 @@ run_bench() {
 
 # Order: correctness first, then timings (a call cut short keeps what it wrote).
 case $STAGE in
-  test|full) run_tests; run_harness ;;
+  test|full) run_tests; [[ ${SKIP_SANITIZER:-0} == 1 ]] || run_harness ;;
   bench) run_bench ;;
   sanitize) run_sanitize ;;
   all) run_tests; run_bench; run_harness ;;
