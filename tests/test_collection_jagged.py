@@ -379,7 +379,13 @@ def test_oob_error_under_jit_through_checked():
         f: {"ids": jnp.clip(x["ids"], 0, _rows(col)[f] - 1), "offsets": x["offsets"]}
         for f, x in feats.items()
     }
-    np.testing.assert_array_equal(np.asarray(_stack(col, step(col, ok))), np.asarray(_stack(col, col(ok))))
+    # Not bit for bit: the checked call is another XLA program than the eager one (checkify's
+    # ops beside it, other fusions), and on the GPU XLA may contract the modes' scaling into
+    # a multiply-add in one and not the other: 2.5e-7 apart measured on an H200 (6 of 168
+    # elements). The kernels themselves are bitwise reproducible (test_golden).
+    np.testing.assert_allclose(
+        np.asarray(_stack(col, step(col, ok))), np.asarray(_stack(col, col(ok))), rtol=2e-6, atol=1e-6
+    )
     bad = dict(ok, c={"ids": ok["c"]["ids"].at[0].set(77), "offsets": ok["c"]["offsets"]})
     with pytest.raises(ValueError, match="found 77 in table #2 \\(of 77 rows\\).*#2 'c'"):
         step(col, bad)

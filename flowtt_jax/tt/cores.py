@@ -63,7 +63,7 @@ def to_dense(cores: Sequence[jax.Array], num_embeddings: int | None = None) -> j
     acc = cores[0][:, 0]  # [p1, q1, r1]
     for core in cores[1:]:
         # acc [P, Q, r] x core [p, r, q, s] -> [P, p, Q, q, s]
-        acc = jnp.einsum("aqr,brcs->abqcs", acc, core.astype(acc.dtype))
+        acc = jnp.einsum("aqr,brcs->abqcs", acc, core.astype(acc.dtype), precision=jax.lax.Precision.HIGHEST)
         pa, pb, qa, qb, s = acc.shape
         acc = acc.reshape(pa * pb, qa * qb, s)
     return acc[: spec.num_embeddings, :, 0]
