@@ -6,7 +6,7 @@ load on first access, so the core ops need no Flax.
 
 import importlib
 
-from flowtt_jax.capacity import CapacityOverflowWarning, measure_unique_ids
+from flowtt_jax.capacity import measure_unique_ids
 from flowtt_jax.checks import checked
 from flowtt_jax.inputs.jagged import KeyedJagged
 from flowtt_jax.kernels.ffi import disabled_safety_checks
@@ -20,7 +20,6 @@ from flowtt_jax.tt.spec import TTSpec
 
 __all__ = [
     "BatchStats",
-    "CapacityOverflowWarning",
     "Cores",
     "GroupLayout",
     "KeyedJagged",

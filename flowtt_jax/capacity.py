@@ -8,9 +8,10 @@ and pools the uniques ``[k*C, (k+1)*C)`` and, in the backward, their core gradie
 are summed over the passes in pass order (deterministic; equal to one pass within float
 rounding). There are ``ceil(n / C)`` passes, each past the first costing a few launches that
 return at once while ``U <= C``; a batch with more uniques than ``C`` (an *overflow*) runs
-the extra passes: outputs and gradients stay exact, and the overflow is reported
-(``CapacityOverflowWarning`` once per process and capacity, ``overflow_count()``), never
-truncated.
+the extra passes: outputs and gradients stay exact, never truncated, and the overflow is
+counted on the device (no host round trip in the step): per shape group in the
+collections' ``overflow_counts`` (``TTEmbeddingCollection.overflows()``; linen's ``"stats"``
+collection), by the op with ``return_overflow=True``.
 
 Where the capacity comes from (``TableConfig.max_unique_ids``, the op's
 ``unique_capacity``): ``measure_unique_ids`` on sample batches, times a margin.
@@ -19,30 +20,15 @@ Where the capacity comes from (``TableConfig.max_unique_ids``, the op's
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "CapacityOverflowWarning",
-    "batch_counts",
-    "capacity_passes",
-    "measure_unique_ids",
-    "overflow_count",
-    "report_overflow",
-]
+__all__ = ["batch_counts", "capacity_passes", "measure_unique_ids"]
 
 #: The most passes one call compiles (``ceil(n / capacity)``).
 MAX_PASSES = 64
-
-_SEEN: set[tuple[str, int]] = set()
-_COUNT = [0]
-
-
-class CapacityOverflowWarning(UserWarning):
-    """A batch had more unique rows than its capacity: the op ran extra passes (exact, slower)."""
 
 
 def capacity_passes(num_ids: int, capacity: int | None) -> tuple[int, int]:
@@ -59,30 +45,6 @@ def capacity_passes(num_ids: int, capacity: int | None) -> tuple[int, int]:
             f"(each is compiled); use at least {math.ceil(num_ids / MAX_PASSES)}"
         )
     return capacity, passes
-
-
-def overflow_count() -> int:
-    """Calls (this process) whose unique rows exceeded their capacity."""
-    return _COUNT[0]
-
-
-def report_overflow(num_unique, capacity: int, what: str) -> None:
-    """Host side of the op's overflow check (``jax.debug.callback``): counts and warns once
-    per ``(what, capacity)`` when ``num_unique > capacity``."""
-    num_unique = int(np.asarray(num_unique))
-    if num_unique <= capacity:
-        return
-    _COUNT[0] += 1
-    if (what, capacity) in _SEEN:
-        return
-    _SEEN.add((what, capacity))
-    warnings.warn(
-        f"{what}: {num_unique} unique rows in a batch, capacity {capacity}: ran "
-        f"{math.ceil(num_unique / capacity)} passes (exact, slower). Raise the capacity "
-        "(TableConfig.max_unique_ids / unique_capacity; flowtt_jax.capacity.measure_unique_ids).",
-        CapacityOverflowWarning,
-        stacklevel=2,
-    )
 
 
 def batch_counts(

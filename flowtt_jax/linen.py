@@ -137,7 +137,9 @@ class TTEmbeddingCollection(nn.Module):
     Params: ``{name: array}`` with the names of ``CollectionLayout.param_names`` (packed
     cores of each TT shape group, packed dense tables), as in the nnx twin; all of them
     drawn from the first param's key. ``CollectionLayout(tables).table_params(params,
-    name)`` reads one table's cores.
+    name)`` reads one table's cores. ``memory_budget`` and ``ids_per_pass`` as the nnx
+    twin's; with ``mutable=["stats"]`` a call adds its per-pack capacity overflows to
+    ``stats/overflow_counts`` (int32 [num_packs], ``CollectionLayout.pack_labels`` order).
     """
 
     tables: Sequence[TableConfig]
@@ -146,6 +148,7 @@ class TTEmbeddingCollection(nn.Module):
     oob: str = "zero"
     impl: str = "auto"
     ids_per_pass: int | None = None
+    memory_budget: int | str | None = "auto"
 
     @nn.compact
     def __call__(
@@ -157,7 +160,9 @@ class TTEmbeddingCollection(nn.Module):
     ) -> dict[str, jax.Array] | jax.Array:
         """A feature dict, a ``KeyedJagged``, or stacked ids (and ``weights``) as the nnx twin
         takes them; ``pooled=False`` for each id's row."""
-        layout = CollectionLayout(tuple(self.tables), ids_per_pass=self.ids_per_pass)
+        layout = CollectionLayout(
+            tuple(self.tables), ids_per_pass=self.ids_per_pass, memory_budget=self.memory_budget
+        )
         cache: dict[str, dict] = {}
 
         def init(key, name):
@@ -168,4 +173,9 @@ class TTEmbeddingCollection(nn.Module):
         names = [n for p in range(len(layout.packs)) for n in layout.param_names(p)]
         params = {n: self.param(n, init, n) for n in names}
         kw = dict(oob=self.oob, impl=self.impl, dtype=self.dtype)
-        return layout.call(params, features, weights, pooled=pooled, **kw)
+        out, overflowed = layout.call(params, features, weights, pooled=pooled, with_overflow=True, **kw)
+        # per pack, the calls that overflowed their capacity: counted when "stats" is mutable
+        if self.is_mutable_collection("stats"):
+            counts = self.variable("stats", "overflow_counts", jnp.zeros, (len(layout.packs),), jnp.int32)
+            counts.value = counts.value + overflowed
+        return out

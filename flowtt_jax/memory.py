@@ -30,15 +30,31 @@ from typing import Any
 import jax
 import numpy as np
 
+from flowtt_jax.budget import (
+    AUTO_FRACTION,
+    ID_BYTES,
+    PASS_CHOICES,
+    PREPARED_BYTES,
+    CallBytes,
+    device_memory_bytes,
+    op_bytes,
+    pass_size,
+    resolve_budget,
+)
 from flowtt_jax.capacity import batch_counts
 from flowtt_jax.collection.config import TableConfig
 from flowtt_jax.collection.packs import TablePack, pack_tables
 
-__all__ = ["BatchStats", "MemoryEstimate", "estimate_memory"]
-
-#: Bytes per id: an int32 or float32 per-id array (the weights, the bag ids); the forward's
-#: prepared ids, tables and live flags; the plan (a one-table group's: no group arrays).
-ID_BYTES, PREPARED_BYTES, PLAN_BYTES, SINGLE_PLAN_BYTES = 4, 12, 28, 20
+__all__ = [
+    "AUTO_FRACTION",
+    "BatchStats",
+    "MemoryEstimate",
+    "MemoryPlan",
+    "choose_memory_plan",
+    "device_memory_bytes",
+    "estimate_memory",
+    "resolve_budget",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +85,7 @@ class MemoryEstimate:
     optimizer_state: int
     activations: Mapping[str, int]
     scratch: int
+    ids_per_pass: int | None = None  # the TT kernels' ids per pass it assumes (None: all)
 
     @property
     def activation_bytes(self) -> int:
@@ -83,36 +100,29 @@ class MemoryEstimate:
         rows += [(f"activations: {k}", v) for k, v in self.activations.items()]
         rows += [("kernel scratch", self.scratch), ("total", self.total)]
         width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{width}}  {v / 2**20:10.1f} MiB" for k, v in rows)
+        lines = [f"{k:<{width}}  {v / 2**20:10.1f} MiB" for k, v in rows]
+        if self.ids_per_pass is not None:
+            lines.append(f"(the TT kernels take {self.ids_per_pass} ids per pass)")
+        return "\n".join(lines)
 
 
-@dataclasses.dataclass(frozen=True)
-class _PackBytes:
-    kept: int  # what a training step holds into the backward: the per-id inputs and the plan
-    own: int  # the pack's forward at its peak: its plan (and per-id inputs in passes) and rows
-    out: int  # the pooled output (its gradient in the backward)
-    rows: int  # a pass's rows, or their gradient
+def _pack_ids(pack: TablePack, stats: BatchStats) -> int:
+    return sum(stats.ids.get(s.feature, 0) for s in pack.features)
 
 
-def _pack_bytes(pack: TablePack, stats: BatchStats) -> _PackBytes:
-    n = sum(stats.ids.get(s.feature, 0) for s in pack.features)
+def _pack_bytes(pack: TablePack, stats: BatchStats) -> CallBytes:
+    n = _pack_ids(pack, stats)
     bags = stats.batch_size * len(pack.features)
     dim = pack.tables[0].features
-    out = 4 * bags * dim
-    if n == 0:
-        return _PackBytes(0, 0, out, 0)
-    inputs = (2 * ID_BYTES + PREPARED_BYTES) * n  # prepared ids, tables, live; weights, bag ids
     if pack.kind == "dense":  # gathered rows [n, D] and their gradient
-        rows = 4 * n * dim
-        return _PackBytes(inputs, inputs + rows, out, rows)
-    per_pass = min(n, pack.ids_per_pass or n)  # the ids the kernels take at a time
-    capacity = pack.unique_capacity
-    rows = 4 * min(per_pass, capacity if capacity is not None else per_pass) * dim
+        inputs, rows = (2 * ID_BYTES + PREPARED_BYTES) * n, 4 * n * dim
+        return (
+            CallBytes(inputs, inputs + rows, 4 * bags * dim, rows)
+            if n
+            else CallBytes(0, 0, 4 * bags * dim, 0)
+        )
     one_table = pack.kind == "single" or len(pack.tables) == 1
-    plan = (SINGLE_PLAN_BYTES if one_table else PLAN_BYTES) * per_pass
-    if per_pass < n:  # passes: the per-id inputs live through the passes
-        return _PackBytes(inputs + plan, inputs + plan + rows, out, rows)
-    return _PackBytes(inputs + plan, plan + rows, out, rows)
+    return op_bytes(n, bags, dim, one_table, pack.ids_per_pass, pack.unique_capacity)
 
 
 def _scratch(pack: TablePack, stats: BatchStats) -> int:
@@ -128,16 +138,28 @@ def estimate_memory(
     training: bool = True,
     param_dtype: Any = np.float32,
     ids_per_pass: int | None = None,
+    memory_budget: int | str | None = None,
 ) -> MemoryEstimate:
     """The step's memory for ``tables`` (as ``TTEmbeddingCollection`` packs them) on batches
     of ``stats``: a training step (forward and backward) or, ``training=False``, inference.
 
     ``optimizer``: an optax ``GradientTransformation`` whose state is sized on the
     parameters (``jax.eval_shape`` of its ``init``); None: no state. Features of ``stats``
-    no table reads raise ``KeyError``; features it lacks count as empty. ``ids_per_pass``:
-    as ``TTEmbeddingCollection``'s.
+    no table reads raise ``KeyError``; features it lacks count as empty. ``ids_per_pass``,
+    ``memory_budget``: as ``TTEmbeddingCollection``'s (a budget: the passes its automatic
+    policy chooses, ``choose_memory_plan``; the estimate's ``ids_per_pass`` says which).
     """
     packs = pack_tables(tables, ids_per_pass)
+    if ids_per_pass is None and memory_budget is not None:
+        return choose_memory_plan(
+            packs, stats, memory_budget, training=training, param_dtype=param_dtype, optimizer=optimizer
+        ).estimate
+    return _estimate(packs, stats, optimizer, training, param_dtype)
+
+
+def _estimate(
+    packs: Sequence[TablePack], stats: BatchStats, optimizer: Any, training: bool, param_dtype: Any
+):
     known = {s.feature for p in packs for s in p.features}
     unknown = sorted(set(stats.ids) - known)
     if unknown:
@@ -149,9 +171,10 @@ def estimate_memory(
         state = sum(
             x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(optimizer.init, shapes))
         )
+    per_pass = next((p.ids_per_pass for p in packs if p.kind != "dense"), None)
     sizes = [_pack_bytes(p, stats) for p in packs]
     if not sizes:
-        return MemoryEstimate(parameters, state, {}, 0)
+        return MemoryEstimate(parameters, state, {}, 0, per_pass)
     biggest = max(sizes, key=lambda s: s.own)
     activations = {"pooled outputs (their gradients in the backward)": sum(s.out for s in sizes)}
     if training:
@@ -160,4 +183,62 @@ def estimate_memory(
         activations["parameter gradients"] = parameters
     else:
         activations["the largest pack's forward (plan, rows)"] = biggest.own
-    return MemoryEstimate(parameters, state, activations, max(_scratch(p, stats) for p in packs))
+    scratch = max(_scratch(p, stats) for p in packs)
+    return MemoryEstimate(parameters, state, activations, scratch, per_pass)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The automatic memory policy's choice for one batch shape: the TT kernels take
+    ``ids_per_pass`` ids at a time (None: all at once) in ``passes`` passes; ``estimate`` is
+    ``estimate_memory``'s for that choice; ``fits``: its total is within ``budget`` bytes
+    (None: no budget). Never fitting, the policy takes the most passes and says so."""
+
+    ids_per_pass: int | None
+    passes: int
+    budget: int | None
+    estimate: MemoryEstimate
+    fits: bool
+
+    def __str__(self) -> str:
+        budget = "no budget" if self.budget is None else f"budget {self.budget / 2**20:.1f} MiB"
+        how = (
+            "all ids at once"
+            if self.ids_per_pass is None
+            else f"{self.passes} passes of {self.ids_per_pass} ids"
+        )
+        verdict = "fits" if self.fits else "does NOT fit"
+        return f"{how}: {self.estimate.total / 2**20:.1f} MiB, {verdict} ({budget})\n{self.estimate}"
+
+
+def choose_memory_plan(
+    packs: Sequence[TablePack],
+    stats: BatchStats,
+    memory_budget: int | str | None = "auto",
+    *,
+    training: bool = True,
+    param_dtype: Any = np.float32,
+    optimizer: Any = None,
+) -> MemoryPlan:
+    """The fewest passes over the ids (``PASS_CHOICES``) whose step fits the budget by
+    ``estimate_memory`` (a training step unless ``training=False``: at trace time the
+    forward does not know whether a backward follows, so the collections plan for one).
+    ``packs``: a collection's (``pack_tables``); their ``ids_per_pass`` is replaced, one
+    value for every TT pack (the largest pack's ids over the passes, rounded up to 256).
+    The fastest step is one pass, so the first that fits is taken; a capacity
+    (``max_unique_ids``) is kept as configured."""
+    budget = resolve_budget(memory_budget)
+    most = max((_pack_ids(p, stats) for p in packs if p.kind != "dense"), default=0)
+    best = None
+    for passes in PASS_CHOICES:
+        per_pass = pass_size(most, passes)
+        if per_pass is not None and per_pass >= most:
+            continue
+        trial = tuple(
+            p if p.kind == "dense" else dataclasses.replace(p, ids_per_pass=per_pass) for p in packs
+        )
+        est = _estimate(trial, stats, optimizer, training, param_dtype)
+        best = MemoryPlan(per_pass, passes, budget, est, budget is None or est.total <= budget)
+        if best.fits:
+            return best
+    return best

@@ -35,7 +35,7 @@ from flowtt_jax.collection.config import TableConfig
 from flowtt_jax.collection.layout import CollectionLayout
 from flowtt_jax.inputs.jagged import KeyedJagged
 from flowtt_jax.layer_methods import BagCall, DenseBagMethods, TTTableMethods
-from flowtt_jax.memory import BatchStats, MemoryEstimate, estimate_memory
+from flowtt_jax.memory import BatchStats, MemoryEstimate, MemoryPlan, estimate_memory
 from flowtt_jax.tt.cores import CoreInit, check_cores, resolve_init
 from flowtt_jax.tt.cores import from_dense as _tt_svd
 from flowtt_jax.tt.spec import TTSpec
@@ -186,6 +186,12 @@ class EmbedBag(DenseBagMethods, nnx.Module):
         return self._table.astype(self.out_dtype)
 
 
+class OverflowCount(nnx.Variable):
+    """A collection's per-pack count of calls whose unique rows exceeded the capacity
+    (updated on the device by every call; not a parameter: optimizers over ``nnx.Param``
+    leave it alone)."""
+
+
 class TTEmbeddingCollection(nnx.Module):
     """Named embedding tables, TT-compressed or dense, pooled in one call.
 
@@ -205,8 +211,13 @@ class TTEmbeddingCollection(nnx.Module):
     (one gather and segment sum). Parameters: ``self.params[name]`` (``nnx.Param``s named
     as ``CollectionLayout.param_names``); per table: ``cores(name)``, ``table(name)``,
     ``to_dense(name)``, ``load_table(name, ...)``, ``from_dense(name, dense)``.
-    ``ids_per_pass``: the TT kernels take each shape group's ids this many at a time (memory
-    bounded by a pass, not a batch: ``docs/memory.md``); None: all at once.
+    ``memory_budget``: ``"auto"`` (default; a share of the device's memory,
+    ``flowtt_jax.memory.AUTO_FRACTION``), bytes, or None: at trace time, from the batch's
+    static shapes, a call takes the fewest passes over the ids whose step fits
+    (``memory_plan(stats)`` shows the choice; ``docs/memory.md``). ``ids_per_pass``: the TT
+    kernels take each shape group's ids this many at a time, overriding the budget's choice.
+    ``overflow_counts``: per pack (``overflows()``), the calls whose unique rows exceeded the
+    capacity (``TableConfig.max_unique_ids``), counted on the device.
     """
 
     def __init__(
@@ -218,9 +229,10 @@ class TTEmbeddingCollection(nnx.Module):
         oob: str = "zero",
         impl: str = "auto",
         ids_per_pass: int | None = None,
+        memory_budget: int | str | None = "auto",
         rngs: nnx.Rngs,
     ):
-        self.layout = CollectionLayout(tuple(tables), ids_per_pass=ids_per_pass)
+        self.layout = CollectionLayout(tuple(tables), ids_per_pass=ids_per_pass, memory_budget=memory_budget)
         self.tables = self.layout.tables
         self.dtype = dtype
         self.param_dtype = param_dtype
@@ -228,6 +240,7 @@ class TTEmbeddingCollection(nnx.Module):
         self.impl = impl
         init = self.layout.init(rngs.params(), param_dtype)
         self.params = nnx.Dict({k: nnx.Param(v) for k, v in init.items()})
+        self.overflow_counts = OverflowCount(jnp.zeros((len(self.layout.packs),), jnp.int32))
 
     def _values(self) -> dict[str, jax.Array]:
         return {k: p[...] for k, p in self.params.items()}
@@ -245,7 +258,22 @@ class TTEmbeddingCollection(nnx.Module):
         shape) -> ``[B, F, features]``. ``pooled=False``: each id's row instead
         (``lookup``)."""
         kw = dict(oob=self.oob, impl=self.impl, dtype=self.dtype)
-        return self.layout.call(self._values(), features, weights, pooled=pooled, **kw)
+        out, overflowed = self.layout.call(
+            self._values(), features, weights, pooled=pooled, with_overflow=True, **kw
+        )
+        self.overflow_counts[...] = self.overflow_counts[...] + overflowed
+        return out
+
+    def overflows(self) -> dict[str, int]:
+        """``{pack label: calls that overflowed its capacity}`` (``CollectionLayout.pack_labels``;
+        a host read: for reports, not inside a step)."""
+        counts = jax.device_get(self.overflow_counts[...])
+        return {label: int(c) for label, c in zip(self.layout.pack_labels(), counts)}
+
+    def memory_plan(self, stats: BatchStats, *, training: bool = True) -> MemoryPlan:
+        """What a call on batches of ``stats`` runs under ``memory_budget`` (its passes over
+        the ids and ``estimate_memory``'s bytes): ``CollectionLayout.memory_plan``."""
+        return self.layout.memory_plan(stats, training=training)
 
     def lookup(self, features: Mapping[str, Any] | KeyedJagged) -> dict[str, jax.Array] | jax.Array:
         """Unpooled rows (TorchRec's ``EmbeddingCollection``): ``{feature: ids [...]}`` ->
@@ -325,6 +353,7 @@ class TTEmbeddingCollection(nnx.Module):
             training=training,
             param_dtype=dtype,
             ids_per_pass=self.layout.ids_per_pass,
+            memory_budget=None if self.layout.ids_per_pass is not None else self.layout.memory_budget,
         )
 
     def _config(self, name: str) -> TableConfig:

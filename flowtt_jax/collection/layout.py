@@ -31,6 +31,7 @@ from flowtt_jax.collection.packs import FeatureSlot, TablePack, check_param_name
 from flowtt_jax.collection.pool import (
     feature_input,
     lookup_input,
+    overflow_flags,
     pool_canonical,
     pool_csr,
     pool_packed,
@@ -41,6 +42,7 @@ from flowtt_jax.inputs.csr import clamp_csr
 from flowtt_jax.inputs.jagged import KeyedJagged, PackedCSR, compact, concat_weights, pack_features
 from flowtt_jax.inputs.oob import as_ids, saturate_int32
 from flowtt_jax.kernels import ffi
+from flowtt_jax.memory import BatchStats, MemoryPlan, choose_memory_plan, resolve_budget
 from flowtt_jax.tt.cores import to_dense
 
 __all__ = ["CollectionLayout", "FeatureSlot", "TablePack"]
@@ -48,17 +50,36 @@ __all__ = ["CollectionLayout", "FeatureSlot", "TablePack"]
 
 @dataclasses.dataclass(frozen=True)
 class CollectionLayout:
-    """Static packing of a collection's ``TableConfig``s (hashable)."""
+    """Static packing of a collection's ``TableConfig``s (hashable).
+
+    ``ids_per_pass``: the TT kernels take each pack's ids this many at a time (None: as
+    ``memory_budget`` decides). ``memory_budget``: ``"auto"`` (default: a share of the
+    device's memory, ``flowtt_jax.memory.AUTO_FRACTION``), bytes, or None (every buffer by
+    the batch's ids, one pass): at trace time, from the batch's static shapes, each call
+    takes the fewest passes whose step fits it (``memory_plan``).
+    """
 
     tables: tuple[TableConfig, ...]
     ids_per_pass: int | None = dataclasses.field(default=None, kw_only=True)
+    memory_budget: int | str | None = dataclasses.field(default="auto", kw_only=True)
+    #: Whether ``call(..., with_overflow=True)`` counts its packs' capacity overflows (a
+    #: sharded layout pools inside a ``shard_map``, whose flags stay there).
+    counts_overflow = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tables", check_tables(self.tables))
         if self.ids_per_pass is not None and (
-            not isinstance(self.ids_per_pass, int) or self.ids_per_pass < 1
+            isinstance(self.ids_per_pass, bool)
+            or not isinstance(self.ids_per_pass, int)
+            or self.ids_per_pass < 1
         ):
             raise ValueError(f"ids_per_pass must be an int >= 1 or None, got {self.ids_per_pass!r}")
+        if not isinstance(self.memory_budget, str):
+            resolve_budget(self.memory_budget)  # a ValueError naming memory_budget
+        elif self.memory_budget != "auto":
+            raise ValueError(
+                f"memory_budget must be 'auto', bytes (an int >= 1) or None, got {self.memory_budget!r}"
+            )
         check_param_names(self.packs)
 
     @functools.cached_property
@@ -70,6 +91,47 @@ class CollectionLayout:
     def param_names(self, p: int) -> tuple[str, ...]:
         """Parameter names of pack ``p``."""
         return param_names(self.packs, p)
+
+    def memory_plan(self, stats: BatchStats, *, training: bool = True) -> MemoryPlan:
+        """What a call on batches of ``stats`` runs: ``ids_per_pass`` as given, else the
+        automatic policy's choice for ``memory_budget`` (``memory.choose_memory_plan``),
+        with ``estimate_memory``'s bytes of it."""
+        packs = self.packs
+        budget = None if self.ids_per_pass is not None else self.memory_budget
+        return choose_memory_plan(packs, stats, budget, training=training)
+
+    def _call_packs(self, pack_ids: Sequence[int], batch: int) -> tuple[TablePack, ...]:
+        """The packs a call runs, ``pack_ids`` ids each (static) in ``batch`` bags per feature:
+        ``packs`` with the memory policy's ``ids_per_pass`` (``memory_plan``)."""
+        if self.ids_per_pass is not None or self.memory_budget is None:
+            return self.packs
+        return self._packs_for(tuple(int(n) for n in pack_ids), int(batch))
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 (the layout is static and hashable)
+    def _packs_for(self, pack_ids: tuple[int, ...], batch: int) -> tuple[TablePack, ...]:
+        ids = {p.features[0].feature: n for p, n in zip(self.packs, pack_ids) if p.features}
+        plan = self.memory_plan(BatchStats(batch, ids))
+        if plan.ids_per_pass is None:
+            return self.packs
+        return tuple(
+            p if p.kind == "dense" else dataclasses.replace(p, ids_per_pass=plan.ids_per_pass)
+            for p in self.packs
+        )
+
+    def _overflows(self, flags) -> jax.Array:
+        """``int32 [num_packs]``: 1 where a pack's pooling overflowed its capacity this call."""
+        out = jnp.zeros((len(self.packs),), jnp.int32)
+        for name, flag in flags:
+            out = out.at[self.locate(name)[0]].max(flag.astype(jnp.int32))
+        return out
+
+    def pack_labels(self) -> tuple[str, ...]:
+        """One label per pack: its parameter prefix and tables (``overflow_counts``' order)."""
+        labels = []
+        for p, pack in enumerate(self.packs):
+            names = ", ".join(t.name for t in pack.tables[:4]) + (", ..." if len(pack.tables) > 4 else "")
+            labels.append(f"{self.param_names(p)[0].rsplit('_', 1)[0]} ({len(pack.tables)} tables: {names})")
+        return tuple(labels)
 
     def locate(self, name: str) -> tuple[int, int]:
         """``(pack index, table index in the pack)`` of table ``name``."""
@@ -231,7 +293,7 @@ class CollectionLayout:
         ``flowtt_jax.collection`` for the input forms); ``KeyError`` for a missing one."""
         params = _cast_to_batch(params, features)
         out = {}
-        for p, pack in enumerate(self.packs):
+        for p, pack in enumerate(self._call_packs(*_dict_sizes(self.packs, features))):
             arrays = tuple(params[n] for n in self.param_names(p))
             out_dtype = arrays[0].dtype if dtype is None else dtype
             inputs = [feature_input(features, s, pack) for s in pack.features]
@@ -268,7 +330,8 @@ class CollectionLayout:
         csr, back, _ = self._jagged_in_pack_order(batch, oob)
         params = _cast_to_batch(params, (csr.ids, csr.weights))
         parts, lo = [], 0
-        for p, pack in enumerate(self.packs):
+        packs = self._call_packs([csr.ids.shape[0]] * len(self.packs), csr.batch)  # each sees every id
+        for p, pack in enumerate(packs):
             arrays = tuple(params[n] for n in self.param_names(p))
             out_dtype = arrays[0].dtype if dtype is None else dtype
             hi = lo + len(pack.features)
@@ -298,7 +361,7 @@ class CollectionLayout:
             csr, _, src = self._jagged_in_pack_order(features, oob)
             params = _cast_to_batch(params, (csr.ids, csr.weights))
             n, rows, lo = csr.ids.shape[0], None, 0
-            for p, pack in enumerate(self.packs):
+            for p, pack in enumerate(self._call_packs([n] * len(self.packs), n)):
                 arrays = tuple(params[k] for k in self.param_names(p))
                 hi = lo + len(pack.features)
                 part = rows_csr(pack, arrays, csr, (lo, hi), oob, impl, whole=False)
@@ -309,7 +372,11 @@ class CollectionLayout:
             return rows if src is None or n == 0 else jnp.zeros_like(rows).at[src].add(rows)
         out = {}
         params = _cast_to_batch(params, features)
-        for p, pack in enumerate(self.packs):
+        sizes = [
+            sum(int(np.size(_ids_of(features[s.feature]))) for s in pk.features if s.feature in features)
+            for pk in self.packs
+        ]
+        for p, pack in enumerate(self._call_packs(sizes, max(sizes, default=0))):
             slots = [s for s in pack.features if s.feature in features]
             if not slots:
                 continue
@@ -320,7 +387,7 @@ class CollectionLayout:
             flat = jnp.concatenate([saturate_int32(i).reshape(-1) for i in ids])
             offsets = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
             csr = PackedCSR(flat, offsets, concat_weights(weights, sizes), 1)
-            sub = TablePack(pack.kind, pack.tables, tuple(slots), pack.layout)
+            sub = TablePack(pack.kind, pack.tables, tuple(slots), pack.layout, pack.ids_per_pass)
             rows = rows_csr(sub, arrays, csr, (0, len(slots)), oob, impl)
             for s, i, part in zip(slots, ids, jnp.split(rows, np.cumsum(sizes)[:-1])):
                 out[s.feature] = part.reshape(*i.shape, -1).astype(out_dtype)
@@ -333,12 +400,24 @@ class CollectionLayout:
         weights: jax.Array | None = None,
         *,
         pooled: bool = True,
+        with_overflow: bool = False,
         **kw: Any,
-    ) -> dict[str, jax.Array] | jax.Array:
+    ) -> Any:
         """The layers' call: ``apply`` for a feature dict, ``apply_jagged`` for a
         ``KeyedJagged``, ``apply_stacked`` for stacked ids (``weights`` only with those);
         ``pooled=False``: ``lookup`` (a dict or a ``KeyedJagged``). ``kw``: ``oob``, ``impl``,
-        ``dtype``."""
+        ``dtype``. ``with_overflow``: ``(outputs, int32 [num_packs])``, 1 where a pack had
+        more unique rows than its capacity this call (counted on the device; always 0 on a
+        layout that does not ``counts_overflow``)."""
+        if not with_overflow:
+            return self._call(params, features, weights, pooled=pooled, **kw)
+        if not self.counts_overflow:
+            return self._call(params, features, weights, pooled=pooled, **kw), self._overflows(())
+        with overflow_flags() as flags:
+            out = self._call(params, features, weights, pooled=pooled, **kw)
+        return out, self._overflows(flags)
+
+    def _call(self, params, features, weights, *, pooled: bool, **kw: Any):
         self.check_params(params)
         if isinstance(features, Mapping):
             self.check_feature_keys(features)
@@ -431,7 +510,9 @@ class CollectionLayout:
         params = _cast_to_batch(params, (ids, weights))
         column = {f: i for i, f in enumerate(self.feature_names)}
         parts, order = [], []
-        for p, pack in enumerate(self.packs):
+        per_feature = ids.shape[0] * ids.shape[2]
+        packs = self._call_packs([per_feature * len(pk.features) for pk in self.packs], ids.shape[0])
+        for p, pack in enumerate(packs):
             arrays = tuple(params[n] for n in self.param_names(p))
             out_dtype = arrays[0].dtype if dtype is None else dtype
             cols = [column[s.feature] for s in pack.features]
@@ -466,6 +547,34 @@ class CollectionLayout:
             weights = weights.astype(jnp.promote_types(weights.dtype, jnp.float32))
             weights = weights if weights.ndim == 3 else weights[..., None]
         return (ids if ids.ndim == 3 else ids[..., None]), weights
+
+
+def _ids_of(value: Any) -> Any:
+    """A feature input's ids (an array, or a dict's ``"ids"``): its size is the feature's ids."""
+    return value["ids"] if isinstance(value, Mapping) else value
+
+
+def _dict_sizes(packs: Sequence[TablePack], features: Mapping[str, Any]) -> tuple[list[int], int]:
+    """``(ids per pack, the most bags of a feature)`` of a feature dict, from static shapes."""
+    sizes, batch = [], 0
+    for pack in packs:
+        total = 0
+        for s in pack.features:
+            if s.feature not in features:
+                continue
+            value = features[s.feature]
+            ids = _ids_of(value)
+            total += int(np.size(ids))
+            kw = value if isinstance(value, Mapping) else {}
+            if kw.get("offsets") is not None:
+                bags = np.shape(kw["offsets"])[0] - 1
+            elif isinstance(kw.get("num_bags"), (int, np.integer)):
+                bags = int(kw["num_bags"])
+            else:
+                bags = np.shape(ids)[0] if np.ndim(ids) else 1
+            batch = max(batch, bags)
+        sizes.append(total)
+    return sizes, batch
 
 
 def _cast_to_batch(params: Mapping[str, jax.Array], batch: Any) -> dict[str, jax.Array]:

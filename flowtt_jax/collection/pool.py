@@ -18,7 +18,9 @@ nothing of that size to constant-fold.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -35,6 +37,7 @@ from flowtt_jax.tt import reference
 
 __all__ = [
     "canonical_feature",
+    "overflow_flags",
     "feature_input",
     "lookup_input",
     "pool_canonical",
@@ -44,6 +47,23 @@ __all__ = [
     "rows_csr",
     "stacked_bags",
 ]
+
+
+#: The innermost ``overflow_flags`` list of the call being traced (None: none open).
+_FLAGS: contextvars.ContextVar[list | None] = contextvars.ContextVar("flowtt_overflow_flags", default=None)
+
+
+@contextlib.contextmanager
+def overflow_flags() -> Iterator[list[tuple[str, jax.Array]]]:
+    """Collects ``(first table's name, overflowed bool[])`` of every TT pooling call made
+    inside (``pool_packed``), for a caller in the same trace to count on the device; a call
+    opens its own (a nested one, e.g. inside a ``shard_map``, keeps its flags)."""
+    flags: list[tuple[str, jax.Array]] = []
+    token = _FLAGS.set(flags)
+    try:
+        yield flags
+    finally:
+        _FLAGS.reset(token)
 
 
 def feature_input(features: Mapping[str, Any], slot: FeatureSlot, pack: TablePack) -> tuple[jax.Array, dict]:
@@ -252,7 +272,7 @@ def pool_packed(
         # a weight of 0 adds nothing
         return to_batch_major(reference.pool(rows, packed.weights, packed.bag_ids, num_bags), batch)
     single = pack.kind == "single"
-    return pooled(
+    out, overflowed = pooled(
         arrays,
         packed.ids,
         packed.offsets,
@@ -265,7 +285,12 @@ def pool_packed(
         batch=batch,
         unique_capacity=pack.unique_capacity,
         ids_per_pass=pack.ids_per_pass,
+        return_overflow=True,
     )
+    flags = _FLAGS.get()
+    if flags is not None:
+        flags.append((pack.tables[0].name, overflowed))
+    return out
 
 
 def stacked_bags(pack: TablePack, ids: jax.Array, weights: jax.Array | None, oob: str):

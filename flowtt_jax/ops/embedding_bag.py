@@ -25,11 +25,13 @@ gradients; at most ``bag.MAX_NNZ`` (2^31 - 2) ids and bags per call.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flowtt_jax.budget import PASS_CHOICES, op_bytes, pass_size, resolve_budget
 from flowtt_jax.inputs.bag import CanonicalBags, packed_bags, prepare_bags
 from flowtt_jax.inputs.csr import MODES, check_sizes, scale_by_modes
 from flowtt_jax.inputs.oob import apply_oob, as_ids, park_dropped
@@ -171,7 +173,9 @@ def tt_embedding_bag_group(
     batch_major: bool = False,
     unique_capacity: int | None = None,
     ids_per_pass: int | None = None,
-) -> jax.Array:
+    memory_budget: int | str | None = "auto",
+    return_overflow: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Pooled bags of every feature of a shape group: ``[F, B, D]`` in ``dtype``, or
     ``[B, F, D]`` with ``batch_major`` (FBGEMM's layout: the pooling kernel writes it, so a
     model that wants ``[B, F*D]`` needs no transpose, nor its transpose in the backward).
@@ -194,10 +198,17 @@ def tt_embedding_bag_group(
       dtype: output dtype (default: the cores'); accumulation is float32 at least.
       unique_capacity: static; the unique (table, id) rows the kernels hold at a time (their
         rows and row gradients are ``[unique_capacity, D]``, not ``[n, D]``); a batch with
-        more runs extra passes, exact, and is reported (``flowtt_jax.capacity``). None: n.
+        more runs extra passes, exact, and is counted (``return_overflow``). None: n.
       ids_per_pass: static; the kernels take the ids this many at a time, in order (one
         plan, rows and gradients of that many at a time; the backward recomputes each
-        pass's): for batches whose per-id buffers do not fit at once. None: all at once.
+        pass's): for batches whose per-id buffers do not fit at once. None: as
+        ``memory_budget`` decides.
+      memory_budget: ``"auto"`` (a share of the device's memory,
+        ``flowtt_jax.memory.AUTO_FRACTION``), bytes, or None (all ids at once): without
+        ``ids_per_pass``, the fewest passes whose step (this op's buffers, the cores and
+        their gradient) fits, from the static shapes (``flowtt_jax.memory``).
+      return_overflow: also return ``overflowed`` bool[] (on the device, no host round
+        trip): the batch had more unique rows than ``unique_capacity``.
     """
     packed = tuple(packed)
     shapes = tuple(tuple(c.shape) for c in packed)
@@ -223,8 +234,15 @@ def tt_embedding_bag_group(
     if ids.ndim != 1:
         raise ValueError(f"ids must be a flat int array [n], got {ids.dtype}{list(ids.shape)}")
     out_shape = (batch, num_features, dim) if batch_major else (num_features, batch, dim)
+    unique_capacity = _static_count(unique_capacity, "unique_capacity")
+    ids_per_pass = _static_count(ids_per_pass, "ids_per_pass")
+    if ids_per_pass is None and impl == "ffi":
+        ids_per_pass = op_ids_per_pass(
+            layout, packed, ids.shape[0], num_features * batch, unique_capacity, memory_budget
+        )
     if ids.shape[0] == 0 or batch == 0:
-        return jnp.zeros(out_shape, out_dtype)
+        out = jnp.zeros(out_shape, out_dtype)
+        return (out, jnp.zeros((), bool)) if return_overflow else out
 
     num_rows = layout.table_arrays()["num_rows"]
     bags, tables = packed_bags(ids, offsets, weights, feature_tables, num_rows, oob, kernel=impl == "ffi")
@@ -243,5 +261,36 @@ def tt_embedding_bag_group(
         batch=batch if batch_major else 0,
         unique_capacity=unique_capacity,
         ids_per_pass=ids_per_pass,
+        return_overflow=True,
     )
-    return out.reshape(out_shape).astype(out_dtype)
+    out = out[0].reshape(out_shape).astype(out_dtype), out[1]
+    return out if return_overflow else out[0]
+
+
+def _static_count(value: Any, name: str) -> int | None:
+    """``value`` as a static int >= 1 (or None), else a ``ValueError`` naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a static int >= 1 or None, got {value!r}")
+    return int(value)
+
+
+def op_ids_per_pass(layout, packed, n: int, bags: int, capacity: int | None, memory_budget) -> int | None:
+    """The table-batched op's passes under ``memory_budget`` (``memory.choose_memory_plan``'s
+    rule for one group): the fewest whose buffers (``memory.op_bytes``, training), the cores
+    and their gradient fit; None: one pass."""
+    budget = resolve_budget(memory_budget)
+    if budget is None or n == 0:
+        return None
+    params = sum(int(np.prod(c.shape)) * 4 for c in packed)
+    one = layout.num_tables == 1
+    per_pass = None
+    for passes in PASS_CHOICES:
+        per_pass = pass_size(n, passes)
+        if per_pass is not None and per_pass >= n:
+            continue
+        b = op_bytes(n, bags, layout.dim, one, per_pass, capacity)
+        if 2 * params + b.kept + b.rows + b.out + 16 * min(n, per_pass or n) <= budget:
+            return per_pass
+    return per_pass

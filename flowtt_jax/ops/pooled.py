@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from flowtt_jax.capacity import capacity_passes, report_overflow
+from flowtt_jax.capacity import capacity_passes
 from flowtt_jax.fallback import warn_reference
 from flowtt_jax.kernels import ffi
 from flowtt_jax.kernels.group_plan import GroupLayout, make_group_plan
@@ -148,14 +148,14 @@ class SingleTable:
     def rows_bwd(self, cores, d_rows, plan) -> tuple[jax.Array, ...]:
         return ffi.rows_bwd(cores, d_rows, plan)
 
-    def forward(self, cores, weights, ids, tables, offsets, batch: int, prev=None) -> jax.Array:
+    def forward(self, cores, weights, ids, tables, offsets, batch: int, prev=None):
         """Without a gradient: the forward-only plan and one ``flowtt_bag_fwd`` (added to
-        ``prev`` when given)."""
+        ``prev`` when given); ``(bags, False)``: no capacity to overflow."""
         dim = math.prod(c.shape[2] for c in cores)
         chunk_rows = bag_chunk_rows(dim, offsets.shape[0] - 1)
         plan = self.plan(cores, ids, tables, forward_only=True)
         out = to_batch_major(ffi.bag_fwd(cores, plan, weights, offsets, chunk_rows), batch)
-        return out if prev is None else prev + out
+        return (out if prev is None else prev + out), jnp.zeros((), bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +183,7 @@ class TableBatched:
     def rows_bwd(self, cores, d_rows, plan) -> tuple[jax.Array, ...]:
         return ffi.tb_rows_bwd(cores, d_rows, plan)
 
-    def forward(self, cores, weights, ids, tables, offsets, batch: int, prev=None) -> jax.Array:
+    def forward(self, cores, weights, ids, tables, offsets, batch: int, prev=None):
         return _kernel_bags_fwd(
             self, False, batch, prev is not None, cores, weights, ids, tables, offsets, None, prev
         )[0]
@@ -191,10 +191,11 @@ class TableBatched:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _kernel_bags(stages, weighted, batch, onto, cores, weights, ids, tables, offsets, bag_ids, prev):
-    """Bags ``[num_bags, D]`` float32 by the kernels of ``stages`` (``pooled``'s arguments,
-    float32 cores and weights). ``weighted`` (static): the weights' gradient is wanted;
-    ``onto`` (static): the bags are added onto ``prev`` [num_bags, D] (in place where the
-    pooling writes them), else ``prev`` is None."""
+    """``(bags [num_bags, D] float32, overflowed bool[])`` by the kernels of ``stages``
+    (``pooled``'s arguments, float32 cores and weights); ``overflowed``: the plan had more
+    unique rows than the stages' capacity (passes over the uniques ran; exact). ``weighted``
+    (static): the weights' gradient is wanted; ``onto`` (static): the bags are added onto
+    ``prev`` [num_bags, D] (in place where the pooling writes them), else ``prev`` is None."""
     return stages.forward(cores, weights, ids, tables, offsets, batch, prev)
 
 
@@ -210,11 +211,11 @@ def _kernel_bags_fwd(stages, weighted, batch, onto, cores, weights, ids, tables,
     if len(starts) == 1:
         rows = stages.rows_fwd(cores, plan)
         out = ffi.pool_fwd(rows, plan.inverse, weights, offsets, batch, prev=prev)
-        return out, (cores, weights, bag_ids, plan, ffi.rows_residual(rows, weighted))
-    # capacity passes: the rows of uniques [lo, lo + size), pooled onto the output
-    jax.debug.callback(
-        functools.partial(report_overflow, capacity=size, what="the table-batched op"), plan.counts[0]
-    )
+        return (out, jnp.zeros((), bool)), (cores, weights, bag_ids, plan, ffi.rows_residual(rows, weighted))
+    # capacity passes: the rows of uniques [lo, lo + size), pooled onto the output; passes
+    # past the uniques return at once on the device. The overflow is a device flag (no host
+    # round trip): the caller counts it (collection variables, the op's return_overflow).
+    overflowed = plan.counts[0] > size
     out = prev
     for lo in starts:
         # after the previous pass's pooling (a trailing operand the kernels ignore): one
@@ -222,10 +223,11 @@ def _kernel_bags_fwd(stages, weighted, batch, onto, cores, weights, ids, tables,
         # every pass's rows first otherwise: they depend on the cores and the plan only)
         rows = stages.rows_fwd(cores, stages.window(plan, lo, size, after=out), after=out)
         out = ffi.pool_fwd(rows, plan.inverse, weights, offsets, batch, lo=lo, counts=plan.counts, prev=out)
-    return out, (cores, weights, bag_ids, plan, None)
+    return (out, overflowed), (cores, weights, bag_ids, plan, None)
 
 
-def _kernel_bags_bwd(stages, weighted, batch, onto, res, dout):
+def _kernel_bags_bwd(stages, weighted, batch, onto, res, cts):
+    dout, _ = cts  # the overflow flag's cotangent: float0
     cores, weights, bag_ids, plan, rows = res
     out_rows = batch_major_rows(bag_ids, dout.shape[0], batch)  # dout's row of each position's bag
     size, starts = _windows(stages, weights.shape[0])
@@ -293,7 +295,8 @@ def pooled(
     batch: int = 0,
     unique_capacity: int | None = None,
     ids_per_pass: int | None = None,
-) -> jax.Array:
+    return_overflow: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Weighted bag sums ``[num_bags, D]`` in float32 (float64 cores stay float64) of
     prepared bags: ids [n] int32 in range of their table, valid CSR ``offsets
     [num_bags + 1]``, ``bag_ids [n]`` in ``[0, num_bags)`` and effective weights [n] (modes
@@ -306,27 +309,49 @@ def pooled(
     num_bags, the bags are feature-major (``f*batch + b``) and the rows batch-major
     (``b*F + f``); ``unique_capacity`` (static): the unique rows the table-batched kernels
     hold at a time (``flowtt_jax.capacity``; None: n); ``ids_per_pass`` (static): the kernels
-    see at most this many ids at a time (``_in_passes``; None: all n).
+    see at most this many ids at a time (``_in_passes``; None: all n). ``return_overflow``:
+    also return ``overflowed`` bool[] (on the device): some pass had more unique rows than
+    ``unique_capacity`` (the op ran passes over its uniques: exact, slower).
     """
+    out, overflowed = _pooled(
+        cores,
+        ids,
+        offsets,
+        bag_ids,
+        weights,
+        weighted,
+        impl,
+        layout,
+        tables,
+        batch,
+        unique_capacity,
+        ids_per_pass,
+    )
+    return (out, overflowed) if return_overflow else out
+
+
+def _pooled(cores, ids, offsets, bag_ids, weights, weighted, impl, layout, tables, batch, capacity, per_pass):
+    """``pooled``'s ``(bags, overflowed)``."""
+    no = jnp.zeros((), bool)
     c32 = tuple(c.astype(jnp.promote_types(c.dtype, jnp.float32)) for c in cores)
     num_bags = offsets.shape[0] - 1
     if batch and num_bags % batch:
         raise ValueError(f"batch {batch} does not divide the {num_bags} bags")
     if ids.shape[0] == 0 or num_bags == 0:  # nothing to pool: zeros, and zero gradients
         dim = math.prod(c.shape[2] for c in cores)
-        return jnp.zeros((num_bags, dim), c32[0].dtype)
+        return jnp.zeros((num_bags, dim), c32[0].dtype), no
     if impl == "reference":
         rows = _reference_rows(c32, ids, layout, tables)
-        return to_batch_major(reference.pool(rows, weights.astype(rows.dtype), bag_ids, num_bags), batch)
+        return to_batch_major(reference.pool(rows, weights.astype(rows.dtype), bag_ids, num_bags), batch), no
     ffi.check_kernel_nnz(ids.shape[0])
     axes = ffi.varying_axes(c32, weights, ids, tables, offsets, bag_ids)  # ffi.py: inside shard_map
     c32, weights = ffi.to_varying((c32, weights), axes)
     single = layout is None or takes_single_table_kernels(layout, c32)
-    stages = SingleTable() if single else TableBatched(layout, unique_capacity)
+    stages = SingleTable() if single else TableBatched(layout, capacity)
     args = (c32, weights.astype(jnp.float32), ids, tables, offsets, bag_ids)
     with ffi.explain_ad_errors():
-        if ids_per_pass is not None and ids_per_pass < ids.shape[0]:
-            return _in_passes(stages, weighted, batch, ids_per_pass, *args)
+        if per_pass is not None and per_pass < ids.shape[0]:
+            return _in_passes(stages, weighted, batch, per_pass, *args)
         return _kernel_bags(stages, weighted, batch, False, *args, None)
 
 
@@ -336,7 +361,8 @@ def _in_passes(stages, weighted, batch, size, cores, weights, ids, tables, offse
     end is summed over both passes). Its plan, rows and their gradients are sized by ``size``;
     the backward recomputes each pass's (``jax.checkpoint``) and adds its core gradients in
     reverse pass order, so the step holds one pass's buffers at a time beside the per-id
-    inputs. Bitwise reproducible; one pass's result within float rounding."""
+    inputs. Bitwise reproducible; one pass's result within float rounding. Returns
+    ``(bags, overflowed)``: any pass had more uniques than the stages' capacity."""
     n, num_bags = ids.shape[0], offsets.shape[0] - 1
     passes = -(-n // size)
 
@@ -348,8 +374,9 @@ def _in_passes(stages, weighted, batch, size, cores, weights, ids, tables, offse
         cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size)  # noqa: E731
         local = jnp.clip(offsets, first, first + size) - start
         args = (jnp.where(mine, cut(weights), 0.0), cut(ids), None if tables is None else cut(tables))
-        return _kernel_bags(stages, weighted, batch, True, cores, *args, local, cut(bag_ids), out), None
+        return _kernel_bags(stages, weighted, batch, True, cores, *args, local, cut(bag_ids), out)
 
     dim = math.prod(c.shape[2] for c in cores)
     out0 = jnp.zeros((num_bags, dim), jnp.float32)
-    return jax.lax.scan(step, out0, jnp.arange(passes, dtype=jnp.int32))[0]
+    out, overflowed = jax.lax.scan(step, out0, jnp.arange(passes, dtype=jnp.int32))
+    return out, jnp.any(overflowed)

@@ -66,11 +66,12 @@ def shard_collection(
     if isinstance(collection.layout, (DataParallelLayout, TableWiseLayout)):
         raise ValueError("the collection is already sharded: unshard_collection first")
     tables, per_pass = collection.layout.tables, collection.layout.ids_per_pass
+    budget = collection.layout.memory_budget
     values = {k: p[...] for k, p in collection.params.items()}
     if placement is None:
-        layout = DataParallelLayout(tables, mesh, axis, ids_per_pass=per_pass)
+        layout = DataParallelLayout(tables, mesh, axis, ids_per_pass=per_pass, memory_budget=budget)
     else:
-        layout = TableWiseLayout(tables, mesh, axis, placement, ids_per_pass=per_pass)
+        layout = TableWiseLayout(tables, mesh, axis, placement, ids_per_pass=per_pass, memory_budget=budget)
         values = jax.jit(layout.shard_params)(values)  # one program, whatever the table count
     specs = layout.param_specs()
     for name, value in values.items():
@@ -95,7 +96,9 @@ def unshard_collection(collection: TTEmbeddingCollection) -> None:
         values = jax.jit(layout.gather_params, out_shardings=replicated)(values)
     for name, value in values.items():
         collection.params[name] = nnx.Param(value)
-    collection.layout = CollectionLayout(layout.tables, ids_per_pass=layout.ids_per_pass)
+    collection.layout = CollectionLayout(
+        layout.tables, ids_per_pass=layout.ids_per_pass, memory_budget=layout.memory_budget
+    )
 
 
 def _specs(state: nnx.State) -> Any:

@@ -100,7 +100,11 @@ class TableWiseLayout(ShardedLayout, CollectionLayout):
         packs = [pk for p, pk in enumerate(self.packs) if p not in self.placed]
         if not packs:
             return None, {}
-        sub = CollectionLayout(tuple(c for pk in packs for c in pk.tables), ids_per_pass=self.ids_per_pass)
+        sub = CollectionLayout(
+            tuple(c for pk in packs for c in pk.tables),
+            ids_per_pass=self.ids_per_pass,
+            memory_budget=self.memory_budget,
+        )
         names = {}
         for q, pk in enumerate(sub.packs):
             p = next(p for p, mine in enumerate(self.packs) if mine.tables == pk.tables)
@@ -246,4 +250,11 @@ def collection_table_wise(
         params = tw.shard_params(layout.init(key))
         out = jax.jit(tw.apply)(params, features)
     """
-    return TableWiseLayout(layout.tables, mesh, axis, placement, ids_per_pass=layout.ids_per_pass)
+    return TableWiseLayout(
+        layout.tables,
+        mesh,
+        axis,
+        placement,
+        ids_per_pass=layout.ids_per_pass,
+        memory_budget=layout.memory_budget,
+    )
