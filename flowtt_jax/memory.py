@@ -126,8 +126,11 @@ def _pack_bytes(pack: TablePack, stats: BatchStats) -> CallBytes:
 
 
 def _scratch(pack: TablePack, stats: BatchStats) -> int:
-    """The plan's sort of ``n`` keys and values (double buffers): ``16 n``."""
-    return 16 * sum(stats.ids.get(s.feature, 0) for s in pack.features) if pack.kind != "dense" else 0
+    """The plan's sort of a pass's ``m`` keys and values (double buffers): ``16 m``."""
+    if pack.kind == "dense":
+        return 0
+    n = _pack_ids(pack, stats)
+    return 16 * min(n, pack.ids_per_pass or n)
 
 
 def estimate_memory(
@@ -223,11 +226,16 @@ def choose_memory_plan(
     """The fewest passes over the ids (``PASS_CHOICES``) whose step fits the budget by
     ``estimate_memory`` (a training step unless ``training=False``: at trace time the
     forward does not know whether a backward follows, so the collections plan for one).
-    ``packs``: a collection's (``pack_tables``); their ``ids_per_pass`` is replaced, one
-    value for every TT pack (the largest pack's ids over the passes, rounded up to 256).
+    ``packs``: a collection's (``pack_tables``); where they have an ``ids_per_pass``, that
+    is the plan; else it is chosen, one value for every TT pack (the largest pack's ids over the passes, rounded up to 256).
     The fastest step is one pass, so the first that fits is taken; a capacity
     (``max_unique_ids``) is kept as configured."""
     budget = resolve_budget(memory_budget)
+    given = next((p.ids_per_pass for p in packs if p.kind != "dense" and p.ids_per_pass), None)
+    if given is not None:  # the user's passes, whatever the budget
+        est = _estimate(packs, stats, optimizer, training, param_dtype)
+        most = max((_pack_ids(p, stats) for p in packs if p.kind != "dense"), default=0)
+        return MemoryPlan(given, -(-most // given), budget, est, budget is None or est.total <= budget)
     most = max((_pack_ids(p, stats) for p in packs if p.kind != "dense"), default=0)
     best = None
     for passes in PASS_CHOICES:

@@ -240,7 +240,8 @@ class TTEmbeddingCollection(nnx.Module):
         self.impl = impl
         init = self.layout.init(rngs.params(), param_dtype)
         self.params = nnx.Dict({k: nnx.Param(v) for k, v in init.items()})
-        self.overflow_counts = OverflowCount(jnp.zeros((len(self.layout.packs),), jnp.int32))
+        # float32 (exact to 2**24 calls): jax.grad over a whole nnx.state takes no int leaf
+        self.overflow_counts = OverflowCount(jnp.zeros((len(self.layout.packs),), jnp.float32))
 
     def _values(self) -> dict[str, jax.Array]:
         return {k: p[...] for k, p in self.params.items()}
@@ -261,7 +262,7 @@ class TTEmbeddingCollection(nnx.Module):
         out, overflowed = self.layout.call(
             self._values(), features, weights, pooled=pooled, with_overflow=True, **kw
         )
-        self.overflow_counts[...] = self.overflow_counts[...] + overflowed
+        self.overflow_counts[...] = self.overflow_counts[...] + overflowed.astype(jnp.float32)
         return out
 
     def overflows(self) -> dict[str, int]:

@@ -90,7 +90,7 @@ def test_jagged_equals_dict_call_bitwise(weighted):
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=3)
     g_packed, gw_packed = grad(state, w, kjt, True)
     g_dict, gw_dict = grad(state, w, feats, False)
-    for a, b in zip(jax.tree.leaves(g_packed), jax.tree.leaves(g_dict)):
+    for a, b in zip(jax.tree.leaves(g_packed["params"]), jax.tree.leaves(g_dict["params"])):
         assert np.any(np.asarray(a))
         _assert_same(np.asarray(a), np.asarray(b), False)
     _assert_same(np.asarray(gw_packed), np.asarray(gw_dict), False)

@@ -96,9 +96,7 @@ class CollectionLayout:
         """What a call on batches of ``stats`` runs: ``ids_per_pass`` as given, else the
         automatic policy's choice for ``memory_budget`` (``memory.choose_memory_plan``),
         with ``estimate_memory``'s bytes of it."""
-        packs = self.packs
-        budget = None if self.ids_per_pass is not None else self.memory_budget
-        return choose_memory_plan(packs, stats, budget, training=training)
+        return choose_memory_plan(self.packs, stats, self.memory_budget, training=training)
 
     def _call_packs(self, pack_ids: Sequence[int], batch: int) -> tuple[TablePack, ...]:
         """The packs a call runs, ``pack_ids`` ids each (static) in ``batch`` bags per feature:

@@ -1,0 +1,190 @@
+"""The automatic memory policy (``memory_budget``, ``flowtt_jax.memory.choose_memory_plan``):
+the choice fits its budget by ``estimate_memory`` and by XLA's memory analysis of the
+compiled step (CPU, within 15 %), runs what it says (passes), gives the one-pass results,
+and no call form puts a host callback in the step; the overflow is counted on the device."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flowtt_jax as ftt
+from flowtt_jax.budget import device_memory_bytes, resolve_budget
+from flowtt_jax.collection import TableConfig
+from flowtt_jax.memory import AUTO_FRACTION, BatchStats, estimate_memory
+from flowtt_jax.nnx import TTEmbeddingCollection
+from flowtt_jax.ops.pooled import kernels_unsupported_reason
+
+KERNELS = kernels_unsupported_reason(layout=ftt.GroupLayout((ftt.TTSpec.create(1000, 16, 8),) * 2)) is None
+needs_kernels = pytest.mark.skipif(not KERNELS, reason="no table-batched kernels in this build")
+
+
+def _case(seed: int, caps: int | None = None):
+    """4 TT tables of one shape group (dim 16, rank 8) and a zipf batch of 1,024 bags each."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(10**4, 10**6, 4)
+    cfgs = [TableConfig(f"t{i}", int(n), 16, rank=8, max_unique_ids=caps) for i, n in enumerate(sizes)]
+    feats = {c.name: rng.zipf(1.3, (1024, int(rng.integers(3, 20)))) % c.num_embeddings for c in cfgs}
+    return cfgs, feats
+
+
+def _xla_bytes(coll, feats, training: bool) -> int:
+    graphdef, state = nnx.split(coll)
+
+    def bags(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    def loss(state, x):
+        return sum(jnp.sum(v**2) for v in bags(state, x).values())
+
+    step = jax.jit(jax.grad(loss) if training else bags)
+    m = step.lower(state, feats).compile().memory_analysis()
+    return m.temp_size_in_bytes + m.output_size_in_bytes
+
+
+def test_auto_budget_is_a_share_of_the_device():
+    assert resolve_budget("auto") == int(AUTO_FRACTION * device_memory_bytes())
+    assert resolve_budget(None) is None and resolve_budget(12345) == 12345
+    for bad in ("big", 0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="memory_budget"):
+            resolve_budget(bad)
+    cfgs, _ = _case(0)
+    with pytest.raises(ValueError, match="memory_budget"):
+        TTEmbeddingCollection(cfgs, memory_budget="lots", rngs=nnx.Rngs(0))
+
+
+def test_small_batches_run_in_one_pass_by_default():
+    """The default ("auto") on a small batch: one pass, the estimate of no budget."""
+    cfgs, feats = _case(1)
+    coll = TTEmbeddingCollection(cfgs, rngs=nnx.Rngs(0))
+    stats = BatchStats.measure([feats], cfgs)
+    plan = coll.memory_plan(stats)
+    assert plan.ids_per_pass is None and plan.passes == 1 and plan.fits
+    assert plan.estimate.activations == estimate_memory(cfgs, stats).activations
+    assert "all ids at once" in str(plan) and "fits" in str(plan)
+
+
+@needs_kernels
+@pytest.mark.parametrize("share", [0.6, 0.4])
+def test_budget_choice_fits_by_the_estimate_and_by_xla(share):
+    """A budget below the one-pass step: the policy takes passes; its estimate is within the
+    budget and within 15 % of XLA's analysis of the step the collection compiles, which is
+    smaller than the one-pass step's; bags equal the one-pass bags, gradients within
+    rounding."""
+    cfgs, feats = _case(2)
+    stats = BatchStats.measure([feats], cfgs)
+    one = estimate_memory(cfgs, stats)
+    budget = int(share * one.total)
+    lean = TTEmbeddingCollection(cfgs, memory_budget=budget, rngs=nnx.Rngs(0))
+    plain = TTEmbeddingCollection(cfgs, memory_budget=None, rngs=nnx.Rngs(0))
+    plan = lean.memory_plan(stats)
+    assert plan.passes > 1 and plan.fits and plan.estimate.total <= budget, str(plan)
+    assert lean.estimate_memory(stats) == plan.estimate  # the layer reports the same choice
+    assert estimate_memory(cfgs, stats, memory_budget=budget) == plan.estimate
+    xla = _xla_bytes(lean, feats, training=True)
+    assert abs(plan.estimate.activation_bytes / xla - 1) <= 0.15, (plan.estimate.activation_bytes, xla)
+    assert xla < _xla_bytes(plain, feats, training=True)
+
+    def loss(m):
+        return sum(jnp.sum(jnp.sin(v)) for v in m(feats).values())
+
+    got, want = lean(feats), plain(feats)
+    for f in want:
+        np.testing.assert_array_equal(np.asarray(got[f]), np.asarray(want[f]), err_msg=f)
+    g_lean, g_plain = nnx.grad(loss)(lean), nnx.grad(loss)(plain)
+    for a, b in zip(jax.tree.leaves(g_lean), jax.tree.leaves(g_plain)):  # sums in pass order
+        scale = float(np.abs(np.asarray(b)).max())
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_a_budget_nothing_fits_takes_the_most_passes():
+    cfgs, feats = _case(3)
+    stats = BatchStats.measure([feats], cfgs)
+    plan = TTEmbeddingCollection(cfgs, memory_budget=1, rngs=nnx.Rngs(0)).memory_plan(stats)
+    assert not plan.fits and plan.passes == 64 and "does NOT fit" in str(plan)
+    # ids_per_pass given: the user's choice, whatever the budget
+    given = TTEmbeddingCollection(cfgs, ids_per_pass=4096, memory_budget=1, rngs=nnx.Rngs(0))
+    assert given.memory_plan(stats).ids_per_pass == 4096
+
+
+def _forms(coll, feats):
+    """The collection's call forms over the same ids: dict, stacked, KeyedJagged, lookups."""
+    names = coll.feature_names
+    length = min(v.shape[1] for v in feats.values())
+    stacked = jnp.stack([jnp.asarray(feats[f][:, :length]) for f in names], axis=1)  # [B, F, L]
+    lengths = jnp.full((len(names), stacked.shape[0]), length, jnp.int32)
+    kjt = ftt.KeyedJagged(ids=jnp.transpose(stacked, (1, 0, 2)).reshape(-1), lengths=lengths, keys=names)
+    return {
+        "dict": lambda m: m(feats),
+        "stacked": lambda m: m(stacked),
+        "jagged": lambda m: m(kjt),
+        "lookup dict": lambda m: m.lookup(feats),
+        "lookup jagged": lambda m: m.lookup(kjt),
+    }
+
+
+@needs_kernels
+def test_no_call_form_has_a_host_callback_and_overflow_is_counted():
+    """Capacities far below the batch's uniques and a budget that forces passes: every call
+    form's lowered step has no host callback; each call that overflowed counts 1 on the
+    device (dict, stacked and jagged pool the same uniques)."""
+    cfgs, feats = _case(4, caps=64)
+    stats = BatchStats.measure([feats], cfgs)
+    budget = int(0.5 * estimate_memory(cfgs, stats).total)
+    coll = TTEmbeddingCollection(cfgs, memory_budget=budget, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(coll)
+    for name, call in _forms(coll, feats).items():
+        text = jax.jit(lambda s, c=call: c(nnx.merge(graphdef, s))).lower(state).as_text()
+        assert "callback" not in text, name
+    assert "while" in jax.jit(lambda s: nnx.merge(graphdef, s)(feats)).lower(state).as_text()  # passes
+    step = nnx.jit(lambda m: m(feats))
+    step(coll), step(coll)
+    assert list(coll.overflows().values()) == [2]
+
+
+@needs_kernels
+def test_lookup_honours_passes():
+    """``lookup`` of a feature dict runs in passes when asked: fewer XLA temporaries."""
+    cfgs, feats = _case(5)
+
+    def temp(per_pass):
+        coll = TTEmbeddingCollection(cfgs, ids_per_pass=per_pass, memory_budget=None, rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(coll)
+        fn = jax.jit(lambda s: nnx.merge(graphdef, s).lookup(feats))
+        return fn.lower(state).compile().memory_analysis().temp_size_in_bytes, fn(state)
+
+    (lean, rows_lean), (full, rows_full) = temp(2048), temp(None)
+    assert lean < full
+    for f in rows_full:
+        np.testing.assert_array_equal(np.asarray(rows_lean[f]), np.asarray(rows_full[f]))
+
+
+@needs_kernels
+def test_op_budget_and_its_argument_errors():
+    """``tt_embedding_bag_group(memory_budget=)`` takes passes below its one-pass bytes and
+    gives the same bags; bad ``unique_capacity`` / ``ids_per_pass`` name themselves."""
+    specs = (ftt.TTSpec.create(1000, 16, 8), ftt.TTSpec.create(900, 16, 8, row_shape=(10, 10, 9)))
+    layout = ftt.GroupLayout(specs)
+    packed = layout.pack([ftt.init_cores(jax.random.key(t), s) for t, s in enumerate(specs)])
+    rng = np.random.default_rng(6)
+    ids = jnp.asarray(rng.integers(0, 900, 6000), jnp.int32)
+    offsets = jnp.asarray(np.concatenate([[0], np.sort(rng.integers(0, 6000, 199)), [6000]]), jnp.int32)
+
+    def op(**kw):
+        fn = jax.jit(lambda p: ftt.tt_embedding_bag_group(p, layout, ids, offsets, (0, 1), **kw))
+        return fn(packed), fn.lower(packed).compile().memory_analysis().temp_size_in_bytes
+
+    (want, full), (got, lean) = op(memory_budget=None), op(memory_budget=400_000)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert lean < full
+    for name, bad in (
+        ("unique_capacity", 2.5),
+        ("unique_capacity", 0),
+        ("ids_per_pass", True),
+        ("ids_per_pass", "8"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            ftt.tt_embedding_bag_group(packed, layout, ids, offsets, (0, 1), **{name: bad})
