@@ -202,6 +202,9 @@ class MemoryPlan:
     budget: int | None
     estimate: MemoryEstimate
     fits: bool
+    #: XLA's bytes of the chosen step (its memory analysis: arguments, temporaries and
+    #: outputs, plus the estimate's kernel scratch), where the policy checked it by XLA
+    xla_bytes: int | None = None
 
     def __str__(self) -> str:
         budget = "no budget" if self.budget is None else f"budget {self.budget / 2**20:.1f} MiB"
@@ -211,7 +214,9 @@ class MemoryPlan:
             else f"{self.passes} passes of {self.ids_per_pass} ids"
         )
         verdict = "fits" if self.fits else "does NOT fit"
-        return f"{how}: {self.estimate.total / 2**20:.1f} MiB, {verdict} ({budget})\n{self.estimate}"
+        xla = "" if self.xla_bytes is None else f", XLA's analysis {self.xla_bytes / 2**20:.1f} MiB"
+        head = f"{how}: estimate {self.estimate.total / 2**20:.1f} MiB{xla}, {verdict} ({budget})"
+        return f"{head}\n{self.estimate}"
 
 
 def choose_memory_plan(
@@ -222,14 +227,19 @@ def choose_memory_plan(
     training: bool = True,
     param_dtype: Any = np.float32,
     optimizer: Any = None,
+    passes: int | None = None,
 ) -> MemoryPlan:
     """The fewest passes over the ids (``PASS_CHOICES``) whose step fits the budget by
     ``estimate_memory`` (a training step unless ``training=False``: at trace time the
     forward does not know whether a backward follows, so the collections plan for one).
+
     ``packs``: a collection's (``pack_tables``); where they have an ``ids_per_pass``, that
-    is the plan; else it is chosen, one value for every TT pack (the largest pack's ids over the passes, rounded up to 256).
-    The fastest step is one pass, so the first that fits is taken; a capacity
-    (``max_unique_ids``) is kept as configured."""
+    is the plan; else it is chosen, one value for every TT pack (the largest pack's ids over
+    the passes, rounded up to 256). The fastest step is one pass, so the first that fits is
+    taken; a capacity (``max_unique_ids``) is kept as configured. ``passes``: that many, not
+    the fewest that fit. A collection's call checks a choice near its budget by XLA's
+    analysis (``collection.xla_fit``).
+    """
     budget = resolve_budget(memory_budget)
     given = next((p.ids_per_pass for p in packs if p.kind != "dense" and p.ids_per_pass), None)
     if given is not None:  # the user's passes, whatever the budget
@@ -238,15 +248,15 @@ def choose_memory_plan(
         return MemoryPlan(given, -(-most // given), budget, est, budget is None or est.total <= budget)
     most = max((_pack_ids(p, stats) for p in packs if p.kind != "dense"), default=0)
     best = None
-    for passes in PASS_CHOICES:
-        per_pass = pass_size(most, passes)
-        if per_pass is not None and per_pass >= most:
+    for count in PASS_CHOICES if passes is None else (passes,):
+        per_pass = pass_size(most, count)
+        if per_pass is not None and per_pass >= most and passes is None:
             continue
         trial = tuple(
             p if p.kind == "dense" else dataclasses.replace(p, ids_per_pass=per_pass) for p in packs
         )
         est = _estimate(trial, stats, optimizer, training, param_dtype)
-        best = MemoryPlan(per_pass, passes, budget, est, budget is None or est.total <= budget)
+        best = MemoryPlan(per_pass, count, budget, est, budget is None or est.total <= budget)
         if best.fits:
             return best
     return best

@@ -29,7 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import errors, nnx
 
 from flowtt_jax.collection.config import TableConfig
 from flowtt_jax.collection.layout import CollectionLayout
@@ -216,8 +216,10 @@ class TTEmbeddingCollection(nnx.Module):
     static shapes, a call takes the fewest passes over the ids whose step fits
     (``memory_plan(stats)`` shows the choice; ``docs/memory.md``). ``ids_per_pass``: the TT
     kernels take each shape group's ids this many at a time, overriding the budget's choice.
-    ``overflow_counts``: per pack (``overflows()``), the calls whose unique rows exceeded the
-    capacity (``TableConfig.max_unique_ids``), counted on the device.
+    ``overflow_counts``: where a table has a capacity (``TableConfig.max_unique_ids``), per
+    pack (``overflows()``) the calls whose unique rows exceeded it, counted on the device
+    (not counted when the state is closed over as a constant rather than traced with the
+    call); None without capacities (nothing can overflow: the collection stays stateless).
     """
 
     def __init__(
@@ -259,10 +261,15 @@ class TTEmbeddingCollection(nnx.Module):
         shape) -> ``[B, F, features]``. ``pooled=False``: each id's row instead
         (``lookup``)."""
         kw = dict(oob=self.oob, impl=self.impl, dtype=self.dtype)
+        if self.overflow_counts is None:
+            return self.layout.call(self._values(), features, weights, pooled=pooled, **kw)
         out, overflowed = self.layout.call(
             self._values(), features, weights, pooled=pooled, with_overflow=True, **kw
         )
-        self.overflow_counts[...] = self.overflow_counts[...] + overflowed.astype(jnp.float32)
+        try:
+            self.overflow_counts[...] = self.overflow_counts[...] + overflowed.astype(jnp.float32)
+        except errors.TraceContextError:  # the state was closed over, not traced with the call
+            pass
         return out
 
     def overflows(self) -> dict[str, int]:

@@ -38,6 +38,7 @@ from flowtt_jax.collection.pool import (
     rows_csr,
     stacked_bags,
 )
+from flowtt_jax.collection.xla_fit import check_by_xla, pinned_layout
 from flowtt_jax.inputs.csr import clamp_csr
 from flowtt_jax.inputs.jagged import KeyedJagged, PackedCSR, compact, concat_weights, pack_features
 from flowtt_jax.inputs.oob import as_ids, saturate_int32
@@ -92,23 +93,65 @@ class CollectionLayout:
         """Parameter names of pack ``p``."""
         return param_names(self.packs, p)
 
-    def memory_plan(self, stats: BatchStats, *, training: bool = True) -> MemoryPlan:
-        """What a call on batches of ``stats`` runs: ``ids_per_pass`` as given, else the
-        automatic policy's choice for ``memory_budget`` (``memory.choose_memory_plan``),
-        with ``estimate_memory``'s bytes of it."""
-        return choose_memory_plan(self.packs, stats, self.memory_budget, training=training)
+    def memory_plan(
+        self,
+        batch: Any,
+        weights: Any = None,
+        *,
+        pooled: bool = True,
+        params: Any = None,
+        training: bool = True,
+    ) -> MemoryPlan:
+        """What a call runs under ``memory_budget``: its passes over the ids and their bytes.
+
+        ``batch``: ``BatchStats`` (the estimate's choice, ``memory.choose_memory_plan``), or
+        a call's inputs (a feature dict, ``KeyedJagged`` or stacked ids, arrays or
+        ``ShapeDtypeStruct``s, with ``weights`` and ``pooled`` as ``call`` takes them): the
+        choice the call makes, checked by XLA's analysis near the budget
+        (``collection.xla_fit``; ``params``: the parameters or their shapes, default float32).
+        ``ids_per_pass`` given: that is the plan."""
+        if isinstance(batch, BatchStats):
+            return choose_memory_plan(self.packs, batch, self.memory_budget, training=training)
+        return self._checked_plan(params, batch, weights, pooled, {})
+
+    def _form_sizes(self, features: Any, pooled: bool) -> tuple[list[int], int]:
+        """``(ids per pack, bags per feature)`` of a call's inputs, from static shapes: a
+        ``KeyedJagged``'s every id for each pack (each scans the flat batch), a dict's own
+        features' ids, stacked ``[B, F(, L)]`` ids' columns; unpooled, each id is a bag."""
+        if isinstance(features, KeyedJagged):
+            n = int(np.shape(features.ids)[0])
+            num = max(len(self.feature_names), 1)
+            lengths = features.lengths
+            batch = (
+                np.shape(lengths)[-1] if lengths is not None else (np.shape(features.offsets)[0] - 1) // num
+            )
+            return [n] * len(self.packs), (int(batch) if pooled else n)
+        if isinstance(features, Mapping):
+            if pooled:
+                return _dict_sizes(self.packs, features)
+            sizes = [
+                sum(int(np.size(_ids_of(features[s.feature]))) for s in pk.features if s.feature in features)
+                for pk in self.packs
+            ]
+            return sizes, max(sizes, default=0)
+        shape = np.shape(features)
+        per_feature = shape[0] * (shape[2] if len(shape) == 3 else 1)
+        return [per_feature * len(pk.features) for pk in self.packs], shape[0]
+
+    def _stats(self, pack_ids: Sequence[int], batch: int) -> BatchStats:
+        ids = {p.features[0].feature: int(n) for p, n in zip(self.packs, pack_ids) if p.features}
+        return BatchStats(int(batch), ids)
 
     def _call_packs(self, pack_ids: Sequence[int], batch: int) -> tuple[TablePack, ...]:
         """The packs a call runs, ``pack_ids`` ids each (static) in ``batch`` bags per feature:
-        ``packs`` with the memory policy's ``ids_per_pass`` (``memory_plan``)."""
+        ``packs`` with the estimate's ``ids_per_pass`` under the budget (``memory_plan``)."""
         if self.ids_per_pass is not None or self.memory_budget is None:
             return self.packs
         return self._packs_for(tuple(int(n) for n in pack_ids), int(batch))
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 (the layout is static and hashable)
     def _packs_for(self, pack_ids: tuple[int, ...], batch: int) -> tuple[TablePack, ...]:
-        ids = {p.features[0].feature: n for p, n in zip(self.packs, pack_ids) if p.features}
-        plan = self.memory_plan(BatchStats(batch, ids))
+        plan = self.memory_plan(self._stats(pack_ids, batch))
         if plan.ids_per_pass is None:
             return self.packs
         return tuple(
@@ -291,7 +334,7 @@ class CollectionLayout:
         ``flowtt_jax.collection`` for the input forms); ``KeyError`` for a missing one."""
         params = _cast_to_batch(params, features)
         out = {}
-        for p, pack in enumerate(self._call_packs(*_dict_sizes(self.packs, features))):
+        for p, pack in enumerate(self._call_packs(*self._form_sizes(features, True))):
             arrays = tuple(params[n] for n in self.param_names(p))
             out_dtype = arrays[0].dtype if dtype is None else dtype
             inputs = [feature_input(features, s, pack) for s in pack.features]
@@ -328,7 +371,7 @@ class CollectionLayout:
         csr, back, _ = self._jagged_in_pack_order(batch, oob)
         params = _cast_to_batch(params, (csr.ids, csr.weights))
         parts, lo = [], 0
-        packs = self._call_packs([csr.ids.shape[0]] * len(self.packs), csr.batch)  # each sees every id
+        packs = self._call_packs(*self._form_sizes(batch, True))  # each pack sees every id
         for p, pack in enumerate(packs):
             arrays = tuple(params[n] for n in self.param_names(p))
             out_dtype = arrays[0].dtype if dtype is None else dtype
@@ -359,7 +402,7 @@ class CollectionLayout:
             csr, _, src = self._jagged_in_pack_order(features, oob)
             params = _cast_to_batch(params, (csr.ids, csr.weights))
             n, rows, lo = csr.ids.shape[0], None, 0
-            for p, pack in enumerate(self._call_packs([n] * len(self.packs), n)):
+            for p, pack in enumerate(self._call_packs(*self._form_sizes(features, False))):
                 arrays = tuple(params[k] for k in self.param_names(p))
                 hi = lo + len(pack.features)
                 part = rows_csr(pack, arrays, csr, (lo, hi), oob, impl, whole=False)
@@ -370,11 +413,7 @@ class CollectionLayout:
             return rows if src is None or n == 0 else jnp.zeros_like(rows).at[src].add(rows)
         out = {}
         params = _cast_to_batch(params, features)
-        sizes = [
-            sum(int(np.size(_ids_of(features[s.feature]))) for s in pk.features if s.feature in features)
-            for pk in self.packs
-        ]
-        for p, pack in enumerate(self._call_packs(sizes, max(sizes, default=0))):
+        for p, pack in enumerate(self._call_packs(*self._form_sizes(features, False))):
             slots = [s for s in pack.features if s.feature in features]
             if not slots:
                 continue
@@ -407,6 +446,9 @@ class CollectionLayout:
         ``dtype``. ``with_overflow``: ``(outputs, int32 [num_packs])``, 1 where a pack had
         more unique rows than its capacity this call (counted on the device; always 0 on a
         layout that does not ``counts_overflow``)."""
+        pinned = self._budget_layout(params, features, weights, pooled, kw)
+        if pinned is not self:  # near the budget: the passes XLA's analysis chose
+            return pinned.call(params, features, weights, pooled=pooled, with_overflow=with_overflow, **kw)
         if not with_overflow:
             return self._call(params, features, weights, pooled=pooled, **kw)
         if not self.counts_overflow:
@@ -414,6 +456,28 @@ class CollectionLayout:
         with overflow_flags() as flags:
             out = self._call(params, features, weights, pooled=pooled, **kw)
         return out, self._overflows(flags)
+
+    def _checked_plan(self, params, features, weights, pooled: bool, kw) -> MemoryPlan:
+        """The estimate's plan for this call's shapes, checked by XLA's analysis near the
+        budget (``collection.xla_fit.check_by_xla``)."""
+        sizes, batch = self._form_sizes(features, pooled)
+        stats = self._stats(sizes, batch)
+        plan = self.memory_plan(stats)
+        if self.ids_per_pass is not None or self.memory_budget is None:
+            return plan
+        if params is None:
+            params = {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in self.param_shapes().items()}
+        most = max((n for p, n in zip(self.packs, sizes) if p.kind != "dense"), default=0)
+        plan_at = lambda passes: choose_memory_plan(self.packs, stats, self.memory_budget, passes=passes)  # noqa: E731
+        return check_by_xla(plan, plan_at, self, params, (features, weights), most, pooled, kw)
+
+    def _budget_layout(self, params, features, weights, pooled: bool, kw) -> CollectionLayout:
+        """``self``, or a copy with the passes XLA's analysis chose where the estimate puts
+        the call near its budget (``collection.xla_fit``)."""
+        if self.ids_per_pass is not None or self.memory_budget is None or not self.counts_overflow:
+            return self
+        plan = self._checked_plan(params, features, weights, pooled, kw)
+        return self if plan.xla_bytes is None else pinned_layout(self, plan.ids_per_pass)
 
     def _call(self, params, features, weights, *, pooled: bool, **kw: Any):
         self.check_params(params)
@@ -508,8 +572,7 @@ class CollectionLayout:
         params = _cast_to_batch(params, (ids, weights))
         column = {f: i for i, f in enumerate(self.feature_names)}
         parts, order = [], []
-        per_feature = ids.shape[0] * ids.shape[2]
-        packs = self._call_packs([per_feature * len(pk.features) for pk in self.packs], ids.shape[0])
+        packs = self._call_packs(*self._form_sizes(ids, True))
         for p, pack in enumerate(packs):
             arrays = tuple(params[n] for n in self.param_names(p))
             out_dtype = arrays[0].dtype if dtype is None else dtype

@@ -1,0 +1,103 @@
+"""The memory policy's check of its choice by XLA: where ``estimate_memory`` puts a call's
+step near its budget, the candidates (the estimate's passes, then more) are compiled as
+the training step XLA would run for this batch form (abstract shapes: no data, no run) and
+the fewest whose memory analysis fits is taken.
+
+The estimate models the op's buffers (``docs/memory.md``) and is within 15 % of XLA on the
+common forms, but XLA's schedule of many packs, one-id features and the reference path can
+differ from it by more; far below the budget (under ``VERIFY_SHARE`` of it) that does not
+matter and nothing is compiled. Compiled bytes: arguments (the parameters and the batch),
+temporaries and outputs (the parameters' gradients), plus the estimate's kernel scratch,
+which the kernels allocate at run time where XLA's analysis does not see it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from flowtt_jax.budget import PASS_CHOICES, pass_size
+from flowtt_jax.memory import MemoryPlan
+
+__all__ = ["VERIFY_SHARE", "check_by_xla", "pinned_layout"]
+
+#: An estimate at or above this share of the budget is checked by XLA's analysis.
+VERIFY_SHARE = 0.5
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _abstract(tree: Any) -> tuple[list, Any, list]:
+    """``(abstract arrays, treedef, leaves)`` of a call's inputs: every array leaf (jax,
+    numpy, a tracer) as a ``ShapeDtypeStruct``; other leaves stay as they are (static)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves if _is_array(x)]
+    return arrays, treedef, leaves
+
+
+@functools.lru_cache(maxsize=32)
+def pinned_layout(layout: Any, ids_per_pass: int | None) -> Any:
+    """``layout`` with its passes fixed (no budget: the candidate runs as given)."""
+    return dataclasses.replace(layout, ids_per_pass=ids_per_pass, memory_budget=None)
+
+
+def _compiled_bytes(layout, params, inputs, pooled: bool, kw: Mapping[str, Any]) -> int:
+    """Arguments + temporaries + outputs of the training step of ``layout.call`` on the
+    abstract ``params`` and ``inputs`` (``(features, weights)``)."""
+    arrays, treedef, leaves = _abstract(inputs)
+    slots = [i for i, x in enumerate(leaves) if _is_array(x)]
+    abstract_params = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in params.items()}
+
+    def loss(p, arrays):
+        full = list(leaves)
+        for i, a in zip(slots, arrays):
+            full[i] = a
+        features, weights = jax.tree.unflatten(treedef, full)
+        out = layout.call(p, features, weights, pooled=pooled, **kw)
+        # a loss that needs the outputs in its backward, as a model's does (a sum would not)
+        return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(out))
+
+    compiled = jax.jit(jax.grad(loss)).lower(abstract_params, arrays).compile()
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes)
+
+
+def check_by_xla(
+    plan: MemoryPlan, plan_at, layout, params, inputs, most_ids: int, pooled: bool, kw
+) -> MemoryPlan:
+    """``plan`` (the estimate's choice for this call) checked by XLA's analysis where its
+    estimate is at least ``VERIFY_SHARE`` of the budget: from its passes on, the first
+    candidate whose compiled step (plus the estimate's kernel scratch) fits, looking at fewer
+    passes where the estimate's choice fits and more where it does not; the most passes if
+    none does. ``plan_at(passes)``: the estimate's plan at that many passes; ``most_ids``:
+    the largest TT pack's ids (the passes' size)."""
+    if plan.budget is None or plan.estimate.total < VERIFY_SHARE * plan.budget:
+        return plan
+    choices = [p for p in PASS_CHOICES if p == 1 or pass_size(most_ids, p) < most_ids]
+
+    def check(passes: int) -> MemoryPlan:
+        candidate = plan_at(passes)
+        layout_p = pinned_layout(layout, pass_size(most_ids, passes))
+        xla = _compiled_bytes(layout_p, params, inputs, pooled, kw) + candidate.estimate.scratch
+        return dataclasses.replace(candidate, fits=xla <= plan.budget, xla_bytes=xla)
+
+    # from the estimate's choice: fewer passes while they fit, else more until one does
+    k = choices.index(plan.passes) if plan.passes in choices else len(choices) - 1
+    best = check(choices[k])
+    step = -1 if best.fits else 1
+    while 0 <= k + step < len(choices):
+        k += step
+        trial = check(choices[k])
+        if step < 0 and not trial.fits:
+            break
+        best = trial
+        if step > 0 and trial.fits:
+            break
+    return best
