@@ -1,6 +1,9 @@
 // Standalone check + timing of the FlowTT kernels (no JAX, no XLA).
 // Build: scripts/build_harness.sh BUILD_DIR (cmake target flowtt_harness)
 // Run:   BUILD_DIR/flowtt_harness [--quick | --s1 | --s1-timing | --only SUBSTR]
+//        BUILD_DIR/flowtt_harness --sanitize [SUBSTR]   (small checked cases that launch every
+//        kernel of the library, no timing, for compute-sanitizer: cuda/harness/sanitize.cuh,
+//        scripts/gpu_race.sh)
 // (--only: just the cases whose name contains SUBSTR, checked and timed; their ids are
 // those of a full run, their cores and gradients drawn after the skipped cases' ids)
 // For every case: host plan (same as flowtt_jax.plan.make_plan), outputs
@@ -453,7 +456,11 @@ int run_case(const Case& c, std::mt19937_64& rng, bool timing) {
   return fails;
 }
 
+#include "sanitize.cuh"  // --sanitize
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "--sanitize")
+    return sanitize::run(argc > 2 ? std::string(argv[2]) : std::string());
   bool quick = argc > 1 && std::string(argv[1]) == "--quick";
   const bool s1time = argc > 1 && std::string(argv[1]) == "--s1-timing";
   const bool s1only = s1time || (argc > 1 && std::string(argv[1]) == "--s1");
