@@ -150,8 +150,13 @@ class CollectionLayout:
         return self._packs_for(tuple(int(n) for n in pack_ids), int(batch))
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 (the layout is static and hashable)
+    def _plan_for(self, pack_ids: tuple[int, ...], batch: int) -> MemoryPlan:
+        """The estimate's plan for a call of these sizes (cached: every trace asks)."""
+        return self.memory_plan(self._stats(pack_ids, batch))
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 (the layout is static and hashable)
     def _packs_for(self, pack_ids: tuple[int, ...], batch: int) -> tuple[TablePack, ...]:
-        plan = self.memory_plan(self._stats(pack_ids, batch))
+        plan = self._plan_for(pack_ids, batch)
         if plan.ids_per_pass is None:
             return self.packs
         return tuple(
@@ -462,7 +467,7 @@ class CollectionLayout:
         budget (``collection.xla_fit.check_by_xla``)."""
         sizes, batch = self._form_sizes(features, pooled)
         stats = self._stats(sizes, batch)
-        plan = self.memory_plan(stats)
+        plan = self._plan_for(tuple(sizes), batch)
         if self.ids_per_pass is not None or self.memory_budget is None:
             return plan
         if params is None:

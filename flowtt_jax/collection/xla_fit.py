@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from flowtt_jax.budget import PASS_CHOICES, pass_size
-from flowtt_jax.memory import MemoryPlan
 
 __all__ = ["VERIFY_SHARE", "check_by_xla", "pinned_layout"]
 
@@ -69,9 +68,7 @@ def _compiled_bytes(layout, params, inputs, pooled: bool, kw: Mapping[str, Any])
     return int(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes)
 
 
-def check_by_xla(
-    plan: MemoryPlan, plan_at, layout, params, inputs, most_ids: int, pooled: bool, kw
-) -> MemoryPlan:
+def check_by_xla(plan: Any, plan_at, layout, params, inputs, most_ids: int, pooled: bool, kw) -> Any:
     """``plan`` (the estimate's choice for this call) checked by XLA's analysis where its
     estimate is at least ``VERIFY_SHARE`` of the budget: from its passes on, the first
     candidate whose compiled step (plus the estimate's kernel scratch) fits, looking at fewer
@@ -82,7 +79,7 @@ def check_by_xla(
         return plan
     choices = [p for p in PASS_CHOICES if p == 1 or pass_size(most_ids, p) < most_ids]
 
-    def check(passes: int) -> MemoryPlan:
+    def check(passes: int) -> Any:
         candidate = plan_at(passes)
         layout_p = pinned_layout(layout, pass_size(most_ids, passes))
         xla = _compiled_bytes(layout_p, params, inputs, pooled, kw) + candidate.estimate.scratch
