@@ -418,3 +418,25 @@ def test_table_config_errors_name_the_table_and_argument(kwargs, match):
     with pytest.raises((TypeError, ValueError), match=match):
         TableConfig(**{**base, **kwargs})
     assert TableConfig("t", np.int64(100), 8, rank=(np.int32(4), 3)).rank == (4, 3)
+
+
+def test_oob_error_checks_each_packs_own_bags_only():
+    """``oob="error"`` with two packs (TT + dense): a ``KeyedJagged`` whose ids are valid for
+    their own tables, with a static-capacity tail of ids in no bag, passes eager and under
+    ``ftt.checked``; an id past its own table is refused naming its table, feature and
+    example."""
+    import flowtt_jax as ftt
+
+    tables = [TableConfig("a", 1000, 8, rank=4), TableConfig("b", 50, 8, kind="dense", feature_names=("fb",))]
+    col = TTEmbeddingCollection(tables, oob="error", rngs=nnx.Rngs(0))
+    lengths = jnp.array([[2, 1], [1, 1]])  # a: 500, 7 | 3; fb: 40 | 49; then a tail in no bag
+    ids = jnp.array([500, 7, 3, 40, 49, 12345, -3, 0])
+    kjt = KeyedJagged(ids=ids, lengths=lengths, keys=col.feature_names)
+    step = ftt.checked(lambda m, x: m(x))
+    want = np.asarray(col(kjt))
+    np.testing.assert_array_equal(np.asarray(step(col, kjt)), want)
+    bad = KeyedJagged(ids=ids.at[4].set(50), lengths=lengths, keys=col.feature_names)
+    with pytest.raises(ValueError, match="id 50 of table 'b' \\(50 rows\\) at feature 'fb', example 1"):
+        col(bad)
+    with pytest.raises(ValueError, match="found 50 in table #0 .* feature #0 example 1.*#0 'fb'"):
+        step(col, bad)

@@ -481,6 +481,10 @@ class CollectionLayout:
         the call near its budget (``collection.xla_fit``)."""
         if self.ids_per_pass is not None or self.memory_budget is None or not self.counts_overflow:
             return self
+        try:
+            self._form_sizes(features, pooled)
+        except (IndexError, TypeError, ValueError, KeyError, AttributeError):
+            return self  # malformed inputs: the call's own checks name the problem
         plan = self._checked_plan(params, features, weights, pooled, kw)
         return self if plan.xla_bytes is None else pinned_layout(self, plan.ids_per_pass)
 

@@ -95,6 +95,7 @@ def _csr_bags(
         kernel=kernel,
         whole=whole,
         table_names=names,
+        feature_names=tuple(s.feature for s in pack.features),
     )
 
 

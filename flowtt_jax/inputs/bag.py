@@ -213,6 +213,7 @@ def packed_bags(
     kernel: bool,
     whole: bool = True,
     table_names: tuple[str, ...] | None = None,
+    feature_names: tuple[str, ...] | None = None,
 ) -> tuple[CanonicalBags, jax.Array]:
     """A packed feature-major batch (ids [n], n >= 1, offsets [F*B + 1], optional weights)
     as ``(CanonicalBags, tables [n] int32)``: each position's bag and its feature's table,
@@ -220,8 +221,9 @@ def packed_bags(
     position is dropped (``apply_bags_oob``). ``kernel``: one ``flowtt_tb_bags`` call for
     ``"clip"`` / ``"zero"`` (the valid CSR too; ``"error"`` takes the jax.numpy path, for its
     checks), the same values as the jax.numpy path, its oracle. ``whole=False``: ``offsets``
-    are a slice of a checked CSR over ``ids`` (``canonical_bags``); ``table_names`` name the
-    tables in ``"error"``'s messages."""
+    are a slice of a checked CSR over ``ids`` (``canonical_bags``); ``table_names`` and
+    ``feature_names`` name the table, feature and example in ``"error"``'s messages, which
+    checks the positions in these bags only (not another pack's, nor a padded tail)."""
     batch = (np.shape(offsets)[0] - 1) // len(feature_tables)
     check = oob == "error"
     bags = canonical_bags(ids, offsets=offsets, weights=weights, mode="sum", check_offsets=check, whole=whole)
@@ -237,7 +239,8 @@ def packed_bags(
             w = jnp.where(live != 0, jnp.asarray(weights).astype(bags.weights.dtype), 0.0)
         return bags._replace(ids=flat, weights=w, offsets=csr, bag_ids=bag_ids, keep=live != 0), tables
     tables = jnp.asarray(feature_tables, jnp.int32)[bags.bag_ids // batch]
-    flat, valid = apply_table_oob(bags.ids, tables, num_rows, oob, table_names)
+    where = None if feature_names is None else (bags.bag_ids, batch, tuple(feature_names))
+    flat, valid = apply_table_oob(bags.ids, tables, num_rows, oob, table_names, live=bags.keep, where=where)
     return apply_bags_oob(bags, flat, valid, tables)  # dropped positions add no rows
 
 

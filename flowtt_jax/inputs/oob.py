@@ -123,36 +123,59 @@ def apply_table_oob(
     num_rows: jax.Array,
     policy: str,
     table_names: tuple[str, ...] | None = None,
+    *,
+    live: jax.Array | None = None,
+    where: tuple[jax.Array, int, tuple[str, ...]] | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """``apply_oob`` for positions of several tables: ids [n] of any integer dtype, tables
     [n] int32 table indices, num_rows [T] each table's N. Returns ``(int32 ids in
     [0, N_t), valid)``, ``valid`` a bool mask for ``"zero"``, else None. ``table_names``
-    (T names) name the table in ``"error"``'s messages."""
+    (T names) name the table in ``"error"``'s messages; ``live`` [n] bool: the positions
+    ``"error"`` checks (None: all; a position in no bag of this call, e.g. another pack's or
+    a static-capacity tail, is not this call's to refuse); ``where``: ``(bag_ids [n], batch,
+    feature names)`` of feature-major bags, so the message names the feature and example."""
     _check_policy(policy)
     _check_integer(ids.dtype)
     limit = jnp.asarray(num_rows)[tables]
     ids32 = saturate_int32(ids)  # any int dtype: out-of-range ids stay out of range
     valid = (ids32 >= 0) & (ids32 < limit)
     if policy == "error":
-        if isinstance(ids, jax.core.Tracer) or isinstance(valid, jax.core.Tracer):
+        ok = valid if live is None else valid | ~live
+        traced = any(isinstance(x, jax.core.Tracer) for x in (ids, valid, ok))
+        if traced:
             names = "" if table_names is None else f" (tables by index: {_name_list(table_names)})"
+            first = jnp.argmin(ok) if ids.size else 0
+            at, extra = "position {pos} of the packed batch", {}
+            if where is not None and ids.size:
+                bag_ids, batch, features = where
+                at = "feature #{feature} example {example} (position {pos} of the packed batch)"
+                names += f"; features by index: {_name_list(features)}"
+                extra = dict(feature=bag_ids[first] // max(batch, 1), example=bag_ids[first] % max(batch, 1))
             checkify.check(
-                jnp.all(valid),
+                jnp.all(ok),
                 "ids out of range of their tables: found {bad} in table #{table} (of {rows} rows) at "
-                "position {pos} of the packed batch" + names,
-                bad=ids[jnp.argmin(valid)] if ids.size else 0,
-                table=tables[jnp.argmin(valid)] if ids.size else 0,
-                rows=limit[jnp.argmin(valid)] if ids.size else 0,
-                pos=jnp.argmin(valid) if ids.size else 0,
+                + at
+                + names,
+                bad=ids[first] if ids.size else 0,
+                table=tables[first] if ids.size else 0,
+                rows=limit[first] if ids.size else 0,
+                pos=first,
+                **extra,
             )
         else:
-            bad = np.flatnonzero(~np.asarray(valid))
+            bad = np.flatnonzero(~np.asarray(ok))
             if bad.size:
-                t = int(np.asarray(tables)[bad[0]])
+                i = int(bad[0])
+                t = int(np.asarray(tables)[i])
                 table = f"table {table_names[t]!r}" if table_names is not None else f"table #{t}"
+                at = f"position {i} of the packed batch"
+                if where is not None:
+                    bag_ids, batch, features = where
+                    bag = int(np.asarray(bag_ids)[i])
+                    at = f"feature {features[bag // max(batch, 1)]!r}, example {bag % max(batch, 1)} ({at})"
                 raise ValueError(
-                    f"{bad.size} id(s) out of range of their tables, e.g. id {np.asarray(ids)[bad[0]]} "
-                    f"of {table} ({np.asarray(limit)[bad[0]]} rows) at position {bad[0]} of the packed batch"
+                    f"{bad.size} id(s) out of range of their tables, e.g. id {np.asarray(ids)[i]} "
+                    f"of {table} ({np.asarray(limit)[i]} rows) at {at}"
                 )
     clipped = jnp.clip(ids32, 0, limit - 1)
     if policy == "zero":
