@@ -47,24 +47,72 @@ def capacity_passes(num_ids: int, capacity: int | None) -> tuple[int, int]:
     return capacity, passes
 
 
+def _feature_ids(value: Any, feature: str) -> tuple[np.ndarray, int]:
+    """``(the ids a feature's input looks up, its bags)`` for every documented input form:
+    ids ``[B]`` / ``[B, L]``, ``(ids, offsets [B + 1])``, or a dict with ``"ids"`` and one of
+    ``"offsets"`` (ids outside the bags not counted), ``"segment_ids"`` + ``"num_bags"``,
+    ``"mask"`` (masked ids not counted), optional ``"weights"``."""
+    if isinstance(value, tuple):
+        value = {"ids": value[0], "offsets": value[1]}
+    if not isinstance(value, Mapping):
+        ids = np.asarray(value)
+        if ids.ndim not in (1, 2):
+            raise ValueError(f"feature {feature!r}: ids must be [B] or [B, L], got shape {ids.shape}")
+        return ids.ravel(), ids.shape[0]
+    if "ids" not in value:
+        raise ValueError(f"feature {feature!r}: a dict input needs 'ids', got keys {sorted(value)}")
+    ids = np.asarray(value["ids"])
+    if value.get("offsets") is not None:
+        offsets = np.asarray(value["offsets"]).astype(np.int64)
+        lo, hi = (int(offsets[0]), int(offsets[-1])) if offsets.size else (0, 0)
+        return ids.ravel()[lo:hi], max(offsets.shape[0] - 1, 0)
+    if value.get("segment_ids") is not None:
+        num = int(value.get("num_bags") or 0)
+        seg = np.asarray(value["segment_ids"]).ravel()
+        return ids.ravel()[(seg >= 0) & (seg < num)], num
+    if value.get("mask") is not None:
+        return ids[np.asarray(value["mask"], bool)].ravel(), ids.shape[0]
+    return ids.ravel(), ids.shape[0] if ids.ndim else 1
+
+
+def _jagged_features(batch: Any) -> dict[str, tuple[np.ndarray, int]]:
+    """A ``KeyedJagged``'s ``{feature: (its ids, bags)}`` (its ``keys`` name the features)."""
+    if batch.keys is None:
+        raise ValueError("a KeyedJagged sample batch needs keys (the feature names) to be measured")
+    ids = np.asarray(batch.ids).ravel()
+    num = len(batch.keys)
+    if batch.lengths is not None:
+        lengths = np.asarray(batch.lengths).astype(np.int64).reshape(num, -1)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+    else:
+        offsets = np.asarray(batch.offsets).astype(np.int64)
+    bags = (offsets.shape[0] - 1) // max(num, 1)
+    return {k: (ids[offsets[f * bags] : offsets[(f + 1) * bags]], bags) for f, k in enumerate(batch.keys)}
+
+
 def batch_counts(
-    batches: Iterable[Mapping[str, Any]], feature_tables: Mapping[str, str], what: str
+    batches: Iterable[Any], feature_tables: Mapping[str, str], what: str
 ) -> tuple[int, dict[str, int], dict[str, int]]:
     """``(bags per feature, ids per feature, unique ids per table)``, each the most over
-    sample ``batches``: dicts ``{feature: ids [B, L]}`` or ``{feature: (ids, offsets [B + 1])}``
-    (host or device arrays). ``feature_tables``: ``{feature: table name}``; a feature it
-    lacks raises ``KeyError`` naming ``what`` and the features."""
+    sample ``batches``: feature dicts in any input form the collections take (``_feature_ids``;
+    host or device arrays) or ``KeyedJagged`` batches with keys. ``feature_tables``:
+    ``{feature: table name}``; a feature it lacks raises ``KeyError`` naming ``what`` and the
+    features."""
     batch_size, ids, unique = 0, {}, {}
     for batch in batches:
-        unknown = sorted(set(batch) - set(feature_tables))
+        if not isinstance(batch, Mapping) and hasattr(batch, "ids") and hasattr(batch, "keys"):
+            features = _jagged_features(batch)  # a KeyedJagged
+        elif isinstance(batch, Mapping):
+            features = {f: _feature_ids(v, f) for f, v in batch.items()}
+        else:
+            raise TypeError(
+                f"{what}: a sample batch is a feature dict or a KeyedJagged, got {type(batch).__name__}"
+            )
+        unknown = sorted(set(features) - set(feature_tables))
         if unknown:
             raise KeyError(f"{what}: features {unknown} are read by no table")
         per_table: dict[str, list[np.ndarray]] = {}
-        for feature, value in batch.items():
-            if isinstance(value, tuple):
-                flat, bags = np.asarray(value[0]).ravel(), np.asarray(value[1]).shape[0] - 1
-            else:
-                flat, bags = np.asarray(value).ravel(), np.asarray(value).shape[0]
+        for feature, (flat, bags) in features.items():
             batch_size = max(batch_size, bags)
             ids[feature] = max(ids.get(feature, 0), flat.size)
             per_table.setdefault(feature_tables[feature], []).append(flat)
@@ -81,8 +129,9 @@ def measure_unique_ids(
     """The capacity of each table from sample batches: the most unique ids any batch looked
     up in it (over all of its features), times ``margin``, rounded up to a multiple of 64.
 
-    ``batches``: as ``batch_counts`` takes them; ``feature_tables``: ``{feature: table
-    name}``. A table no batch touched gets 64. Pass the result as
+    ``batches``: feature dicts in any input form the collections take, or ``KeyedJagged``
+    batches with keys; ``feature_tables``: ``{feature: table name}``. A table no batch
+    touched gets 64. Pass the result as
     ``TableConfig.max_unique_ids``.
     """
     if margin < 1:

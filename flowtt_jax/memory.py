@@ -67,9 +67,10 @@ class BatchStats:
     unique: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def measure(cls, batches: Iterable[Mapping[str, Any]], tables: Sequence[TableConfig]) -> BatchStats:
-        """The most ids per feature and unique ids per table over sample ``batches`` (dicts
-        ``{feature: ids [B, L]}`` or ``{feature: (ids, offsets)}`` with offsets [B + 1])."""
+    def measure(cls, batches: Iterable[Any], tables: Sequence[TableConfig]) -> BatchStats:
+        """The most ids per feature and unique ids per table over sample ``batches``: feature
+        dicts in any input form the collections take, or ``KeyedJagged`` batches with keys
+        (``capacity.batch_counts``)."""
         table_of = {f: t.name for t in tables for f in t.feature_keys}
         batch_size, ids, unique = batch_counts(batches, table_of, "BatchStats.measure")
         return cls(batch_size, ids, unique)

@@ -39,7 +39,7 @@ from flowtt_jax.collection.pool import (
     stacked_bags,
 )
 from flowtt_jax.collection.xla_fit import check_by_xla, pinned_layout
-from flowtt_jax.inputs.csr import clamp_csr
+from flowtt_jax.inputs.csr import as_weights, clamp_csr
 from flowtt_jax.inputs.jagged import KeyedJagged, PackedCSR, compact, concat_weights, pack_features
 from flowtt_jax.inputs.oob import as_ids, saturate_int32
 from flowtt_jax.kernels import ffi
@@ -382,7 +382,7 @@ class CollectionLayout:
             out_dtype = arrays[0].dtype if dtype is None else dtype
             hi = lo + len(pack.features)
             pooled = pool_csr(pack, arrays, csr, (lo, hi), oob, impl, batch_major=True, whole=False)
-            parts.append(pooled.reshape(csr.batch, hi - lo, -1).astype(out_dtype))
+            parts.append(pooled.reshape(csr.batch, hi - lo, pooled.shape[-1]).astype(out_dtype))
             lo = hi
         out = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
         return out if back is None else out[:, back]
@@ -611,10 +611,9 @@ class CollectionLayout:
         if len(dims) > 1:
             raise ValueError(f"a stacked output needs one dim for every table, got dims {dims}")
         if weights is not None:
-            weights = jnp.asarray(weights)
+            weights = as_weights(weights, "stacked weights")
             if weights.shape != ids.shape:
                 raise ValueError(f"weights shape {weights.shape} != ids shape {ids.shape}")
-            weights = weights.astype(jnp.promote_types(weights.dtype, jnp.float32))
             weights = weights if weights.ndim == 3 else weights[..., None]
         return (ids if ids.ndim == 3 else ids[..., None]), weights
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from flowtt_jax.collection.packs import FeatureSlot, TablePack
 from flowtt_jax.inputs.bag import CanonicalBags, apply_bags_oob, bag_kwargs, canonical_bags, packed_bags
-from flowtt_jax.inputs.csr import bag_of_positions, check_sizes, scale_by_modes
+from flowtt_jax.inputs.csr import as_weights, bag_of_positions, check_sizes, scale_by_modes
 from flowtt_jax.inputs.jagged import PackedCSR
 from flowtt_jax.inputs.oob import apply_oob, apply_table_oob, as_ids, saturate_int32
 from flowtt_jax.ops.pooled import choose_impl, pooled, to_batch_major
@@ -155,10 +155,9 @@ def lookup_input(value: Any, name: str, oob: str) -> tuple[jax.Array, jax.Array 
         value = value["ids"]
     ids = as_ids(value if isinstance(value, jax.Array) else np.asarray(value), oob)
     if weights is not None:
-        weights = jnp.asarray(weights)
+        weights = as_weights(weights, f"feature {name!r}: weights")
         if weights.shape != ids.shape:
             raise ValueError(f"feature {name!r}: weights shape {weights.shape} != ids shape {ids.shape}")
-        weights = weights.astype(jnp.promote_types(weights.dtype, jnp.float32))
     return ids, weights
 
 

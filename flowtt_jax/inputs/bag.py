@@ -35,6 +35,7 @@ import numpy as np
 
 from flowtt_jax.inputs.csr import (
     MODES,
+    as_weights,
     bag_of_positions,
     check_csr,
     check_sizes,
@@ -87,8 +88,7 @@ def canonical_bags(
     ids = jnp.asarray(ids)
     w = None
     if weights is not None:
-        w = jnp.asarray(weights)
-        w = w.astype(jnp.promote_types(w.dtype, jnp.float32))  # keeps float64 under x64
+        w = as_weights(weights)  # keeps float64 under x64
     if w is not None and w.shape != ids.shape:
         raise ValueError(f"weights shape {w.shape} != ids shape {ids.shape}")
 

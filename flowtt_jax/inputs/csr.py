@@ -29,6 +29,19 @@ _I32 = np.iinfo(np.int32)
 MAX_NNZ = 2**31 - 2
 
 
+def as_weights(weights, what: str = "weights") -> jax.Array:
+    """Per-id weights as a float array (float32 at least; float64 stays under x64). Integer
+    weights are converted (documented policy); bool weights (a mask passed as weights?) and
+    complex ones (the imaginary part would be dropped) raise ``TypeError`` naming ``what``."""
+    w = weights if isinstance(weights, jax.Array) else jnp.asarray(np.asarray(weights))
+    if w.dtype == jnp.bool_ or jnp.issubdtype(w.dtype, jnp.complexfloating):
+        raise TypeError(
+            f"{what} must be real numbers (float, or int converted to float), got dtype {w.dtype}"
+            + (": pass a bool mask as mask=, not weights" if w.dtype == jnp.bool_ else "")
+        )
+    return w.astype(jnp.promote_types(w.dtype, jnp.float32))
+
+
 def check_sizes(nnz: int, num_bags: int) -> None:
     """``ValueError`` unless ``nnz`` ids and ``num_bags`` bags fit the int32 indexing."""
     if nnz > MAX_NNZ or num_bags > MAX_NNZ:

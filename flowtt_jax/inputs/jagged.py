@@ -23,8 +23,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
-from flowtt_jax.inputs.csr import bag_of_positions, check_csr, check_sizes, clamp_csr
+from flowtt_jax.inputs.csr import as_weights, bag_of_positions, check_csr, check_sizes, clamp_csr
 from flowtt_jax.inputs.oob import as_ids, saturate_int32
 
 __all__ = ["KeyedJagged", "PackedCSR", "compact", "concat_weights", "offsets_of", "pack_features"]
@@ -90,6 +91,15 @@ class KeyedJagged:
                     raise ValueError(
                         f"KeyedJagged lengths must be >= 0 and sum to at most len(ids) = {n}, got {total}"
                     )
+            elif oob == "error":  # traced: checked on the device (ftt.checked raises it)
+                wide = jnp.asarray(lengths).astype(jnp.int32)
+                checkify.check(
+                    jnp.all(wide >= 0) & (jnp.sum(jnp.maximum(wide, 0)) <= n),
+                    f"KeyedJagged lengths must be >= 0 and sum to at most len(ids) = {n}: "
+                    "found min {low}, sum {total}",
+                    low=jnp.min(wide) if wide.size else 0,
+                    total=jnp.sum(wide),
+                )
             offsets = offsets_of(jnp.maximum(saturate_int32(jnp.asarray(lengths)).reshape(-1), 0))
         else:
             offsets = _int_array(self.offsets, "offsets")
@@ -100,10 +110,9 @@ class KeyedJagged:
             check_csr(offsets, n, oob == "error")  # traced: clamped (or checkify-checked)
         weights = None
         if self.weights is not None:
-            weights = jnp.asarray(self.weights)
+            weights = as_weights(self.weights, "KeyedJagged weights")
             if weights.shape != (n,):
                 raise ValueError(f"KeyedJagged weights shape {weights.shape} != ids shape {(n,)}")
-            weights = weights.astype(jnp.promote_types(weights.dtype, jnp.float32))
         check_sizes(n, num * batch)
         return PackedCSR(ids, offsets, weights, batch)
 

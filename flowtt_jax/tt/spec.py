@@ -142,6 +142,20 @@ def as_cores(cores) -> tuple:
     return cores
 
 
+def _as_ranks(rank, count: int) -> tuple[int, ...]:
+    """``rank`` (an int, or a sequence of ints) as ``count`` internal ranks; ``TypeError``
+    naming ``rank`` for anything else (a float, a string, a bool)."""
+
+    def is_int(x) -> bool:
+        return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+    if is_int(rank):
+        return (int(rank),) * count
+    if isinstance(rank, (str, bytes)) or not hasattr(rank, "__iter__") or not all(is_int(r) for r in rank):
+        raise TypeError(f"rank must be an int or a sequence of {count} ints, got {rank!r}")
+    return tuple(int(r) for r in rank)
+
+
 def _max_ranks(row_shape: tuple[int, ...], col_shape: tuple[int, ...]) -> tuple[int, ...]:
     """Largest useful internal ranks (the full-rank TT of a dense table)."""
     sizes = [p * q for p, q in zip(row_shape, col_shape)]
@@ -226,7 +240,7 @@ class TTSpec:
         row_shape = tuple(row_shape) if row_shape else factor_rows(num_embeddings, num_cores)
         col_shape = tuple(col_shape) if col_shape else factor_cols(embedding_dim, len(row_shape))
         d = len(row_shape)
-        inner = (rank,) * (d - 1) if isinstance(rank, int) else tuple(rank)
+        inner = _as_ranks(rank, d - 1)
         if len(inner) != d - 1:
             raise ValueError(f"expected {d - 1} internal ranks, got {inner}")
         if min(inner) < 1:

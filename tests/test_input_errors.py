@@ -1,0 +1,104 @@
+"""Hostile inputs get errors that name what the user wrote, or a documented policy: empty
+batches (B = 0) give empty results, weights must be real, traced ``KeyedJagged`` lengths are
+checked under ``oob="error"``, ranks and static sizes name their argument, and the sample
+batch measures take every documented input form (``KeyedJagged`` included)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flowtt_jax as ftt
+from flowtt_jax.collection import TableConfig
+from flowtt_jax.nnx import TTEmbeddingCollection
+
+TABLES = [TableConfig("a", 1000, 8, rank=4), TableConfig("b", 50, 8, kind="dense")]
+
+
+@pytest.fixture(scope="module")
+def coll():
+    return TTEmbeddingCollection(TABLES, oob="error", rngs=nnx.Rngs(0))
+
+
+def _kjt(coll, ids, **kw):
+    return ftt.KeyedJagged(ids=jnp.asarray(ids), keys=coll.feature_names, **kw)
+
+
+def test_empty_batches_give_empty_results(coll):
+    """B = 0 in every form (with and without ids in the flat array): empty outputs."""
+    none = jnp.zeros((0,), jnp.int32)
+    assert coll(_kjt(coll, none, lengths=jnp.zeros((2, 0), jnp.int32))).shape == (0, 2, 8)
+    assert coll(_kjt(coll, [1, 2, 3], lengths=jnp.zeros((2, 0), jnp.int32))).shape == (0, 2, 8)
+    assert coll(_kjt(coll, none, offsets=jnp.zeros((1,), jnp.int32))).shape == (0, 2, 8)
+    assert coll.lookup(_kjt(coll, none, lengths=jnp.zeros((2, 0), jnp.int32))).shape == (0, 8)
+    out = coll({"a": none, "b": jnp.zeros((0, 3), jnp.int32)})
+    assert {k: v.shape for k, v in out.items()} == {"a": (0, 8), "b": (0, 8)}
+    assert coll(jnp.zeros((0, 2), jnp.int32)).shape == (0, 2, 8)
+
+
+@pytest.mark.parametrize("bad", [jnp.array([1 + 1j, 2]), jnp.array([True, False])], ids=["complex", "bool"])
+def test_weights_must_be_real(coll, bad):
+    lengths = jnp.array([[1], [1]])
+    with pytest.raises(TypeError, match="KeyedJagged weights must be real numbers"):
+        coll(_kjt(coll, [1, 2], lengths=lengths, weights=bad))
+    with pytest.raises(TypeError, match="stacked weights must be real"):
+        coll(jnp.array([[1, 2]]), bad.reshape(1, 2))
+    with pytest.raises(TypeError, match="weights must be real"):
+        ftt.tt_embedding_bag(
+            ftt.init_cores(jax.random.key(0), ftt.TTSpec.create(100, 8, 4)),
+            jnp.array([1, 2]),
+            offsets=[0, 2],
+            weights=bad,
+        )
+
+
+def test_int_weights_are_converted(coll):
+    """Documented policy: integer weights are converted to float."""
+    lengths = jnp.array([[1], [1]])
+    got = coll(_kjt(coll, [1, 2], lengths=lengths, weights=jnp.array([2, 3])))
+    want = coll(_kjt(coll, [1, 2], lengths=lengths, weights=jnp.array([2.0, 3.0])))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_traced_lengths_are_checked_under_oob_error(coll):
+    step = ftt.checked(lambda m, lengths: m(_kjt(m, [1, 2, 3], lengths=lengths)))
+    assert step(coll, jnp.array([[2], [1]])).shape == (1, 2, 8)
+    for bad in ([[2], [-1]], [[2], [5]]):
+        with pytest.raises(ValueError, match="KeyedJagged lengths must be >= 0 and sum to at most len"):
+            step(coll, jnp.array(bad))
+
+
+@pytest.mark.parametrize("rank", [2.5, "8", True, (4, 2.0)])
+def test_rank_names_itself(rank):
+    with pytest.raises(TypeError, match="rank must be an int or a sequence"):
+        ftt.TTSpec.create(1000, 8, rank=rank)
+
+
+@pytest.mark.parametrize("bad", [True, 0, -2, 2.5])
+def test_collection_static_sizes_name_themselves(bad):
+    with pytest.raises(ValueError, match="ids_per_pass must be an int >= 1"):
+        TTEmbeddingCollection(TABLES, ids_per_pass=bad, rngs=nnx.Rngs(0))
+
+
+def test_measures_take_every_input_form():
+    """``BatchStats.measure`` and ``measure_unique_ids`` on dict forms (CSR dicts, masks,
+    segment ids, tuples, padded) and on a ``KeyedJagged``: the ids the bags look up."""
+    batch = {
+        "a": {"ids": np.array([1, 2, 3, 9]), "offsets": np.array([0, 1, 3])},  # 9: in no bag
+        "b": {"ids": np.array([[1, 2], [3, 4]]), "mask": np.array([[True, False], [True, True]])},
+    }
+    stats = ftt.BatchStats.measure([batch], TABLES)
+    assert (stats.batch_size, dict(stats.ids), dict(stats.unique)) == (2, {"a": 3, "b": 3}, {"a": 3, "b": 3})
+    seg = {"a": {"ids": np.array([5, 5, 6]), "segment_ids": np.array([0, 1, 7]), "num_bags": 2}}
+    assert dict(ftt.BatchStats.measure([seg], TABLES).unique) == {"a": 1}
+    kjt = ftt.KeyedJagged(ids=np.array([4, 4, 7, 1, 2]), lengths=np.array([[2, 1], [1, 1]]), keys=("a", "b"))
+    stats = ftt.BatchStats.measure([kjt], TABLES)
+    assert (dict(stats.ids), dict(stats.unique)) == ({"a": 3, "b": 2}, {"a": 2, "b": 2})
+    assert ftt.measure_unique_ids([kjt, batch], {"a": "a", "b": "b"}, margin=1.0) == {"a": 64, "b": 64}
+    with pytest.raises(ValueError, match="KeyedJagged sample batch needs keys"):
+        ftt.BatchStats.measure([ftt.KeyedJagged(ids=np.array([1]), lengths=np.array([[1], [0]]))], TABLES)
+    with pytest.raises(ValueError, match="feature 'a': a dict input needs 'ids'"):
+        ftt.BatchStats.measure([{"a": {"offsets": np.array([0])}}], TABLES)
