@@ -213,7 +213,25 @@ def bce(logits, labels):
     return optax.sigmoid_binary_cross_entropy(logits, labels).mean()
 
 
-def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> RunResult:
+@dataclasses.dataclass
+class Run:
+    """A run's program and state: ``train_step(state, dense, sparse, labels) -> (state,
+    loss)`` (the state donated), ``predict(state, dense, sparse) -> logits``, ``batch(index,
+    batch_size, stream=)`` (device batches), the state as a flat list of arrays."""
+
+    name: str
+    batch: Callable
+    train_step: Callable
+    predict: Callable
+    state: list
+    emb_bytes: int
+    dense_eq: int
+    full_dense: int
+    mesh: Any = None
+
+
+def build_run(args: argparse.Namespace, dense_tables: bool, log=print) -> Run:
+    """The model, optimizer, data and jitted steps of ``args`` (TT or dense tables)."""
     if args.preset == "meta":
         config = MetaSynthConfig(
             args.tables, max_rows=args.max_rows or None, zipf_a=args.zipf_a, seed=args.data_seed
@@ -319,6 +337,14 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
     @jax.jit
     def predict(leaves, dense, sparse):
         return forward(merge(leaves)[0], dense, sparse)
+
+    return Run(name, batch, train_step, predict, state, emb_bytes, dense_eq, full_dense, mesh)
+
+
+def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> RunResult:
+    run = build_run(args, dense_tables, log)
+    name, batch, train_step, predict, state = run.name, run.batch, run.train_step, run.predict, run.state
+    emb_bytes, dense_eq, full_dense, mesh = run.emb_bytes, run.dense_eq, run.full_dense, run.mesh
 
     # train_seconds counts everything (compile included); examples/s is measured after
     # the first (compiling) step

@@ -1,6 +1,6 @@
 """The fuzz corpus on the GPU under compute-sanitizer, and under CUDA_LAUNCH_BLOCKING=1.
 
-    python scripts/fuzz_sanitize.py [--out DIR] [--cases N] [--seeds A-B,C]
+    python -m scripts.fuzz_sanitize [--out DIR] [--cases N] [--seeds A-B,C]
         [--tools blocking,memcheck,racecheck,initcheck,synccheck]
 
 Runs the cases of ``tests/test_fuzz_corpus.py`` whose single-table or table-batched
@@ -57,7 +57,6 @@ TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")  # compute-sanitizer
 
 
 def _worker(out_path: Path, num_cases: int) -> int:
-    sys.path.insert(0, str(ROOT))
     import jax
 
     from flowtt_jax.inputs.bag import prepare_bags
@@ -197,7 +196,7 @@ def _run(args: argparse.Namespace, runs: list, cache: str) -> int:
     }
     if args.seeds is not None:
         env["FLOWTT_FUZZ_SEEDS"] = ",".join(map(str, sorted(args.seeds)))
-    me = [sys.executable, str(Path(__file__).resolve()), "--cases", str(args.cases), "--worker"]
+    me = [sys.executable, "-m", "scripts.fuzz_sanitize", "--cases", str(args.cases), "--worker"]  # cwd ROOT
     summary, status = {"runs": {}}, 0
 
     def save() -> None:

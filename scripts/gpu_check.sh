@@ -8,7 +8,7 @@
 #                               suite does not fit a 10-minute device call
 #   scripts/gpu_check.sh bench  build + the benchmark suite (python -m benchmarks)
 #   scripts/gpu_check.sh sanitize  build + the fuzz corpus under compute-sanitizer, one tool
-#                               after another (scripts/fuzz_sanitize.py; CASES=0 (all),
+#                               after another (python -m scripts.fuzz_sanitize; CASES=0 (all),
 #                               TOOLS=blocking,memcheck,racecheck,initcheck,synccheck)
 #   scripts/gpu_check.sh all    GPU tests, sanitizer, benchmark, then the harness (~9 minutes)
 # BENCH_ARGS="--stage single-d32 ..." passes options to `python -m benchmarks` (its --help).
@@ -94,14 +94,14 @@ run_tests() {
     | tee -a "$OUT/sanitizer.log"
   [[ ${PIPESTATUS[0]} == 0 ]] || { status=1; echo "FAILED"; }
   echo "-- racecheck (fuzz corpus, pinned hot-prefix cases 64-68)" | tee -a "$OUT/sanitizer.log"
-  $PY scripts/fuzz_sanitize.py --out "$OUT/fuzz_pinned" --seeds 64-68 --tools racecheck \
+  $PY -m scripts.fuzz_sanitize --out "$OUT/fuzz_pinned" --seeds 64-68 --tools racecheck \
     >>"$OUT/sanitizer.log" 2>&1 || { status=1; echo "FAILED"; }
   tail -2 "$OUT/sanitizer.log"
 }
 
 run_sanitize() {
   echo "== fuzz corpus under compute-sanitizer (${TOOLS:=blocking,memcheck,racecheck,initcheck,synccheck})"
-  $PY scripts/fuzz_sanitize.py --out "$OUT/fuzz" --cases "${CASES:-0}" --tools "$TOOLS" 2>&1 \
+  $PY -m scripts.fuzz_sanitize --out "$OUT/fuzz" --cases "${CASES:-0}" --tools "$TOOLS" 2>&1 \
     | tee "$OUT/fuzz.log" | tail -12
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 }

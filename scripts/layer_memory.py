@@ -2,7 +2,7 @@
 capacities and passes (docs/memory.md): a Meta-like collection of 24 tables (dim 32, rank
 16) at batch 2048 on this machine: construction, compile, step time and XLA's temporaries +
 outputs per id, forward and forward + backward (the gradient of a loss of the bags).
-``python scripts/layer_memory.py OUT.json`` (from the repository root)."""
+``python -m scripts.layer_memory OUT.json`` (from the repository root)."""
 
 import datetime
 import json

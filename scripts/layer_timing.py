@@ -3,7 +3,7 @@ the compile of the call (dict and packed ``KeyedJagged`` input, forward and forw
 backward), per collection size and batch. Step times are the benchmark suite's
 (``ours_layer`` beside ``ours_batched``); this measures what comes before the first step.
 
-    python scripts/layer_timing.py --tables 240,788 --batches 64,4096 [--json out.json]
+    python -m scripts.layer_timing --tables 240,788 --batches 64,4096 [--json out.json]
 
 Each (tables, batch) compiles over abstract inputs (``jax.ShapeDtypeStruct``; no batch is
 drawn) with the expected number of ids of the Meta-like collection (``benchmarks.workloads``:
@@ -16,22 +16,18 @@ import argparse
 import datetime
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from flax import nnx  # noqa: E402
-
-from benchmarks.records import commit  # noqa: E402
-from benchmarks.workloads import MetaLikeCollection  # noqa: E402
-from flowtt_jax import KeyedJagged  # noqa: E402
-from flowtt_jax.collection import TableConfig  # noqa: E402
-from flowtt_jax.nnx import TTEmbeddingCollection  # noqa: E402
+from benchmarks.records import commit
+from benchmarks.workloads import MetaLikeCollection
+from flowtt_jax import KeyedJagged
+from flowtt_jax.collection import TableConfig
+from flowtt_jax.nnx import TTEmbeddingCollection
 
 
 def _timed(fn):

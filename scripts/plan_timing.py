@@ -5,7 +5,7 @@ applies), over table sizes and batch sizes: where the bitmap pays, to set
 Zipf(1.05) ids scattered over the table as the benchmarks draw them, prefix extent 250.
 Prints one line per (num_rows, n) and writes ``plan_timing.json`` to ``--out``:
 
-    python3 scripts/plan_timing.py --out $OUT
+    python3 -m scripts.plan_timing --out $OUT
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Device-time breakdown of our ops on a GPU: a profiler trace per kernel.
 
 Usage (on the GPU machine):
-    python scripts/profile_breakdown.py meta240_B4096[,D32_r32_B32768_zipf1.05,...] [--top 40]
+    python -m scripts.profile_breakdown meta240_B4096[,D32_r32_B32768_zipf1.05,...] [--top 40]
 
 A case is a collection ``meta<T>_B<batch>`` (``ours_batched``: the table-batched op) or a
 single table ``D<dim>_r<rank>_B<batch>_<dist>`` (``ours``), drawn exactly as
