@@ -19,7 +19,6 @@ import argparse
 import datetime
 import hashlib
 import importlib
-import importlib.machinery
 import importlib.util
 import math
 import multiprocessing
@@ -331,21 +330,12 @@ def load_ecorec(eco: Path, so: Path):
 
     for package in ("ecorec", "ecorec.tt_emb"):  # the checkout's packages, by path (no sys.path edit)
         folder = eco.resolve().joinpath(*package.split("."))
-        init = folder / "__init__.py"
-        spec = (
-            importlib.util.spec_from_file_location(package, init, submodule_search_locations=[str(folder)])
-            if init.exists()
-            else importlib.machinery.ModuleSpec(package, None, is_package=True)
-        )
-        spec.submodule_search_locations = [str(folder)]
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[package] = module
-        if init.exists():
-            spec.loader.exec_module(module)
+        spec = importlib.util.spec_from_loader(package, None, is_package=True)
+        spec.submodule_search_locations = [str(folder)]  # its __init__ (if any) is not run
+        sys.modules[package] = importlib.util.module_from_spec(spec)
     spec = importlib.util.spec_from_file_location("ecorec._C", so)
-    mod = importlib.util.module_from_spec(spec)
+    sys.modules["ecorec._C"] = mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    sys.modules["ecorec._C"] = mod
     return importlib.import_module("ecorec.tt_emb.tt_emb").TTEmbeddingBag
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 __all__ = [
     "AUTO_FRACTION",
+    "CANDIDATES",
     "PASS_CHOICES",
     "CallBytes",
     "device_memory_bytes",
@@ -34,6 +35,11 @@ ID_BYTES, PREPARED_BYTES, PLAN_BYTES, SINGLE_PLAN_BYTES = 4, 12, 28, 20
 AUTO_FRACTION = 0.25
 #: The passes over the ids the policy tries, fewest first (each is compiled as one scan).
 PASS_CHOICES = (1, 2, 4, 8, 16, 32, 64)
+#: The policy's candidates, fastest first: ``(passes over the ids, windows of the uniques)``.
+#: Windows of one plan's unique rows make each row once (rows and row gradients of a window
+#: at a time; windows past the batch's uniques return at once), so they come before passes
+#: over the ids, which make a hot row again in every pass and sort every pass's ids.
+CANDIDATES = ((1, 1), *((1, w) for w in PASS_CHOICES[1:]), *((p, 1) for p in PASS_CHOICES[1:]))
 
 
 def pass_size(n: int, passes: int) -> int | None:

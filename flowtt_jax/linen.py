@@ -137,7 +137,7 @@ class TTEmbeddingCollection(nn.Module):
     Params: ``{name: array}`` with the names of ``CollectionLayout.param_names`` (packed
     cores of each TT shape group, packed dense tables), as in the nnx twin; all of them
     drawn from the first param's key. ``CollectionLayout(tables).table_params(params,
-    name)`` reads one table's cores. ``memory_budget`` and ``ids_per_pass`` as the nnx
+    name)`` reads one table's cores. ``memory_budget``, ``ids_per_pass`` and ``unique_windows`` as the nnx
     twin's; with ``mutable=["stats"]`` a call adds its per-pack capacity overflows to
     ``stats/overflow_counts`` (int32 [num_packs], ``CollectionLayout.pack_labels`` order).
     """
@@ -149,6 +149,7 @@ class TTEmbeddingCollection(nn.Module):
     impl: str = "auto"
     ids_per_pass: int | None = None
     memory_budget: int | str | None = "auto"
+    unique_windows: int | None = None
 
     @nn.compact
     def __call__(
@@ -161,7 +162,10 @@ class TTEmbeddingCollection(nn.Module):
         """A feature dict, a ``KeyedJagged``, or stacked ids (and ``weights``) as the nnx twin
         takes them; ``pooled=False`` for each id's row."""
         layout = CollectionLayout(
-            tuple(self.tables), ids_per_pass=self.ids_per_pass, memory_budget=self.memory_budget
+            tuple(self.tables),
+            ids_per_pass=self.ids_per_pass,
+            memory_budget=self.memory_budget,
+            unique_windows=self.unique_windows,
         )
         cache: dict[str, dict] = {}
 

@@ -32,8 +32,8 @@ import numpy as np
 
 from flowtt_jax.budget import (
     AUTO_FRACTION,
+    CANDIDATES,
     ID_BYTES,
-    PASS_CHOICES,
     PREPARED_BYTES,
     CallBytes,
     device_memory_bytes,
@@ -48,6 +48,7 @@ from flowtt_jax.collection.packs import TablePack, pack_tables
 __all__ = [
     "AUTO_FRACTION",
     "BatchStats",
+    "CANDIDATES",
     "MemoryEstimate",
     "MemoryPlan",
     "choose_memory_plan",
@@ -87,6 +88,7 @@ class MemoryEstimate:
     activations: Mapping[str, int]
     scratch: int
     ids_per_pass: int | None = None  # the TT kernels' ids per pass it assumes (None: all)
+    unique_windows: int | None = None  # the shape groups' windows of unique rows (None: 1)
 
     @property
     def activation_bytes(self) -> int:
@@ -104,6 +106,8 @@ class MemoryEstimate:
         lines = [f"{k:<{width}}  {v / 2**20:10.1f} MiB" for k, v in rows]
         if self.ids_per_pass is not None:
             lines.append(f"(the TT kernels take {self.ids_per_pass} ids per pass)")
+        if self.unique_windows is not None:
+            lines.append(f"(the shape groups hold their unique rows in {self.unique_windows} windows)")
         return "\n".join(lines)
 
 
@@ -123,7 +127,7 @@ def _pack_bytes(pack: TablePack, stats: BatchStats) -> CallBytes:
             else CallBytes(0, 0, 4 * bags * dim, 0)
         )
     one_table = pack.kind == "single" or len(pack.tables) == 1
-    return op_bytes(n, bags, dim, one_table, pack.ids_per_pass, pack.unique_capacity)
+    return op_bytes(n, bags, dim, one_table, pack.ids_per_pass, pack.capacity_for(n))
 
 
 def _scratch(pack: TablePack, stats: BatchStats) -> int:
@@ -143,6 +147,7 @@ def estimate_memory(
     param_dtype: Any = np.float32,
     ids_per_pass: int | None = None,
     memory_budget: int | str | None = None,
+    unique_windows: int | None = None,
 ) -> MemoryEstimate:
     """The step's memory for ``tables`` (as ``TTEmbeddingCollection`` packs them) on batches
     of ``stats``: a training step (forward and backward) or, ``training=False``, inference.
@@ -150,11 +155,11 @@ def estimate_memory(
     ``optimizer``: an optax ``GradientTransformation`` whose state is sized on the
     parameters (``jax.eval_shape`` of its ``init``); None: no state. Features of ``stats``
     no table reads raise ``KeyError``; features it lacks count as empty. ``ids_per_pass``,
-    ``memory_budget``: as ``TTEmbeddingCollection``'s (a budget: the passes its automatic
+    ``unique_windows``, ``memory_budget``: as ``TTEmbeddingCollection``'s (a budget: the passes its automatic
     policy chooses, ``choose_memory_plan``; the estimate's ``ids_per_pass`` says which).
     """
-    packs = pack_tables(tables, ids_per_pass)
-    if ids_per_pass is None and memory_budget is not None:
+    packs = pack_tables(tables, ids_per_pass, unique_windows)
+    if ids_per_pass is None and unique_windows is None and memory_budget is not None:
         return choose_memory_plan(
             packs, stats, memory_budget, training=training, param_dtype=param_dtype, optimizer=optimizer
         ).estimate
@@ -176,9 +181,10 @@ def _estimate(
             x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(optimizer.init, shapes))
         )
     per_pass = next((p.ids_per_pass for p in packs if p.kind != "dense"), None)
+    windows = next((p.unique_windows for p in packs if p.kind == "tt" and p.unique_windows), None)
     sizes = [_pack_bytes(p, stats) for p in packs]
     if not sizes:
-        return MemoryEstimate(parameters, state, {}, 0, per_pass)
+        return MemoryEstimate(parameters, state, {}, 0, per_pass, windows)
     biggest = max(sizes, key=lambda s: s.own)
     activations = {"pooled outputs (their gradients in the backward)": sum(s.out for s in sizes)}
     if training:
@@ -188,15 +194,16 @@ def _estimate(
     else:
         activations["the largest pack's forward (plan, rows)"] = biggest.own
     scratch = max(_scratch(p, stats) for p in packs)
-    return MemoryEstimate(parameters, state, activations, scratch, per_pass)
+    return MemoryEstimate(parameters, state, activations, scratch, per_pass, windows)
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """The automatic memory policy's choice for one batch shape: the TT kernels take
-    ``ids_per_pass`` ids at a time (None: all at once) in ``passes`` passes; ``estimate`` is
-    ``estimate_memory``'s for that choice; ``fits``: its total is within ``budget`` bytes
-    (None: no budget). Never fitting, the policy takes the most passes and says so."""
+    ``ids_per_pass`` ids at a time (None: all at once) in ``passes`` passes, each shape group
+    holding its unique rows in ``windows`` windows; ``estimate`` is ``estimate_memory``'s
+    for that choice; ``fits``: its total is within ``budget`` bytes (None: no budget). Never
+    fitting, the policy takes the leanest candidate (64 passes) and says so."""
 
     ids_per_pass: int | None
     passes: int
@@ -206,18 +213,39 @@ class MemoryPlan:
     #: XLA's bytes of the chosen step (its memory analysis: arguments, temporaries and
     #: outputs, plus the estimate's kernel scratch), where the policy checked it by XLA
     xla_bytes: int | None = None
+    windows: int = 1
+
+    @property
+    def candidate(self) -> tuple[int, int]:
+        """``(passes, windows)``: its place in ``CANDIDATES``."""
+        return self.passes, self.windows
 
     def __str__(self) -> str:
         budget = "no budget" if self.budget is None else f"budget {self.budget / 2**20:.1f} MiB"
-        how = (
-            "all ids at once"
-            if self.ids_per_pass is None
-            else f"{self.passes} passes of {self.ids_per_pass} ids"
-        )
+        if self.ids_per_pass is not None:
+            how = f"{self.passes} passes of {self.ids_per_pass} ids"
+        elif self.windows > 1:
+            how = f"one plan, unique rows in {self.windows} windows"
+        else:
+            how = "all ids at once"
         verdict = "fits" if self.fits else "does NOT fit"
         xla = "" if self.xla_bytes is None else f", XLA's analysis {self.xla_bytes / 2**20:.1f} MiB"
         head = f"{how}: estimate {self.estimate.total / 2**20:.1f} MiB{xla}, {verdict} ({budget})"
         return f"{head}\n{self.estimate}"
+
+
+def apply_candidate(packs: Sequence[TablePack], most_ids: int, passes: int, windows: int) -> tuple:
+    """``packs`` with a candidate's ``ids_per_pass`` (``most_ids`` over ``passes``) and
+    ``unique_windows`` on their TT packs (dense packs unchanged)."""
+    per_pass = pass_size(most_ids, passes)
+    return tuple(
+        p
+        if p.kind == "dense"
+        else dataclasses.replace(
+            p, ids_per_pass=per_pass, unique_windows=windows if windows > 1 and p.kind == "tt" else None
+        )
+        for p in packs
+    )
 
 
 def choose_memory_plan(
@@ -228,36 +256,41 @@ def choose_memory_plan(
     training: bool = True,
     param_dtype: Any = np.float32,
     optimizer: Any = None,
-    passes: int | None = None,
+    candidate: tuple[int, int] | None = None,
 ) -> MemoryPlan:
-    """The fewest passes over the ids (``PASS_CHOICES``) whose step fits the budget by
-    ``estimate_memory`` (a training step unless ``training=False``: at trace time the
-    forward does not know whether a backward follows, so the collections plan for one).
+    """The first of ``CANDIDATES`` (fastest first: one pass; windows of the uniques; passes
+    over the ids) whose step fits the budget by ``estimate_memory`` (a training step unless
+    ``training=False``: at trace time the forward does not know whether a backward follows,
+    so the collections plan for one).
 
-    ``packs``: a collection's (``pack_tables``); where they have an ``ids_per_pass``, that
-    is the plan; else it is chosen, one value for every TT pack (the largest pack's ids over
-    the passes, rounded up to 256). The fastest step is one pass, so the first that fits is
-    taken; a capacity (``max_unique_ids``) is kept as configured. ``passes``: that many, not
-    the fewest that fit. A collection's call checks a choice near its budget by XLA's
-    analysis (``collection.xla_fit``).
+    ``packs``: a collection's (``pack_tables``); where they have an ``ids_per_pass`` or
+    ``unique_windows``, that is the plan; else it is chosen, the same for every TT pack
+    (passes of the largest pack's ids, rounded up to 256; windows of each group's own ids).
+    A capacity (``max_unique_ids``) is kept as configured (the smaller holds). ``candidate``:
+    that ``(passes, windows)``, not the first that fits. A collection's call checks a choice
+    near its budget by XLA's analysis (``collection.xla_fit``).
     """
     budget = resolve_budget(memory_budget)
-    given = next((p.ids_per_pass for p in packs if p.kind != "dense" and p.ids_per_pass), None)
-    if given is not None:  # the user's passes, whatever the budget
-        est = _estimate(packs, stats, optimizer, training, param_dtype)
-        most = max((_pack_ids(p, stats) for p in packs if p.kind != "dense"), default=0)
-        return MemoryPlan(given, -(-most // given), budget, est, budget is None or est.total <= budget)
     most = max((_pack_ids(p, stats) for p in packs if p.kind != "dense"), default=0)
+    tt = [p for p in packs if p.kind != "dense"]
+    given_pass = next((p.ids_per_pass for p in tt if p.ids_per_pass), None)
+    given_windows = next((p.unique_windows for p in tt if p.unique_windows), None)
+    if given_pass is not None or given_windows is not None:  # the user's, whatever the budget
+        est = _estimate(packs, stats, optimizer, training, param_dtype)
+        fits = budget is None or est.total <= budget
+        passes = -(-most // given_pass) if given_pass else 1
+        return MemoryPlan(given_pass, passes, budget, est, fits, windows=given_windows or 1)
     best = None
-    for count in PASS_CHOICES if passes is None else (passes,):
-        per_pass = pass_size(most, count)
-        if per_pass is not None and per_pass >= most and passes is None:
+    for passes, windows in CANDIDATES if candidate is None else (candidate,):
+        per_pass = pass_size(most, passes)
+        if candidate is None and per_pass is not None and per_pass >= most:
             continue
-        trial = tuple(
-            p if p.kind == "dense" else dataclasses.replace(p, ids_per_pass=per_pass) for p in packs
+        est = _estimate(
+            apply_candidate(packs, most, passes, windows), stats, optimizer, training, param_dtype
         )
-        est = _estimate(trial, stats, optimizer, training, param_dtype)
-        best = MemoryPlan(per_pass, count, budget, est, budget is None or est.total <= budget)
+        best = MemoryPlan(
+            per_pass, passes, budget, est, budget is None or est.total <= budget, windows=windows
+        )
         if best.fits:
             return best
     return best

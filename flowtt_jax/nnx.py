@@ -215,7 +215,9 @@ class TTEmbeddingCollection(nnx.Module):
     ``flowtt_jax.memory.AUTO_FRACTION``), bytes, or None: at trace time, from the batch's
     static shapes, a call takes the fewest passes over the ids whose step fits
     (``memory_plan(stats)`` shows the choice; ``docs/memory.md``). ``ids_per_pass``: the TT
-    kernels take each shape group's ids this many at a time, overriding the budget's choice.
+    kernels take each shape group's ids this many at a time, and ``unique_windows`` holds each
+    shape group's unique rows in that many windows (one plan; each row made once), overriding
+    the budget's choice.
     ``overflow_counts``: where a table has a capacity (``TableConfig.max_unique_ids``), per
     pack (``overflows()``) the calls whose unique rows exceeded it, counted on the device
     (not counted when the state is closed over as a constant rather than traced with the
@@ -232,9 +234,15 @@ class TTEmbeddingCollection(nnx.Module):
         impl: str = "auto",
         ids_per_pass: int | None = None,
         memory_budget: int | str | None = "auto",
+        unique_windows: int | None = None,
         rngs: nnx.Rngs,
     ):
-        self.layout = CollectionLayout(tuple(tables), ids_per_pass=ids_per_pass, memory_budget=memory_budget)
+        self.layout = CollectionLayout(
+            tuple(tables),
+            ids_per_pass=ids_per_pass,
+            memory_budget=memory_budget,
+            unique_windows=unique_windows,
+        )
         self.tables = self.layout.tables
         self.dtype = dtype
         self.param_dtype = param_dtype
@@ -361,7 +369,8 @@ class TTEmbeddingCollection(nnx.Module):
             training=training,
             param_dtype=dtype,
             ids_per_pass=self.layout.ids_per_pass,
-            memory_budget=None if self.layout.ids_per_pass is not None else self.layout.memory_budget,
+            memory_budget=self.layout.memory_budget,
+            unique_windows=self.layout.unique_windows,
         )
 
     def _config(self, name: str) -> TableConfig:

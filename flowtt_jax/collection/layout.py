@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flowtt_jax.capacity import MAX_PASSES
 from flowtt_jax.collection.config import TableConfig, check_tables
 from flowtt_jax.collection.init import init_params
 from flowtt_jax.collection.packs import FeatureSlot, TablePack, check_param_names, pack_tables, param_names
@@ -43,7 +44,7 @@ from flowtt_jax.inputs.csr import as_weights, clamp_csr
 from flowtt_jax.inputs.jagged import KeyedJagged, PackedCSR, compact, concat_weights, pack_features
 from flowtt_jax.inputs.oob import as_ids, saturate_int32
 from flowtt_jax.kernels import ffi
-from flowtt_jax.memory import BatchStats, MemoryPlan, choose_memory_plan, resolve_budget
+from flowtt_jax.memory import BatchStats, MemoryPlan, apply_candidate, choose_memory_plan, resolve_budget
 from flowtt_jax.tt.cores import to_dense
 
 __all__ = ["CollectionLayout", "FeatureSlot", "TablePack"]
@@ -63,6 +64,7 @@ class CollectionLayout:
     tables: tuple[TableConfig, ...]
     ids_per_pass: int | None = dataclasses.field(default=None, kw_only=True)
     memory_budget: int | str | None = dataclasses.field(default="auto", kw_only=True)
+    unique_windows: int | None = dataclasses.field(default=None, kw_only=True)
     #: Whether ``call(..., with_overflow=True)`` counts its packs' capacity overflows (a
     #: sharded layout pools inside a ``shard_map``, whose flags stay there).
     counts_overflow = True
@@ -75,6 +77,14 @@ class CollectionLayout:
             or self.ids_per_pass < 1
         ):
             raise ValueError(f"ids_per_pass must be an int >= 1 or None, got {self.ids_per_pass!r}")
+        if self.unique_windows is not None and (
+            isinstance(self.unique_windows, bool)
+            or not isinstance(self.unique_windows, int)
+            or not 1 <= self.unique_windows <= MAX_PASSES
+        ):
+            raise ValueError(
+                f"unique_windows must be an int in [1, {MAX_PASSES}] or None, got {self.unique_windows!r}"
+            )
         if not isinstance(self.memory_budget, str):
             resolve_budget(self.memory_budget)  # a ValueError naming memory_budget
         elif self.memory_budget != "auto":
@@ -87,7 +97,7 @@ class CollectionLayout:
     def packs(self) -> tuple[TablePack, ...]:
         """TT shape groups (in order of first table), then dense packs by dim, then singles;
         the TT packs' kernels take their ids ``ids_per_pass`` at a time (None: all)."""
-        return pack_tables(self.tables, self.ids_per_pass)
+        return pack_tables(self.tables, self.ids_per_pass, self.unique_windows)
 
     def param_names(self, p: int) -> tuple[str, ...]:
         """Parameter names of pack ``p``."""
@@ -145,9 +155,14 @@ class CollectionLayout:
     def _call_packs(self, pack_ids: Sequence[int], batch: int) -> tuple[TablePack, ...]:
         """The packs a call runs, ``pack_ids`` ids each (static) in ``batch`` bags per feature:
         ``packs`` with the estimate's ``ids_per_pass`` under the budget (``memory_plan``)."""
-        if self.ids_per_pass is not None or self.memory_budget is None:
+        if self._user_planned or self.memory_budget is None:
             return self.packs
         return self._packs_for(tuple(int(n) for n in pack_ids), int(batch))
+
+    @property
+    def _user_planned(self) -> bool:
+        """The user gave the passes or windows: the budget chooses nothing."""
+        return self.ids_per_pass is not None or self.unique_windows is not None
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 (the layout is static and hashable)
     def _plan_for(self, pack_ids: tuple[int, ...], batch: int) -> MemoryPlan:
@@ -157,12 +172,10 @@ class CollectionLayout:
     @functools.lru_cache(maxsize=64)  # noqa: B019 (the layout is static and hashable)
     def _packs_for(self, pack_ids: tuple[int, ...], batch: int) -> tuple[TablePack, ...]:
         plan = self._plan_for(pack_ids, batch)
-        if plan.ids_per_pass is None:
+        if plan.candidate == (1, 1):
             return self.packs
-        return tuple(
-            p if p.kind == "dense" else dataclasses.replace(p, ids_per_pass=plan.ids_per_pass)
-            for p in self.packs
-        )
+        most = max((n for p, n in zip(self.packs, pack_ids) if p.kind != "dense"), default=0)
+        return apply_candidate(self.packs, most, plan.passes, plan.windows)
 
     def _overflows(self, flags) -> jax.Array:
         """``int32 [num_packs]``: 1 where a pack's pooling overflowed its capacity this call."""
@@ -429,7 +442,7 @@ class CollectionLayout:
             flat = jnp.concatenate([saturate_int32(i).reshape(-1) for i in ids])
             offsets = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
             csr = PackedCSR(flat, offsets, concat_weights(weights, sizes), 1)
-            sub = TablePack(pack.kind, pack.tables, tuple(slots), pack.layout, pack.ids_per_pass)
+            sub = dataclasses.replace(pack, features=tuple(slots))
             rows = rows_csr(sub, arrays, csr, (0, len(slots)), oob, impl)
             for s, i, part in zip(slots, ids, jnp.split(rows, np.cumsum(sizes)[:-1])):
                 out[s.feature] = part.reshape(*i.shape, -1).astype(out_dtype)
@@ -468,25 +481,25 @@ class CollectionLayout:
         sizes, batch = self._form_sizes(features, pooled)
         stats = self._stats(sizes, batch)
         plan = self._plan_for(tuple(sizes), batch)
-        if self.ids_per_pass is not None or self.memory_budget is None:
+        if self._user_planned or self.memory_budget is None:
             return plan
         if params is None:
             params = {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in self.param_shapes().items()}
         most = max((n for p, n in zip(self.packs, sizes) if p.kind != "dense"), default=0)
-        plan_at = lambda passes: choose_memory_plan(self.packs, stats, self.memory_budget, passes=passes)  # noqa: E731
+        plan_at = lambda c: choose_memory_plan(self.packs, stats, self.memory_budget, candidate=c)  # noqa: E731
         return check_by_xla(plan, plan_at, self, params, (features, weights), most, pooled, kw)
 
     def _budget_layout(self, params, features, weights, pooled: bool, kw) -> CollectionLayout:
         """``self``, or a copy with the passes XLA's analysis chose where the estimate puts
         the call near its budget (``collection.xla_fit``)."""
-        if self.ids_per_pass is not None or self.memory_budget is None or not self.counts_overflow:
+        if self._user_planned or self.memory_budget is None or not self.counts_overflow:
             return self
         try:
             self._form_sizes(features, pooled)
         except (IndexError, TypeError, ValueError, KeyError, AttributeError):
             return self  # malformed inputs: the call's own checks name the problem
         plan = self._checked_plan(params, features, weights, pooled, kw)
-        return self if plan.xla_bytes is None else pinned_layout(self, plan.ids_per_pass)
+        return self if plan.xla_bytes is None else pinned_layout(self, plan.ids_per_pass, plan.windows)
 
     def _call(self, params, features, weights, *, pooled: bool, **kw: Any):
         self.check_params(params)

@@ -35,6 +35,7 @@ class TablePack:
     features: tuple[FeatureSlot, ...]
     layout: GroupLayout | None = None
     ids_per_pass: int | None = None  # the kernels take its ids this many at a time (None: all)
+    unique_windows: int | None = None  # its unique rows in this many windows (None: 1)
 
     @property
     def unique_capacity(self) -> int | None:
@@ -44,6 +45,16 @@ class TablePack:
         if self.kind != "tt" or any(c is None for c in caps):
             return None
         return sum(min(c, t.num_embeddings) for c, t in zip(caps, self.tables))
+
+    def capacity_for(self, num_ids: int) -> int | None:
+        """The unique rows a pooling call over ``num_ids`` ids holds at a time: the smaller of
+        ``unique_capacity`` and ``num_ids / unique_windows`` (rounded up to 256: windows of
+        one plan's uniques, each row made once); None: all of them. A one-table group runs the
+        single-table kernels, whose rows are not windowed: None there."""
+        if self.kind != "tt" or len(self.tables) == 1:
+            return None
+        caps = [c for c in (self.unique_capacity, _window(num_ids, self.unique_windows)) if c is not None]
+        return min(caps) if caps else None
 
     @property
     def array_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -62,6 +73,14 @@ class TablePack:
         )
 
 
+def _window(num_ids: int, windows: int | None) -> int | None:
+    """``ceil(num_ids / windows)`` rounded up to 256 (None for one window)."""
+    if not windows or windows <= 1 or num_ids <= 0:
+        return None
+    per_window = -(-num_ids // windows)
+    return -(-per_window // 256) * 256
+
+
 def _group_key(cfg: TableConfig) -> tuple:
     spec = cfg.spec()
     if spec.num_cores != 3:
@@ -69,9 +88,12 @@ def _group_key(cfg: TableConfig) -> tuple:
     return ("tt", spec.col_shape, spec.ranks)
 
 
-def pack_tables(tables: Sequence[TableConfig], ids_per_pass: int | None = None) -> tuple[TablePack, ...]:
+def pack_tables(
+    tables: Sequence[TableConfig], ids_per_pass: int | None = None, unique_windows: int | None = None
+) -> tuple[TablePack, ...]:
     """TT shape groups (in order of first table), then dense packs by dim, then singles;
-    ``ids_per_pass``: the TT packs' kernels take their ids this many at a time."""
+    ``ids_per_pass``: the TT packs' kernels take their ids this many at a time;
+    ``unique_windows``: the TT shape groups hold their unique rows in that many windows."""
     keys: dict[tuple, list[TableConfig]] = {}
     for cfg in tables:
         key = ("dense", cfg.features) if cfg.kind == "dense" else _group_key(cfg)
@@ -82,7 +104,8 @@ def pack_tables(tables: Sequence[TableConfig], ids_per_pass: int | None = None) 
         slots = tuple(FeatureSlot(f, t, cfg.mode) for t, cfg in enumerate(cfgs) for f in cfg.feature_keys)
         layout = GroupLayout(tuple(c.spec() for c in cfgs)) if key[0] == "tt" else None
         per_pass = ids_per_pass if key[0] != "dense" else None
-        packs.append(TablePack(key[0], tuple(cfgs), slots, layout, per_pass))
+        windows = unique_windows if key[0] == "tt" else None
+        packs.append(TablePack(key[0], tuple(cfgs), slots, layout, per_pass, windows))
     return tuple(packs)
 
 

@@ -283,7 +283,7 @@ def pool_packed(
         layout=None if single else pack.layout,
         tables=None if single else tables,
         batch=batch,
-        unique_capacity=pack.unique_capacity,
+        unique_capacity=pack.capacity_for(packed.ids.shape[0]),
         ids_per_pass=pack.ids_per_pass,
         return_overflow=True,
     )

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from flowtt_jax.budget import PASS_CHOICES, pass_size
+from flowtt_jax.budget import CANDIDATES, pass_size
 
 __all__ = ["VERIFY_SHARE", "check_by_xla", "pinned_layout"]
 
@@ -42,9 +42,11 @@ def _abstract(tree: Any) -> tuple[list, Any, list]:
 
 
 @functools.lru_cache(maxsize=32)
-def pinned_layout(layout: Any, ids_per_pass: int | None) -> Any:
-    """``layout`` with its passes fixed (no budget: the candidate runs as given)."""
-    return dataclasses.replace(layout, ids_per_pass=ids_per_pass, memory_budget=None)
+def pinned_layout(layout: Any, ids_per_pass: int | None, windows: int = 1) -> Any:
+    """``layout`` with its passes and windows fixed (no budget: the candidate runs as given)."""
+    return dataclasses.replace(
+        layout, ids_per_pass=ids_per_pass, unique_windows=windows if windows > 1 else None, memory_budget=None
+    )
 
 
 def _compiled_bytes(layout, params, inputs, pooled: bool, kw: Mapping[str, Any]) -> int:
@@ -70,23 +72,23 @@ def _compiled_bytes(layout, params, inputs, pooled: bool, kw: Mapping[str, Any])
 
 def check_by_xla(plan: Any, plan_at, layout, params, inputs, most_ids: int, pooled: bool, kw) -> Any:
     """``plan`` (the estimate's choice for this call) checked by XLA's analysis where its
-    estimate is at least ``VERIFY_SHARE`` of the budget: from its passes on, the first
-    candidate whose compiled step (plus the estimate's kernel scratch) fits, looking at fewer
-    passes where the estimate's choice fits and more where it does not; the most passes if
-    none does. ``plan_at(passes)``: the estimate's plan at that many passes; ``most_ids``:
-    the largest TT pack's ids (the passes' size)."""
+    estimate is at least ``VERIFY_SHARE`` of the budget: the fastest candidate
+    (``memory.CANDIDATES``) whose compiled step (plus the estimate's kernel scratch) fits,
+    looking at faster ones where the estimate's choice fits and leaner ones where it does
+    not; the leanest if none does. ``plan_at(candidate)``: the estimate's plan of a
+    candidate; ``most_ids``: the largest TT pack's ids (the passes' size)."""
     if plan.budget is None or plan.estimate.total < VERIFY_SHARE * plan.budget:
         return plan
-    choices = [p for p in PASS_CHOICES if p == 1 or pass_size(most_ids, p) < most_ids]
+    choices = [(p, w) for p, w in CANDIDATES if p == 1 or pass_size(most_ids, p) < most_ids]
 
-    def check(passes: int) -> Any:
-        candidate = plan_at(passes)
-        layout_p = pinned_layout(layout, pass_size(most_ids, passes))
-        xla = _compiled_bytes(layout_p, params, inputs, pooled, kw) + candidate.estimate.scratch
-        return dataclasses.replace(candidate, fits=xla <= plan.budget, xla_bytes=xla)
+    def check(candidate: tuple[int, int]) -> Any:
+        estimate = plan_at(candidate)
+        pinned = pinned_layout(layout, estimate.ids_per_pass, estimate.windows)
+        xla = _compiled_bytes(pinned, params, inputs, pooled, kw) + estimate.estimate.scratch
+        return dataclasses.replace(estimate, fits=xla <= plan.budget, xla_bytes=xla)
 
-    # from the estimate's choice: fewer passes while they fit, else more until one does
-    k = choices.index(plan.passes) if plan.passes in choices else len(choices) - 1
+    # from the estimate's choice: faster ones while they fit, else leaner until one does
+    k = choices.index(plan.candidate) if plan.candidate in choices else len(choices) - 1
     best = check(choices[k])
     step = -1 if best.fits else 1
     while 0 <= k + step < len(choices):

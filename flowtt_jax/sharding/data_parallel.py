@@ -78,5 +78,10 @@ def collection_data_parallel(layout: CollectionLayout, mesh: Mesh, axis: str = "
         out = jax.jit(dp.apply)(params, features)  # params replicated, features split on dim 0
     """
     return DataParallelLayout(
-        layout.tables, mesh, axis, ids_per_pass=layout.ids_per_pass, memory_budget=layout.memory_budget
+        layout.tables,
+        mesh,
+        axis,
+        ids_per_pass=layout.ids_per_pass,
+        memory_budget=layout.memory_budget,
+        unique_windows=layout.unique_windows,
     )

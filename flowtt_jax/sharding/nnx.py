@@ -66,12 +66,16 @@ def shard_collection(
     if isinstance(collection.layout, (DataParallelLayout, TableWiseLayout)):
         raise ValueError("the collection is already sharded: unshard_collection first")
     tables, per_pass = collection.layout.tables, collection.layout.ids_per_pass
-    budget = collection.layout.memory_budget
+    budget, windows = collection.layout.memory_budget, collection.layout.unique_windows
     values = {k: p[...] for k, p in collection.params.items()}
     if placement is None:
-        layout = DataParallelLayout(tables, mesh, axis, ids_per_pass=per_pass, memory_budget=budget)
+        layout = DataParallelLayout(
+            tables, mesh, axis, ids_per_pass=per_pass, memory_budget=budget, unique_windows=windows
+        )
     else:
-        layout = TableWiseLayout(tables, mesh, axis, placement, ids_per_pass=per_pass, memory_budget=budget)
+        layout = TableWiseLayout(
+            tables, mesh, axis, placement, ids_per_pass=per_pass, memory_budget=budget, unique_windows=windows
+        )
         values = jax.jit(layout.shard_params)(values)  # one program, whatever the table count
     specs = layout.param_specs()
     for name, value in values.items():
@@ -97,7 +101,10 @@ def unshard_collection(collection: TTEmbeddingCollection) -> None:
     for name, value in values.items():
         collection.params[name] = nnx.Param(value)
     collection.layout = CollectionLayout(
-        layout.tables, ids_per_pass=layout.ids_per_pass, memory_budget=layout.memory_budget
+        layout.tables,
+        ids_per_pass=layout.ids_per_pass,
+        memory_budget=layout.memory_budget,
+        unique_windows=layout.unique_windows,
     )
 
 

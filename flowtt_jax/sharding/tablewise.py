@@ -104,6 +104,7 @@ class TableWiseLayout(ShardedLayout, CollectionLayout):
             tuple(c for pk in packs for c in pk.tables),
             ids_per_pass=self.ids_per_pass,
             memory_budget=self.memory_budget,
+            unique_windows=self.unique_windows,
         )
         names = {}
         for q, pk in enumerate(sub.packs):
@@ -257,4 +258,5 @@ def collection_table_wise(
         placement,
         ids_per_pass=layout.ids_per_pass,
         memory_budget=layout.memory_budget,
+        unique_windows=layout.unique_windows,
     )
