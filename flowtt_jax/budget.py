@@ -100,7 +100,8 @@ def op_bytes(
         return CallBytes(0, 0, out, 0)
     inputs = (2 * ID_BYTES + PREPARED_BYTES) * n  # prepared ids, tables, live; weights, bag ids
     m = min(n, per_pass or n)  # the ids the kernels take at a time
-    rows = 4 * min(m, capacity if capacity is not None else m) * dim
+    held = m if capacity is None or one_table else min(m, capacity)  # one table: not windowed
+    rows = 4 * held * dim
     plan = (SINGLE_PLAN_BYTES if one_table else PLAN_BYTES) * m
     if m < n:  # passes: the per-id inputs live through the passes
         return CallBytes(inputs + plan, inputs + plan + rows, out, rows)

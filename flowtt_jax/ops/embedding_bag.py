@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flowtt_jax.budget import PASS_CHOICES, op_bytes, pass_size, resolve_budget
+from flowtt_jax.budget import CANDIDATES, op_bytes, pass_size, resolve_budget
 from flowtt_jax.inputs.bag import CanonicalBags, packed_bags, prepare_bags
 from flowtt_jax.inputs.csr import MODES, check_sizes, scale_by_modes
 from flowtt_jax.inputs.oob import apply_oob, as_ids, park_dropped
@@ -204,9 +204,11 @@ def tt_embedding_bag_group(
         pass's): for batches whose per-id buffers do not fit at once. None: as
         ``memory_budget`` decides.
       memory_budget: ``"auto"`` (a share of the device's memory,
-        ``flowtt_jax.memory.AUTO_FRACTION``), bytes, or None (all ids at once): without
-        ``ids_per_pass``, the fewest passes whose step (this op's buffers, the cores and
-        their gradient) fits, from the static shapes (``flowtt_jax.memory``).
+        ``flowtt_jax.budget.AUTO_FRACTION``), bytes, or None (all ids at once): without
+        ``ids_per_pass``, the first of ``budget.CANDIDATES`` (one pass; windows of the
+        uniques, a capacity of ``n / w``, where the group has several tables and no
+        ``unique_capacity``; passes over the ids) whose step (this op's buffers, the cores
+        and their gradient) fits, from the static shapes (``op_memory_choice``).
       return_overflow: also return ``overflowed`` bool[] (on the device, no host round
         trip): the batch had more unique rows than ``unique_capacity``.
     """
@@ -237,7 +239,7 @@ def tt_embedding_bag_group(
     unique_capacity = _static_count(unique_capacity, "unique_capacity")
     ids_per_pass = _static_count(ids_per_pass, "ids_per_pass")
     if ids_per_pass is None and impl == "ffi":
-        ids_per_pass = op_ids_per_pass(
+        ids_per_pass, unique_capacity = op_memory_choice(
             layout, packed, ids.shape[0], num_features * batch, unique_capacity, memory_budget
         )
     if ids.shape[0] == 0 or batch == 0:
@@ -276,21 +278,26 @@ def _static_count(value: Any, name: str) -> int | None:
     return int(value)
 
 
-def op_ids_per_pass(layout, packed, n: int, bags: int, capacity: int | None, memory_budget) -> int | None:
-    """The table-batched op's passes under ``memory_budget`` (``memory.choose_memory_plan``'s
-    rule for one group): the fewest whose buffers (``memory.op_bytes``, training), the cores
-    and their gradient fit; None: one pass."""
+def op_memory_choice(
+    layout, packed, n: int, bags: int, capacity: int | None, memory_budget
+) -> tuple[int | None, int | None]:
+    """``(ids_per_pass, unique_capacity)`` of the table-batched op under ``memory_budget``:
+    the first of ``budget.CANDIDATES`` (one pass; windows of the uniques, where the group has
+    several tables and the caller set no capacity; passes over the ids) whose buffers
+    (``budget.op_bytes``, training), the cores and their gradient fit; the leanest if none."""
     budget = resolve_budget(memory_budget)
     if budget is None or n == 0:
-        return None
+        return None, capacity
     params = sum(int(np.prod(c.shape)) * 4 for c in packed)
     one = layout.num_tables == 1
-    per_pass = None
-    for passes in PASS_CHOICES:
+    choice = None, capacity
+    for passes, windows in CANDIDATES:
         per_pass = pass_size(n, passes)
-        if per_pass is not None and per_pass >= n:
+        if (per_pass is not None and per_pass >= n) or (windows > 1 and (one or capacity is not None)):
             continue
-        b = op_bytes(n, bags, layout.dim, one, per_pass, capacity)
+        cap = capacity if windows == 1 else -(-n // windows)
+        b = op_bytes(n, bags, layout.dim, one, per_pass, cap)
+        choice = per_pass, cap
         if 2 * params + b.kept + b.rows + b.out + 16 * min(n, per_pass or n) <= budget:
-            return per_pass
-    return per_pass
+            return choice
+    return choice
