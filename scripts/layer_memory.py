@@ -1,7 +1,8 @@
 """What a user of TTEmbeddingCollection holds and waits for, with and without unique-row
-capacities and passes (docs/memory.md): a Meta-like collection of 24 tables (dim 32, rank
-16) at batch 2048 on this machine: construction, compile, step time and XLA's temporaries +
-outputs per id, forward and forward + backward (the gradient of a loss of the bags).
+capacities, windows of the uniques, passes, and the default policy at a budget
+(docs/memory.md): a Meta-like collection of 24 tables (dim 32, rank 16) at batch 2048 on
+this machine: construction, compile, step time and XLA's temporaries + outputs per id,
+forward and forward + backward (the gradient of a loss of the bags).
 ``python -m scripts.layer_memory OUT.json`` (from the repository root)."""
 
 import datetime
@@ -65,18 +66,25 @@ out = {
     "rank": 16,
     "cases": [],
 }
-for name, with_caps, per in (
-    ("per-id", False, None),
-    ("capacity x1.1", True, None),
-    ("4 passes", False, -(-n // 4)),
-    ("4 passes + capacity", True, -(-n // 4)),
+one_pass = ftt.estimate_memory(tables(False), ftt.BatchStats.measure([feats], tables(False))).total
+out["one_pass_estimate_bytes"] = one_pass
+for name, with_caps, kw in (
+    ("per-id", False, dict(memory_budget=None)),
+    ("capacity x1.1", True, dict(memory_budget=None)),
+    ("4 windows", False, dict(unique_windows=4)),
+    ("4 passes", False, dict(ids_per_pass=-(-n // 4))),
+    ("4 passes + capacity", True, dict(ids_per_pass=-(-n // 4))),
+    ("default, budget 60% of one pass", False, dict(memory_budget=int(0.6 * one_pass))),
 ):
     t0 = time.perf_counter()
-    c = TTEmbeddingCollection(tables(with_caps), rngs=nnx.Rngs(0), ids_per_pass=per)
+    c = TTEmbeddingCollection(tables(with_caps), rngs=nnx.Rngs(0), **kw)
     construct = time.perf_counter() - t0
     g, st = nnx.split(c)
     loss = lambda s, x, g=g: sum(jnp.sum(v**2) for v in nnx.merge(g, s)(x).values())  # noqa: E731
     rec = {"name": name, "construct_s": round(construct, 3)}
+    if "memory_budget" in kw and kw["memory_budget"] is not None:
+        plan = c.layout.memory_plan(feats)  # the call's choice (checked by XLA near the budget)
+        rec["chosen"] = str(plan).splitlines()[0]
     for mode, fn in (("fwd", lambda s, x, g=g: nnx.merge(g, s)(x)), ("fwd_bwd", jax.grad(loss))):
         t0 = time.perf_counter()
         comp = jax.jit(fn).lower(st, feats).compile()
