@@ -126,6 +126,12 @@ def _pack_bytes(pack: TablePack, stats: BatchStats) -> CallBytes:
             if n
             else CallBytes(0, 0, 4 * bags * dim, 0)
         )
+    if pack.kind == "single" and n:  # not 3 cores: the reference, which gathers every id's cores
+        spec = pack.tables[0].spec()
+        gathered = sum(int(np.prod(shape[1:])) for shape in spec.core_shapes)  # r q r floats a core
+        per_id = 4 * (gathered + dim)  # the gathered slices and the contracted row
+        inputs = (2 * ID_BYTES + PREPARED_BYTES) * n
+        return CallBytes(inputs + per_id * n, inputs + per_id * n, 4 * bags * dim, per_id * n)
     one_table = pack.kind == "single" or len(pack.tables) == 1
     return op_bytes(n, bags, dim, one_table, pack.ids_per_pass, pack.capacity_for(n))
 
