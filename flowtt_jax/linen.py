@@ -179,7 +179,9 @@ class TTEmbeddingCollection(nn.Module):
         kw = dict(oob=self.oob, impl=self.impl, dtype=self.dtype)
         out, overflowed = layout.call(params, features, weights, pooled=pooled, with_overflow=True, **kw)
         # per pack, the calls that overflowed their capacity: counted when "stats" is mutable
-        if self.is_mutable_collection("stats"):
+        capped = any(p.unique_capacity is not None for p in layout.packs)  # else nothing can overflow
+        if capped and self.is_mutable_collection("stats"):  # made (zeros) by init, counted by calls
             counts = self.variable("stats", "overflow_counts", jnp.zeros, (len(layout.packs),), jnp.int32)
-            counts.value = counts.value + overflowed
+            if not self.is_initializing():
+                counts.value = counts.value + overflowed
         return out

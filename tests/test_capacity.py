@@ -385,3 +385,26 @@ def test_collection_with_capacities_matches_without():
     np.testing.assert_allclose(float(loss(capped)), float(loss(plain)), rtol=1e-5)
     for (path, a), (_, b) in zip(jax.tree.leaves_with_path(got), jax.tree.leaves_with_path(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5, err_msg=str(path))
+
+
+@needs_kernels
+def test_linen_counts_overflows_in_its_stats_collection():
+    """linen: init makes ``stats/overflow_counts`` (zeros); with ``mutable=["stats"]`` each
+    call adds its packs' overflows; an immutable call without the stats is fine."""
+    from flowtt_jax.collection import TableConfig
+    from flowtt_jax.linen import TTEmbeddingCollection
+
+    rng = np.random.default_rng(1)
+    feats = {"a": rng.integers(0, 1000, (16, 5)), "b": rng.integers(0, 500, (16, 3))}
+    cfgs = [
+        TableConfig("ta", 1000, 8, rank=4, feature_names=("a",), max_unique_ids=7),
+        TableConfig("tb", 500, 8, rank=4, feature_names=("b",), max_unique_ids=7),
+    ]
+    model = TTEmbeddingCollection(cfgs)
+    variables = model.init(jax.random.key(0), feats)  # the counter made, the init call not counted
+    np.testing.assert_array_equal(np.asarray(variables["stats"]["overflow_counts"]), [0])
+    _, stats = model.apply(variables, feats, mutable=["stats"])
+    _, stats = model.apply({**variables, **stats}, feats, mutable=["stats"])
+    np.testing.assert_array_equal(np.asarray(stats["stats"]["overflow_counts"]), [2])
+    plain = model.apply({"params": variables["params"]}, feats)  # immutable, no stats: same bags
+    assert set(plain) == {"a", "b"}
