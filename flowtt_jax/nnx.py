@@ -334,7 +334,12 @@ class TTEmbeddingCollection(nnx.Module):
         if cfg.kind == "dense":
             self.load_table(name, (dense,))
             return 0.0
-        values, error = _tt_svd(dense, cfg.spec(), self.param_dtype, return_error=True, on_device=on_device)
+        try:
+            values, error = _tt_svd(
+                dense, cfg.spec(), self.param_dtype, return_error=True, on_device=on_device
+            )
+        except ValueError as e:  # name the table the user wrote
+            raise ValueError(f"table {name!r}: {e}") from None
         self.load_table(name, values)
         return error
 

@@ -345,6 +345,12 @@ def plan_tables(
     configs = _as_configs(tables, dim)
     if not configs:
         raise ValueError("plan_tables: no tables")
+    if (
+        isinstance(budget_bytes, bool)
+        or not isinstance(budget_bytes, (int, float, np.integer, np.floating))
+        or not np.isfinite(budget_bytes)
+    ):
+        raise ValueError(f"plan_tables: budget_bytes must be a finite number of bytes, got {budget_bytes!r}")
     if int(budget_bytes) < 1 or not ranks or min(ranks) < 1:
         raise ValueError(f"plan_tables: need budget_bytes >= 1 and ranks >= 1, got {budget_bytes}, {ranks}")
     budget = int(budget_bytes)

@@ -102,3 +102,23 @@ def test_measures_take_every_input_form():
         ftt.BatchStats.measure([ftt.KeyedJagged(ids=np.array([1]), lengths=np.array([[1], [0]]))], TABLES)
     with pytest.raises(ValueError, match="feature 'a': a dict input needs 'ids'"):
         ftt.BatchStats.measure([{"a": {"offsets": np.array([0])}}], TABLES)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_from_dense_refuses_non_finite_tables(bad, on_device):
+    """A NaN gave NaN cores with a reported error of 0.0, an inf never returned (the SVD):
+    both refused, naming the table in the collection's ``from_dense``."""
+    table = np.random.default_rng(0).standard_normal((100, 8)).astype(np.float32)
+    table[37, 3] = bad
+    with pytest.raises(ValueError, match="non-finite"):
+        ftt.from_dense(table, ftt.TTSpec.create(100, 8, 4), on_device=on_device)
+    coll = TTEmbeddingCollection([TableConfig("user", 100, 8, rank=4)], rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="table 'user': from_dense: the table has non-finite"):
+        coll.from_dense("user", table, on_device=on_device)
+
+
+@pytest.mark.parametrize("budget", [float("nan"), float("inf"), None, "1GB"])
+def test_plan_tables_validates_its_budget(budget):
+    with pytest.raises(ValueError, match="budget_bytes must be a finite number of bytes"):
+        ftt.plan_tables([TableConfig("t", 10_000, 8)], budget)

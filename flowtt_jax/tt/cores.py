@@ -79,7 +79,8 @@ def from_dense(
 ) -> Cores | tuple[Cores, float]:
     """TT-SVD of a dense ``[N, D]`` table, truncated to ``spec.ranks``.
 
-    Exact (up to rounding) when the ranks are the full ranks (``TTSpec.create`` caps ranks
+    A table with NaN or inf values raises ``ValueError`` (the SVD would give NaN cores, or not
+    return). Exact (up to rounding) when the ranks are the full ranks (``TTSpec.create`` caps ranks
     there); the error falls as ranks grow. Runs on the host in float64, or with
     ``on_device`` on jax's default device (``jnp.linalg.svd`` in float32, float64 under
     ``jax_enable_x64``: a large table's SVDs on a GPU rather than the host's cores). The
@@ -91,6 +92,13 @@ def from_dense(
         raise ValueError(
             f"table shape {tuple(np.shape(table))} != (num_embeddings, embedding_dim) = "
             f"({spec.num_embeddings}, {spec.embedding_dim})"
+        )
+    finite = (
+        jnp.all(jnp.isfinite(jnp.asarray(table))) if on_device else np.all(np.isfinite(np.asarray(table)))
+    )
+    if not bool(finite):  # an SVD of NaN / inf gives NaN cores, or never returns (LAPACK on inf)
+        raise ValueError(
+            "from_dense: the table has non-finite values (NaN or inf); fix or drop those rows first"
         )
     xp = jnp if on_device else np
     t = jnp.asarray(table, jnp.promote_types(jnp.float32, jnp.asarray(table).dtype)) if on_device else None
