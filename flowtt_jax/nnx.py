@@ -318,8 +318,9 @@ class TTEmbeddingCollection(nnx.Module):
         """Table ``name`` materialised ``[N, D]`` (for export and tests)."""
         return self.layout.to_dense(self._values(), name)
 
-    def load_table(self, name: str, values: Sequence[jax.Array]) -> None:
-        """Replaces table ``name``'s parameters (its cores, or ``(table,)`` if dense)."""
+    def load_table(self, name: str, values: Sequence[jax.Array] | jax.Array) -> None:
+        """Replaces table ``name``'s parameters: a TT table's cores (a tuple), a dense table's
+        ``[N, D]`` array (or ``(array,)``)."""
         new = self.layout.with_table(self._values(), name, values)
         for k, p in self.params.items():
             p[...] = new[k]

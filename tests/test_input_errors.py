@@ -122,3 +122,20 @@ def test_from_dense_refuses_non_finite_tables(bad, on_device):
 def test_plan_tables_validates_its_budget(budget):
     with pytest.raises(ValueError, match="budget_bytes must be a finite number of bytes"):
         ftt.plan_tables([TableConfig("t", 10_000, 8)], budget)
+
+
+def test_load_table_takes_a_dense_array_and_names_the_shapes():
+    coll = TTEmbeddingCollection(
+        [TableConfig("user", 100, 8, rank=4), TableConfig("country", 20, 8, kind="dense")], rngs=nnx.Rngs(0)
+    )
+    table = np.arange(160, dtype=np.float32).reshape(20, 8)
+    coll.load_table("country", table)  # the array itself, as docs/layers.md says
+    np.testing.assert_array_equal(np.asarray(coll.table("country")), table)
+    coll.load_table("country", (table + 1,))
+    np.testing.assert_array_equal(np.asarray(coll.table("country")), table + 1)
+    with pytest.raises(
+        ValueError, match=r"table 'country' \(dense\) takes its \[N, D\] array of shapes \[\(20, 8\)\]"
+    ):
+        coll.load_table("country", table[:10])
+    with pytest.raises(ValueError, match="table 'user' \\(tt\\) takes a tuple of its 3 cores"):
+        coll.load_table("user", table)

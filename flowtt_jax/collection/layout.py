@@ -221,14 +221,21 @@ class CollectionLayout:
 
     def with_table(self, params: Mapping[str, jax.Array], name: str, values: Sequence[jax.Array]) -> dict:
         """``params`` with table ``name``'s parameters replaced by ``values`` (same shapes
-        as ``table_params``), e.g. the TT-SVD of a dense table."""
+        as ``table_params``: a tuple of cores, or a dense table's array itself or ``(array,)``),
+        e.g. the TT-SVD of a dense table; a ``ValueError`` names the table and the shapes."""
         p, t = self.locate(name)
         pack, names = self.packs[p], self.param_names(p)
         old = self.table_params(params, name)
-        if tuple(tuple(v.shape) for v in values) != tuple(tuple(o.shape) for o in old):
+        if pack.kind == "dense" and hasattr(values, "shape"):  # a dense table's array itself
+            values = (values,)
+        shapes = [tuple(np.shape(v)) for v in values] if isinstance(values, (tuple, list)) else None
+        if shapes != [tuple(o.shape) for o in old]:
+            want = "its [N, D] array" if pack.kind == "dense" else f"a tuple of its {len(old)} cores"
             raise ValueError(
-                f"table {name!r}: shapes {[v.shape for v in values]} != {[o.shape for o in old]}"
+                f"table {name!r} ({pack.kind}) takes {want} of shapes {[tuple(o.shape) for o in old]}, "
+                f"got {shapes if shapes is not None else type(values).__name__}"
             )
+        values = tuple(jnp.asarray(v) for v in values)
         out = dict(params)
         if pack.kind == "tt":
             offs = pack.layout.core_offsets
