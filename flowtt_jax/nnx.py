@@ -250,8 +250,13 @@ class TTEmbeddingCollection(nnx.Module):
         self.impl = impl
         init = self.layout.init(rngs.params(), param_dtype)
         self.params = nnx.Dict({k: nnx.Param(v) for k, v in init.items()})
-        # float32 (exact to 2**24 calls): jax.grad over a whole nnx.state takes no int leaf
-        self.overflow_counts = OverflowCount(jnp.zeros((len(self.layout.packs),), jnp.float32))
+        # only where a capacity can overflow (a table with max_unique_ids): a plain collection
+        # stays stateless. float32 (exact to 2**24 calls): jax.grad over a whole nnx.state
+        # takes no int leaf
+        capped = any(p.unique_capacity is not None for p in self.layout.packs)
+        self.overflow_counts = (
+            OverflowCount(jnp.zeros((len(self.layout.packs),), jnp.float32)) if capped else None
+        )
 
     def _values(self) -> dict[str, jax.Array]:
         return {k: p[...] for k, p in self.params.items()}
@@ -283,6 +288,8 @@ class TTEmbeddingCollection(nnx.Module):
     def overflows(self) -> dict[str, int]:
         """``{pack label: calls that overflowed its capacity}`` (``CollectionLayout.pack_labels``;
         a host read: for reports, not inside a step)."""
+        if self.overflow_counts is None:  # no capacity: nothing can overflow
+            return {label: 0 for label in self.layout.pack_labels()}
         counts = jax.device_get(self.overflow_counts[...])
         return {label: int(c) for label, c in zip(self.layout.pack_labels(), counts)}
 
