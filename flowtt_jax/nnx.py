@@ -357,11 +357,16 @@ class TTEmbeddingCollection(nnx.Module):
         tables, or other tables re-ranked (a positional ``nnx.state`` fits only this layout)."""
         return self.layout.table_state(self._values())
 
-    def load_table_state(self, state: Mapping[str, Sequence[jax.Array]], *, strict: bool = True) -> None:
+    def load_table_state(
+        self, state: Mapping[str, Sequence[jax.Array]], *, strict: bool = True, allow_nonfinite: bool = False
+    ) -> None:
         """Loads every table of ``state`` (``table_state``'s form) by name; ``ValueError`` naming
         the tables if ``state`` has one this collection lacks, lacks one of its tables
-        (``strict``), or a table's shapes differ (nothing is loaded then)."""
-        new = self.layout.load_table_state(self._values(), state, strict=strict)
+        (``strict``), a table's shapes differ, or a table holds NaN or inf (unless
+        ``allow_nonfinite``): nothing is loaded then."""
+        new = self.layout.load_table_state(
+            self._values(), state, strict=strict, allow_nonfinite=allow_nonfinite
+        )
         for k, p in self.params.items():
             p[...] = new[k]
 

@@ -139,3 +139,20 @@ def test_load_table_takes_a_dense_array_and_names_the_shapes():
         coll.load_table("country", table[:10])
     with pytest.raises(ValueError, match="table 'user' \\(tt\\) takes a tuple of its 3 cores"):
         coll.load_table("user", table)
+
+
+def test_load_table_state_refuses_non_finite_tables():
+    """A checkpoint holding NaN or inf is refused naming the table (nothing loaded), unless
+    ``allow_nonfinite``."""
+    tables = [TableConfig("user", 100, 8, rank=4), TableConfig("country", 20, 8, kind="dense")]
+    src = TTEmbeddingCollection(tables, rngs=nnx.Rngs(0))
+    dst = TTEmbeddingCollection(tables, rngs=nnx.Rngs(1))
+    state = src.table_state()
+    state["country"] = (state["country"][0].at[3, 1].set(jnp.inf),)
+    before = np.asarray(dst.to_dense("user"))
+    with pytest.raises(ValueError, match=r"tables \['country'\] hold NaN or inf values"):
+        dst.load_table_state(state)
+    np.testing.assert_array_equal(np.asarray(dst.to_dense("user")), before)  # nothing loaded
+    dst.load_table_state(state, allow_nonfinite=True)
+    assert np.isinf(np.asarray(dst.table("country"))[3, 1])
+    np.testing.assert_array_equal(np.asarray(dst.to_dense("user")), np.asarray(src.to_dense("user")))

@@ -310,11 +310,13 @@ class CollectionLayout:
         state: Mapping[str, Sequence[jax.Array]],
         *,
         strict: bool = True,
+        allow_nonfinite: bool = False,
     ) -> dict[str, jax.Array]:
         """``params`` with every table of ``state`` (``table_state``'s form) loaded by name.
         ``ValueError`` naming the tables when ``state`` has a table this collection lacks,
-        lacks one of its tables (``strict``), or a table's shapes differ (another rank or
-        size: nothing is loaded then)."""
+        lacks one of its tables (``strict``), a table's shapes differ (another rank or size),
+        or a table holds NaN or inf values (unless ``allow_nonfinite``; traced values are not
+        checked): nothing is loaded then."""
         names = [cfg.name for cfg in self.tables]
         unknown = sorted(set(state) - set(names))
         missing = [n for n in names if n not in state] if strict else []
@@ -327,6 +329,18 @@ class CollectionLayout:
         problems = [
             f"table {n!r}: shapes {got} != the collection's {want}" for n, (got, want) in differ.items()
         ]
+        if not allow_nonfinite:
+            bad = [
+                n
+                for n in shapes
+                if n not in differ
+                and any(
+                    not isinstance(v, jax.core.Tracer) and not np.all(np.isfinite(np.asarray(v)))
+                    for v in state[n]
+                )
+            ]
+            if bad:
+                problems.append(f"tables {bad} hold NaN or inf values (allow_nonfinite=True loads them)")
         if unknown:
             problems.insert(0, f"tables not in this collection: {unknown}")
         if missing:
