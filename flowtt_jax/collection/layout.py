@@ -30,7 +30,9 @@ from flowtt_jax.collection.config import TableConfig, check_tables
 from flowtt_jax.collection.init import init_params
 from flowtt_jax.collection.packs import FeatureSlot, TablePack, check_param_names, pack_tables, param_names
 from flowtt_jax.collection.pool import (
+    dict_sizes,
     feature_input,
+    ids_of,
     lookup_input,
     overflow_flags,
     pool_canonical,
@@ -138,9 +140,9 @@ class CollectionLayout:
             return [n] * len(self.packs), (int(batch) if pooled else n)
         if isinstance(features, Mapping):
             if pooled:
-                return _dict_sizes(self.packs, features)
+                return dict_sizes(self.packs, features)
             sizes = [
-                sum(int(np.size(_ids_of(features[s.feature]))) for s in pk.features if s.feature in features)
+                sum(int(np.size(ids_of(features[s.feature]))) for s in pk.features if s.feature in features)
                 for pk in self.packs
             ]
             return sizes, max(sizes, default=0)
@@ -650,34 +652,6 @@ class CollectionLayout:
                 raise ValueError(f"weights shape {weights.shape} != ids shape {ids.shape}")
             weights = weights if weights.ndim == 3 else weights[..., None]
         return (ids if ids.ndim == 3 else ids[..., None]), weights
-
-
-def _ids_of(value: Any) -> Any:
-    """A feature input's ids (an array, or a dict's ``"ids"``): its size is the feature's ids."""
-    return value["ids"] if isinstance(value, Mapping) else value
-
-
-def _dict_sizes(packs: Sequence[TablePack], features: Mapping[str, Any]) -> tuple[list[int], int]:
-    """``(ids per pack, the most bags of a feature)`` of a feature dict, from static shapes."""
-    sizes, batch = [], 0
-    for pack in packs:
-        total = 0
-        for s in pack.features:
-            if s.feature not in features:
-                continue
-            value = features[s.feature]
-            ids = _ids_of(value)
-            total += int(np.size(ids))
-            kw = value if isinstance(value, Mapping) else {}
-            if kw.get("offsets") is not None:
-                bags = np.shape(kw["offsets"])[0] - 1
-            elif isinstance(kw.get("num_bags"), (int, np.integer)):
-                bags = int(kw["num_bags"])
-            else:
-                bags = np.shape(ids)[0] if np.ndim(ids) else 1
-            batch = max(batch, bags)
-        sizes.append(total)
-    return sizes, batch
 
 
 def _cast_to_batch(params: Mapping[str, jax.Array], batch: Any) -> dict[str, jax.Array]:

@@ -37,6 +37,8 @@ from flowtt_jax.tt import reference
 
 __all__ = [
     "canonical_feature",
+    "dict_sizes",
+    "ids_of",
     "overflow_flags",
     "feature_input",
     "lookup_input",
@@ -307,3 +309,31 @@ def stacked_bags(pack: TablePack, ids: jax.Array, weights: jax.Array | None, oob
     packed = CanonicalBags(saturate_int32(ids.reshape(-1)), w, offsets, bag_ids, None, length)
     slot_tables = jnp.asarray([s.table for s in pack.features], jnp.int32)
     return _pack_oob(pack, packed, slot_tables[bag_ids // max(batch, 1)], oob)
+
+
+def ids_of(value: Any) -> Any:
+    """A feature input's ids (an array, or a dict's ``"ids"``): its size is the feature's ids."""
+    return value["ids"] if isinstance(value, Mapping) else value
+
+
+def dict_sizes(packs: Sequence[TablePack], features: Mapping[str, Any]) -> tuple[list[int], int]:
+    """``(ids per pack, the most bags of a feature)`` of a feature dict, from static shapes."""
+    sizes, batch = [], 0
+    for pack in packs:
+        total = 0
+        for s in pack.features:
+            if s.feature not in features:
+                continue
+            value = features[s.feature]
+            ids = ids_of(value)
+            total += int(np.size(ids))
+            kw = value if isinstance(value, Mapping) else {}
+            if kw.get("offsets") is not None:
+                bags = np.shape(kw["offsets"])[0] - 1
+            elif isinstance(kw.get("num_bags"), (int, np.integer)):
+                bags = int(kw["num_bags"])
+            else:
+                bags = np.shape(ids)[0] if np.ndim(ids) else 1
+            batch = max(batch, bags)
+        sizes.append(total)
+    return sizes, batch
