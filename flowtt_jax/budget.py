@@ -21,6 +21,7 @@ __all__ = [
     "op_bytes",
     "pass_size",
     "resolve_budget",
+    "static_count",
 ]
 
 #: Bytes per id: an int32 or float32 per-id array (the weights, the bag ids); the forward's
@@ -40,6 +41,18 @@ PASS_CHOICES = (1, 2, 4, 8, 16, 32, 64)
 #: at a time; windows past the batch's uniques return at once), so they come before passes
 #: over the ids, which make a hot row again in every pass and sort every pass's ids.
 CANDIDATES = ((1, 1), *((1, w) for w in PASS_CHOICES[1:]), *((p, 1) for p in PASS_CHOICES[1:]))
+
+
+def static_count(value: Any, name: str, most: int | None = None) -> int | None:
+    """``value`` as a static int in ``[1, most]`` (or None), else a ``ValueError`` naming
+    ``name`` (floats, bools, strings and traced values included)."""
+    if value is None:
+        return None
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
+    if not ok or (most is not None and value > most):
+        bound = f"an int in [1, {most}]" if most is not None else "an int >= 1"
+        raise ValueError(f"{name} must be {bound} or None, got {value!r}")
+    return int(value)
 
 
 def pass_size(n: int, passes: int) -> int | None:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flowtt_jax.budget import static_count
 from flowtt_jax.capacity import MAX_PASSES
 from flowtt_jax.collection.config import TableConfig, check_tables
 from flowtt_jax.collection.init import init_params
@@ -73,20 +74,8 @@ class CollectionLayout:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tables", check_tables(self.tables))
-        if self.ids_per_pass is not None and (
-            isinstance(self.ids_per_pass, bool)
-            or not isinstance(self.ids_per_pass, int)
-            or self.ids_per_pass < 1
-        ):
-            raise ValueError(f"ids_per_pass must be an int >= 1 or None, got {self.ids_per_pass!r}")
-        if self.unique_windows is not None and (
-            isinstance(self.unique_windows, bool)
-            or not isinstance(self.unique_windows, int)
-            or not 1 <= self.unique_windows <= MAX_PASSES
-        ):
-            raise ValueError(
-                f"unique_windows must be an int in [1, {MAX_PASSES}] or None, got {self.unique_windows!r}"
-            )
+        static_count(self.ids_per_pass, "ids_per_pass")  # a ValueError naming it
+        static_count(self.unique_windows, "unique_windows", most=MAX_PASSES)
         if not isinstance(self.memory_budget, str):
             resolve_budget(self.memory_budget)  # a ValueError naming memory_budget
         elif self.memory_budget != "auto":
@@ -498,10 +487,11 @@ class CollectionLayout:
             out = self._call(params, features, weights, pooled=pooled, **kw)
         return out, self._overflows(flags)
 
-    def _checked_plan(self, params, features, weights, pooled: bool, kw) -> MemoryPlan:
-        """The estimate's plan for this call's shapes, checked by XLA's analysis near the
-        budget (``collection.xla_fit.check_by_xla``)."""
-        sizes, batch = self._form_sizes(features, pooled)
+    def _checked_plan(self, params, features, weights, pooled: bool, kw, sizes=None) -> MemoryPlan:
+        """The estimate's plan for this call's shapes (``sizes``: ``_form_sizes``', when the
+        caller has them), checked by XLA's analysis near the budget
+        (``collection.xla_fit.check_by_xla``)."""
+        sizes, batch = self._form_sizes(features, pooled) if sizes is None else sizes
         stats = self._stats(sizes, batch)
         plan = self._plan_for(tuple(sizes), batch)
         if self._user_planned or self.memory_budget is None:
@@ -518,10 +508,10 @@ class CollectionLayout:
         if self._user_planned or self.memory_budget is None or not self.counts_overflow:
             return self
         try:
-            self._form_sizes(features, pooled)
+            sizes = self._form_sizes(features, pooled)
         except (IndexError, TypeError, ValueError, KeyError, AttributeError):
             return self  # malformed inputs: the call's own checks name the problem
-        plan = self._checked_plan(params, features, weights, pooled, kw)
+        plan = self._checked_plan(params, features, weights, pooled, kw, sizes)
         return self if plan.xla_bytes is None else pinned_layout(self, plan.ids_per_pass, plan.windows)
 
     def _call(self, params, features, weights, *, pooled: bool, **kw: Any):

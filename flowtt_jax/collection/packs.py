@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from flowtt_jax.budget import pass_size
 from flowtt_jax.collection.config import TableConfig
 from flowtt_jax.kernels.group_plan import GroupLayout
 
@@ -53,7 +54,8 @@ class TablePack:
         single-table kernels, whose rows are not windowed: None there."""
         if self.kind != "tt" or len(self.tables) == 1:
             return None
-        caps = [c for c in (self.unique_capacity, _window(num_ids, self.unique_windows)) if c is not None]
+        window = pass_size(num_ids, self.unique_windows) if self.unique_windows and num_ids > 0 else None
+        caps = [c for c in (self.unique_capacity, window) if c is not None]
         return min(caps) if caps else None
 
     @property
@@ -71,14 +73,6 @@ class TablePack:
         return tuple(
             int(x) for x in np.concatenate([[0], np.cumsum([t.num_embeddings for t in self.tables])])
         )
-
-
-def _window(num_ids: int, windows: int | None) -> int | None:
-    """``ceil(num_ids / windows)`` rounded up to 256 (None for one window)."""
-    if not windows or windows <= 1 or num_ids <= 0:
-        return None
-    per_window = -(-num_ids // windows)
-    return -(-per_window // 256) * 256
 
 
 def _group_key(cfg: TableConfig) -> tuple:

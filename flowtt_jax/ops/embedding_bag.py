@@ -25,13 +25,12 @@ gradients; at most ``bag.MAX_NNZ`` (2^31 - 2) ids and bags per call.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flowtt_jax.budget import CANDIDATES, op_bytes, pass_size, resolve_budget
+from flowtt_jax.budget import CANDIDATES, op_bytes, pass_size, resolve_budget, static_count
 from flowtt_jax.inputs.bag import CanonicalBags, packed_bags, prepare_bags
 from flowtt_jax.inputs.csr import MODES, check_sizes, scale_by_modes
 from flowtt_jax.inputs.oob import apply_oob, as_ids, park_dropped
@@ -236,8 +235,8 @@ def tt_embedding_bag_group(
     if ids.ndim != 1:
         raise ValueError(f"ids must be a flat int array [n], got {ids.dtype}{list(ids.shape)}")
     out_shape = (batch, num_features, dim) if batch_major else (num_features, batch, dim)
-    unique_capacity = _static_count(unique_capacity, "unique_capacity")
-    ids_per_pass = _static_count(ids_per_pass, "ids_per_pass")
+    unique_capacity = static_count(unique_capacity, "unique_capacity")
+    ids_per_pass = static_count(ids_per_pass, "ids_per_pass")
     if ids_per_pass is None and impl == "ffi":
         ids_per_pass, unique_capacity = op_memory_choice(
             layout, packed, ids.shape[0], num_features * batch, unique_capacity, memory_budget
@@ -267,15 +266,6 @@ def tt_embedding_bag_group(
     )
     out = out[0].reshape(out_shape).astype(out_dtype), out[1]
     return out if return_overflow else out[0]
-
-
-def _static_count(value: Any, name: str) -> int | None:
-    """``value`` as a static int >= 1 (or None), else a ``ValueError`` naming ``name``."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a static int >= 1 or None, got {value!r}")
-    return int(value)
 
 
 def op_memory_choice(
