@@ -1,0 +1,213 @@
+"""Every input form through the one input pipeline (``flowtt_jax.inputs.batch``), pinned
+bit for bit on CPU to the values the collection gave before the pipeline was one
+(recorded at cd05814): outputs and gradients (parameters and per-id weights) of each form
+(feature dict of CSR / padded / one-id / masked / segment-id features, mixed batch sizes,
+traced offsets, ``KeyedJagged`` by lengths or offsets, stacked ids, unpooled lookups,
+every ``oob`` policy), on a collection of a TT shape group, two dense tables, a 2-core
+table and a table shared by two features, packs in another order than the features.
+
+Recording: ``FLOWTT_GOLDEN_RECORD=DIR python -m pytest tests/test_input_pipeline.py``
+writes ``DIR/pipeline_cpu_<machine>.json`` (SHA-256 of each array's bytes, with its shape
+and dtype); a machine without a checked-in file skips."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform as host_platform
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+from flowtt_jax import KeyedJagged
+from flowtt_jax.collection import TableConfig
+from flowtt_jax.collection.layout import CollectionLayout
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / f"pipeline_cpu_{host_platform.machine()}.json"
+B, DIM = 5, 8
+
+
+def _layout() -> CollectionLayout:
+    return CollectionLayout(
+        (
+            TableConfig("a", 1000, DIM, rank=4, mode="mean"),
+            TableConfig("d", 50, DIM, kind="dense"),
+            TableConfig("b", 3000, DIM, rank=4, mode="sqrtn", feature_names=("b1", "b2")),
+            TableConfig("two", 300, DIM, rank=4, num_cores=2),
+            TableConfig("d2", 40, DIM, kind="dense", mode="mean"),
+            TableConfig("c", 77, DIM, rank=4),
+        )
+    )
+
+
+def _rows(layout) -> dict[str, int]:
+    return {f: t.num_embeddings for t in layout.tables for f in t.feature_keys}
+
+
+def _csr(rng, rows: int, batch: int, weighted: bool) -> dict:
+    lengths = rng.integers(0, 5, batch)
+    lengths[rng.random(batch) < 0.25] = 0
+    ids = rng.integers(0, rows, int(lengths.sum()))
+    if ids.size > 1:
+        ids[0], ids[-1] = rows - 1, rows + 2  # the last row; out of range
+    out = {
+        "ids": jnp.asarray(ids, jnp.int32),
+        "offsets": jnp.asarray(np.r_[0, np.cumsum(lengths)], jnp.int32),
+    }
+    if weighted:
+        out["weights"] = jnp.asarray(rng.uniform(0.5, 1.5, ids.size), jnp.float32)
+    return out
+
+
+def _padded(rng, rows: int, batch: int, length: int, weighted: bool) -> dict:
+    ids = rng.integers(-1, rows + 1, (batch, length))
+    out = {"ids": jnp.asarray(ids, jnp.int32)}
+    if weighted:
+        out["weights"] = jnp.asarray(rng.uniform(0.5, 1.5, ids.shape), jnp.float32)
+    return out
+
+
+def _forms(layout, seed: int) -> dict[str, tuple]:
+    """``{case: (kind, inputs, call kwargs)}``; kind: "dict", "kjt", "stacked", "lookup"."""
+    rng = np.random.default_rng(seed)
+    rows = _rows(layout)
+    names = layout.feature_names
+    cases: dict[str, tuple] = {}
+    cases["dict_csr"] = ("dict", {f: _csr(rng, rows[f], B, False) for f in names}, {})
+    cases["dict_csr_weighted"] = ("dict", {f: _csr(rng, rows[f], B, True) for f in names}, {})
+    cases["dict_padded_weighted"] = ("dict", {f: _padded(rng, rows[f], B, 3, True) for f in names}, {})
+    one = {f: jnp.asarray(rng.integers(0, rows[f], B), jnp.int32) for f in names}
+    cases["dict_one_id"] = ("dict", one, {})
+    mixed = {}
+    for i, f in enumerate(names):
+        if i % 3 == 0:
+            p = _padded(rng, rows[f], B, 4, i % 2 == 0)
+            p["mask"] = jnp.asarray(rng.random((B, 4)) < 0.6)
+            mixed[f] = p
+        elif i % 3 == 1:
+            n = 9
+            seg = {"ids": jnp.asarray(rng.integers(0, rows[f], n), jnp.int32)}
+            seg["segment_ids"] = jnp.asarray(rng.integers(-1, B + 1, n), jnp.int32)
+            seg["num_bags"] = B
+            mixed[f] = seg
+        else:
+            mixed[f] = _csr(rng, rows[f], B, True)
+    cases["dict_masked_segment_csr"] = ("dict", mixed, {})
+    sizes = dict(cases["dict_csr"][1])
+    sizes["c"] = _csr(rng, rows["c"], B + 2, False)  # another batch size
+    sizes["two"] = _padded(rng, rows["two"], B + 2, 2, False)
+    cases["dict_mixed_batch"] = ("dict", sizes, {})
+    cases["dict_clip"] = ("dict", cases["dict_csr_weighted"][1], {"oob": "clip"})
+    valid = {f: _csr(rng, rows[f], B, True) for f in names}
+    for v in valid.values():
+        v["ids"] = jnp.clip(v["ids"], 0, None) % 40
+    cases["dict_error_valid"] = ("dict", valid, {"oob": "error"})
+    cases["dict_traced_offsets"] = ("jit_dict", cases["dict_csr_weighted"][1], {})
+    feats = cases["dict_csr_weighted"][1]
+    ids = jnp.concatenate([feats[f]["ids"] for f in names])
+    weights = jnp.concatenate([feats[f]["weights"] for f in names])
+    lengths = jnp.stack([jnp.diff(feats[f]["offsets"]) for f in names])
+    cases["kjt_lengths"] = ("kjt", KeyedJagged(ids, lengths=lengths, keys=names), {})
+    cases["kjt_offsets_weighted"] = (
+        "kjt",
+        KeyedJagged(
+            ids,
+            offsets=jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(lengths.reshape(-1))]),
+            weights=weights,
+        ),
+        {},
+    )
+    tail = KeyedJagged(jnp.concatenate([ids, jnp.asarray([7, 999], jnp.int32)]), lengths=lengths)
+    cases["kjt_tail_clip"] = ("kjt", tail, {"oob": "clip"})
+    stacked = jnp.asarray(rng.integers(-1, 45, (B, len(names), 3)), jnp.int32)
+    cases["stacked_bfl_weighted"] = (
+        "stacked",
+        (stacked, jnp.asarray(rng.uniform(0.5, 1.5, stacked.shape), jnp.float32)),
+        {},
+    )
+    cases["stacked_bf"] = ("stacked", (stacked[:, :, 0], None), {})
+    look = {f: jnp.asarray(rng.integers(-1, rows[f] + 1, (B, 3)), jnp.int32) for f in names[:4]}
+    look["c"] = {
+        "ids": jnp.asarray(rng.integers(0, rows["c"], (4,)), jnp.int32),
+        "weights": jnp.asarray(rng.uniform(0.5, 1.5, 4), jnp.float32),
+    }
+    cases["lookup_dict"] = ("lookup", look, {})
+    cases["lookup_kjt_weighted"] = ("lookup", cases["kjt_offsets_weighted"][1], {})
+    return cases
+
+
+def _run(layout, params, kind: str, inputs, kw: dict, impl: str) -> dict[str, np.ndarray]:
+    """The call's outputs and the gradients of a fixed random projection of them, under one
+    ``jit`` whose integer inputs are closed over (concrete, as in an eager call) but for
+    ``jit_dict`` (traced offsets)."""
+    kw = {**kw, "impl": impl}
+    leaves, tree = jax.tree.flatten(inputs)
+    traced = [
+        isinstance(x, jax.Array) and (kind == "jit_dict" or jnp.issubdtype(x.dtype, jnp.floating))
+        for x in leaves
+    ]
+
+    def call(p, args):
+        it = iter(args)
+        inp = jax.tree.unflatten(tree, [next(it) if t else x for x, t in zip(leaves, traced)])
+        if kind == "stacked":
+            return layout.call(p, inp[0], inp[1], **kw)
+        return layout.call(p, inp, pooled=kind != "lookup", **kw)
+
+    def jitted(f):  # oob="error" checks on the device: checkify raises them
+        if kw.get("oob") != "error":
+            return jax.jit(f)
+        checked = jax.jit(checkify.checkify(f))
+        return lambda *a: (lambda err, out: (err.throw(), out)[1])(*checked(*a))
+
+    args = [x for x, t in zip(leaves, traced) if t]
+    out = jitted(call)(params, args)
+    outs = jax.tree.leaves(out)
+    rng = np.random.default_rng(1)
+    cots = [jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in outs]
+
+    def loss(p, a):
+        return sum(jnp.vdot(c, x) for c, x in zip(cots, jax.tree.leaves(call(p, a))))
+
+    grads, arg_grads = jitted(jax.grad(loss, argnums=(0, 1), allow_int=True))(params, args)
+    res = {f"out{i}": np.asarray(x) for i, x in enumerate(outs)}
+    res.update({f"grad_{k}": np.asarray(v) for k, v in sorted(grads.items())})
+    res.update({f"arg_grad{i}": np.asarray(g) for i, g in enumerate(arg_grads) if g.dtype == jnp.float32})
+    return res
+
+
+def _digest(x: np.ndarray) -> str:
+    return f"{x.dtype}{list(x.shape)}:" + hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()[:24]
+
+
+def _hashes() -> dict[str, dict[str, str]]:
+    layout = _layout()
+    params = layout.init(jax.random.key(0))
+    out = {}
+    for impl in ("auto", "reference"):
+        for case, (kind, inputs, kw) in _forms(layout, 0).items():
+            res = _run(layout, params, kind, inputs, kw, impl)
+            out[f"{impl}/{case}"] = {k: _digest(v) for k, v in res.items()}
+    return out
+
+
+def test_every_form_as_before_bitwise():
+    if jax.default_backend() != "cpu":
+        pytest.skip("pinned on CPU")
+    got = _hashes()
+    record = os.environ.get("FLOWTT_GOLDEN_RECORD")
+    if record:
+        Path(record).mkdir(parents=True, exist_ok=True)
+        (Path(record) / GOLDEN.name).write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    if not GOLDEN.exists():
+        pytest.skip(f"no pinned values for this machine ({GOLDEN.name})")
+    want = json.loads(GOLDEN.read_text())
+    assert sorted(got) == sorted(want)
+    wrong = {case: [k for k in want[case] if got[case].get(k) != want[case][k]] for case in want}
+    wrong = {c: k for c, k in wrong.items() if k or sorted(got[c]) != sorted(want[c])}
+    assert not wrong, f"changed bits (case: arrays): {wrong}"
