@@ -27,25 +27,22 @@ import numpy as np
 
 from flowtt_jax.budget import static_count
 from flowtt_jax.capacity import MAX_PASSES
+from flowtt_jax.collection.batch import (
+    PackBatch,
+    check_stacked,
+    dict_batches,
+    form_sizes,
+    jagged_batches,
+    jagged_csr,
+    lookup_batches,
+    stacked_batches,
+)
 from flowtt_jax.collection.config import TableConfig, check_tables
 from flowtt_jax.collection.init import init_params
 from flowtt_jax.collection.packs import FeatureSlot, TablePack, check_param_names, pack_tables, param_names
-from flowtt_jax.collection.pool import (
-    dict_sizes,
-    feature_input,
-    ids_of,
-    lookup_input,
-    overflow_flags,
-    pool_canonical,
-    pool_csr,
-    pool_packed,
-    rows_csr,
-    stacked_bags,
-)
+from flowtt_jax.collection.pool import overflow_flags, pack_impl, pool_packed
 from flowtt_jax.collection.xla_fit import check_by_xla, pinned_layout
-from flowtt_jax.inputs.csr import as_weights, clamp_csr
-from flowtt_jax.inputs.jagged import KeyedJagged, PackedCSR, compact, concat_weights, pack_features
-from flowtt_jax.inputs.oob import as_ids, saturate_int32
+from flowtt_jax.inputs.jagged import KeyedJagged
 from flowtt_jax.kernels import ffi
 from flowtt_jax.memory import BatchStats, MemoryPlan, apply_candidate, choose_memory_plan, resolve_budget
 from flowtt_jax.tt.cores import to_dense
@@ -116,28 +113,8 @@ class CollectionLayout:
         return self._checked_plan(params, batch, weights, pooled, {})
 
     def _form_sizes(self, features: Any, pooled: bool) -> tuple[list[int], int]:
-        """``(ids per pack, bags per feature)`` of a call's inputs, from static shapes: a
-        ``KeyedJagged``'s every id for each pack (each scans the flat batch), a dict's own
-        features' ids, stacked ``[B, F(, L)]`` ids' columns; unpooled, each id is a bag."""
-        if isinstance(features, KeyedJagged):
-            n = int(np.shape(features.ids)[0])
-            num = max(len(self.feature_names), 1)
-            lengths = features.lengths
-            batch = (
-                np.shape(lengths)[-1] if lengths is not None else (np.shape(features.offsets)[0] - 1) // num
-            )
-            return [n] * len(self.packs), (int(batch) if pooled else n)
-        if isinstance(features, Mapping):
-            if pooled:
-                return dict_sizes(self.packs, features)
-            sizes = [
-                sum(int(np.size(ids_of(features[s.feature]))) for s in pk.features if s.feature in features)
-                for pk in self.packs
-            ]
-            return sizes, max(sizes, default=0)
-        shape = np.shape(features)
-        per_feature = shape[0] * (shape[2] if len(shape) == 3 else 1)
-        return [per_feature * len(pk.features) for pk in self.packs], shape[0]
+        """``(ids per pack, bags per feature)`` of a call's inputs (``batch.form_sizes``)."""
+        return form_sizes(self.packs, self.feature_names, features, pooled)
 
     def _stats(self, pack_ids: Sequence[int], batch: int) -> BatchStats:
         ids = {p.features[0].feature: int(n) for p, n in zip(self.packs, pack_ids) if p.features}
@@ -363,25 +340,39 @@ class CollectionLayout:
         """``{feature: [B, D]}`` for every feature the tables read (see
         ``flowtt_jax.collection`` for the input forms); ``KeyError`` for a missing one."""
         params = _cast_to_batch(params, features)
+        packs = self._call_packs(*self._form_sizes(features, True))
         out = {}
-        for p, pack in enumerate(self._call_packs(*self._form_sizes(features, True))):
-            arrays = tuple(params[n] for n in self.param_names(p))
-            out_dtype = arrays[0].dtype if dtype is None else dtype
-            inputs = [feature_input(features, s, pack) for s in pack.features]
-            csr = pack_features(inputs, [s.feature for s in pack.features], oob)
-            if csr is not None:  # one packed CSR: no per-feature op before the pooling
-                pooled = pool_csr(pack, arrays, csr, (0, len(pack.features)), oob, impl)
-                self._split(out, pack.features, pooled, out_dtype)
-                continue
-            for slots, pooled in pool_canonical(pack, arrays, features, oob, impl):
-                self._split(out, slots, pooled, out_dtype)
+        for b in dict_batches(packs, features, oob, self._kernels(packs, params, impl)):
+            pooled = self._pool(packs, params, b, impl, dtype)
+            # split, not slices: a slice's transpose pads to the whole [F*B, D] (F^2 work)
+            for slot, part in zip(b.slots, jnp.split(pooled, len(b.slots))):
+                out[slot.feature] = part
         return out
 
-    @staticmethod
-    def _split(out: dict, slots: Sequence[FeatureSlot], pooled: jax.Array, dtype: Any) -> None:
-        # split, not slices: a slice's transpose pads to the whole [F*B, D] (F^2 work)
-        for slot, part in zip(slots, jnp.split(pooled, len(slots))):
-            out[slot.feature] = part.astype(dtype)
+    def _kernels(self, packs: Sequence[TablePack], params: Mapping[str, jax.Array], impl: str) -> list[bool]:
+        """Whether each pack runs the kernels (its bags are then prepared by one kernel too)."""
+        return [
+            pack_impl(pack, tuple(params[n] for n in self.param_names(p)), impl) == "ffi"
+            for p, pack in enumerate(packs)
+        ]
+
+    def _pool(
+        self,
+        packs,
+        params,
+        b: PackBatch,
+        impl: str,
+        dtype: Any,
+        *,
+        batch_major: bool = False,
+        cast: bool = True,
+    ) -> jax.Array:
+        """Batch ``b`` pooled by its pack (``pool.pool_packed``), in ``dtype`` (None: the
+        parameters'; ``cast=False``: the pooling's own float32 or float64)."""
+        arrays = tuple(params[n] for n in self.param_names(b.pack))
+        batch = b.batch if batch_major else 0
+        out = pool_packed(packs[b.pack], arrays, b.bags, b.tables, b.weighted, impl, batch)
+        return out.astype(arrays[0].dtype if dtype is None else dtype) if cast else out
 
     def apply_jagged(
         self,
@@ -398,17 +389,12 @@ class CollectionLayout:
         consecutive in ``feature_names`` takes them after one gather of the ids into the
         packs' order); every table must have the same dim D."""
         self._one_dim("a packed jagged input")
-        csr, back, _ = self._jagged_in_pack_order(batch, oob)
+        csr, back, _ = jagged_csr(batch, self.feature_names, self.pack_order, oob)
+        packs = self._call_packs([csr.ids.shape[0]] * len(self.packs), csr.batch)  # each pack sees every id
+        batches = jagged_batches(packs, csr, oob, self._kernels(packs, params, impl), pooled=True)
         params = _cast_to_batch(params, (csr.ids, csr.weights))
-        parts, lo = [], 0
-        packs = self._call_packs(*self._form_sizes(batch, True))  # each pack sees every id
-        for p, pack in enumerate(packs):
-            arrays = tuple(params[n] for n in self.param_names(p))
-            out_dtype = arrays[0].dtype if dtype is None else dtype
-            hi = lo + len(pack.features)
-            pooled = pool_csr(pack, arrays, csr, (lo, hi), oob, impl, batch_major=True, whole=False)
-            parts.append(pooled.reshape(csr.batch, hi - lo, pooled.shape[-1]).astype(out_dtype))
-            lo = hi
+        pooled = [self._pool(packs, params, b, impl, dtype, batch_major=True) for b in batches]
+        parts = [x.reshape(b.batch, len(b.slots), x.shape[-1]) for b, x in zip(batches, pooled)]
         out = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
         return out if back is None else out[:, back]
 
@@ -429,35 +415,26 @@ class CollectionLayout:
         ``{feature: [*ids.shape, D]}`` for the features it names."""
         if isinstance(features, KeyedJagged):
             self._one_dim("an unpooled packed jagged input")
-            csr, _, src = self._jagged_in_pack_order(features, oob)
+            csr, _, src = jagged_csr(features, self.feature_names, self.pack_order, oob)
+            n = csr.ids.shape[0]
+            packs = self._call_packs([n] * len(self.packs), n)
+            batches = jagged_batches(packs, csr, oob, self._kernels(packs, params, impl), pooled=False)
             params = _cast_to_batch(params, (csr.ids, csr.weights))
-            n, rows, lo = csr.ids.shape[0], None, 0
-            for p, pack in enumerate(self._call_packs(*self._form_sizes(features, False))):
-                arrays = tuple(params[k] for k in self.param_names(p))
-                hi = lo + len(pack.features)
-                part = rows_csr(pack, arrays, csr, (lo, hi), oob, impl, whole=False)
-                rows = part if rows is None else rows + part  # each position is live in one pack
-                lo = hi
+            rows = None
+            for b in batches:  # each position is live in one pack
+                part = self._pool(packs, params, b, impl, None, cast=False)
+                rows = part if rows is None else rows + part
             rows = rows.astype(params[self.param_names(0)[0]].dtype if dtype is None else dtype)
             # back to the input's positions (rows in no bag are 0, so colliding adds add 0)
             return rows if src is None or n == 0 else jnp.zeros_like(rows).at[src].add(rows)
-        out = {}
+        packs = self._call_packs(*self._form_sizes(features, False))
         params = _cast_to_batch(params, features)
-        for p, pack in enumerate(self._call_packs(*self._form_sizes(features, False))):
-            slots = [s for s in pack.features if s.feature in features]
-            if not slots:
-                continue
-            arrays = tuple(params[k] for k in self.param_names(p))
-            out_dtype = arrays[0].dtype if dtype is None else dtype
-            ids, weights = zip(*(lookup_input(features[s.feature], s.feature, oob) for s in slots))
-            sizes = [int(i.size) for i in ids]
-            flat = jnp.concatenate([saturate_int32(i).reshape(-1) for i in ids])
-            offsets = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
-            csr = PackedCSR(flat, offsets, concat_weights(weights, sizes), 1)
-            sub = dataclasses.replace(pack, features=tuple(slots))
-            rows = rows_csr(sub, arrays, csr, (0, len(slots)), oob, impl)
-            for s, i, part in zip(slots, ids, jnp.split(rows, np.cumsum(sizes)[:-1])):
-                out[s.feature] = part.reshape(*i.shape, -1).astype(out_dtype)
+        out = {}
+        for b, shapes in lookup_batches(packs, features, oob, self._kernels(packs, params, impl)):
+            rows = self._pool(packs, params, b, impl, dtype)
+            sizes = [int(np.prod(shape)) for shape in shapes]
+            for s, shape, part in zip(b.slots, shapes, jnp.split(rows, np.cumsum(sizes)[:-1])):
+                out[s.feature] = part.reshape(*shape, -1)
         return out
 
     def call(
@@ -554,24 +531,6 @@ class CollectionLayout:
         column = {f: i for i, f in enumerate(self.feature_names)}
         return tuple(column[s.feature] for pack in self.packs for s in pack.features)
 
-    def _jagged_in_pack_order(self, batch: KeyedJagged, oob: str):
-        """``(PackedCSR, back, src)``: ``batch``'s bags with each pack's features consecutive;
-        ``back`` (None when already so) puts ``[B, F_packs, D]`` outputs back in
-        ``feature_names`` order, ``src`` (or None) is each position's input position."""
-        if not isinstance(batch, KeyedJagged):
-            raise TypeError(f"expected a KeyedJagged batch, got {type(batch).__name__}")
-        csr = batch.csr(self.feature_names, oob)
-        n, num = csr.ids.shape[0], len(self.feature_names)
-        offsets = csr.offsets
-        order = self.pack_order
-        if order == tuple(range(num)):
-            return csr, None, None
-        offsets = clamp_csr(offsets, n)
-        starts = offsets[:-1].reshape(num, csr.batch)[np.asarray(order)].reshape(-1)
-        lengths = jnp.diff(offsets).reshape(num, csr.batch)[np.asarray(order)].reshape(-1)
-        ids, weights, new_offsets, src = compact(csr.ids, csr.weights, starts, lengths)
-        return PackedCSR(ids, new_offsets, weights, csr.batch), np.argsort(order), src
-
     def _one_dim(self, what: str) -> None:
         dims = sorted({cfg.features for cfg in self.tables})
         if len(dims) > 1:
@@ -605,19 +564,11 @@ class CollectionLayout:
         """
         ids, weights = self._check_stacked(ids, weights, oob)
         params = _cast_to_batch(params, (ids, weights))
-        column = {f: i for i, f in enumerate(self.feature_names)}
-        parts, order = [], []
         packs = self._call_packs(*self._form_sizes(ids, True))
-        for p, pack in enumerate(packs):
-            arrays = tuple(params[n] for n in self.param_names(p))
-            out_dtype = arrays[0].dtype if dtype is None else dtype
-            cols = [column[s.feature] for s in pack.features]
-            sub = _columns(ids, cols)  # [F_p, B, L]
-            w = None if weights is None else _columns(weights, cols)
-            packed, tables = stacked_bags(pack, sub, w, oob)
-            pooled = pool_packed(pack, arrays, packed, tables, weights is not None, impl)
-            out = pooled.reshape(sub.shape[0], sub.shape[1], pooled.shape[-1]).astype(out_dtype)
-            parts.append(out)
+        parts, order = [], []
+        for b, cols in stacked_batches(packs, self.feature_names, ids, weights, oob):
+            pooled = self._pool(packs, params, b, impl, dtype)
+            parts.append(pooled.reshape(len(cols), b.batch, pooled.shape[-1]))
             order += cols
         out = jnp.concatenate(parts) if len(parts) > 1 else parts[0]  # [F, B, D], packs' order
         if order != sorted(order):
@@ -625,23 +576,8 @@ class CollectionLayout:
         return jnp.transpose(out, (1, 0, 2))
 
     def _check_stacked(self, ids, weights, oob: str) -> tuple[jax.Array, jax.Array | None]:
-        """Stacked ids and weights as ``[B, F, L]`` after their checks."""
-        ids = as_ids(ids, oob)
-        num = len(self.feature_names)
-        if ids.ndim not in (2, 3) or ids.shape[1] != num:
-            raise ValueError(
-                f"stacked ids must be [B, F] or [B, F, L] with F = {num} features "
-                f"(columns in feature_names order), got shape {ids.shape}"
-            )
-        dims = sorted({cfg.features for cfg in self.tables})
-        if len(dims) > 1:
-            raise ValueError(f"a stacked output needs one dim for every table, got dims {dims}")
-        if weights is not None:
-            weights = as_weights(weights, "stacked weights")
-            if weights.shape != ids.shape:
-                raise ValueError(f"weights shape {weights.shape} != ids shape {ids.shape}")
-            weights = weights if weights.ndim == 3 else weights[..., None]
-        return (ids if ids.ndim == 3 else ids[..., None]), weights
+        """Stacked ids and weights as ``[B, F, L]`` after their checks (``batch.check_stacked``)."""
+        return check_stacked(self.feature_names, self.tables, ids, weights, oob)
 
 
 def _cast_to_batch(params: Mapping[str, jax.Array], batch: Any) -> dict[str, jax.Array]:
@@ -650,16 +586,6 @@ def _cast_to_batch(params: Mapping[str, jax.Array], batch: Any) -> dict[str, jax
     many calls read it (``flowtt_jax.kernels.ffi``); unchanged elsewhere."""
     arrays = [x for x in jax.tree.leaves(batch) if isinstance(x, jax.Array)]
     return ffi.to_varying(dict(params), ffi.varying_axes(arrays))
-
-
-def _columns(x: jax.Array, cols: Sequence[int]) -> jax.Array:
-    """Columns ``cols`` of ``x [B, F, L]`` as ``[len(cols), B, L]`` (a slice where they are
-    consecutive, else one gather)."""
-    lo = cols[0]
-    picked = (
-        x[:, lo : lo + len(cols)] if list(cols) == list(range(lo, lo + len(cols))) else x[:, np.asarray(cols)]
-    )
-    return jnp.transpose(picked, (1, 0, 2))
 
 
 def _table_shapes(cfg: TableConfig) -> tuple[tuple[int, ...], ...]:

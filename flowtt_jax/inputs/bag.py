@@ -26,7 +26,7 @@ gives the same for a packed feature-major CSR batch of several tables' features,
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -47,7 +47,6 @@ from flowtt_jax.kernels import ffi
 __all__ = [
     "CanonicalBags",
     "apply_bags_oob",
-    "bag_kwargs",
     "canonical_bags",
     "packed_bags",
     "prepare_bags",
@@ -242,32 +241,3 @@ def packed_bags(
     where = None if feature_names is None else (bags.bag_ids, batch, tuple(feature_names))
     flat, valid = apply_table_oob(bags.ids, tables, num_rows, oob, table_names, live=bags.keep, where=where)
     return apply_bags_oob(bags, flat, valid, tables)  # dropped positions add no rows
-
-
-def bag_kwargs(value: Any) -> tuple[jax.Array, dict]:
-    """``(ids, kwargs)`` for ``tt_embedding_bag`` from a collection feature input.
-
-    A 1-D array is one id per example (bags of one id: padded ``[B, 1]``).
-    """
-    if isinstance(value, Mapping):
-        kw = dict(value)
-        ids = _host_or_jax(kw.pop("ids"))
-        unknown = set(kw) - {"offsets", "segment_ids", "num_bags", "mask", "weights"}
-        if unknown:
-            raise ValueError(f"unknown feature input keys {sorted(unknown)}")
-        if ids.ndim == 1 and "offsets" not in kw and "segment_ids" not in kw:
-            ids = ids[:, None]
-            for k in ("mask", "weights"):
-                if kw.get(k) is not None:
-                    kw[k] = jnp.asarray(kw[k])[:, None]
-        return ids, kw
-    ids = _host_or_jax(value)
-    if ids.ndim == 1:
-        ids = ids[:, None]
-    return ids, {}
-
-
-def _host_or_jax(ids: Any) -> Any:
-    """JAX arrays as they are, anything else as numpy: not ``jnp.asarray``, which would wrap
-    host int64 ids past int32 (without x64) before ``oob.as_ids`` can see them."""
-    return ids if isinstance(ids, jax.Array) else np.asarray(ids)

@@ -7,11 +7,9 @@ optional per-id ``weights [n]``, features in the collection's ``feature_names`` 
 ``TTEmbeddingCollection`` takes it straight to the table-batched op, with no per-feature
 op in the program.
 
-``pack_features`` brings a collection call's feature dict to the same packed CSR, with a
-number of ops that does not grow with the features (one concatenation of the ids, one
-of the CSR offsets); ``compact`` gathers bags given by start and length into a
-valid CSR in one pass (traced offsets that may leave positions outside their bags,
-features reordered into their packs' order).
+``collection.batch`` brings every other input form to the same packed CSR; ``compact``
+gathers bags given by start and length into a valid CSR in one pass (traced offsets that
+may leave positions outside their bags, features reordered into their packs' order).
 """
 
 from __future__ import annotations
@@ -25,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from flowtt_jax.inputs.csr import as_weights, bag_of_positions, check_csr, check_sizes, clamp_csr
+from flowtt_jax.inputs.csr import as_weights, bag_of_positions, check_csr, check_sizes
 from flowtt_jax.inputs.oob import as_ids, saturate_int32
 
-__all__ = ["KeyedJagged", "PackedCSR", "compact", "concat_weights", "offsets_of", "pack_features"]
+__all__ = ["KeyedJagged", "PackedCSR", "compact", "concat_weights", "offsets_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,76 +171,3 @@ def compact(ids: jax.Array, weights: jax.Array | None, starts: jax.Array, length
     src = jnp.where(pos < offsets[-1], starts[bag] + pos - offsets[bag], pos)
     src = jnp.clip(src, 0, n - 1)
     return ids[src], None if weights is None else weights[src], offsets, src
-
-
-def pack_features(
-    inputs: Sequence[tuple[jax.Array, dict]], names: Sequence[str], oob: str
-) -> PackedCSR | None:
-    """Features' inputs (``collection.bag_kwargs`` of each, in order) as one ``PackedCSR``,
-    or None where a feature's form needs its own preparation (``mask``, ``segment_ids``) or
-    the batch sizes differ. Padded
-    ``[B, L]`` and CSR features take a fixed number of ops whatever their count: one
-    concatenation of the ids (and weights), one of the CSR offsets; traced offsets
-    (which may leave positions outside their bags) add one ``compact`` gather. ``names``
-    name the features in errors."""
-    forms, batches = [], set()
-    for ids, kw in inputs:
-        if any(kw.get(k) is not None for k in ("mask", "segment_ids", "num_bags")):
-            return None
-        if kw.get("offsets") is not None:
-            offsets = kw["offsets"]
-            if np.ndim(ids) != 1 or np.ndim(offsets) != 1 or np.shape(offsets)[0] < 1:
-                return None  # canonical_bags gives the error
-            if not jnp.issubdtype(jnp.result_type(offsets), jnp.integer):
-                return None
-            batches.add(np.shape(offsets)[0] - 1)
-            forms.append("csr")
-        else:
-            if np.ndim(ids) != 2:
-                return None
-            batches.add(np.shape(ids)[0])
-            forms.append("padded")
-        w = kw.get("weights")
-        if w is not None and np.shape(w) != np.shape(ids):
-            return None  # canonical_bags gives the error
-    if len(batches) != 1:
-        return None
-    batch = batches.pop()
-    sizes = [int(np.size(ids)) for ids, _ in inputs]
-    n = sum(sizes)
-    check_sizes(n, len(inputs) * batch)
-    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    ids = jnp.concatenate([saturate_int32(as_ids(i, oob)).reshape(-1) for i, _ in inputs])
-    weights = concat_weights([kw.get("weights") for _, kw in inputs], sizes)
-    csr = [j for j, f in enumerate(forms) if f == "csr"]
-    padded = [j for j, f in enumerate(forms) if f == "padded"]
-    traced = False
-    parts_len, parts_start = [], []
-    if csr:
-        raw = [inputs[j][1]["offsets"] for j in csr]
-        for j, o in zip(csr, raw):
-            check_csr(o, sizes[j], oob == "error", names[j])  # traced: checkify (oob="error") and clamped
-        traced = any(isinstance(o, jax.core.Tracer) for o in raw)
-        off = jnp.concatenate([saturate_int32(jnp.asarray(o)) for o in raw]).reshape(len(raw), batch + 1)
-        if traced:  # canonical_bags' clamp, per feature
-            off = clamp_csr(off, jnp.asarray([sizes[j] for j in csr], jnp.int32)[:, None])
-        parts_len.append(off[:, 1:] - off[:, :-1])
-        parts_start.append(off[:, :-1] + jnp.asarray(starts[csr], jnp.int32)[:, None])
-    if padded:  # bag b of a [B, L] feature starts at start + L * b: from an iota, not a host constant
-        length = jnp.asarray([np.shape(inputs[j][0])[1] for j in padded], jnp.int32)[:, None]
-        parts_len.append(jnp.broadcast_to(length, (len(padded), batch)))
-        parts_start.append(
-            jnp.asarray(starts[padded], jnp.int32)[:, None] + length * jax.lax.iota(jnp.int32, batch)
-        )
-    order = csr + padded
-    back = None if order == sorted(order) else np.argsort(order)  # to the features' order
-
-    def in_order(parts: list) -> jax.Array:
-        x = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-        return (x if back is None else x[back]).reshape(-1)
-
-    bag_starts = in_order(parts_start)  # [F*B]: where each bag starts in the concatenated ids
-    if not traced:  # valid CSRs: the bags start where they are, no gather (and no scan)
-        return PackedCSR(ids, jnp.concatenate([bag_starts, jnp.full((1,), n, jnp.int32)]), weights, batch)
-    ids, weights, offsets, _ = compact(ids, weights, bag_starts, in_order(parts_len))
-    return PackedCSR(ids, offsets, weights, batch)

@@ -10,7 +10,7 @@ over the axis, so a device holds only its own tables' cores (and optimizer state
 Dense tables and tables of other core counts stay replicated (data parallel).
 
 Step (inside ``shard_map``, per shape group): each device prepares its bags of every
-feature of the group as the collection does (``collection.pool.prepare_feature``), puts
+feature of the group as the collection does (``collection.batch.prepare_feature``), puts
 device e's features' ids, weights and per-bag counts in row e (``[S, C]``, ``[S, R]``:
 the largest destination's total, padded), and the owner router ``SplitGroup.pool_routed``
 (``sharding.group``'s too) sends them by ``all_to_all``, pools all an owner got in one
@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from flowtt_jax.collection.batch import prepare_feature
 from flowtt_jax.collection.layout import CollectionLayout
-from flowtt_jax.collection.pool import prepare_feature
 from flowtt_jax.sharding.base import ShardedLayout
 from flowtt_jax.sharding.placement import PER_ID_COST, TableCost, TableWisePlacement, sample_ids, table_cost
 from flowtt_jax.sharding.split import DeviceGroupLayout, SplitGroup
