@@ -10,16 +10,21 @@ import os
 import zlib
 from collections.abc import Iterator
 
-import jax
-import numpy as np
-import pytest
+if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the machine (and a GPU): no preallocation
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 # The references compare at float32 accuracy: keep XLA's GPU matmuls out of TF32.
 jax.config.update("jax_default_matmul_precision", "highest")
 
 #: Base seed of the tests that draw fresh inputs every run (the ``seeds`` fixture):
 #: ``FLOWTT_TEST_SEED`` when set, else drawn now; pytest's header shows it.
+#: The environment carries it to pytest-xdist's workers (one seed for the whole run).
 TEST_SEED = int(os.environ.get("FLOWTT_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
+os.environ["FLOWTT_TEST_SEED"] = str(TEST_SEED)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -618,6 +618,25 @@ def _check_oob_error_over_devices() -> None:
     with pytest.raises(checkify.JaxRuntimeError, match=r"feature 'a' \(table 'a'\)"):
         ftt.checked(lambda p, i: dp.apply_stacked(p, i, oob="error"))(params, np.array([[1000, 3]] * 4))
 
+    # the nnx collection sharded over an explicit mesh, its batch split over it (ids typed
+    # i32[8@data]: the check takes no dynamic slice of them)
+    from flax import nnx
+
+    from flowtt_jax.nnx import TTEmbeddingCollection
+
+    explicit = jax.make_mesh((4,), ("data",))
+    coll = TTEmbeddingCollection(layout.tables, oob="error", rngs=nnx.Rngs(0))
+    coll.params.update({k: nnx.Param(v) for k, v in params.items()})
+    sh.shard_collection(coll, explicit)
+    flat = {"a": np.arange(8) * 100, "b": np.array([3, 49, 1, 2, 0, 7, 8, 9])}
+    call = ftt.checked(lambda m, f: m(f))
+    got = call(coll, sh.shard_batch(flat, explicit))
+    want = layout.apply(params, flat)
+    for name in flat:
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), rtol=1e-6)
+    with pytest.raises(checkify.JaxRuntimeError, match=r"feature 'b' \(table 'b'\).*found 57"):
+        call(coll, sh.shard_batch({**flat, "b": np.array([3, 49, 1, 57, 0, 7, 8, -2])}, explicit))
+
     specs = (ftt.TTSpec.create(100, 8, 4), ftt.TTSpec.create(300, 8, 4))
     group = ftt.GroupLayout(specs)
     packed = group.pack([ftt.init_cores(jax.random.key(t), s) for t, s in enumerate(specs)])

@@ -298,7 +298,10 @@ class ShardedLayout(abc.ABC):
         valid = (ids32 >= 0) & (ids32 < cfg.num_embeddings)
         where = f"feature {feature!r} (table {cfg.name!r}): ids out of range [0, {cfg.num_embeddings})"
         if isinstance(valid, jax.core.Tracer):
-            bad = ids.reshape(-1)[jnp.argmin(valid.reshape(-1))] if ids.size else 0
+            # reductions, not an index: ids split over the mesh take no dynamic slice
+            high = jnp.max(jnp.where(valid, np.iinfo(np.int32).min, ids32), initial=np.iinfo(np.int32).min)
+            low = jnp.min(jnp.where(valid, np.iinfo(np.int32).max, ids32), initial=np.iinfo(np.int32).max)
+            bad = jnp.where(high >= cfg.num_embeddings, high, low)
             checkify.check(jnp.all(valid), where + ": found {bad}", bad=bad)
         elif not np.all(valid):
             raise ValueError(f"{where}, e.g. {np.asarray(ids)[~np.asarray(valid)][:5].tolist()}")
