@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from flowtt_jax.collection.config import TableConfig, spec_of
-from flowtt_jax.collection.layout import CollectionLayout
+from flowtt_jax.collection.layout import CollectionLayout, labeller
 from flowtt_jax.inputs.jagged import KeyedJagged
 from flowtt_jax.layer_methods import BagCall, DenseBagMethods, TTTableMethods
 from flowtt_jax.tt.cores import CoreInit, check_cores, resolve_init
@@ -150,6 +150,11 @@ class TTEmbeddingCollection(nn.Module):
     ids_per_pass: int | None = None
     memory_budget: int | str | None = "auto"
     unique_windows: int | None = None
+
+    def param_labels(self, default: str = "default") -> Any:
+        """``optax.multi_transform``'s labeller of the parameters by their tables'
+        ``TableConfig.optimizer`` (every other leaf ``default``), as the nnx twin's."""
+        return labeller(CollectionLayout(tuple(self.tables)).param_labels(default), default)
 
     @nn.compact
     def __call__(

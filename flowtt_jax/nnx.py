@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import errors, nnx
 
 from flowtt_jax.collection.config import TableConfig
-from flowtt_jax.collection.layout import CollectionLayout
+from flowtt_jax.collection.layout import CollectionLayout, labeller
 from flowtt_jax.inputs.jagged import KeyedJagged
 from flowtt_jax.layer_methods import BagCall, DenseBagMethods, TTTableMethods
 from flowtt_jax.memory import BatchStats, MemoryEstimate, MemoryPlan, estimate_memory
@@ -284,6 +284,13 @@ class TTEmbeddingCollection(nnx.Module):
         except errors.TraceContextError:  # the state was closed over, not traced with the call
             pass
         return out
+
+    def param_labels(self, default: str = "default") -> Any:
+        """Per-table optimizer settings: ``optax.multi_transform(transforms, coll.param_labels())``
+        labels this collection's parameters by their tables' ``TableConfig.optimizer`` and every
+        other leaf ``default`` (a callable of the parameter pytree: this collection's state, or a
+        model's holding it)."""
+        return labeller(self.layout.param_labels(default), default)
 
     def overflows(self) -> dict[str, int]:
         """``{pack label: calls that overflowed its capacity}`` (``CollectionLayout.pack_labels``;

@@ -156,3 +156,58 @@ def test_load_table_state_refuses_non_finite_tables():
     dst.load_table_state(state, allow_nonfinite=True)
     assert np.isinf(np.asarray(dst.table("country"))[3, 1])
     np.testing.assert_array_equal(np.asarray(dst.to_dense("user")), np.asarray(src.to_dense("user")))
+
+
+def test_per_table_optimizer_labels_drive_multi_transform():
+    """``TableConfig.optimizer`` labels: tables of different labels never share an array, and
+    ``optax.multi_transform(..., coll.param_labels())`` updates each table by its own label's
+    transformation (nnx, and linen's params dict); the model's other leaves take the default."""
+    import optax
+
+    from flowtt_jax import linen as ftt_linen
+
+    tables = [
+        TableConfig("user", 1000, 8, rank=4, optimizer="frozen"),
+        TableConfig("item", 1000, 8, rank=4),  # the same TT shapes: would share a pack unlabelled
+        TableConfig("d", 30, 8, kind="dense", optimizer="frozen"),
+        TableConfig("d2", 30, 8, kind="dense"),
+    ]
+    with pytest.raises(TypeError, match="table 'x': optimizer must be a non-empty str"):
+        TableConfig("x", 10, 8, optimizer=3)
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.emb = TTEmbeddingCollection(tables, rngs=nnx.Rngs(0))
+            self.head = nnx.Linear(8, 1, rngs=nnx.Rngs(1))
+
+        def __call__(self, f):
+            return self.head(sum(self.emb(f).values()))
+
+    model = Model()
+    assert len(model.emb.layout.packs) == 4  # user / item and d / d2 apart
+    tx = optax.multi_transform(
+        {"frozen": optax.set_to_zero(), "default": optax.sgd(0.1)}, model.emb.param_labels()
+    )
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    feats = {"user": np.arange(4), "item": np.arange(4) + 7, "d": np.arange(4), "d2": np.arange(4)}
+    before = {
+        name: np.asarray(model.emb.layout.table_params(model.emb._values(), name)[0])
+        for name in ("user", "item", "d", "d2")
+    }
+    head = np.asarray(model.head.kernel[...])
+    grads = nnx.grad(lambda m: jnp.sum(m(feats) ** 2))(model)
+    opt.update(model, grads)
+    after = {name: np.asarray(model.emb.layout.table_params(model.emb._values(), name)[0]) for name in before}
+    for name in ("user", "d"):
+        np.testing.assert_array_equal(after[name], before[name])
+    for name in ("item", "d2"):
+        assert not np.array_equal(after[name], before[name]), name
+    assert not np.array_equal(np.asarray(model.head.kernel[...]), head)
+
+    layer = ftt_linen.TTEmbeddingCollection(tables)
+    params = layer.init(jax.random.key(0), feats)["params"]
+    labels = layer.param_labels()({"params": params, "other": jnp.zeros(3)})
+    by_name = {n: labels["params"][n] for n in params}
+    assert labels["other"] == "default"
+    assert sorted(set(by_name.values())) == ["default", "frozen"]
+    assert sum(v == "frozen" for v in by_name.values()) == 4  # user's 3 cores + d's table

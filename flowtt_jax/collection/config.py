@@ -70,6 +70,9 @@ class TableConfig:
         of a shape group has one, the group's kernels hold their sum of unique rows at a
         time, not one per id (a batch past it runs exact extra passes, reported). None: one
         per id.
+      optimizer: a label for per-table optimizer settings (``optax.multi_transform`` by
+        ``param_labels()``); tables of different labels never share a packed array. None:
+        the default label.
     """
 
     name: str
@@ -84,6 +87,7 @@ class TableConfig:
     num_cores: int = 3
     init_std: float | None = None
     max_unique_ids: int | None = None
+    optimizer: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -124,6 +128,10 @@ class TableConfig:
             )
             if self.max_unique_ids < 1:
                 raise ValueError(f"{where}: max_unique_ids must be >= 1, got {self.max_unique_ids}")
+        if self.optimizer is not None and (not isinstance(self.optimizer, str) or not self.optimizer):
+            raise TypeError(
+                f"{where}: optimizer must be a non-empty str label or None, got {self.optimizer!r}"
+            )
         if self.init_std is not None and not (isinstance(self.init_std, (int, float)) and self.init_std > 0):
             raise ValueError(f"{where}: init_std must be a positive number, got {self.init_std!r}")
 

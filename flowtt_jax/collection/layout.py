@@ -160,6 +160,15 @@ class CollectionLayout:
             labels.append(f"{self.param_names(p)[0].rsplit('_', 1)[0]} ({len(pack.tables)} tables: {names})")
         return tuple(labels)
 
+    def param_labels(self, default: str = "default") -> dict[str, str]:
+        """``{parameter name: its tables' optimizer label}`` (``TableConfig.optimizer``, one per
+        pack; None: ``default``)."""
+        return {
+            name: pack.tables[0].optimizer or default
+            for p, pack in enumerate(self.packs)
+            for name in self.param_names(p)
+        }
+
     def locate(self, name: str) -> tuple[int, int]:
         """``(pack index, table index in the pack)`` of table ``name``."""
         for p, pack in enumerate(self.packs):
@@ -591,3 +600,21 @@ def _cast_to_batch(params: Mapping[str, jax.Array], batch: Any) -> dict[str, jax
 def _table_shapes(cfg: TableConfig) -> tuple[tuple[int, ...], ...]:
     """A table's own parameters' shapes: its cores', or ``((N, D),)`` if dense."""
     return ((cfg.num_embeddings, cfg.features),) if cfg.kind == "dense" else tuple(cfg.spec().core_shapes)
+
+
+def labeller(labels: Mapping[str, str], default: str) -> Any:
+    """``optax.multi_transform``'s ``param_labels`` callable: a parameter pytree (a collection's
+    parameters, or a model's holding them, nnx state or linen dict) to each leaf's label: the
+    label of the nearest key of its path that ``labels`` names, else ``default``."""
+
+    def label(tree: Any) -> Any:
+        def one(path, _leaf) -> str:
+            for key in reversed(path):
+                name = getattr(key, "key", getattr(key, "name", None))
+                if isinstance(name, str) and name in labels:
+                    return labels[name]
+            return default
+
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+    return label

@@ -85,13 +85,14 @@ def _group_key(cfg: TableConfig) -> tuple:
 def pack_tables(
     tables: Sequence[TableConfig], ids_per_pass: int | None = None, unique_windows: int | None = None
 ) -> tuple[TablePack, ...]:
-    """TT shape groups (in order of first table), then dense packs by dim, then singles;
+    """TT shape groups (in order of first table), then dense packs by dim, then singles, each
+    of one ``optimizer`` label;
     ``ids_per_pass``: the TT packs' kernels take their ids this many at a time;
     ``unique_windows``: the TT shape groups hold their unique rows in that many windows."""
     keys: dict[tuple, list[TableConfig]] = {}
     for cfg in tables:
         key = ("dense", cfg.features) if cfg.kind == "dense" else _group_key(cfg)
-        keys.setdefault(key, []).append(cfg)
+        keys.setdefault(key + (cfg.optimizer or "",), []).append(cfg)  # one optimizer label a pack
     order = {"tt": 0, "dense": 1, "single": 2}
     packs = []
     for key, cfgs in sorted(keys.items(), key=lambda kv: order[kv[0][0]]):
