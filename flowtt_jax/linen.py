@@ -138,8 +138,10 @@ class TTEmbeddingCollection(nn.Module):
     cores of each TT shape group, packed dense tables), as in the nnx twin; all of them
     drawn from the first param's key. ``CollectionLayout(tables).table_params(params,
     name)`` reads one table's cores. ``memory_budget``, ``ids_per_pass`` and ``unique_windows`` as the nnx
-    twin's; with ``mutable=["stats"]`` a call adds its per-pack capacity overflows to
-    ``stats/overflow_counts`` (int32 [num_packs], ``CollectionLayout.pack_labels`` order).
+    twin's; with ``mutable=["stats"]`` a call adds its per-table out-of-range ids to
+    ``stats/out_of_range_counts`` (int32 [num_tables], ``tables`` order) and, where a table has
+    a capacity, its per-pack capacity overflows to ``stats/overflow_counts`` (int32
+    [num_packs], ``CollectionLayout.pack_labels`` order).
     """
 
     tables: Sequence[TableConfig]
@@ -182,11 +184,18 @@ class TTEmbeddingCollection(nn.Module):
         names = [n for p in range(len(layout.packs)) for n in layout.param_names(p)]
         params = {n: self.param(n, init, n) for n in names}
         kw = dict(oob=self.oob, impl=self.impl, dtype=self.dtype)
-        out, overflowed = layout.call(params, features, weights, pooled=pooled, with_overflow=True, **kw)
-        # per pack, the calls that overflowed their capacity: counted when "stats" is mutable
-        capped = any(p.unique_capacity is not None for p in layout.packs)  # else nothing can overflow
-        if capped and self.is_mutable_collection("stats"):  # made (zeros) by init, counted by calls
-            counts = self.variable("stats", "overflow_counts", jnp.zeros, (len(layout.packs),), jnp.int32)
+        out, counts = layout.call(params, features, weights, pooled=pooled, with_counts=True, **kw)
+        # counted when "stats" is mutable: made (zeros) by init, counted by calls. Per pack the
+        # calls that overflowed their capacity (only where one exists: else nothing can
+        # overflow); per table the ids out of its range
+        if self.is_mutable_collection("stats"):
+            oob = self.variable("stats", "out_of_range_counts", jnp.zeros, (len(layout.tables),), jnp.int32)
+            capped = any(p.unique_capacity is not None for p in layout.packs)
+            over = capped and self.variable(
+                "stats", "overflow_counts", jnp.zeros, (len(layout.packs),), jnp.int32
+            )
             if not self.is_initializing():
-                counts.value = counts.value + overflowed
+                oob.value = oob.value + counts.out_of_range
+                if capped:
+                    over.value = over.value + counts.overflow
         return out

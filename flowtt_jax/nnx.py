@@ -192,6 +192,11 @@ class OverflowCount(nnx.Variable):
     leave it alone)."""
 
 
+class OutOfRangeCount(nnx.Variable):
+    """A collection's per-table count of ids out of range of their table (before the ``oob``
+    policy; updated on the device by every call; not a parameter)."""
+
+
 class TTEmbeddingCollection(nnx.Module):
     """Named embedding tables, TT-compressed or dense, pooled in one call.
 
@@ -221,7 +226,12 @@ class TTEmbeddingCollection(nnx.Module):
     ``overflow_counts``: where a table has a capacity (``TableConfig.max_unique_ids``), per
     pack (``overflows()``) the calls whose unique rows exceeded it, counted on the device
     (not counted when the state is closed over as a constant rather than traced with the
-    call); None without capacities (nothing can overflow: the collection stays stateless).
+    call); None without capacities (nothing can overflow).
+    ``out_of_range_counts``: float32 ``[num_tables]`` (``tables`` order; exact to 2^24), the
+    ids each table was given out of its range, counted on the device by every call whatever
+    ``oob`` (``"zero"`` and ``"clip"`` keep their values; ``out_of_range()`` reads them by
+    table name; ``oob="error"`` with ``ftt.checked`` raises instead); not counted on a sharded
+    collection nor when the state is closed over as a constant.
     """
 
     def __init__(
@@ -257,6 +267,8 @@ class TTEmbeddingCollection(nnx.Module):
         self.overflow_counts = (
             OverflowCount(jnp.zeros((len(self.layout.packs),), jnp.float32)) if capped else None
         )
+        # float32: jax.grad over a whole nnx.state takes no int leaf
+        self.out_of_range_counts = OutOfRangeCount(jnp.zeros((len(self.tables),), jnp.float32))
 
     def _values(self) -> dict[str, jax.Array]:
         return {k: p[...] for k, p in self.params.items()}
@@ -274,16 +286,24 @@ class TTEmbeddingCollection(nnx.Module):
         shape) -> ``[B, F, features]``. ``pooled=False``: each id's row instead
         (``lookup``)."""
         kw = dict(oob=self.oob, impl=self.impl, dtype=self.dtype)
-        if self.overflow_counts is None:
-            return self.layout.call(self._values(), features, weights, pooled=pooled, **kw)
-        out, overflowed = self.layout.call(
-            self._values(), features, weights, pooled=pooled, with_overflow=True, **kw
+        out, counts = self.layout.call(
+            self._values(), features, weights, pooled=pooled, with_counts=True, **kw
         )
         try:
-            self.overflow_counts[...] = self.overflow_counts[...] + overflowed.astype(jnp.float32)
+            self.out_of_range_counts[...] = self.out_of_range_counts[...] + counts.out_of_range.astype(
+                jnp.float32
+            )
+            if self.overflow_counts is not None:
+                self.overflow_counts[...] = self.overflow_counts[...] + counts.overflow.astype(jnp.float32)
         except errors.TraceContextError:  # the state was closed over, not traced with the call
             pass
         return out
+
+    def out_of_range(self) -> dict[str, int]:
+        """``{table name: ids out of its range so far}`` (a host read: for reports, not inside a
+        step; ``out_of_range_counts`` is the device value)."""
+        counts = jax.device_get(self.out_of_range_counts[...])
+        return {cfg.name: int(c) for cfg, c in zip(self.tables, counts)}
 
     def param_labels(self, default: str = "default") -> Any:
         """Per-table optimizer settings: ``optax.multi_transform(transforms, coll.param_labels())``

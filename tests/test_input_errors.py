@@ -211,3 +211,55 @@ def test_per_table_optimizer_labels_drive_multi_transform():
     assert labels["other"] == "default"
     assert sorted(set(by_name.values())) == ["default", "frozen"]
     assert sum(v == "frozen" for v in by_name.values()) == 4  # user's 3 cores + d's table
+
+
+@pytest.mark.parametrize("form", ["csr", "padded_mask", "kjt", "stacked", "lookup"])
+def test_out_of_range_ids_are_counted_per_table_by_default(form):
+    """Every collection counts, per table and on the device, the ids out of its range (the
+    default ``oob="zero"`` keeps its values: the count is all that changes); ids in no bag
+    (a KeyedJagged's tail, masked-out ids) are not counted; nnx under ``nnx.jit`` and linen's
+    ``stats``."""
+    from flowtt_jax import KeyedJagged
+    from flowtt_jax import linen as ftt_linen
+
+    tables = [
+        TableConfig("a", 100, 8, rank=4),
+        TableConfig("b", 50, 8, rank=4, feature_names=("b1", "b2")),
+        TableConfig("d", 20, 8, kind="dense"),
+    ]
+    coll = TTEmbeddingCollection(tables, rngs=nnx.Rngs(0))
+    assert coll.out_of_range() == {"a": 0, "b": 0, "d": 0}
+    ids = {"a": [3, 100, -1, 99], "b1": [0, 49, 50, 7], "b2": [1, 2, 3, 4], "d": [19, 20, 5, 6]}
+    want = {"a": 2, "b": 1, "d": 1}
+    if form == "csr":
+        feats = {f: {"ids": np.asarray(v), "offsets": np.asarray([0, 2, 4])} for f, v in ids.items()}
+    elif form == "padded_mask":
+        feats = {
+            f: {"ids": np.asarray(v).reshape(2, 2), "mask": np.ones((2, 2), bool)} for f, v in ids.items()
+        }
+        feats["a"]["mask"] = np.asarray([[True, False], [True, True]])  # the masked 100: not counted
+        want = {**want, "a": 1}
+    elif form == "kjt":
+        flat = np.concatenate([ids[f] for f in coll.feature_names] + [[555, -9]])  # a tail in no bag
+        feats = KeyedJagged(flat, lengths=np.full((4, 2), 2))
+    elif form == "stacked":
+        feats = np.stack([np.asarray(ids[f]).reshape(2, 2) for f in coll.feature_names], axis=1)
+    else:
+        feats = {f: np.asarray(v).reshape(2, 2) for f, v in ids.items()}
+    call = nnx.jit(lambda m, x: m(x, pooled=form != "lookup"))
+    out = call(coll, feats)
+    assert coll.out_of_range() == want
+    call(coll, feats)
+    assert coll.out_of_range() == {k: 2 * v for k, v in want.items()}
+    reference = TTEmbeddingCollection(tables, rngs=nnx.Rngs(0))
+    for x, y in zip(
+        jax.tree.leaves(out),
+        jax.tree.leaves(reference.layout.call(reference._values(), feats, pooled=form != "lookup")),
+    ):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # the values oob="zero" gives
+    if form == "csr":
+        layer = ftt_linen.TTEmbeddingCollection(tables)
+        variables = layer.init(jax.random.key(0), feats)
+        np.testing.assert_array_equal(np.asarray(variables["stats"]["out_of_range_counts"]), [0, 0, 0])
+        _, stats = layer.apply(variables, feats, mutable=["stats"])
+        np.testing.assert_array_equal(np.asarray(stats["stats"]["out_of_range_counts"]), [2, 1, 1])

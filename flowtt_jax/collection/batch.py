@@ -71,7 +71,9 @@ class PackBatch(NamedTuple):
     feature-major), their bags prepared (``bags``: int32 ids in range of their tables, dropped
     positions parked and weighted 0; pooled, each feature's mode folded into the weights;
     unpooled, each position its own bag), ``tables [n]`` int32 each position's table in the
-    pack, ``weighted``: whether the user gave weights (their gradient is asked for)."""
+    pack, ``weighted``: whether the user gave weights (their gradient is asked for),
+    ``out_of_range``: int32 ``[len(pack.tables)]`` ids in these bags out of range of their
+    table, before the ``oob`` policy (``count_out_of_range``)."""
 
     pack: int
     slots: tuple[FeatureSlot, ...]
@@ -79,6 +81,7 @@ class PackBatch(NamedTuple):
     tables: jax.Array
     weighted: bool
     batch: int
+    out_of_range: jax.Array
 
 
 # ----------------------------------------------------------------------------- validate
@@ -268,8 +271,44 @@ def _empty(num_bags: int) -> CanonicalBags:
     return CanonicalBags(zeros, jnp.zeros((0,), jnp.float32), jnp.zeros((num_bags + 1,), jnp.int32), zeros)
 
 
+def _zeros(pack: TablePack) -> jax.Array:
+    return jnp.zeros((len(pack.tables),), jnp.int32)
+
+
 def _num_rows(pack: TablePack) -> np.ndarray:
     return np.asarray([t.num_embeddings for t in pack.tables], np.int32)
+
+
+def count_out_of_range(
+    raw: jax.Array,
+    offsets: jax.Array,
+    keep: jax.Array | None,
+    slots: Sequence[FeatureSlot],
+    pack: TablePack,
+    batch: int,
+    oob: str,
+) -> jax.Array:
+    """int32 ``[len(pack.tables)]``: ids of the bags of ``slots`` (feature-major ``offsets``
+    over ``raw [n]``, ``batch`` bags a feature; ``keep``: False where a position is dropped,
+    e.g. masked) out of range of their feature's table, before the policy; zeros under
+    ``oob="error"`` (it raises instead). Each position's feature from the features' bounds
+    (a scatter of F marks and a cumulative sum), the counts from a cumulative sum and a
+    gather of the bounds: no scatter over the ids. The collections' default counters."""
+    num_tables = len(pack.tables)
+    n = raw.shape[0]
+    if oob == "error" or n == 0 or not slots or batch == 0:
+        return jnp.zeros((num_tables,), jnp.int32)
+    bounds = jnp.clip(offsets[::batch], 0, n)  # [F + 1]: where each feature's bags start and end
+    feature = jnp.cumsum(jnp.zeros((n + 1,), jnp.int32).at[bounds[1:-1]].add(1)[:n], dtype=jnp.int32)
+    slot_tables = np.asarray([s.table for s in slots], np.int32)
+    limit = jnp.asarray(_num_rows(pack)[slot_tables])[feature]
+    raw = saturate_int32(raw)
+    bad = (raw < 0) | (raw >= limit)
+    if keep is not None:
+        bad = bad & keep
+    running = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(bad, dtype=jnp.int32)])
+    per_feature = running[bounds[1:]] - running[bounds[:-1]]
+    return jax.ops.segment_sum(per_feature, jnp.asarray(slot_tables), num_segments=num_tables)
 
 
 def _csr_batch(
@@ -292,7 +331,7 @@ def _csr_batch(
     num_bags = (hi - lo) * batch
     if n == 0 or (pooled and num_bags == 0):
         empty = _empty(num_bags if pooled else 0)
-        return PackBatch(p, pack.features, empty, empty.ids, weighted, batch)
+        return PackBatch(p, pack.features, empty, empty.ids, weighted, batch, _zeros(pack))
     offsets = csr.offsets if whole else csr.offsets[lo * batch : hi * batch + 1]
     bags, tables = packed_bags(
         csr.ids,
@@ -306,13 +345,14 @@ def _csr_batch(
         table_names=tuple(t.name for t in pack.tables),
         feature_names=tuple(s.feature for s in pack.features),
     )
+    bad = count_out_of_range(csr.ids, bags.offsets, None, pack.features, pack, batch, oob)
     if pooled:
         w = scale_by_modes(bags.weights, bags.offsets, bags.bag_ids, [s.mode for s in pack.features], batch)
         bags = bags._replace(weights=w)
     else:  # each position its own bag: the pooling call's plan and kernels give each id's row
         pos = jax.lax.iota(jnp.int32, n)
         bags = bags._replace(offsets=jax.lax.iota(jnp.int32, n + 1), bag_ids=pos, bag_length=1)
-    return PackBatch(p, pack.features, bags, tables, weighted, batch)
+    return PackBatch(p, pack.features, bags, tables, weighted, batch, bad)
 
 
 def _canonical_feature(
@@ -346,18 +386,20 @@ def _canonical_batches(p: int, pack: TablePack, features: Mapping[str, Any], oob
     out = []
     for batch, slots in groups.items():
         bags = [prepared[s.feature][0] for s in slots]
-        packed, tables = _packed_canonical(pack, slots, bags, oob)  # oob="error" checks even without bags
+        packed, tables, bad = _packed_canonical(
+            pack, slots, bags, oob
+        )  # oob="error" checks even without bags
         weighted = any(prepared[s.feature][1] for s in slots)
-        out.append(PackBatch(p, tuple(slots), packed, tables, weighted, batch))
+        out.append(PackBatch(p, tuple(slots), packed, tables, weighted, batch, bad))
     return out
 
 
 def _packed_canonical(pack: TablePack, slots, bags: Sequence[CanonicalBags], oob: str):
     """The features' canonical bags (same batch B) as one feature-major CSR over their
     concatenated ids, the ``oob`` policy applied once for all of them: ``(CanonicalBags
-    [F*B bags], tables [n] int32)``. Bag (f, b) starts where the feature's bag b starts;
-    the positions of a feature outside its bags (weight 0, dropped) fall in a neighbouring
-    bag."""
+    [F*B bags], tables [n] int32, out_of_range [T] int32)``. Bag (f, b) starts where the
+    feature's bag b starts; the positions of a feature outside its bags (weight 0, dropped)
+    fall in a neighbouring bag."""
     batch = bags[0].offsets.shape[0] - 1
     sizes = [b.ids.shape[0] for b in bags]
     n = sum(sizes)
@@ -383,7 +425,8 @@ def _packed_canonical(pack: TablePack, slots, bags: Sequence[CanonicalBags], oob
     )
     # each position's table: its bag's feature's (a dropped position's may be a neighbour's)
     tables = jnp.asarray([s.table for s in slots], jnp.int32)[bag_ids // max(batch, 1)]
-    return _pack_oob(pack, packed, tables, oob)
+    bad = count_out_of_range(packed.ids, offsets, keep, slots, pack, batch, oob)
+    return (*_pack_oob(pack, packed, tables, oob), bad)
 
 
 def _pack_oob(pack: TablePack, packed: CanonicalBags, tables: jax.Array, oob: str):
@@ -480,8 +523,10 @@ def stacked_batches(
         wf = scale_by_modes(wf, offsets, bag_ids, [s.mode for s in pack.features], batch)
         packed = CanonicalBags(saturate_int32(sub.reshape(-1)), wf, offsets, bag_ids, None, length)
         slot_tables = jnp.asarray([s.table for s in pack.features], jnp.int32)
-        packed, tables = _pack_oob(pack, packed, slot_tables[bag_ids // max(batch, 1)], oob)
-        out.append((PackBatch(p, pack.features, packed, tables, weights is not None, batch), cols))
+        tables = slot_tables[bag_ids // max(batch, 1)]
+        bad = count_out_of_range(packed.ids, offsets, None, pack.features, pack, batch, oob)
+        packed, tables = _pack_oob(pack, packed, tables, oob)
+        out.append((PackBatch(p, pack.features, packed, tables, weights is not None, batch, bad), cols))
     return out
 
 

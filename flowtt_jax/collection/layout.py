@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,14 +40,23 @@ from flowtt_jax.collection.batch import (
 from flowtt_jax.collection.config import TableConfig, check_tables
 from flowtt_jax.collection.init import init_params
 from flowtt_jax.collection.packs import FeatureSlot, TablePack, check_param_names, pack_tables, param_names
-from flowtt_jax.collection.pool import overflow_flags, pack_impl, pool_packed
+from flowtt_jax.collection.pool import call_counters, note_out_of_range, pack_impl, pool_packed
 from flowtt_jax.collection.xla_fit import check_by_xla, pinned_layout
 from flowtt_jax.inputs.jagged import KeyedJagged
 from flowtt_jax.kernels import ffi
 from flowtt_jax.memory import BatchStats, MemoryPlan, apply_candidate, choose_memory_plan, resolve_budget
 from flowtt_jax.tt.cores import to_dense
 
-__all__ = ["CollectionLayout", "FeatureSlot", "TablePack"]
+__all__ = ["CallCounts", "CollectionLayout", "FeatureSlot", "TablePack"]
+
+
+class CallCounts(NamedTuple):
+    """A call's device counters: ``overflow`` int32 ``[num_packs]``, 1 where a pack had more
+    unique rows than its capacity; ``out_of_range`` int32 ``[num_tables]`` (``tables`` order),
+    the ids out of range of each table, before the ``oob`` policy."""
+
+    overflow: jax.Array
+    out_of_range: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +74,9 @@ class CollectionLayout:
     ids_per_pass: int | None = dataclasses.field(default=None, kw_only=True)
     memory_budget: int | str | None = dataclasses.field(default="auto", kw_only=True)
     unique_windows: int | None = dataclasses.field(default=None, kw_only=True)
-    #: Whether ``call(..., with_overflow=True)`` counts its packs' capacity overflows (a
-    #: sharded layout pools inside a ``shard_map``, whose flags stay there).
-    counts_overflow = True
+    #: Whether ``call(..., with_counts=True)`` counts (a sharded layout pools inside a
+    #: ``shard_map``, whose counters stay there: its counts are zeros).
+    counts_calls = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tables", check_tables(self.tables))
@@ -145,12 +154,17 @@ class CollectionLayout:
         most = max((n for p, n in zip(self.packs, pack_ids) if p.kind != "dense"), default=0)
         return apply_candidate(self.packs, most, plan.passes, plan.windows)
 
-    def _overflows(self, flags) -> jax.Array:
-        """``int32 [num_packs]``: 1 where a pack's pooling overflowed its capacity this call."""
-        out = jnp.zeros((len(self.packs),), jnp.int32)
-        for name, flag in flags:
-            out = out.at[self.locate(name)[0]].max(flag.astype(jnp.int32))
-        return out
+    def _counts(self, entries) -> CallCounts:
+        """The ``call_counters`` entries of a call as its ``CallCounts``."""
+        overflow = jnp.zeros((len(self.packs),), jnp.int32)
+        out_of_range = jnp.zeros((len(self.tables),), jnp.int32)
+        index = {t.name: i for i, t in enumerate(self.tables)}
+        for kind, key, value in entries:
+            if kind == "overflow":
+                overflow = overflow.at[self.locate(key)[0]].max(value.astype(jnp.int32))
+            else:
+                out_of_range = out_of_range.at[np.asarray([index[n] for n in key])].add(value)
+        return CallCounts(overflow, out_of_range)
 
     def pack_labels(self) -> tuple[str, ...]:
         """One label per pack: its parameter prefix and tables (``overflow_counts``' order)."""
@@ -379,6 +393,7 @@ class CollectionLayout:
         """Batch ``b`` pooled by its pack (``pool.pool_packed``), in ``dtype`` (None: the
         parameters'; ``cast=False``: the pooling's own float32 or float64)."""
         arrays = tuple(params[n] for n in self.param_names(b.pack))
+        note_out_of_range(tuple(t.name for t in packs[b.pack].tables), b.out_of_range)
         batch = b.batch if batch_major else 0
         out = pool_packed(packs[b.pack], arrays, b.bags, b.tables, b.weighted, impl, batch)
         return out.astype(arrays[0].dtype if dtype is None else dtype) if cast else out
@@ -453,25 +468,25 @@ class CollectionLayout:
         weights: jax.Array | None = None,
         *,
         pooled: bool = True,
-        with_overflow: bool = False,
+        with_counts: bool = False,
         **kw: Any,
     ) -> Any:
         """The layers' call: ``apply`` for a feature dict, ``apply_jagged`` for a
         ``KeyedJagged``, ``apply_stacked`` for stacked ids (``weights`` only with those);
         ``pooled=False``: ``lookup`` (a dict or a ``KeyedJagged``). ``kw``: ``oob``, ``impl``,
-        ``dtype``. ``with_overflow``: ``(outputs, int32 [num_packs])``, 1 where a pack had
-        more unique rows than its capacity this call (counted on the device; always 0 on a
-        layout that does not ``counts_overflow``)."""
+        ``dtype``. ``with_counts``: ``(outputs, CallCounts)``, the call's device counters
+        (capacity overflows per pack, out-of-range ids per table; zeros on a layout that does
+        not ``counts_calls``)."""
         pinned = self._budget_layout(params, features, weights, pooled, kw)
         if pinned is not self:  # near the budget: the passes XLA's analysis chose
-            return pinned.call(params, features, weights, pooled=pooled, with_overflow=with_overflow, **kw)
-        if not with_overflow:
+            return pinned.call(params, features, weights, pooled=pooled, with_counts=with_counts, **kw)
+        if not with_counts:
             return self._call(params, features, weights, pooled=pooled, **kw)
-        if not self.counts_overflow:
-            return self._call(params, features, weights, pooled=pooled, **kw), self._overflows(())
-        with overflow_flags() as flags:
+        if not self.counts_calls:
+            return self._call(params, features, weights, pooled=pooled, **kw), self._counts(())
+        with call_counters() as entries:
             out = self._call(params, features, weights, pooled=pooled, **kw)
-        return out, self._overflows(flags)
+        return out, self._counts(entries)
 
     def _checked_plan(self, params, features, weights, pooled: bool, kw, sizes=None) -> MemoryPlan:
         """The estimate's plan for this call's shapes (``sizes``: ``_form_sizes``', when the
@@ -491,7 +506,7 @@ class CollectionLayout:
     def _budget_layout(self, params, features, weights, pooled: bool, kw) -> CollectionLayout:
         """``self``, or a copy with the passes XLA's analysis chose where the estimate puts
         the call near its budget (``collection.xla_fit``)."""
-        if self._user_planned or self.memory_budget is None or not self.counts_overflow:
+        if self._user_planned or self.memory_budget is None or not self.counts_calls:
             return self
         try:
             sizes = self._form_sizes(features, pooled)

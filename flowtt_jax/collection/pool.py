@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,24 +20,33 @@ from flowtt_jax.inputs.bag import CanonicalBags
 from flowtt_jax.ops.pooled import choose_impl, pooled, to_batch_major
 from flowtt_jax.tt import reference
 
-__all__ = ["overflow_flags", "pack_impl", "pool_packed"]
+__all__ = ["call_counters", "note_out_of_range", "pack_impl", "pool_packed"]
 
 
-#: The innermost ``overflow_flags`` list of the call being traced (None: none open).
-_FLAGS: contextvars.ContextVar[list | None] = contextvars.ContextVar("flowtt_overflow_flags", default=None)
+#: The innermost ``call_counters`` list of the call being traced (None: none open).
+_FLAGS: contextvars.ContextVar[list | None] = contextvars.ContextVar("flowtt_call_counters", default=None)
 
 
 @contextlib.contextmanager
-def overflow_flags() -> Iterator[list[tuple[str, jax.Array]]]:
-    """Collects ``(first table's name, overflowed bool[])`` of every TT pooling call made
-    inside (``pool_packed``), for a caller in the same trace to count on the device; a call
-    opens its own (a nested one, e.g. inside a ``shard_map``, keeps its flags)."""
-    flags: list[tuple[str, jax.Array]] = []
+def call_counters() -> Iterator[list[tuple[str, Any, jax.Array]]]:
+    """Collects the device counters of the pooling traced inside, for a caller in the same
+    trace to count: ``("overflow", first table's name, bool[])`` of every TT pooling call
+    (``pool_packed``) and ``("out_of_range", table names, int32 [T])`` of every batch
+    (``note_out_of_range``); a call opens its own (a nested one, e.g. inside a ``shard_map``,
+    keeps its entries)."""
+    flags: list[tuple[str, Any, jax.Array]] = []
     token = _FLAGS.set(flags)
     try:
         yield flags
     finally:
         _FLAGS.reset(token)
+
+
+def note_out_of_range(names: tuple[str, ...], counts: jax.Array) -> None:
+    """Adds a batch's out-of-range ids per table (``names``) to the open ``call_counters``."""
+    flags = _FLAGS.get()
+    if flags is not None:
+        flags.append(("out_of_range", names, counts))
 
 
 def _dim(pack: TablePack, arrays) -> int:
@@ -88,5 +98,5 @@ def pool_packed(
     )
     flags = _FLAGS.get()
     if flags is not None:
-        flags.append((pack.tables[0].name, overflowed))
+        flags.append(("overflow", pack.tables[0].name, overflowed))
     return out

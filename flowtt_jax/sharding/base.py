@@ -221,7 +221,7 @@ class ShardedLayout(abc.ABC):
     mesh: Mesh
     axis: str
     #: pooled inside a ``shard_map``: capacity overflows are not counted across it (yet)
-    counts_overflow = False
+    counts_calls = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
