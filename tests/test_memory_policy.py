@@ -67,9 +67,10 @@ def test_small_batches_run_in_one_pass_by_default():
     assert plan.ids_per_pass is None and plan.passes == 1 and plan.fits
     assert plan.estimate.activations == estimate_memory(cfgs, stats).activations
     assert "all ids at once" in str(plan) and "fits" in str(plan)
-    # no capacity, nothing can overflow: no counter in the state (the layer stays stateless)
+    # no capacity, nothing can overflow: no overflow counter in the state (the out-of-range
+    # counter is every collection's)
     assert coll.overflow_counts is None and set(coll.overflows().values()) == {0}
-    assert set(nnx.state(coll)) == {"params"}
+    assert set(nnx.state(coll)) == {"params", "out_of_range_counts"}
 
 
 @needs_kernels
