@@ -393,3 +393,35 @@ def test_restores_of_another_layout_are_refused_never_scrambled():
         ValueError, match=r"do not fit this collection's tables(.|\n)*_core0 \(tables \['u'\]\): missing"
     ):
         reranked.layout.call(params, feats)
+
+
+def test_resized_tables_of_unchanged_packed_shapes_are_refused():
+    """Tables keep their names and order but change rows (dense 20 + 30 -> 25 + 25) or swap
+    TT row shapes, so the packed arrays keep their shapes: the parameter names differ (the
+    digest covers rows, dims, TT shapes and ranks), and the README's positional orbax-style
+    restore and a call with the old state are refused instead of putting one table's rows
+    into the other; ``load_table_state`` refuses by table name, naming it."""
+
+    def dense(a, b):
+        return [TableConfig("a", a, 8, kind="dense"), TableConfig("b", b, 8, kind="dense")]
+
+    def tt(sa, sb):
+        return [
+            TableConfig("x", 120, 8, rank=4, row_shape=sa, col_shape=(2, 2, 2)),
+            TableConfig("y", 120, 8, rank=4, row_shape=sb, col_shape=(2, 2, 2)),
+        ]
+
+    for old, new in ((dense(20, 30), dense(25, 25)), (tt((4, 5, 6), (6, 5, 4)), tt((6, 5, 4), (4, 5, 6)))):
+        src = TTEmbeddingCollection(old, rngs=nnx.Rngs(0))
+        dst = TTEmbeddingCollection(new, rngs=nnx.Rngs(1))
+        shapes = lambda c: sorted(p[...].shape for p in c.params.values())  # noqa: E731
+        assert shapes(src) == shapes(dst)  # the packed arrays alone cannot tell them apart
+        assert set(src.params) != set(dst.params)
+        with pytest.raises((ValueError, KeyError)):
+            nnx.update(dst, nnx.state(src))
+            dst({old[0].name: np.zeros(2, np.int32), old[1].name: np.zeros(2, np.int32)})
+        params = {k: p[...] for k, p in src.params.items()}
+        with pytest.raises(ValueError, match="do not fit this collection's tables"):
+            dst.layout.call(params, {old[0].name: np.zeros(2, np.int32), old[1].name: np.zeros(2, np.int32)})
+        with pytest.raises(ValueError, match=f"table '{old[0].name}'"):
+            dst.load_table_state(src.table_state())

@@ -104,11 +104,22 @@ def pack_tables(
     return tuple(packs)
 
 
+def _table_signature(cfg: TableConfig) -> str:
+    """What a table's stored values mean: its name, kind, rows, dim and, for a TT table, its
+    row and column shapes and ranks (a state of another signature is another table's)."""
+    if cfg.kind == "dense":
+        return f"{cfg.name}|dense|{cfg.num_embeddings}|{cfg.features}"
+    spec = cfg.spec()
+    return f"{cfg.name}|tt|{cfg.num_embeddings}|{cfg.features}|{spec.row_shape}|{spec.col_shape}|{spec.ranks}"
+
+
 def _tables_digest(pack: TablePack) -> str:
-    """8 hex digits of the pack's table names in order: a state saved with other tables in
-    the pack, or the same in another order, has other parameter names (a positional restore
-    fails loudly instead of scrambling tables)."""
-    return hashlib.sha1("\0".join(t.name for t in pack.tables).encode()).hexdigest()[:8]
+    """8 hex digits of the pack's tables' signatures in order (``_table_signature``: name,
+    kind, rows, dim, TT shapes and ranks): a state saved with other tables in the pack, the
+    same in another order, or tables whose rows or shapes changed while the packed arrays
+    kept their shapes, has other parameter names (a positional restore fails loudly instead
+    of putting one table's rows into another)."""
+    return hashlib.sha1("\0".join(_table_signature(t) for t in pack.tables).encode()).hexdigest()[:8]
 
 
 def param_names(packs: Sequence[TablePack], p: int) -> tuple[str, ...]:
