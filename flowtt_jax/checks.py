@@ -25,17 +25,68 @@ __all__ = ["checked"]
 def checked(fn: Callable[..., Any], *, jit: bool = True, **jit_kwargs: Any) -> Callable[..., Any]:
     """``fn`` whose ``checkify`` checks (``oob="error"``: ids out of range of their table,
     traced offsets that are not a CSR) raise ``checkify.JaxRuntimeError`` (a ``ValueError``)
-    after the call. ``jit``: compile ``fn`` with ``jax.jit(**jit_kwargs)`` (arguments may be
-    arrays, pytrees and nnx modules; in-place module updates are not written back, so use it
-    for forward calls, or take gradients inside ``fn``)."""
-    functional = checkify.checkify(fn, errors=checkify.user_checks)
+    after the call. ``jit``: compile ``fn`` with ``jax.jit(**jit_kwargs)``.
+
+    Arguments may be arrays, pytrees and Flax NNX modules (e.g. a model and its optimizer):
+    modules are split into their graph and state before the trace and merged inside it, so
+    ``fn`` may use ``nnx.grad`` / ``nnx.value_and_grad`` and update them in place (an
+    optimizer step, the collections' counters), which is written back after the call; with
+    modules the function is always traced by ``jit`` (``jit=False`` keeps the outer call
+    eager) and ``jit_kwargs`` are not taken (they would name positions of the split call)."""
+    plain = checkify.checkify(fn, errors=checkify.user_checks)
     if jit:
-        functional = jax.jit(functional, **jit_kwargs)
+        plain = jax.jit(plain, **jit_kwargs)
+    split_call = _SplitCall(fn, jit)
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        error, out = functional(*args, **kwargs)
+        if _has_graph_nodes((args, kwargs)):
+            if jit_kwargs:
+                raise ValueError(
+                    f"ftt.checked: jit options {sorted(jit_kwargs)} with Flax NNX module arguments are not "
+                    "supported (the call is traced over the modules' split state); pass none"
+                )
+            return split_call(args, kwargs)
+        error, out = plain(*args, **kwargs)
         error.throw()
         return out
 
     return run
+
+
+def _has_graph_nodes(tree: Any) -> bool:
+    """Whether ``tree`` holds a Flax NNX graph node (a module, a variable); False without Flax."""
+    try:
+        from flax import nnx
+    except ImportError:
+        return False
+    is_node = nnx.graph.is_graph_node
+    return any(is_node(x) for x in jax.tree.leaves(tree, is_leaf=is_node))
+
+
+class _SplitCall:
+    """``fn(*args, **kwargs)`` under ``checkify`` (and ``jit``) over the NNX split of its
+    arguments: one compiled program per graph (the graph is a static argument)."""
+
+    def __init__(self, fn: Callable[..., Any], jit: bool) -> None:
+        def pure(graphdef: Any, state: Any) -> Any:
+            from flax import nnx
+
+            args, kwargs = nnx.merge(graphdef, state)
+            out = fn(*args, **kwargs)
+            return out, nnx.state((args, kwargs))
+
+        # checkify of a jitted function: jit traces ``pure`` (NNX transforms inside, e.g.
+        # nnx.grad, refuse checkify's own trace: "graph node from different trace level") and
+        # checkify carries the checks out of its jaxpr
+        functional = checkify.checkify(jax.jit(pure, static_argnums=0), errors=checkify.user_checks)
+        self._call = jax.jit(functional, static_argnums=0) if jit else functional
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        from flax import nnx
+
+        graphdef, state = nnx.split((args, kwargs))
+        error, (out, new_state) = self._call(graphdef, state)
+        error.throw()
+        nnx.update((args, kwargs), new_state)  # in-place updates (optimizer steps, counters)
+        return out

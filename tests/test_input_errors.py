@@ -263,3 +263,37 @@ def test_out_of_range_ids_are_counted_per_table_by_default(form):
         np.testing.assert_array_equal(np.asarray(variables["stats"]["out_of_range_counts"]), [0, 0, 0])
         _, stats = layer.apply(variables, feats, mutable=["stats"])
         np.testing.assert_array_equal(np.asarray(stats["stats"]["out_of_range_counts"]), [2, 1, 1])
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_checked_takes_nnx_grad_and_an_optimizer_step(jit):
+    """``ftt.checked`` around a training step that uses ``nnx.grad`` and updates the model
+    and its optimizer in place: the step runs (checks on), its updates are written back (the
+    same parameters as the unchecked ``nnx.jit`` step), and a bad id raises naming the feature."""
+    import optax
+    from jax.experimental import checkify
+
+    tables = [TableConfig("a", 100, 8, rank=4), TableConfig("d", 20, 8, kind="dense")]
+
+    def make(oob):
+        coll = TTEmbeddingCollection(tables, oob=oob, rngs=nnx.Rngs(0))
+        return coll, nnx.Optimizer(coll, optax.sgd(0.1), wrt=nnx.Param)
+
+    def step(model, opt, feats):
+        loss, grads = nnx.value_and_grad(lambda m: sum(jnp.sum(v**2) for v in m(feats).values()))(model)
+        opt.update(model, grads)
+        return loss
+
+    feats = {"a": np.array([1, 2, 99]), "d": np.array([0, 19, 5])}
+    model, opt = make("error")
+    twin, twin_opt = make("zero")  # valid ids: the same step, unchecked
+    loss = ftt.checked(step, jit=jit)(model, opt, feats)
+    want = nnx.jit(step)(twin, twin_opt, feats)
+    np.testing.assert_array_equal(np.asarray(loss), np.asarray(want))
+    for name in ("a", "d"):
+        np.testing.assert_array_equal(np.asarray(model.to_dense(name)), np.asarray(twin.to_dense(name)))
+    assert int(opt.step[...]) == 1
+    with pytest.raises(checkify.JaxRuntimeError, match="found 100 in table #0"):
+        ftt.checked(step, jit=jit)(model, opt, {**feats, "a": np.array([1, 100, 3])})
+    with pytest.raises(ValueError, match="jit options"):
+        ftt.checked(step, donate_argnums=0)(model, opt, feats)
