@@ -128,8 +128,8 @@ def test_jagged_checks_name_the_problem():
     feats, kjt = _batch(col, 3, seed=3)
     with pytest.raises(ValueError, match="missing \\['c'\\]"):
         col(KeyedJagged(kjt.ids, lengths=kjt.lengths, keys=col.feature_names[:-1] + ("zz",)))
-    with pytest.raises(ValueError, match="in order"):
-        col(KeyedJagged(kjt.ids, lengths=kjt.lengths, keys=col.feature_names[::-1]))
+    with pytest.raises(ValueError, match="repeated \\['a'\\]"):
+        col(KeyedJagged(kjt.ids, lengths=kjt.lengths, keys=("a",) + col.feature_names[:-1]))
     with pytest.raises(ValueError, match="sum to at most len\\(ids\\)"):
         col(KeyedJagged(kjt.ids[1:], lengths=kjt.lengths))
     padded = col(KeyedJagged(jnp.concatenate([kjt.ids, jnp.full((5,), -3, jnp.int32)]), lengths=kjt.lengths))
@@ -440,3 +440,53 @@ def test_oob_error_checks_each_packs_own_bags_only():
         col(bad)
     with pytest.raises(ValueError, match="found 50 in table #0 .* feature #0 example 1.*#0 'fb'"):
         step(col, bad)
+
+
+def test_keys_in_any_order_a_builder_and_padded_rows():
+    """A ``KeyedJagged`` whose keys come in another order than ``feature_names`` (reordered on
+    the device) gives the values of the ordered batch, pooled and unpooled; ``from_features``
+    builds one from per-feature inputs (one-id, padded, lengths, offsets, weights); ``to_padded``
+    turns unpooled rows into ``[B, L, D]`` + mask per feature."""
+    col = TTEmbeddingCollection(_tables(), rngs=nnx.Rngs(0))
+    feats, kjt = _batch(col, 4, seed=5, weighted=True)
+    names = col.feature_names
+    perm = [3, 0, 6, 1, 5, 2, 4]
+    shuffled = KeyedJagged.from_features(
+        {
+            names[i]: {
+                "ids": feats[names[i]]["ids"],
+                "offsets": feats[names[i]]["offsets"],
+                "weights": feats[names[i]]["weights"],
+            }
+            for i in perm
+        }
+    )
+    assert shuffled.keys == tuple(names[i] for i in perm)
+    _assert_same(np.asarray(col(shuffled)), np.asarray(col(kjt)), False)
+    rows, want = col(shuffled, pooled=False), col(kjt, pooled=False)
+    padded, padded_want = shuffled.to_padded(rows, 6), kjt.to_padded(want, 6)
+    for f in names:
+        np.testing.assert_array_equal(np.asarray(padded[f][1]), np.asarray(padded_want[f][1]))
+        _assert_same(np.asarray(padded[f][0]), np.asarray(padded_want[f][0]), False)
+        lengths = np.diff(np.asarray(feats[f]["offsets"]))
+        np.testing.assert_array_equal(np.asarray(padded[f][1]).sum(1), np.minimum(lengths, 6))
+    # per bag, the padded rows are the unpooled rows of the dict lookup, in order, zeros after
+    f = names[2]
+    dict_rows = np.asarray(col({f: feats[f]["ids"]}, pooled=False)[f])
+    offsets = np.asarray(feats[f]["offsets"])
+    for b in range(4):
+        got = np.asarray(padded[f][0])[b]
+        bag = (
+            dict_rows[offsets[b] : offsets[b + 1]]
+            * np.asarray(feats[f]["weights"])[offsets[b] : offsets[b + 1], None]
+        )
+        _assert_same(got[: len(bag)], bag, False)
+        assert not got[len(bag) :].any()
+    # one-id and padded features, no weights
+    one = {n: np.arange(4) % 40 for n in names}
+    one[names[1]] = np.arange(8).reshape(4, 2) % 40
+    built = KeyedJagged.from_features(one)
+    stacked_dict = col({n: v for n, v in one.items()})
+    _assert_same(np.asarray(col(built)), np.asarray(_stack(col, stacked_dict)), False)
+    with pytest.raises(ValueError, match="same batch size"):
+        KeyedJagged.from_features({"a": np.arange(3), "c": np.arange(4)})

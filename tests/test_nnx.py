@@ -281,8 +281,11 @@ def test_collection_mixes_tt_and_dense():
     close(col(x)["b"], jnp.ones((4, D)))
     with pytest.raises(ValueError, match="dense"):
         col.cores("b")
-    with pytest.raises(KeyError):
-        col({"a": ids_a})
+    sub = col({"a": ids_a})  # a subset of the features: their outputs only
+    assert set(sub) == {"a"}
+    np.testing.assert_array_equal(np.asarray(sub["a"]), np.asarray(col(x)["a"]))
+    with pytest.raises(KeyError, match="unknown feature"):
+        col({"a": ids_a, "zz": ids_a})
     with pytest.raises(ValueError):
         TTEmbeddingCollection([TableConfig("a", 5, D), TableConfig("a", 6, D)], rngs=nnx.Rngs(0))
 

@@ -252,15 +252,19 @@ def _jagged_in_pack_order(batch: KeyedJagged, feature_names: Sequence[str], orde
     order, ``src`` (or None) is each position's input position."""
     if not isinstance(batch, KeyedJagged):
         raise TypeError(f"expected a KeyedJagged batch, got {type(batch).__name__}")
-    csr = batch.csr(feature_names, oob)
+    keys = tuple(feature_names) if batch.keys is None else batch.keys
+    csr = batch.csr(feature_names, oob)  # validated, in the batch's own key order
     n, num = csr.ids.shape[0], len(feature_names)
-    if tuple(order) == tuple(range(num)):
-        return csr, None, None
+    column = {k: i for i, k in enumerate(keys)}
+    source = [column[feature_names[i]] for i in order]  # the packs' features in the batch
+    back = None if tuple(order) == tuple(range(num)) else np.argsort(order)
+    if source == list(range(num)):
+        return csr, back, None
     offsets = clamp_csr(csr.offsets, n)
-    starts = offsets[:-1].reshape(num, csr.batch)[np.asarray(order)].reshape(-1)
-    lengths = jnp.diff(offsets).reshape(num, csr.batch)[np.asarray(order)].reshape(-1)
+    starts = offsets[:-1].reshape(num, csr.batch)[np.asarray(source)].reshape(-1)
+    lengths = jnp.diff(offsets).reshape(num, csr.batch)[np.asarray(source)].reshape(-1)
     ids, weights, new_offsets, src = compact(csr.ids, csr.weights, starts, lengths)
-    return PackedCSR(ids, new_offsets, weights, csr.batch), np.argsort(order), src
+    return PackedCSR(ids, new_offsets, weights, csr.batch), back, src
 
 
 # ------------------------------------------------------------------------ oob and pack
@@ -443,17 +447,22 @@ def _pack_oob(pack: TablePack, packed: CanonicalBags, tables: jax.Array, oob: st
 def dict_batches(
     packs: Sequence[TablePack], features: Mapping[str, Any], oob: str, kernels: Sequence[bool]
 ) -> list[PackBatch]:
-    """A pooled feature dict's batches: per pack one (its padded and CSR features of one
+    """A pooled feature dict's batches, for the features it gives (a subset of the
+    collection's: their outputs only): per pack one (its padded and CSR features of one
     batch size, ``pack_features``) or one per batch size (canonical bags); ``kernels[p]``:
     pack p's bags are prepared by the ``flowtt_tb_bags`` kernel where the form allows."""
     out = []
     for p, pack in enumerate(packs):
-        inputs = [_feature_input(features, s, pack) for s in pack.features]
-        csr = pack_features(inputs, [s.feature for s in pack.features], oob)
+        slots = tuple(s for s in pack.features if s.feature in features)  # a subset: its outputs only
+        if not slots:
+            continue
+        sub = pack if len(slots) == len(pack.features) else dataclasses.replace(pack, features=slots)
+        inputs = [_feature_input(features, s, sub) for s in slots]
+        csr = pack_features(inputs, [s.feature for s in slots], oob)
         if csr is not None:  # one packed CSR: no per-feature op before the pooling
-            out.append(_csr_batch(p, pack, csr, (0, len(pack.features)), oob, kernels[p], pooled=True))
+            out.append(_csr_batch(p, sub, csr, (0, len(slots)), oob, kernels[p], pooled=True))
         else:
-            out += _canonical_batches(p, pack, features, oob)
+            out += _canonical_batches(p, sub, features, oob)
     return out
 
 

@@ -360,8 +360,9 @@ class CollectionLayout:
         impl: str = "auto",
         dtype: Any | None = None,
     ) -> dict[str, jax.Array]:
-        """``{feature: [B, D]}`` for every feature the tables read (see
-        ``flowtt_jax.collection`` for the input forms); ``KeyError`` for a missing one."""
+        """``{feature: [B, D]}`` for the features ``features`` gives (every feature the tables
+        read, or a subset: e.g. one tower's; see ``flowtt_jax.collection`` for the input
+        forms); ``KeyError`` for a key no table reads."""
         params = _cast_to_batch(params, features)
         packs = self._call_packs(*self._form_sizes(features, True))
         out = {}

@@ -15,7 +15,7 @@ may leave positions outside their bags, features reordered into their packs' ord
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from flowtt_jax.inputs.csr import as_weights, bag_of_positions, check_csr, check_sizes
+from flowtt_jax.inputs.csr import as_weights, bag_of_positions, check_csr, check_sizes, clamp_csr
 from flowtt_jax.inputs.oob import as_ids, saturate_int32
 
 __all__ = ["KeyedJagged", "PackedCSR", "compact", "concat_weights", "offsets_of"]
@@ -40,8 +40,9 @@ class KeyedJagged:
       offsets: int ``[F*B + 1]``: feature-major CSR over ``ids`` (non-decreasing from 0 to n;
         concrete ones are checked, traced ones clamped as ``tt_embedding_bag``'s).
       weights: optional float ``[n]`` per-id weights (differentiable).
-      keys: optional feature names, checked against the collection's ``feature_names``
-        (the order of the features in ``ids``).
+      keys: optional feature names, the order of the features in ``ids``: each of the
+        collection's ``feature_names`` once, in any order (reordered on the device; without
+        keys, ``feature_names`` order). Outputs come in ``feature_names`` order.
     """
 
     ids: Any
@@ -66,12 +67,14 @@ class KeyedJagged:
         if self.keys is not None and self.keys != tuple(feature_names):
             missing = [f for f in feature_names if f not in self.keys]
             unknown = [k for k in self.keys if k not in feature_names]
-            raise ValueError(
-                "KeyedJagged keys must be the collection's feature_names in order"
-                + (f"; missing {missing}" if missing else "")
-                + (f"; unknown {unknown}" if unknown else "")
-                + ("" if missing or unknown else f"; got order {list(self.keys)}, want {list(feature_names)}")
-            )
+            repeated = sorted({k for k in self.keys if self.keys.count(k) > 1})
+            if missing or unknown or repeated:
+                raise ValueError(
+                    "KeyedJagged keys must name each of the collection's features once (any order)"
+                    + (f"; missing {missing}" if missing else "")
+                    + (f"; unknown {unknown}" if unknown else "")
+                    + (f"; repeated {repeated}" if repeated else "")
+                )
         ids = as_ids(self.ids, oob)
         if ids.ndim != 1:
             raise ValueError(f"KeyedJagged ids must be flat [n], got shape {ids.shape}")
@@ -113,6 +116,72 @@ class KeyedJagged:
                 raise ValueError(f"KeyedJagged weights shape {weights.shape} != ids shape {(n,)}")
         check_sizes(n, num * batch)
         return PackedCSR(ids, offsets, weights, batch)
+
+    @classmethod
+    def from_features(cls, features: Mapping[str, Any]) -> KeyedJagged:
+        """A batch from per-feature inputs (TorchRec's ``KeyedJaggedTensor.from_lengths_sync``
+        by name): ``{name: ids [B] (one id each) | padded [B, L] | {"ids": [n_f], "lengths":
+        [B] or "offsets": [B + 1], optional "weights": [n_f]}}``, every feature of the same B;
+        keys in the mapping's order. One concatenation per array kind."""
+        if not features:
+            raise ValueError("KeyedJagged.from_features needs at least one feature")
+        ids, lengths, weights, batches = [], [], [], {}
+        for name, value in features.items():
+            v = value if isinstance(value, Mapping) else {"ids": value}
+            unknown = set(v) - {"ids", "lengths", "offsets", "weights"}
+            if unknown or "ids" not in v:
+                raise ValueError(
+                    f"feature {name!r}: takes ids, or a dict of ids with lengths or offsets "
+                    f"(and weights); got keys {sorted(v)}"
+                )
+            x = v["ids"] if isinstance(v["ids"], jax.Array) else np.asarray(v["ids"])
+            if v.get("lengths") is not None and v.get("offsets") is not None:
+                raise ValueError(f"feature {name!r}: give lengths or offsets, not both")
+            if v.get("lengths") is not None:
+                n = jnp.asarray(v["lengths"])
+            elif v.get("offsets") is not None:
+                n = jnp.diff(jnp.asarray(v["offsets"]))
+            elif x.ndim in (1, 2):  # one id per example, or padded [B, L]
+                n = jnp.full((x.shape[0],), 1 if x.ndim == 1 else x.shape[1], jnp.int32)
+            else:
+                raise ValueError(
+                    f"feature {name!r}: ids must be [B], [B, L] or flat with lengths, got {x.shape}"
+                )
+            batches[name] = n.shape[0]
+            ids.append(jnp.asarray(x).reshape(-1))
+            lengths.append(n.astype(jnp.int32))
+            weights.append(None if v.get("weights") is None else jnp.asarray(v["weights"]).reshape(-1))
+        if len(set(batches.values())) != 1:
+            raise ValueError(
+                f"KeyedJagged.from_features: every feature needs the same batch size, got {batches}"
+            )
+        w = None
+        if any(x is not None for x in weights):
+            w = concat_weights(weights, [int(i.shape[0]) for i in ids])
+        return cls(jnp.concatenate(ids), lengths=jnp.stack(lengths), weights=w, keys=tuple(features))
+
+    def to_padded(self, rows: jax.Array, max_len: int) -> dict[str, tuple[jax.Array, jax.Array]]:
+        """Unpooled rows of this batch (``lookup``'s ``[n, D]``, in the order of its ids) as
+        ``{key: (rows [B, max_len, D], mask [B, max_len] bool)}``: bag b's ids' rows in order,
+        zeros and False past its length (ids past ``max_len`` are left out). Needs ``keys``."""
+        if self.keys is None:
+            raise ValueError("KeyedJagged.to_padded needs keys (the feature names)")
+        max_len = int(max_len)
+        num = len(self.keys)
+        csr = self.csr(self.keys, "zero")
+        n, batch = rows.shape[0], csr.batch
+        offsets = clamp_csr(csr.offsets, n)
+        bag = jnp.clip(bag_of_positions(offsets, n), 0, max(num * batch - 1, 0))
+        pos = jax.lax.iota(jnp.int32, n)
+        within = pos - offsets[bag]
+        keep = (pos >= offsets[0]) & (pos < offsets[-1]) & (within < max_len)
+        slot = jnp.where(keep, bag * max_len + within, num * batch * max_len)  # out of range: dropped
+        size = num * batch * max_len
+        out = jnp.zeros((size, rows.shape[-1]), rows.dtype).at[slot].set(rows, mode="drop")
+        mask = jnp.zeros((size,), bool).at[slot].set(True, mode="drop")
+        out = out.reshape(num, batch, max_len, rows.shape[-1])
+        mask = mask.reshape(num, batch, max_len)
+        return {k: (out[f], mask[f]) for f, k in enumerate(self.keys)}
 
 
 jax.tree_util.register_dataclass(
