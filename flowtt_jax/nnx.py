@@ -206,8 +206,10 @@ class TTEmbeddingCollection(nnx.Module):
     with stacked ids ``[B, F]`` / ``[B, F, L]`` (one column per feature, in
     ``feature_names`` order; optional ``weights``), e.g. a Criteo batch; or with a
     ``KeyedJagged`` (one flat ids array, ``lengths [F, B]`` or offsets ``[F*B + 1]``: the
-    form data pipelines produce for variable-length features); both return
-    ``[B, F, features]`` with no per-feature op in the program. ``lookup`` (or
+    form data pipelines produce for variable-length features; keys in any order); both
+    return ``[B, F, features]`` with no per-feature op in the program (a ``KeyedJagged`` over
+    tables of several dims: ``{feature: [B, D_f]}``). A feature dict may name a subset of the
+    features (e.g. one tower's): their outputs only. ``lookup`` (or
     ``pooled=False``) gives each id's row instead of pooled bags.
 
     The tables are packed (``flowtt_jax.collection_layout``): the TT tables of one shape

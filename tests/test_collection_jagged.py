@@ -490,3 +490,27 @@ def test_keys_in_any_order_a_builder_and_padded_rows():
     _assert_same(np.asarray(col(built)), np.asarray(_stack(col, stacked_dict)), False)
     with pytest.raises(ValueError, match="same batch size"):
         KeyedJagged.from_features({"a": np.arange(3), "c": np.arange(4)})
+
+
+def test_jagged_batch_over_tables_of_several_dims_gives_a_dict():
+    """Tables of different dims in one ``KeyedJagged``: ``{feature: [B, D_f]}``, the dict call's
+    values (TorchRec's ``[B, sum D]`` by one concatenation)."""
+    tables = [
+        TableConfig("user", 500, 16, rank=4),
+        TableConfig("country", 30, 4, kind="dense"),
+        TableConfig("item", 800, 16, rank=4, feature_names=("item", "hist")),
+    ]
+    col = TTEmbeddingCollection(tables, rngs=nnx.Rngs(0))
+    feats = {
+        "user": np.array([1, 2, 499]),
+        "country": np.array([0, 29, 3]),
+        "item": np.array([5, 6, 7]),
+        "hist": {"ids": np.array([1, 2, 3, 4, 799]), "offsets": np.array([0, 2, 2, 5])},
+    }
+    kjt = KeyedJagged.from_features(feats)
+    got, want = col(kjt), col(feats)
+    assert set(got) == set(want) and got["country"].shape == (3, 4) and got["user"].shape == (3, 16)
+    for f in want:
+        _assert_same(np.asarray(got[f]), np.asarray(want[f]), False)
+    flat = jnp.concatenate([got[f] for f in col.feature_names], -1)
+    assert flat.shape == (3, 16 + 4 + 16 + 16)

@@ -407,19 +407,21 @@ class CollectionLayout:
         oob: str = "zero",
         impl: str = "auto",
         dtype: Any | None = None,
-    ) -> jax.Array:
+    ) -> jax.Array | dict[str, jax.Array]:
         """``[B, F, D]`` pooled bags of a packed jagged batch (``flowtt_jax.inputs.jagged``), the
         values of ``apply`` for the same bags; feature f is ``feature_names[f]``. Each pack
         pools its features' bags of the flat ids in one call (a pack whose features are not
         consecutive in ``feature_names`` takes them after one gather of the ids into the
-        packs' order); every table must have the same dim D."""
-        self._one_dim("a packed jagged input")
+        packs' order). Tables of several dims: ``{feature: [B, D_f]}`` instead
+        (``jnp.concatenate([out[f] for f in feature_names], -1)`` is TorchRec's ``[B, sum D]``)."""
         csr, back, _ = jagged_csr(batch, self.feature_names, self.pack_order, oob)
         packs = self._call_packs([csr.ids.shape[0]] * len(self.packs), csr.batch)  # each pack sees every id
         batches = jagged_batches(packs, csr, oob, self._kernels(packs, params, impl), pooled=True)
         params = _cast_to_batch(params, (csr.ids, csr.weights))
         pooled = [self._pool(packs, params, b, impl, dtype, batch_major=True) for b in batches]
         parts = [x.reshape(b.batch, len(b.slots), x.shape[-1]) for b, x in zip(batches, pooled)]
+        if len({cfg.features for cfg in self.tables}) > 1:  # tables of several dims: by name
+            return {s.feature: x[:, i] for b, x in zip(batches, parts) for i, s in enumerate(b.slots)}
         out = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
         return out if back is None else out[:, back]
 
