@@ -33,6 +33,7 @@ from flax import errors, nnx
 
 from flowtt_jax.collection.config import TableConfig
 from flowtt_jax.collection.layout import CollectionLayout, labeller
+from flowtt_jax.collection.sparse_rows import init_sparse_state
 from flowtt_jax.inputs.jagged import KeyedJagged
 from flowtt_jax.layer_methods import BagCall, DenseBagMethods, TTTableMethods
 from flowtt_jax.memory import BatchStats, MemoryEstimate, MemoryPlan, estimate_memory
@@ -192,6 +193,15 @@ class OverflowCount(nnx.Variable):
     leave it alone)."""
 
 
+class SparseTable(nnx.Variable):
+    """A dense table updated on its touched rows only (``TableConfig.sparse``,
+    ``flowtt_jax.sparse``): not an ``nnx.Param``, so ``nnx.grad`` / optax leave it alone."""
+
+
+class SparseSlot(nnx.Variable):
+    """A sparse table's optimizer state (accumulators, moments, per-row step counts)."""
+
+
 class OutOfRangeCount(nnx.Variable):
     """A collection's per-table count of ids out of range of their table (before the ``oob``
     policy; updated on the device by every call; not a parameter)."""
@@ -261,7 +271,14 @@ class TTEmbeddingCollection(nnx.Module):
         self.oob = oob
         self.impl = impl
         init = self.layout.init(rngs.params(), param_dtype)
-        self.params = nnx.Dict({k: nnx.Param(v) for k, v in init.items()})
+        sparse = self.layout.sparse_params()  # dense tables updated on touched rows only
+        self.params = nnx.Dict({k: SparseTable(v) if k in sparse else nnx.Param(v) for k, v in init.items()})
+        self.sparse_state = nnx.Dict(
+            {
+                k: nnx.Dict({s: SparseSlot(z) for s, z in init_sparse_state(cfg.rule, init[k].shape).items()})
+                for k, cfg in sparse.items()
+            }
+        )
         # only where a capacity can overflow (a table with max_unique_ids): a plain collection
         # stays stateless. float32 (exact to 2**24 calls): jax.grad over a whole nnx.state
         # takes no int leaf

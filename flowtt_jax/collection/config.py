@@ -29,6 +29,7 @@ from flowtt_jax.inputs.csr import MODES
 from flowtt_jax.tt.spec import TTSpec
 
 __all__ = [
+    "SparseUpdate",
     "TableConfig",
     "make_table_configs",
     "check_tables",
@@ -48,6 +49,35 @@ def spec_of(table: Any) -> TTSpec:
         row_shape=table.row_shape,
         col_shape=table.col_shape,
     )
+
+
+SPARSE_RULES = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseUpdate:
+    """A dense table updated on the rows a batch touched only (FBGEMM's fused row-wise
+    optimizers, TorchRec's fused / sparse ones): ``flowtt_jax.sparse``.
+
+    ``rule``: ``"sgd"``, ``"adagrad"`` (optax's ``adagrad`` with ``initial_accumulator_value=0``:
+    an ``[N, D]`` accumulator), ``"rowwise_adagrad"`` (FBGEMM's default: one accumulator per
+    row, the mean of its squared gradient) or ``"adam"`` (lazy: moments and step count per
+    row, moved only when the row is touched); ``learning_rate``, ``eps``, ``b1``, ``b2``.
+    """
+
+    rule: str = "rowwise_adagrad"
+    learning_rate: float = 0.01
+    eps: float = 1e-7
+    b1: float = 0.9
+    b2: float = 0.999
+
+    def __post_init__(self) -> None:
+        if self.rule not in SPARSE_RULES:
+            raise ValueError(f"SparseUpdate rule must be one of {SPARSE_RULES}, got {self.rule!r}")
+        for field in ("learning_rate", "eps", "b1", "b2"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"SparseUpdate {field} must be a number >= 0, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +103,9 @@ class TableConfig:
       optimizer: a label for per-table optimizer settings (``optax.multi_transform`` by
         ``param_labels()``); tables of different labels never share a packed array. None:
         the default label.
+      sparse: a ``SparseUpdate`` for a dense table: its gradient comes as (touched rows, row
+        gradients) and its update touches those rows only (``flowtt_jax.sparse``); it is then
+        not an ``nnx.Param`` (optax optimizers leave it alone). None: a plain parameter.
     """
 
     name: str
@@ -88,6 +121,7 @@ class TableConfig:
     init_std: float | None = None
     max_unique_ids: int | None = None
     optimizer: str | None = None
+    sparse: SparseUpdate | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -132,6 +166,13 @@ class TableConfig:
             raise TypeError(
                 f"{where}: optimizer must be a non-empty str label or None, got {self.optimizer!r}"
             )
+        if self.sparse is not None:
+            if not isinstance(self.sparse, SparseUpdate):
+                raise TypeError(f"{where}: sparse must be a SparseUpdate or None, got {self.sparse!r}")
+            if self.kind != "dense":
+                raise ValueError(
+                    f"{where}: sparse updates are for dense tables (kind='dense'), got kind={self.kind!r}"
+                )
         if self.init_std is not None and not (isinstance(self.init_std, (int, float)) and self.init_std > 0):
             raise ValueError(f"{where}: init_std must be a positive number, got {self.init_std!r}")
 

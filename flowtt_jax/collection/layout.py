@@ -37,7 +37,7 @@ from flowtt_jax.collection.batch import (
     lookup_batches,
     stacked_batches,
 )
-from flowtt_jax.collection.config import TableConfig, check_tables
+from flowtt_jax.collection.config import SparseUpdate, TableConfig, check_tables
 from flowtt_jax.collection.init import init_params
 from flowtt_jax.collection.packs import FeatureSlot, TablePack, check_param_names, pack_tables, param_names
 from flowtt_jax.collection.pool import call_counters, note_out_of_range, pack_impl, pool_packed
@@ -181,6 +181,14 @@ class CollectionLayout:
             name: pack.tables[0].optimizer or default
             for p, pack in enumerate(self.packs)
             for name in self.param_names(p)
+        }
+
+    def sparse_params(self) -> dict[str, SparseUpdate]:
+        """``{parameter name: SparseUpdate}`` of the packs of sparse dense tables."""
+        return {
+            self.param_names(p)[0]: pack.tables[0].sparse
+            for p, pack in enumerate(self.packs)
+            if pack.kind == "dense" and pack.tables[0].sparse is not None
         }
 
     def locate(self, name: str) -> tuple[int, int]:
@@ -396,7 +404,8 @@ class CollectionLayout:
         arrays = tuple(params[n] for n in self.param_names(b.pack))
         note_out_of_range(tuple(t.name for t in packs[b.pack].tables), b.out_of_range)
         batch = b.batch if batch_major else 0
-        out = pool_packed(packs[b.pack], arrays, b.bags, b.tables, b.weighted, impl, batch)
+        name = self.param_names(b.pack)[0]
+        out = pool_packed(packs[b.pack], arrays, b.bags, b.tables, b.weighted, impl, batch, name)
         return out.astype(arrays[0].dtype if dtype is None else dtype) if cast else out
 
     def apply_jagged(

@@ -92,7 +92,8 @@ def pack_tables(
     keys: dict[tuple, list[TableConfig]] = {}
     for cfg in tables:
         key = ("dense", cfg.features) if cfg.kind == "dense" else _group_key(cfg)
-        keys.setdefault(key + (cfg.optimizer or "",), []).append(cfg)  # one optimizer label a pack
+        # one optimizer label and one sparse update a pack
+        keys.setdefault(key + (cfg.optimizer or "", cfg.sparse), []).append(cfg)
     order = {"tt": 0, "dense": 1, "single": 2}
     packs = []
     for key, cfgs in sorted(keys.items(), key=lambda kv: order[kv[0][0]]):

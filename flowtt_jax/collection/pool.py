@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from flowtt_jax.collection.packs import TablePack
+from flowtt_jax.collection.sparse_rows import gather_rows
 from flowtt_jax.inputs.bag import CanonicalBags
 from flowtt_jax.ops.pooled import choose_impl, pooled, to_batch_major
 from flowtt_jax.tt import reference
@@ -65,18 +66,26 @@ def pack_impl(pack: TablePack, arrays, impl: str) -> str:
 
 
 def pool_packed(
-    pack: TablePack, arrays, packed: CanonicalBags, tables, weighted: bool, impl: str, batch: int = 0
+    pack: TablePack,
+    arrays,
+    packed: CanonicalBags,
+    tables,
+    weighted: bool,
+    impl: str,
+    batch: int = 0,
+    name: str = "",
 ):
     """``[num_bags, D]`` float32 (float64 params stay float64): the bags of ``packed``
     (in range of their ``tables``) pooled in one call; ``batch`` as ``ops.pooled``'s
-    (0: row j is bag j; else batch-major rows of feature-major bags)."""
+    (0: row j is bag j; else batch-major rows of feature-major bags); ``name``: the pack's
+    parameter name (a dense pack's rows are gathered by ``sparse_rows.gather_rows``)."""
     num_bags = packed.offsets.shape[0] - 1
     if packed.ids.shape[0] == 0 or num_bags == 0:
         return jnp.zeros((num_bags, _dim(pack, arrays)), _acc_dtype(arrays))
     which = pack_impl(pack, arrays, impl)
     if pack.kind == "dense":
         row_base = jnp.asarray(pack.row_offsets[:-1], jnp.int32)[tables]
-        rows = jnp.take(arrays[0], row_base + packed.ids, axis=0)
+        rows = gather_rows(name, arrays[0], row_base + packed.ids)  # a sparse table's through a tape
         rows = rows.astype(jnp.promote_types(rows.dtype, jnp.float32))
         # a weight of 0 adds nothing
         return to_batch_major(reference.pool(rows, packed.weights, packed.bag_ids, num_bags), batch)
