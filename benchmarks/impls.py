@@ -469,9 +469,10 @@ def _layer_init(name: str):
             values = pack.layout.pack(per_table) if pack.kind == "tt" else per_table[0]
             for param, v in zip(layout.param_names(p), values):
                 coll.params[param][...] = v
-        graph, state = nnx.split(coll)
-        _LAYER_GRAPHS[(name, w.name)] = graph
-        return state
+        # the parameters are what is differentiated; the rest (the out-of-range counter) stays
+        graph, params, rest = nnx.split(coll, nnx.Param, ...)
+        _LAYER_GRAPHS[(name, w.name)] = (graph, rest)
+        return params
 
     return init
 
@@ -485,12 +486,12 @@ def _layer_build(name: str, packed: bool):
 
         from flowtt_jax import KeyedJagged
 
-        graph = _LAYER_GRAPHS[(name, w.name)]
+        graph, rest = _LAYER_GRAPHS[(name, w.name)]
         bounds, b = w.feature_bounds, w.batch
         names = [f"f{i}" for i in range(w.num_features)]
 
         def fwd(params, ids, offsets, weights=None):
-            coll = nnx.merge(graph, params)
+            coll = nnx.merge(graph, params, rest)
             if packed:
                 return coll(KeyedJagged(ids, offsets=offsets, weights=weights)).reshape(b, -1)
             feats = {}
