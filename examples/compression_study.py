@@ -434,7 +434,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
             elif method == "planner":
                 try:
                     plan = ftt.plan_tables(
-                        cards, budget, dim=args.dim, traffic=traffic, training=False, ranks=args.planner_ranks
+                        cards,
+                        budget,
+                        dim=args.dim,
+                        traffic=traffic,
+                        training=False,
+                        ranks=args.planner_ranks,
+                        step_slack=None,  # accuracy per byte: the study's question
                     )
                     print(plan)
                     tables = list(plan.tables)

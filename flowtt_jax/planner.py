@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from flowtt_jax.collection.config import TableConfig
+from flowtt_jax.collection.config import SparseUpdate, TableConfig
 from flowtt_jax.kernels import ffi
 from flowtt_jax.memory import BatchStats, MemoryEstimate, estimate_memory
 from flowtt_jax.ops.pooled import kernels_unsupported_reason
@@ -47,6 +47,7 @@ from flowtt_jax.tt.spec import TTSpec
 __all__ = [
     "DEFAULT_RANKS",
     "DENSE_BELOW",
+    "STEP_SLACK",
     "TableChoice",
     "TablePlan",
     "fit_zipf",
@@ -58,6 +59,16 @@ DEFAULT_RANKS = (4, 8, 16, 32, 64)
 #: Rows under which a table is made dense first (rule 3): the measured rows where one
 #: table's training step (1024 ids, Adam) is as fast dense as TT at rank 4 on 2 CPU cores.
 DENSE_BELOW = 4096
+#: The step-time model (``_step_cost``, in dense row-element updates): a TT id costs this
+#: many, calibrated by ``DENSE_BELOW`` (a 4,096-row dense table's full update, 5 passes over
+#: N x D, takes the time of 1,024 TT ids at rank 4).
+TT_ID_COST = 20.0
+#: How much slower (modelled) than the fastest plan the planner passed on its way a plan may
+#: make the step by default (``plan_tables(step_slack=...)``).
+STEP_SLACK = 0.1
+#: Passes over a parameter per training step: read, gradient written and read, update, and
+#: an Adam-like optimizer's two slots.
+STEP_PASSES = 5
 _EXACT = 4096  # Zipf ranks summed exactly; past them, geometric bins / the integral
 _MAX_ZIPF = 8.0
 
@@ -160,6 +171,7 @@ class TablePlan:
     estimate: MemoryEstimate
     budget: int
     notes: tuple[str, ...] = ()
+    step_cost: float = 0.0  # the modelled training step (``_step_cost``, summed over tables)
 
     @property
     def total(self) -> int:
@@ -217,6 +229,7 @@ class _Option:
     config: TableConfig
     estimate: MemoryEstimate  # the table alone
     held: float  # rows' worth of parameters (dense: every row)
+    step: float = 0.0  # modelled training-step cost (``_step_cost``)
 
     @property
     def bytes(self) -> int:
@@ -268,6 +281,17 @@ def _kernel_reason(spec: TTSpec, check: bool) -> str | None:
     return reason
 
 
+def _step_cost(cfg: TableConfig, ids: int) -> float:
+    """A table's modelled training-step cost, in dense row-element updates: a dense table
+    updated in full passes over its ``N x D`` parameters ``STEP_PASSES`` times; one updated
+    sparsely (``TableConfig.sparse``) over its ids' rows; a TT table pays ``TT_ID_COST`` per
+    id and element, plus its cores' passes."""
+    d = cfg.features
+    if cfg.kind == "dense":
+        return float(STEP_PASSES * d * (max(ids, 1) if cfg.sparse is not None else cfg.num_embeddings))
+    return TT_ID_COST * ids * d + STEP_PASSES * cfg.spec().num_params
+
+
 def _table_options(
     base: TableConfig,
     ranks: Sequence[int],
@@ -275,6 +299,7 @@ def _table_options(
     traffic: BatchStats | None,
     kw: dict,
     check: bool,
+    dense_update: SparseUpdate | None = None,
 ) -> _Table:
     feats = base.feature_keys
     alone = BatchStats(
@@ -282,8 +307,17 @@ def _table_options(
         {f: stats.ids[f] for f in feats if f in stats.ids},
         {base.name: stats.unique[base.name]} if base.name in stats.unique else {},
     )
-    dense_cfg = dataclasses.replace(base, kind="dense")
-    dense = _Option(dense_cfg, estimate_memory([dense_cfg], alone, **kw), float(base.num_embeddings))
+    ids = unique = 0
+    if traffic is not None:
+        ids = sum(traffic.ids.get(f, 0) for f in feats)
+        unique = min(traffic.unique.get(base.name, 0), ids)
+    dense_cfg = dataclasses.replace(base, kind="dense", sparse=dense_update)
+    dense = _Option(
+        dense_cfg,
+        estimate_memory([dataclasses.replace(dense_cfg, sparse=None)], alone, **kw),
+        float(base.num_embeddings),
+        _step_cost(dense_cfg, ids),
+    )
     options, seen, notes = [], set(), []
     for r in sorted(set(ranks)):
         spec = dataclasses.replace(base, kind="tt", rank=r).spec()
@@ -296,14 +330,12 @@ def _table_options(
             notes.append(f"rank {r} dropped: {reason}")
             continue
         cfg = dataclasses.replace(base, kind="tt", rank=inner[0] if len(set(inner)) == 1 else inner)
-        opt = _Option(cfg, estimate_memory([cfg], alone, **kw), spec.num_params / base.features)
+        opt = _Option(
+            cfg, estimate_memory([cfg], alone, **kw), spec.num_params / base.features, _step_cost(cfg, ids)
+        )
         if opt.bytes < dense.bytes:
             options.append(opt)
     options.append(dense)
-    ids = unique = 0
-    if traffic is not None:
-        ids = sum(traffic.ids.get(f, 0) for f in feats)
-        unique = min(traffic.unique.get(base.name, 0), ids)
     zipf_a = fit_zipf(base.num_embeddings, ids, unique) if ids and unique else None
     weight = 1 if traffic is None else ids  # no sample: every table read once a batch
     hits = tuple(weight * zipf_coverage(base.num_embeddings, zipf_a or 0.0, o.held) for o in options)
@@ -321,6 +353,8 @@ def plan_tables(
     training: bool = True,
     ranks: Sequence[int] = DEFAULT_RANKS,
     dense_below: int = DENSE_BELOW,
+    step_slack: float | None = STEP_SLACK,
+    dense_update: SparseUpdate | None = None,
 ) -> TablePlan:
     """Which tables become TT and at which rank, the rest dense, so that the collection's
     step fits ``budget_bytes`` (the rule: this module's docstring, ``docs/planner.md``).
@@ -338,6 +372,15 @@ def plan_tables(
       training: count the step's parameter gradients (and the backward's buffers).
       ranks: TT ranks to choose from (each capped at a table's full rank).
       dense_below: tables with fewer rows are made dense first while the budget allows.
+      step_slack: the planner knows time too: a move (a higher rank, or dense for a table of
+        ``dense_below`` rows or more) is taken only if the plan's modelled training step
+        (``_step_cost``: a dense table updated in full costs its rows, a TT table its ids and
+        its cores' passes) stays within ``1 + step_slack`` of the fastest plan on its way, so
+        a larger budget does not buy a step that much slower than a smaller budget's (a large
+        table stays TT rather than dense and updated in full every step). None: bytes and
+        traffic only (the accuracy-per-byte plan, whatever its step time).
+      dense_update: a ``SparseUpdate`` the dense tables of the plan get (``TableConfig.sparse``:
+        their touched rows updated only, so a dense table costs its ids, not its rows).
 
     Raises ``ValueError`` when even the cheapest plan exceeds the budget, with its bytes and
     the tables that dominate them.
@@ -358,7 +401,9 @@ def plan_tables(
     sizes = stats if stats is not None else BatchStats(0, {})
     machine = _machine_reason()
     traffic = traffic if traffic is not None else stats
-    plan = [_table_options(c, ranks, sizes, traffic, kw, machine is None) for c in configs]
+    if step_slack is not None and not (isinstance(step_slack, (int, float)) and step_slack >= 0):
+        raise ValueError(f"plan_tables: step_slack must be a number >= 0 or None, got {step_slack!r}")
+    plan = [_table_options(c, ranks, sizes, traffic, kw, machine is None, dense_update) for c in configs]
     level = [0] * len(plan)
 
     def joint(lv: Sequence[int]) -> MemoryEstimate:
@@ -377,6 +422,12 @@ def plan_tables(
             f"{est.activation_bytes:,}, scratch {est.scratch:,}); largest tables alone: {top}"
         )
     refused: set[tuple[int, int]] = set()
+
+    def step_of(lv: Sequence[int]) -> float:
+        return sum(t.options[i].step for t, i in zip(plan, lv))
+
+    fastest = step_of(level)  # the fastest modelled step of the plans passed so far
+    slowed: set[int] = set()  # tables a move of which was refused for the step's time
     while True:
         moves = []
         for t, table in enumerate(plan):
@@ -397,17 +448,25 @@ def plan_tables(
         *_, t, i = min(moves)
         trial = level.copy()
         trial[t] = i
+        small_dense = i == len(plan[t].options) - 1 and configs[t].num_embeddings < dense_below
+        if step_slack is not None and not small_dense and step_of(trial) > (1 + step_slack) * fastest:
+            refused.add((t, i))
+            slowed.add(t)
+            continue
         trial_est = joint(trial)
         if trial_est.total <= budget:
             level, est = trial, trial_est
+            fastest = min(fastest, step_of(level))
             refused = {(u, j) for u, j in refused if u != t}
         else:
             refused.add((t, i))
     choices = tuple(
-        _choice(c, table, level[t], dense_below) for t, (c, table) in enumerate(zip(configs, plan))
+        _choice(c, table, level[t], dense_below, t in slowed and table.options[level[t]].config.kind == "tt")
+        for t, (c, table) in enumerate(zip(configs, plan))
     )
     notes = (machine,) if machine else ()
-    return TablePlan(tuple(t.options[i].config for t, i in zip(plan, level)), choices, est, budget, notes)
+    tables_out = tuple(t.options[i].config for t, i in zip(plan, level))
+    return TablePlan(tables_out, choices, est, budget, notes, step_of(level))
 
 
 def _descend(
@@ -431,10 +490,14 @@ def _descend(
         level, est = best
 
 
-def _choice(base: TableConfig, table: _Table, level: int, dense_below: int) -> TableChoice:
+def _choice(base: TableConfig, table: _Table, level: int, dense_below: int, slowed: bool) -> TableChoice:
     opt = table.options[level]
     cfg, e = opt.config, opt.estimate
     notes = list(table.notes)
+    if slowed:
+        notes.append(
+            "a larger option would slow the step (step_slack; dense_update= updates touched rows only)"
+        )
     if cfg.kind == "dense":
         if len(table.options) == 1:
             notes.append("tiny: TT saves no bytes")

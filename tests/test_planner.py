@@ -18,6 +18,7 @@ from flax import nnx
 import flowtt_jax as ftt
 from flowtt_jax import planner
 from flowtt_jax.collection import TableConfig
+from flowtt_jax.collection.config import SparseUpdate
 from flowtt_jax.kernels import ffi
 from flowtt_jax.memory import BatchStats, estimate_memory
 from flowtt_jax.ops.pooled import kernels_unsupported_reason
@@ -94,11 +95,13 @@ def test_budget_without_stats_counts_parameters_only():
 def test_more_budget_more_bytes_until_everything_is_dense(sample):
     _, stats = sample
     totals = [
-        ftt.plan_tables(CARDS, b << 20, dim=16, traffic=stats, training=False).parameter_bytes
+        ftt.plan_tables(
+            CARDS, b << 20, dim=16, traffic=stats, training=False, step_slack=None
+        ).parameter_bytes
         for b in (1, 4, 16)
     ]
     assert totals == sorted(totals) and totals[0] < totals[-1]
-    everything = ftt.plan_tables(CARDS, 2**30, dim=16, traffic=stats, training=False)
+    everything = ftt.plan_tables(CARDS, 2**30, dim=16, traffic=stats, training=False, step_slack=None)
     assert all(t.kind == "dense" for t in everything.tables)
 
 
@@ -124,15 +127,17 @@ def test_no_plan_fits_names_the_bytes_needed(sample):
 
 def test_small_tables_dense(sample):
     _, stats = sample
-    plan = {c.name: c for c in ftt.plan_tables(CARDS, 600_000, dim=16, stats=stats).choices}
+    plan = {c.name: c for c in ftt.plan_tables(CARDS, 600_000, dim=16, stats=stats, step_slack=None).choices}
     assert plan["tiny"].kind == "dense" and "tiny" in plan["tiny"].note
     assert plan["small"].kind == "dense" and "dense_below" in plan["small"].note
     assert plan["big"].kind == "tt"
     # without the small-table rule the 1,000-row table competes on hits per byte: TT here
-    tight = ftt.plan_tables(CARDS, 600_000, dim=16, stats=stats, dense_below=0)
+    tight = ftt.plan_tables(CARDS, 600_000, dim=16, stats=stats, dense_below=0, step_slack=None)
     assert {c.name: c.kind for c in tight.choices}["small"] == "tt"
     # and with it, a budget too small for the dense table leaves it TT, saying so
-    small = {c.name: c for c in ftt.plan_tables(CARDS, 520_000, dim=16, stats=stats).choices}["small"]
+    small = {
+        c.name: c for c in ftt.plan_tables(CARDS, 520_000, dim=16, stats=stats, step_slack=None).choices
+    }["small"]
     assert small.kind == "tt" and "dense did not fit" in small.note
 
 
@@ -146,7 +151,8 @@ def test_rank_follows_traffic():
     ahead = False
     for budget in (60_000, 120_000, 250_000, 500_000, 1_000_000):
         ranks = {
-            c.name: c.rank for c in ftt.plan_tables(tables, budget, traffic=stats, training=False).choices
+            c.name: c.rank
+            for c in ftt.plan_tables(tables, budget, traffic=stats, training=False, step_slack=None).choices
         }
         assert ranks["busy"] >= ranks["quiet"], (budget, ranks)
         ahead |= ranks["busy"] > ranks["quiet"]
@@ -157,7 +163,7 @@ def test_rank_goes_to_the_flatter_table(sample):
     """Same rows, same ids: a skewed table's few hot rows hold most of its lookups, so past
     them its rank buys less than the uniformly read table's."""
     _, stats = sample
-    plan = ftt.plan_tables(CARDS, 600_000, dim=16, traffic=stats, training=False)
+    plan = ftt.plan_tables(CARDS, 600_000, dim=16, traffic=stats, training=False, step_slack=None)
     choices = {c.name: c for c in plan.choices}
     assert choices["flat"].zipf_a + 0.5 < 1.0 < choices["mid"].zipf_a
     assert choices["flat"].rank > choices["mid"].rank
@@ -166,25 +172,27 @@ def test_rank_goes_to_the_flatter_table(sample):
 
 def test_emits_no_shape_the_kernels_refuse(sample, monkeypatch):
     _, stats = sample
-    plan = ftt.plan_tables(CARDS, 8 << 20, dim=16, stats=stats)
+    plan = ftt.plan_tables(CARDS, 8 << 20, dim=16, stats=stats, step_slack=None)
     for t in plan.tables:
         if t.kind == "tt":
             shapes = t.spec().core_shapes
             assert kernels_unsupported_reason([jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]) is None
             assert ffi.cuda_unsupported_reason(shapes) is None
             assert ffi.cuda_unsupported_reason(shapes, True) is None
-    assert max(t.rank for t in plan.tables if t.kind == "tt") > 16
+    assert max(max(np.atleast_1d(t.rank)) for t in plan.tables if t.kind == "tt") > 16
     if not ffi.available():
         assert any("not built" in n for n in plan.notes)
         return
     # a platform whose kernels take r2 <= 16 only: no emitted rank above 16, and the plan says so
     refuse = lambda cores: "r2 > 16" if cores[0].shape[3] > 16 else None
     monkeypatch.setattr(planner, "kernels_unsupported_reason", refuse)
-    limited = ftt.plan_tables(CARDS, 8 << 20, dim=16, stats=stats)
+    limited = ftt.plan_tables(CARDS, 8 << 20, dim=16, stats=stats, step_slack=None)
     assert all(t.rank <= 16 for t in limited.tables if t.kind == "tt")
     assert "rank 32 dropped: r2 > 16" in {c.name: c for c in limited.choices}["big"].note
     monkeypatch.setattr(planner, "kernels_unsupported_reason", lambda cores: "no TT here")
-    assert all(t.kind == "dense" for t in ftt.plan_tables(CARDS, 2**30, dim=16, stats=stats).tables)
+    assert all(
+        t.kind == "dense" for t in ftt.plan_tables(CARDS, 2**30, dim=16, stats=stats, step_slack=None).tables
+    )
 
 
 def test_plan_builds_a_collection(sample):
@@ -252,3 +260,41 @@ def test_synth_per_feature_skew_and_signal():
     np.testing.assert_allclose(np.asarray(silent[3]), -1.5)  # no signal left: the bias alone
     with pytest.raises(ValueError, match="one value per feature"):
         SynthConfig(cards, feature_signal=(1.0,))
+
+
+def test_more_budget_never_buys_a_much_slower_step():
+    """The planner knows time: on a two-tower-like set (a 2 M-row table read by two
+    features), plans over budgets from 4 MiB to 1 GiB keep the modelled step within
+    ``STEP_SLACK`` of the fastest smaller budget's (the 2 M-row table stays TT, saying why);
+    with ``step_slack=None`` the 1 GiB plan makes it dense and its modelled step is many
+    times slower; with ``dense_update`` (sparse updates) it may be dense at no such cost."""
+    rng = np.random.default_rng(4)
+    tables = [
+        TableConfig("user", 500_000, 32),
+        TableConfig("item", 2_000_000, 32, feature_names=("item", "hist")),
+        TableConfig("country", 200, 32),
+    ]
+    batch = {
+        "user": _zipf_ids(rng, 500_000, 1.05, (512,)),
+        "item": _zipf_ids(rng, 2_000_000, 1.05, (512,)),
+        "hist": _zipf_ids(rng, 2_000_000, 1.05, (512, 20)),
+        "country": rng.integers(0, 200, 512),
+    }
+    stats = BatchStats.measure([batch], tables)
+    steps, fastest = [], None
+    for mib in (4, 16, 64, 256, 1024):
+        plan = ftt.plan_tables(tables, mib << 20, stats=stats, optimizer=optax.adam(1e-3))
+        fastest = plan.step_cost if fastest is None else min(fastest, plan.step_cost)
+        assert plan.step_cost <= (1 + ftt.planner.STEP_SLACK) * fastest, (mib, plan.step_cost, fastest)
+        steps.append(plan.step_cost)
+    big = {c.name: c for c in plan.choices}["item"]
+    assert big.kind == "tt" and "slow the step" in big.note
+    bytes_only = ftt.plan_tables(tables, 1 << 30, stats=stats, optimizer=optax.adam(1e-3), step_slack=None)
+    assert {t.name: t.kind for t in bytes_only.tables}["item"] == "dense"
+    assert bytes_only.step_cost > 10 * min(steps)
+    sparse = ftt.plan_tables(
+        tables, 1 << 30, stats=stats, optimizer=optax.adam(1e-3), dense_update=SparseUpdate("rowwise_adagrad")
+    )
+    dense_sparse = [t for t in sparse.tables if t.kind == "dense"]
+    assert dense_sparse and all(t.sparse == SparseUpdate("rowwise_adagrad") for t in dense_sparse)
+    assert sparse.step_cost <= (1 + ftt.planner.STEP_SLACK) * min(steps)
