@@ -65,16 +65,23 @@ def _has_graph_nodes(tree: Any) -> bool:
 
 
 class _SplitCall:
-    """``fn(*args, **kwargs)`` under ``checkify`` (and ``jit``) over the NNX split of its
-    arguments: one compiled program per graph (the graph is a static argument)."""
+    """``fn(*args, **kwargs)`` under ``checkify`` (and ``jit``) with the NNX graph nodes among
+    its arguments split into graph and state (the graph, the arguments' tree and the nodes'
+    places are static: one compiled program per structure); the other leaves pass as they
+    are, and only the nodes take the updates back."""
 
     def __init__(self, fn: Callable[..., Any], jit: bool) -> None:
-        def pure(graphdef: Any, state: Any) -> Any:
+        def pure(static: Any, state: Any, others: list) -> Any:
             from flax import nnx
 
-            args, kwargs = nnx.merge(graphdef, state)
+            graphdef, treedef, is_node = static
+            nodes = iter(nnx.merge(graphdef, state))
+            rest = iter(others)
+            args, kwargs = jax.tree.unflatten(treedef, [next(nodes) if n else next(rest) for n in is_node])
             out = fn(*args, **kwargs)
-            return out, nnx.state((args, kwargs))
+            return out, nnx.state(
+                tuple(x for x, n in zip(jax.tree.leaves((args, kwargs), is_leaf=_is_node), is_node) if n)
+            )
 
         # checkify of a jitted function: jit traces ``pure`` (NNX transforms inside, e.g.
         # nnx.grad, refuse checkify's own trace: "graph node from different trace level") and
@@ -85,8 +92,18 @@ class _SplitCall:
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         from flax import nnx
 
-        graphdef, state = nnx.split((args, kwargs))
-        error, (out, new_state) = self._call(graphdef, state)
+        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_node)
+        is_node = tuple(_is_node(x) for x in leaves)
+        nodes = tuple(x for x, n in zip(leaves, is_node) if n)
+        graphdef, state = nnx.split(nodes)
+        others = [x for x, n in zip(leaves, is_node) if not n]
+        error, (out, new_state) = self._call((graphdef, treedef, is_node), state, others)
         error.throw()
-        nnx.update((args, kwargs), new_state)  # in-place updates (optimizer steps, counters)
+        nnx.update(nodes, new_state)  # in-place updates (optimizer steps, counters)
         return out
+
+
+def _is_node(x: Any) -> bool:
+    from flax import nnx
+
+    return nnx.graph.is_graph_node(x)
