@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from flowtt_jax.collection.config import SparseUpdate, TableConfig
+from flowtt_jax.collection.config import SparseUpdate, TableConfig, check_tables
 from flowtt_jax.kernels import ffi
 from flowtt_jax.memory import BatchStats, MemoryEstimate, estimate_memory
 from flowtt_jax.ops.pooled import kernels_unsupported_reason
@@ -256,7 +256,10 @@ def _as_configs(tables: Mapping[str, int] | Sequence[int] | Sequence[TableConfig
     wrong = [t.name for t in tables if dim is not None and t.features != dim]
     if wrong:
         raise ValueError(f"plan_tables: dim={dim} but tables {wrong} have another dim")
-    return list(tables)
+    try:
+        return list(check_tables(tables))  # up front: duplicate names, a feature read twice
+    except ValueError as e:
+        raise ValueError(f"plan_tables: {e}") from None
 
 
 def _machine_reason() -> str | None:

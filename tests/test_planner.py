@@ -298,3 +298,12 @@ def test_more_budget_never_buys_a_much_slower_step():
     dense_sparse = [t for t in sparse.tables if t.kind == "dense"]
     assert dense_sparse and all(t.sparse == SparseUpdate("rowwise_adagrad") for t in dense_sparse)
     assert sparse.step_cost <= (1 + ftt.planner.STEP_SLACK) * min(steps)
+
+
+def test_tables_are_checked_up_front():
+    """Duplicate table names and a feature read by two tables are refused by the planner,
+    naming them, not later by the collection."""
+    with pytest.raises(ValueError, match=r"plan_tables: duplicate table names in \['a', 'a'\]"):
+        ftt.plan_tables([TableConfig("a", 100, 8), TableConfig("a", 200, 8)], 10**6)
+    with pytest.raises(ValueError, match="plan_tables: a feature reads more than one table"):
+        ftt.plan_tables([TableConfig("a", 100, 8), TableConfig("b", 200, 8, feature_names=("a",))], 10**6)
