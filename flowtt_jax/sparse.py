@@ -10,7 +10,7 @@ device, with the table's rule (SGD, Adagrad, row-wise Adagrad, lazy Adam)::
 
     step_grad = ftt.sparse.sparse_value_and_grad(loss_fn)
 
-    @nnx.jit
+    @nnx.jit(donate_argnums=(0, 1))  # donated: the sparse rows are written in place
     def train_step(model, opt, batch):
         loss, grads, sparse = step_grad(model, batch)
         opt.update(model, grads)                    # optax for everything else

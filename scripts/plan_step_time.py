@@ -43,7 +43,7 @@ def _steps_per_s(tables, world: tt.Synth) -> tuple[float, float]:
     opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     grad_fn = sp.sparse_value_and_grad(tt.loss_fn)
 
-    @nnx.jit
+    @nnx.jit(donate_argnums=(0, 1))  # the tables updated in place (a sparse table's rows)
     def step(m, o, users, items):
         loss, grads, sparse = grad_fn(m, users, items)
         o.update(m, grads)
