@@ -97,6 +97,22 @@ def loss_fn(model: TwoTower, users: dict, items: jax.Array) -> jax.Array:
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, jnp.arange(logits.shape[0])))
 
 
+def make_train_step():
+    """The jitted training step ``(model, optimizer, users, items) -> loss``: Adam (the
+    optimizer's) for the parameters, the sparse rule for the sparse tables' touched rows;
+    model and optimizer donated, so those rows are written in place."""
+    grad_fn = sp.sparse_value_and_grad(loss_fn)
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def train_step(m, o, users, items):
+        loss, grads, sparse = grad_fn(m, users, items)
+        o.update(m, grads)
+        sp.apply_sparse(m, sparse)
+        return loss
+
+    return train_step
+
+
 def run(argv: Sequence[str] | None = None, log=print) -> dict:
     """Trains and evaluates; returns the held-out metrics."""
     args = parse_args(argv)
@@ -105,14 +121,7 @@ def run(argv: Sequence[str] | None = None, log=print) -> dict:
         tables(args.users, args.items, args.dim, args.rank, args.sparse_lr), args.dim, nnx.Rngs(args.seed)
     )
     opt = nnx.Optimizer(model, optax.adam(args.lr), wrt=nnx.Param)
-    grad_fn = sp.sparse_value_and_grad(loss_fn)
-
-    @nnx.jit(donate_argnums=(0, 1))  # the tables updated in place (a sparse table's rows)
-    def train_step(m, o, users, items):
-        loss, grads, sparse = grad_fn(m, users, items)
-        o.update(m, grads)
-        sp.apply_sparse(m, sparse)
-        return loss
+    train_step = make_train_step()
 
     @nnx.jit
     def scores(m, users, items):

@@ -22,7 +22,6 @@ from flax import nnx
 
 import flowtt_jax as ftt
 from examples import two_tower as tt
-from flowtt_jax import sparse as sp
 from flowtt_jax.collection import TableConfig
 from flowtt_jax.collection.config import SparseUpdate
 
@@ -41,14 +40,7 @@ def _base() -> list[TableConfig]:
 def _steps_per_s(tables, world: tt.Synth) -> tuple[float, float]:
     model = tt.TwoTower(tables, DIM, nnx.Rngs(0))
     opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-    grad_fn = sp.sparse_value_and_grad(tt.loss_fn)
-
-    @nnx.jit(donate_argnums=(0, 1))  # the tables updated in place (a sparse table's rows)
-    def step(m, o, users, items):
-        loss, grads, sparse = grad_fn(m, users, items)
-        o.update(m, grads)
-        sp.apply_sparse(m, sparse)
-        return loss
+    step = tt.make_train_step()
 
     rng = np.random.default_rng(0)
     raws = [world.batch(rng, B) for _ in range(2)]

@@ -26,24 +26,17 @@ import pytest
 from jax.experimental import checkify
 
 from flowtt_jax import KeyedJagged
-from flowtt_jax.collection import TableConfig
 from flowtt_jax.collection.layout import CollectionLayout
+from tests.test_collection_stacked import _tables
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / f"pipeline_cpu_{host_platform.machine()}.json"
-B, DIM = 5, 8
+B = 5
 
 
 def _layout() -> CollectionLayout:
-    return CollectionLayout(
-        (
-            TableConfig("a", 1000, DIM, rank=4, mode="mean"),
-            TableConfig("d", 50, DIM, kind="dense"),
-            TableConfig("b", 3000, DIM, rank=4, mode="sqrtn", feature_names=("b1", "b2")),
-            TableConfig("two", 300, DIM, rank=4, num_cores=2),
-            TableConfig("d2", 40, DIM, kind="dense", mode="mean"),
-            TableConfig("c", 77, DIM, rank=4),
-        )
-    )
+    """``test_collection_stacked``'s tables: packs in another order than the features (a TT
+    group, a dense pack, a 2-core table), a table shared by two features, every mode."""
+    return CollectionLayout(tuple(_tables()))
 
 
 def _rows(layout) -> dict[str, int]:
