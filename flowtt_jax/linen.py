@@ -183,7 +183,7 @@ class TTEmbeddingCollection(nn.Module):
 
         names = [n for p in range(len(layout.packs)) for n in layout.param_names(p)]
         params = {n: self.param(n, init, n) for n in names}
-        kw = dict(oob=self.oob, impl=self.impl, dtype=self.dtype)
+        kw = dict(oob=self.oob, impl=self.impl, dtype=self.dtype, param_dtype=self.param_dtype)
         out, counts = layout.call(params, features, weights, pooled=pooled, with_counts=True, **kw)
         # counted when "stats" is mutable: made (zeros) by init, counted by calls. Per pack the
         # calls that overflowed their capacity (only where one exists: else nothing can

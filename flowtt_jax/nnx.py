@@ -304,7 +304,7 @@ class TTEmbeddingCollection(nnx.Module):
         ``[B, F, L]`` (columns in ``feature_names`` order, optional ``weights`` of their
         shape) -> ``[B, F, features]``. ``pooled=False``: each id's row instead
         (``lookup``)."""
-        kw = dict(oob=self.oob, impl=self.impl, dtype=self.dtype)
+        kw = dict(oob=self.oob, impl=self.impl, dtype=self.dtype, param_dtype=self.param_dtype)
         out, counts = self.layout.call(
             self._values(), features, weights, pooled=pooled, with_counts=True, **kw
         )

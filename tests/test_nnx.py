@@ -428,3 +428,14 @@ def test_resized_tables_of_unchanged_packed_shapes_are_refused():
             dst.layout.call(params, {old[0].name: np.zeros(2, np.int32), old[1].name: np.zeros(2, np.int32)})
         with pytest.raises(ValueError, match=f"table '{old[0].name}'"):
             dst.load_table_state(src.table_state())
+
+
+def test_a_positional_restore_of_another_dtype_is_refused():
+    """A state saved from a bfloat16 collection restored by position into a float32 one (the
+    same names and shapes) is refused at the call, naming the tables, not computed with."""
+    tables = [TableConfig("a", 100, 8, rank=4), TableConfig("d", 20, 8, kind="dense")]
+    src = TTEmbeddingCollection(tables, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    dst = TTEmbeddingCollection(tables, rngs=nnx.Rngs(1))
+    nnx.update(dst, nnx.state(src))
+    with pytest.raises(ValueError, match=r"\(tables \['a'\]\): dtype bfloat16, the collection's float32"):
+        dst({"a": np.array([1, 2]), "d": np.array([3, 4])})

@@ -270,15 +270,19 @@ class CollectionLayout:
             shapes.update(zip(self.param_names(p), pack.array_shapes))
         return shapes
 
-    def check_params(self, params: Mapping[str, jax.Array]) -> None:
+    def check_params(self, params: Mapping[str, jax.Array], dtype: Any = None) -> None:
         """``ValueError`` unless ``params`` has exactly this layout's names and shapes (a
         state saved by another layout, restored by position after tables were re-ranked,
-        added or removed), naming the tables the wrong parameters would hold."""
+        added or removed) and, given ``dtype`` (a collection's ``param_dtype``), that dtype,
+        naming the tables the wrong parameters would hold."""
         want = self._param_shapes
         wrong = {n: (tuple(params[n].shape) if n in params else None, s) for n, s in want.items()}
         wrong = {n: got_want for n, got_want in wrong.items() if got_want[0] != got_want[1]}
         extra = sorted(set(params) - set(want))
-        if not wrong and not extra:
+        typed = {}
+        if dtype is not None:
+            typed = {n: params[n].dtype for n in want if n in params and params[n].dtype != jnp.dtype(dtype)}
+        if not wrong and not extra and not typed:
             return
         owners = {
             n: [c.name for c in self.packs[p].tables]
@@ -292,6 +296,10 @@ class CollectionLayout:
             for n, (got, s) in wrong.items()
         ]
         lines += [f"{n}: not a parameter of this layout" for n in extra]
+        lines += [
+            f"{n} (tables {owners[n]}): dtype {t}, the collection's {jnp.dtype(dtype)}"
+            for n, t in typed.items()
+        ]
         raise ValueError(
             "the parameters do not fit this collection's tables (a state of another layout? "
             "restore by table name: table_state / load_table_state):\n  " + "\n  ".join(lines)
@@ -486,7 +494,8 @@ class CollectionLayout:
         """The layers' call: ``apply`` for a feature dict, ``apply_jagged`` for a
         ``KeyedJagged``, ``apply_stacked`` for stacked ids (``weights`` only with those);
         ``pooled=False``: ``lookup`` (a dict or a ``KeyedJagged``). ``kw``: ``oob``, ``impl``,
-        ``dtype``. ``with_counts``: ``(outputs, CallCounts)``, the call's device counters
+        ``dtype``, ``param_dtype`` (the parameters must have it: a layer's own dtype).
+        ``with_counts``: ``(outputs, CallCounts)``, the call's device counters
         (capacity overflows per pack, out-of-range ids per table; zeros on a layout that does
         not ``counts_calls``)."""
         pinned = self._budget_layout(params, features, weights, pooled, kw)
@@ -527,8 +536,8 @@ class CollectionLayout:
         plan = self._checked_plan(params, features, weights, pooled, kw, sizes)
         return self if plan.xla_bytes is None else pinned_layout(self, plan.ids_per_pass, plan.windows)
 
-    def _call(self, params, features, weights, *, pooled: bool, **kw: Any):
-        self.check_params(params)
+    def _call(self, params, features, weights, *, pooled: bool, param_dtype: Any = None, **kw: Any):
+        self.check_params(params, param_dtype)
         if isinstance(features, Mapping):
             self.check_feature_keys(features)
         if not pooled:
