@@ -228,15 +228,21 @@ class ShardedLayout(abc.ABC):
         if self.axis not in self.mesh.axis_names:
             raise ValueError(f"mesh axis {self.axis!r} is not an axis of the mesh {self.mesh.axis_names}")
 
-    def check_params(self, params: Mapping[str, jax.Array]) -> None:
+    def check_params(self, params: Mapping[str, jax.Array], dtype: Any = None) -> None:
         """``ValueError`` unless ``params`` has exactly this layout's names (their shapes are
-        per device inside a ``shard_map``, global outside)."""
+        per device inside a ``shard_map``, global outside) and, given ``dtype``, that dtype."""
         want = {n for p in range(len(self.packs)) for n in self.param_names(p)}
         if set(params) != want:
             raise ValueError(
                 f"the parameters do not fit this collection's tables: missing {sorted(want - set(params))}, "
                 f"not of this layout {sorted(set(params) - want)} (restore by table name: table_state / "
                 "load_table_state)"
+            )
+        typed = sorted(n for n in want if dtype is not None and params[n].dtype != jnp.dtype(dtype))
+        if typed:
+            raise ValueError(
+                f"the parameters {typed} do not have the collection's dtype {jnp.dtype(dtype)} "
+                "(a state of another param_dtype?)"
             )
 
     @abc.abstractmethod
