@@ -57,11 +57,10 @@ def checked(fn: Callable[..., Any], *, jit: bool = True, **jit_kwargs: Any) -> C
 def _has_graph_nodes(tree: Any) -> bool:
     """Whether ``tree`` holds a Flax NNX graph node (a module, a variable); False without Flax."""
     try:
-        from flax import nnx
+        import flax.nnx  # noqa: F401
     except ImportError:
         return False
-    is_node = nnx.graph.is_graph_node
-    return any(is_node(x) for x in jax.tree.leaves(tree, is_leaf=is_node))
+    return any(_is_node(x) for x in jax.tree.leaves(tree, is_leaf=_is_node))
 
 
 class _SplitCall:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import subprocess
 import sys
 import time
 
@@ -21,6 +20,7 @@ import optax
 from flax import nnx
 
 import flowtt_jax as ftt
+from benchmarks import records
 from examples import two_tower as tt
 from flowtt_jax.collection import TableConfig
 from flowtt_jax.collection.config import SparseUpdate
@@ -84,9 +84,7 @@ def main(out: str) -> None:
             }
             print(json.dumps(row), flush=True)
             rows.append(row)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = records.commit()[:7]
     with open(out, "w") as f:
         json.dump(
             {

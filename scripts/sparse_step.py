@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import subprocess
 import sys
 import time
 
@@ -20,6 +19,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from benchmarks import records
 from flowtt_jax import sparse as sp
 from flowtt_jax.collection import TableConfig
 from flowtt_jax.collection.config import SparseUpdate
@@ -97,9 +97,7 @@ def main(out: str) -> None:
             r = measure(rows, sparse)
             print(json.dumps(r), flush=True)
             results.append(r)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = records.commit()[:7]
     record = {
         "what": "two-tower step vs a dense table's rows, plain vs sparse updates",
         "device": str(jax.devices()[0]),

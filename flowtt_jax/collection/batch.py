@@ -245,7 +245,9 @@ def pack_features(
     return PackedCSR(ids, offsets, weights, batch)
 
 
-def _jagged_in_pack_order(batch: KeyedJagged, feature_names: Sequence[str], order: Sequence[int], oob: str):
+def jagged_csr(
+    batch: KeyedJagged, feature_names: Sequence[str], order: Sequence[int], oob: str
+) -> tuple[PackedCSR, Any, Any]:
     """``(PackedCSR, back, src)``: ``batch``'s bags (validated by ``KeyedJagged.csr``) with each
     pack's features consecutive (``order``: the features' indices in the packs' order);
     ``back`` (None when already so) puts ``[B, F_packs, D]`` outputs back in ``feature_names``
@@ -485,14 +487,6 @@ def lookup_batches(
         batch = _csr_batch(p, sub, csr, (0, len(slots)), oob, kernels[p], pooled=False)
         out.append((batch, [tuple(i.shape) for i in ids]))
     return out
-
-
-def jagged_csr(
-    batch: KeyedJagged, feature_names: Sequence[str], order: Sequence[int], oob: str
-) -> tuple[PackedCSR, Any, Any]:
-    """A ``KeyedJagged`` validated and normalised (``_jagged_in_pack_order``): ``(csr, back,
-    src)``, the bags in the packs' feature ``order``."""
-    return _jagged_in_pack_order(batch, feature_names, order, oob)
 
 
 def jagged_batches(
