@@ -20,12 +20,12 @@ Where the capacity comes from (``TableConfig.max_unique_ids``, the op's
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
-__all__ = ["batch_counts", "capacity_passes", "measure_unique_ids"]
+__all__ = ["batch_counts", "capacity_passes", "feature_ids", "measure_unique_ids"]
 
 #: The most passes one call compiles (``ceil(n / capacity)``).
 MAX_PASSES = 64
@@ -90,15 +90,13 @@ def _jagged_features(batch: Any) -> dict[str, tuple[np.ndarray, int]]:
     return {k: (ids[offsets[f * bags] : offsets[(f + 1) * bags]], bags) for f, k in enumerate(batch.keys)}
 
 
-def batch_counts(
+def feature_ids(
     batches: Iterable[Any], feature_tables: Mapping[str, str], what: str
-) -> tuple[int, dict[str, int], dict[str, int]]:
-    """``(bags per feature, ids per feature, unique ids per table)``, each the most over
-    sample ``batches``: feature dicts in any input form the collections take (``_feature_ids``;
-    host or device arrays) or ``KeyedJagged`` batches with keys. ``feature_tables``:
-    ``{feature: table name}``; a feature it lacks raises ``KeyError`` naming ``what`` and the
-    features."""
-    batch_size, ids, unique = 0, {}, {}
+) -> Iterator[dict[str, tuple[np.ndarray, int]]]:
+    """Each sample batch as ``{feature: (its ids flat on the host, its bags)}``: feature dicts
+    in any input form the collections take (``_feature_ids``; host or device arrays) or
+    ``KeyedJagged`` batches with keys. A feature ``feature_tables`` lacks raises ``KeyError``
+    naming ``what``."""
     for batch in batches:
         if not isinstance(batch, Mapping) and hasattr(batch, "ids") and hasattr(batch, "keys"):
             features = _jagged_features(batch)  # a KeyedJagged
@@ -111,6 +109,19 @@ def batch_counts(
         unknown = sorted(set(features) - set(feature_tables))
         if unknown:
             raise KeyError(f"{what}: features {unknown} are read by no table")
+        yield features
+
+
+def batch_counts(
+    batches: Iterable[Any], feature_tables: Mapping[str, str], what: str
+) -> tuple[int, dict[str, int], dict[str, int]]:
+    """``(bags per feature, ids per feature, unique ids per table)``, each the most over
+    sample ``batches``: feature dicts in any input form the collections take (``_feature_ids``;
+    host or device arrays) or ``KeyedJagged`` batches with keys. ``feature_tables``:
+    ``{feature: table name}``; a feature it lacks raises ``KeyError`` naming ``what`` and the
+    features."""
+    batch_size, ids, unique = 0, {}, {}
+    for features in feature_ids(batches, feature_tables, what):
         per_table: dict[str, list[np.ndarray]] = {}
         for feature, (flat, bags) in features.items():
             batch_size = max(batch_size, bags)

@@ -182,7 +182,12 @@ class TTEmbeddingCollection(nn.Module):
             return cache["params"][name]
 
         names = [n for p in range(len(layout.packs)) for n in layout.param_names(p)]
+        hot = layout.hot_names()  # hot-row caches: the rows trained, their ids in "tt_cache"
+        names += [c[0] for p in range(len(layout.packs)) if (c := layout.cache_names(p))]
         params = {n: self.param(n, init, n) for n in names}
+        params.update(
+            {n: self.variable("tt_cache", n, lambda n=n: init(self.make_rng("params"), n)).value for n in hot}
+        )
         kw = dict(oob=self.oob, impl=self.impl, dtype=self.dtype, param_dtype=self.param_dtype)
         out, counts = layout.call(params, features, weights, pooled=pooled, with_counts=True, **kw)
         # counted when "stats" is mutable: made (zeros) by init, counted by calls. Per pack the

@@ -24,13 +24,15 @@ uses the compiled kernels when the extension is built, else the pure-jnp referen
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import errors, nnx
 
+from flowtt_jax.collection.cache import hot_ids as cache_hot_ids
 from flowtt_jax.collection.config import TableConfig
 from flowtt_jax.collection.layout import CollectionLayout, labeller
 from flowtt_jax.collection.sparse_rows import init_sparse_state
@@ -202,6 +204,10 @@ class SparseSlot(nnx.Variable):
     """A sparse table's optimizer state (accumulators, moments, per-row step counts)."""
 
 
+class HotIds(nnx.Variable):
+    """The ids a pack's hot-row caches hold (int32; not trained: ``refresh_cache`` sets them)."""
+
+
 class OutOfRangeCount(nnx.Variable):
     """A collection's per-table count of ids out of range of their table (before the ``oob``
     policy; updated on the device by every call; not a parameter)."""
@@ -272,7 +278,13 @@ class TTEmbeddingCollection(nnx.Module):
         self.impl = impl
         init = self.layout.init(rngs.params(), param_dtype)
         sparse = self.layout.sparse_params()  # dense tables updated on touched rows only
-        self.params = nnx.Dict({k: SparseTable(v) if k in sparse else nnx.Param(v) for k, v in init.items()})
+        hot = set(self.layout.hot_names())  # hot-row caches' ids: not trained
+        self.params = nnx.Dict(
+            {
+                k: SparseTable(v) if k in sparse else HotIds(v) if k in hot else nnx.Param(v)
+                for k, v in init.items()
+            }
+        )
         self.sparse_state = nnx.Dict(
             {
                 k: nnx.Dict({s: SparseSlot(z) for s, z in init_sparse_state(cfg.rule, init[k].shape).items()})
@@ -415,6 +427,27 @@ class TTEmbeddingCollection(nnx.Module):
         )
         for k, p in self.params.items():
             p[...] = new[k]
+
+    def refresh_cache(
+        self, batches: Iterable[Any] | None = None, *, hot_ids: Mapping[str, Any] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Re-chooses the rows the cached TT tables (``TableConfig.cache_rows``) hold: each
+        one's most frequent ids over sample ``batches`` (feature dicts or ``KeyedJagged``s,
+        counted on the host), or ``hot_ids`` ``{table: ids}`` as given. An id that stays keeps
+        its trained row, one that enters starts at its TT row, one that leaves falls back to
+        its TT row (``CollectionLayout.with_hot_ids``; optimizer slots stay with the slots).
+        Between steps; returns ``{table: the ids it now caches}``."""
+        if (batches is None) == (hot_ids is None):
+            raise ValueError("refresh_cache takes sample batches or hot_ids, one of them")
+        if hot_ids is None:
+            owners = {f: cfg.name for cfg in self.tables for f in cfg.feature_keys}
+            hot_ids = cache_hot_ids(batches, self.tables, owners)
+        values = self._values()
+        for name, ids in hot_ids.items():
+            values = self.layout.with_hot_ids(values, name, ids)
+        for k, p in self.params.items():
+            p[...] = values[k]
+        return {n: np.asarray(self.layout.table_cache(values, n)[1]) for n in hot_ids}
 
     def embedding_bytes(self) -> dict[str, int]:
         """Bytes of parameters stored per table."""

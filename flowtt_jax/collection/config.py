@@ -106,6 +106,10 @@ class TableConfig:
       sparse: a ``SparseUpdate`` for a dense table: its gradient comes as (touched rows, row
         gradients) and its update touches those rows only (``flowtt_jax.sparse``); it is then
         not an ``nnx.Param`` (optax optimizers leave it alone). None: a plain parameter.
+      cache_rows: a TT table's hot-row cache (``collection.cache``): this many of its rows held
+        as a trainable dense ``[cache_rows, D]`` block that its lookups read instead of the
+        cores (its most frequent rows, from sample batches; the first ``cache_rows`` ids until
+        then). 0: none.
     """
 
     name: str
@@ -122,6 +126,7 @@ class TableConfig:
     max_unique_ids: int | None = None
     optimizer: str | None = None
     sparse: SparseUpdate | None = None
+    cache_rows: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -172,6 +177,15 @@ class TableConfig:
             if self.kind != "dense":
                 raise ValueError(
                     f"{where}: sparse updates are for dense tables (kind='dense'), got kind={self.kind!r}"
+                )
+        object.__setattr__(self, "cache_rows", _as_int(self.cache_rows, f"{where}: cache_rows"))
+        if self.cache_rows:
+            if self.kind != "tt":
+                raise ValueError(f"{where}: cache_rows is for TT tables (a dense table holds every row)")
+            if not 0 < self.cache_rows <= self.num_embeddings or self.num_embeddings >= 2**31 - 1:
+                raise ValueError(
+                    f"{where}: cache_rows must be in [0, num_embeddings={self.num_embeddings}] "
+                    f"(and the table under 2^31 - 1 rows), got {self.cache_rows}"
                 )
         if self.init_std is not None and not (isinstance(self.init_std, (int, float)) and self.init_std > 0):
             raise ValueError(f"{where}: init_std must be a positive number, got {self.init_std!r}")

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flowtt_jax.collection.cache import first_rows, tt_rows_of
 from flowtt_jax.collection.packs import TablePack
 from flowtt_jax.tt.cores import resolve_init
 
@@ -31,14 +32,33 @@ def init_params(
     names: tuple[tuple[str, ...], ...],
     key: jax.Array,
     param_dtype: Any = jnp.float32,
+    caches: tuple[tuple[str, str] | None, ...] | None = None,
 ) -> dict[str, jax.Array]:
     """``{parameter name: array}`` of ``packs``, pack p's arrays named ``names[p]`` and
-    drawn with ``fold_in(key, p)``; ``param_dtype`` is the storage dtype (drawn in float32)."""
-    return _init(packs, names, jnp.dtype(param_dtype), key)
+    drawn with ``fold_in(key, p)``; ``param_dtype`` is the storage dtype (drawn in float32).
+    ``caches[p]``: the names of pack p's hot-row cache block and hot ids (``packs.cache_names``),
+    which start as each cached table's first rows (``collection.cache.first_rows``)."""
+    return _init(packs, names, caches or (None,) * len(packs), jnp.dtype(param_dtype), key)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _init(packs, names, dtype: np.dtype, key: jax.Array) -> dict[str, jax.Array]:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _init(packs, names, caches, dtype: np.dtype, key: jax.Array) -> dict[str, jax.Array]:
+    params = _init_arrays(packs, names, dtype, key)
+    for p, pack in enumerate(packs):
+        if caches[p] is not None:
+            cores = tuple(params[n] for n in names[p])
+            hot = first_rows(pack)
+            rows = [
+                tt_rows_of(pack.layout.table_cores(cores, t) if pack.kind == "tt" else cores, hot[lo:hi])
+                for t, (lo, hi) in enumerate(zip(pack.cache_offsets[:-1], pack.cache_offsets[1:]))
+                if hi > lo
+            ]
+            params[caches[p][0]] = jnp.concatenate(rows)
+            params[caches[p][1]] = hot
+    return params
+
+
+def _init_arrays(packs, names, dtype: np.dtype, key: jax.Array) -> dict[str, jax.Array]:
     params = {}
     for p, pack in enumerate(packs):
         pack_key = jax.random.fold_in(key, p)

@@ -39,13 +39,20 @@ from flowtt_jax.collection.batch import (
 )
 from flowtt_jax.collection.config import SparseUpdate, TableConfig, check_tables
 from flowtt_jax.collection.init import init_params
-from flowtt_jax.collection.packs import FeatureSlot, TablePack, check_param_names, pack_tables, param_names
+from flowtt_jax.collection.packs import (
+    FeatureSlot,
+    TablePack,
+    cache_names,
+    check_param_names,
+    pack_tables,
+    param_names,
+)
 from flowtt_jax.collection.pool import call_counters, note_out_of_range, pack_impl, pool_packed
+from flowtt_jax.collection.tables import TableViews
 from flowtt_jax.collection.xla_fit import check_by_xla, pinned_layout
 from flowtt_jax.inputs.jagged import KeyedJagged
 from flowtt_jax.kernels import ffi
 from flowtt_jax.memory import BatchStats, MemoryPlan, apply_candidate, choose_memory_plan, resolve_budget
-from flowtt_jax.tt.cores import to_dense
 
 __all__ = ["CallCounts", "CollectionLayout", "FeatureSlot", "TablePack"]
 
@@ -60,7 +67,7 @@ class CallCounts(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class CollectionLayout:
+class CollectionLayout(TableViews):
     """Static packing of a collection's ``TableConfig``s (hashable).
 
     ``ids_per_pass``: the TT kernels take each pack's ids this many at a time (None: as
@@ -99,6 +106,10 @@ class CollectionLayout:
     def param_names(self, p: int) -> tuple[str, ...]:
         """Parameter names of pack ``p``."""
         return param_names(self.packs, p)
+
+    def cache_names(self, p: int) -> tuple[str, str] | None:
+        """Names of pack ``p``'s hot-row cache block and hot ids, or None (no cache)."""
+        return cache_names(self.packs, p)
 
     def memory_plan(
         self,
@@ -204,59 +215,8 @@ class CollectionLayout:
         table's values from the distribution a lone table gets (TT rows of std ``cfg.std``;
         dense ``normal(cfg.std)``), pack p drawn with ``fold_in(key, p)``."""
         names = tuple(self.param_names(p) for p in range(len(self.packs)))
-        return init_params(self.packs, names, key, param_dtype)
-
-    def table_params(self, params: Mapping[str, jax.Array], name: str) -> tuple[jax.Array, ...]:
-        """Table ``name``'s own parameters: its TT cores ``[p_k, r_{k-1}, q_k, r_k]``, or
-        ``(table [N, D],)`` for a dense table (static slices of the packs)."""
-        p, t = self.locate(name)
-        pack, arrays = self.packs[p], tuple(params[n] for n in self.param_names(p))
-        if pack.kind == "tt":
-            return pack.layout.table_cores(arrays, t)
-        if pack.kind == "dense":
-            lo, hi = pack.row_offsets[t], pack.row_offsets[t + 1]
-            return (arrays[0][lo:hi],)
-        return arrays
-
-    def with_table(self, params: Mapping[str, jax.Array], name: str, values: Sequence[jax.Array]) -> dict:
-        """``params`` with table ``name``'s parameters replaced by ``values`` (same shapes
-        as ``table_params``: a tuple of cores, or a dense table's array itself or ``(array,)``),
-        e.g. the TT-SVD of a dense table; a ``ValueError`` names the table and the shapes."""
-        p, t = self.locate(name)
-        pack, names = self.packs[p], self.param_names(p)
-        old = self.table_params(params, name)
-        if pack.kind == "dense" and hasattr(values, "shape"):  # a dense table's array itself
-            values = (values,)
-        shapes = [tuple(np.shape(v)) for v in values] if isinstance(values, (tuple, list)) else None
-        if shapes != [tuple(o.shape) for o in old]:
-            want = "its [N, D] array" if pack.kind == "dense" else f"a tuple of its {len(old)} cores"
-            raise ValueError(
-                f"table {name!r} ({pack.kind}) takes {want} of shapes {[tuple(o.shape) for o in old]}, "
-                f"got {shapes if shapes is not None else type(values).__name__}"
-            )
-        values = tuple(jnp.asarray(v) for v in values)
-        out = dict(params)
-        if pack.kind == "tt":
-            offs = pack.layout.core_offsets
-            for k, (n, v) in enumerate(zip(names, values)):
-                out[n] = params[n].at[offs[k][t] : offs[k][t + 1]].set(v.astype(params[n].dtype))
-        elif pack.kind == "dense":
-            lo, hi = pack.row_offsets[t], pack.row_offsets[t + 1]
-            out[names[0]] = params[names[0]].at[lo:hi].set(values[0].astype(params[names[0]].dtype))
-        else:
-            out.update({n: v.astype(params[n].dtype) for n, v in zip(names, values)})
-        return out
-
-    def to_dense(self, params: Mapping[str, jax.Array], name: str) -> jax.Array:
-        """Table ``name`` materialised ``[N, D]`` (float32 accumulation, the params' dtype)."""
-        p, t = self.locate(name)
-        values = self.table_params(params, name)
-        if self.packs[p].kind == "dense":
-            return values[0]
-        cfg = self.packs[p].tables[t]
-        return to_dense(tuple(c.astype(jnp.float32) for c in values), cfg.num_embeddings).astype(
-            values[0].dtype
-        )
+        caches = tuple(self.cache_names(p) for p in range(len(self.packs)))
+        return init_params(self.packs, names, key, param_dtype, caches)
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's shape, by name."""
@@ -268,7 +228,15 @@ class CollectionLayout:
         shapes = {}
         for p, pack in enumerate(self.packs):
             shapes.update(zip(self.param_names(p), pack.array_shapes))
+            if self.cache_names(p):
+                shapes.update(
+                    zip(self.cache_names(p), ((pack.cache_rows, pack.tables[0].features), (pack.cache_rows,)))
+                )
         return shapes
+
+    def hot_names(self) -> tuple[str, ...]:
+        """The names of the hot-row caches' id arrays (int32, not trainable)."""
+        return tuple(c[1] for p in range(len(self.packs)) if (c := self.cache_names(p)))
 
     def check_params(self, params: Mapping[str, jax.Array], dtype: Any = None) -> None:
         """``ValueError`` unless ``params`` has exactly this layout's names and shapes (a
@@ -279,15 +247,22 @@ class CollectionLayout:
         wrong = {n: (tuple(params[n].shape) if n in params else None, s) for n, s in want.items()}
         wrong = {n: got_want for n, got_want in wrong.items() if got_want[0] != got_want[1]}
         extra = sorted(set(params) - set(want))
-        typed = {}
+        hot = set(self.hot_names())
+        typed = {n: params[n].dtype for n in hot if n in params and params[n].dtype != jnp.int32}
         if dtype is not None:
-            typed = {n: params[n].dtype for n in want if n in params and params[n].dtype != jnp.dtype(dtype)}
+            typed.update(
+                {
+                    n: params[n].dtype
+                    for n in set(want) - hot
+                    if n in params and params[n].dtype != jnp.dtype(dtype)
+                }
+            )
         if not wrong and not extra and not typed:
             return
         owners = {
             n: [c.name for c in self.packs[p].tables]
             for p in range(len(self.packs))
-            for n in self.param_names(p)
+            for n in self.param_names(p) + (self.cache_names(p) or ())
         }
         lines = [
             f"{n} (tables {owners[n]}): "
@@ -297,75 +272,14 @@ class CollectionLayout:
         ]
         lines += [f"{n}: not a parameter of this layout" for n in extra]
         lines += [
-            f"{n} (tables {owners[n]}): dtype {t}, the collection's {jnp.dtype(dtype)}"
+            f"{n} (tables {owners[n]}): dtype {t}, the collection's "
+            + ("int32" if n in hot else str(jnp.dtype(dtype)))
             for n, t in typed.items()
         ]
         raise ValueError(
             "the parameters do not fit this collection's tables (a state of another layout? "
             "restore by table name: table_state / load_table_state):\n  " + "\n  ".join(lines)
         )
-
-    def table_state(self, params: Mapping[str, jax.Array]) -> dict[str, tuple[jax.Array, ...]]:
-        """``{table name: its parameters}`` (``table_params``: TT cores, or ``(table,)``): a
-        checkpoint that survives reordering tables, adding them or re-ranking others
-        (``load_table_state``)."""
-        return {cfg.name: self.table_params(params, cfg.name) for cfg in self.tables}
-
-    def load_table_state(
-        self,
-        params: Mapping[str, jax.Array],
-        state: Mapping[str, Sequence[jax.Array]],
-        *,
-        strict: bool = True,
-        allow_nonfinite: bool = False,
-    ) -> dict[str, jax.Array]:
-        """``params`` with every table of ``state`` (``table_state``'s form) loaded by name.
-        ``ValueError`` naming the tables when ``state`` has a table this collection lacks,
-        lacks one of its tables (``strict``), a table's shapes differ (another rank or size),
-        or a table holds NaN or inf values (unless ``allow_nonfinite``; traced values are not
-        checked): nothing is loaded then."""
-        names = [cfg.name for cfg in self.tables]
-        unknown = sorted(set(state) - set(names))
-        missing = [n for n in names if n not in state] if strict else []
-        shapes = {cfg.name: _table_shapes(cfg) for cfg in self.tables if cfg.name in state}
-        differ = {
-            n: ([tuple(v.shape) for v in state[n]], list(s))
-            for n, s in shapes.items()
-            if tuple(tuple(v.shape) for v in state[n]) != s
-        }
-        problems = [
-            f"table {n!r}: shapes {got} != the collection's {want}" for n, (got, want) in differ.items()
-        ]
-        if not allow_nonfinite:
-            bad = [
-                n
-                for n in shapes
-                if n not in differ
-                and any(
-                    not isinstance(v, jax.core.Tracer) and not np.all(np.isfinite(np.asarray(v)))
-                    for v in state[n]
-                )
-            ]
-            if bad:
-                problems.append(f"tables {bad} hold NaN or inf values (allow_nonfinite=True loads them)")
-        if unknown:
-            problems.insert(0, f"tables not in this collection: {unknown}")
-        if missing:
-            problems.insert(0, f"tables missing from the state: {missing}")
-        if problems:
-            raise ValueError("the table state does not fit this collection: " + "; ".join(problems))
-        out = dict(params)
-        for n in names:
-            if n in state:
-                out = self.with_table(out, n, tuple(state[n]))
-        return out
-
-    def table_bytes(self, params: Mapping[str, jax.Array]) -> dict[str, int]:
-        """Bytes of parameters stored per table."""
-        return {
-            cfg.name: sum(int(x.size) * x.dtype.itemsize for x in self.table_params(params, cfg.name))
-            for cfg in self.tables
-        }
 
     def apply(
         self,
@@ -413,7 +327,9 @@ class CollectionLayout:
         note_out_of_range(tuple(t.name for t in packs[b.pack].tables), b.out_of_range)
         batch = b.batch if batch_major else 0
         name = self.param_names(b.pack)[0]
-        out = pool_packed(packs[b.pack], arrays, b.bags, b.tables, b.weighted, impl, batch, name)
+        cache = self.cache_names(b.pack)
+        cache = cache and (params[cache[0]], params[cache[1]])
+        out = pool_packed(packs[b.pack], arrays, b.bags, b.tables, b.weighted, impl, batch, name, cache)
         return out.astype(arrays[0].dtype if dtype is None else dtype) if cast else out
 
     def apply_jagged(
@@ -631,11 +547,6 @@ def _cast_to_batch(params: Mapping[str, jax.Array], batch: Any) -> dict[str, jax
     many calls read it (``flowtt_jax.kernels.ffi``); unchanged elsewhere."""
     arrays = [x for x in jax.tree.leaves(batch) if isinstance(x, jax.Array)]
     return ffi.to_varying(dict(params), ffi.varying_axes(arrays))
-
-
-def _table_shapes(cfg: TableConfig) -> tuple[tuple[int, ...], ...]:
-    """A table's own parameters' shapes: its cores', or ``((N, D),)`` if dense."""
-    return ((cfg.num_embeddings, cfg.features),) if cfg.kind == "dense" else tuple(cfg.spec().core_shapes)
 
 
 def labeller(labels: Mapping[str, str], default: str) -> Any:

@@ -14,7 +14,7 @@ from flowtt_jax.budget import pass_size
 from flowtt_jax.collection.config import TableConfig
 from flowtt_jax.kernels.group_plan import GroupLayout
 
-__all__ = ["FeatureSlot", "TablePack", "check_param_names", "pack_tables", "param_names"]
+__all__ = ["FeatureSlot", "TablePack", "cache_names", "check_param_names", "pack_tables", "param_names"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,17 @@ class TablePack:
         return tuple(tuple(s) for s in self.tables[0].spec().core_shapes)
 
     @property
+    def cache_offsets(self) -> tuple[int, ...]:
+        """``T + 1`` offsets of the tables' hot-row caches in the pack's cache block
+        (``TableConfig.cache_rows``; all equal: no cache)."""
+        return tuple(int(x) for x in np.concatenate([[0], np.cumsum([t.cache_rows for t in self.tables])]))
+
+    @property
+    def cache_rows(self) -> int:
+        """Rows of the pack's cache block (its tables' ``cache_rows`` summed; 0: none)."""
+        return self.cache_offsets[-1]
+
+    @property
     def row_offsets(self) -> tuple[int, ...]:
         """Dense packs: ``T + 1`` offsets of the tables' rows in the packed table."""
         return tuple(
@@ -111,7 +122,9 @@ def _table_signature(cfg: TableConfig) -> str:
     if cfg.kind == "dense":
         return f"{cfg.name}|dense|{cfg.num_embeddings}|{cfg.features}"
     spec = cfg.spec()
-    return f"{cfg.name}|tt|{cfg.num_embeddings}|{cfg.features}|{spec.row_shape}|{spec.col_shape}|{spec.ranks}"
+    cache = f"|cache{cfg.cache_rows}" if cfg.cache_rows else ""
+    shapes = f"{spec.row_shape}|{spec.col_shape}|{spec.ranks}"
+    return f"{cfg.name}|tt|{cfg.num_embeddings}|{cfg.features}|{shapes}{cache}"
 
 
 def _tables_digest(pack: TablePack) -> str:
@@ -135,13 +148,22 @@ def param_names(packs: Sequence[TablePack], p: int) -> tuple[str, ...]:
     return tuple(f"{pack.tables[0].name}_core{k}" for k in range(pack.tables[0].spec().num_cores))
 
 
+def cache_names(packs: Sequence[TablePack], p: int) -> tuple[str, str] | None:
+    """``(cache block, hot ids)`` parameter names of pack ``p`` (its ``param_names``' prefix
+    with ``_cache``, ``_hot``), or None when no table of the pack has a cache."""
+    if not packs[p].cache_rows:
+        return None
+    prefix = param_names(packs, p)[0].rsplit("_", 1)[0]
+    return f"{prefix}_cache", f"{prefix}_hot"
+
+
 def check_param_names(packs: Sequence[TablePack]) -> None:
     """``ValueError`` when two packs would store their arrays under one parameter name (a
     table of another core count is named after itself), naming both packs' tables."""
     owners: dict[str, str] = {}
     for p, pack in enumerate(packs):
         tables = ", ".join(repr(t.name) for t in pack.tables)
-        for name in param_names(packs, p):
+        for name in param_names(packs, p) + (cache_names(packs, p) or ()):
             if name in owners:
                 raise ValueError(
                     f"parameter {name!r} would hold both table(s) {owners[name]} and table(s) {tables}: "

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from flowtt_jax.collection.cache import pool_cached, route
 from flowtt_jax.collection.packs import TablePack
 from flowtt_jax.collection.sparse_rows import gather_rows
 from flowtt_jax.inputs.bag import CanonicalBags
@@ -74,11 +75,14 @@ def pool_packed(
     impl: str,
     batch: int = 0,
     name: str = "",
+    cache: tuple[jax.Array, jax.Array] | None = None,
 ):
     """``[num_bags, D]`` float32 (float64 params stay float64): the bags of ``packed``
     (in range of their ``tables``) pooled in one call; ``batch`` as ``ops.pooled``'s
     (0: row j is bag j; else batch-major rows of feature-major bags); ``name``: the pack's
-    parameter name (a dense pack's rows are gathered by ``sparse_rows.gather_rows``)."""
+    parameter name (a dense pack's rows are gathered by ``sparse_rows.gather_rows``);
+    ``cache``: a TT pack's hot-row cache block and hot ids (``collection.cache``): its hits
+    are pooled from the block and weigh 0 in the kernels."""
     num_bags = packed.offsets.shape[0] - 1
     if packed.ids.shape[0] == 0 or num_bags == 0:
         return jnp.zeros((num_bags, _dim(pack, arrays)), _acc_dtype(arrays))
@@ -90,6 +94,11 @@ def pool_packed(
         # a weight of 0 adds nothing
         return to_batch_major(reference.pool(rows, packed.weights, packed.bag_ids, num_bags), batch)
     single = pack.kind == "single"
+    cached = None
+    if cache is not None:
+        hit, slot = route(pack, cache[1], None if len(pack.tables) == 1 else tables, packed.ids)
+        cached = pool_cached(cache[0], hit, slot, packed.weights, packed.bag_ids, num_bags)
+        packed = packed._replace(weights=jnp.where(hit, 0, packed.weights))
     out, overflowed = pooled(
         arrays,
         packed.ids,
@@ -108,4 +117,4 @@ def pool_packed(
     flags = _FLAGS.get()
     if flags is not None:
         flags.append(("overflow", pack.tables[0].name, overflowed))
-    return out
+    return out if cached is None else out + to_batch_major(cached, batch).astype(out.dtype)

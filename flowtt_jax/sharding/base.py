@@ -227,6 +227,12 @@ class ShardedLayout(abc.ABC):
         super().__post_init__()
         if self.axis not in self.mesh.axis_names:
             raise ValueError(f"mesh axis {self.axis!r} is not an axis of the mesh {self.mesh.axis_names}")
+        cached = [t.name for t in self.tables if t.cache_rows]
+        if cached:
+            raise ValueError(
+                f"tables {cached} have hot-row caches (TableConfig.cache_rows), which run on one "
+                "device for now: a sharded collection takes tables with cache_rows=0"
+            )
 
     def check_params(self, params: Mapping[str, jax.Array], dtype: Any = None) -> None:
         """``ValueError`` unless ``params`` has exactly this layout's names (their shapes are
