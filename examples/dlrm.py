@@ -4,6 +4,7 @@
     python examples/dlrm.py --dense      # the same model with dense tables
     python examples/dlrm.py --compare    # TT then dense on the same data; prints both AUCs
     python examples/dlrm.py --mesh data=2 --sharding table   # 2 devices, TT tables placed table-wise
+    python examples/dlrm.py --data /criteo/train.txt          # Criteo TSV files (.gz, directories, globs)
 
 Model (the DLRM of Naumov et al., scaled down for a CPU): bottom MLP over the 13
 dense features -> D; one embedding per sparse feature (26 features, Criteo Kaggle
@@ -11,7 +12,11 @@ cardinalities) from ``flowtt_jax.nnx.TTEmbeddingCollection`` -- tables with fewe
 ``--dense-threshold`` rows are plain dense, the rest TT (rank ``--rank``); pairwise dot
 interaction of the 27 vectors; top MLP -> logit; binary cross-entropy; optax Adam
 (or Adagrad). Data: ``criteo_synth.py`` (hidden-teacher labels, Zipf ids; see there),
-made on the device by a jitted program, one batch per step.
+made on the device by a jitted program, one batch per step; or, with ``--data PATH...``
+(TSV files, .gz, directories or globs), Criteo TSV files parsed on the host and prefetched
+onto the device by a thread (``criteo_tsv.py``: the format, the id mapping, the held-out
+split -- ``--eval-data``, else the stream's last ``--eval-batches`` batches -- and the
+processes' shares).
 
 The training loop only dispatches: batch ``i`` is generated on device and fed to a
 jitted, state-donating train step; the host waits for the device only at log points
@@ -36,11 +41,13 @@ the collection data parallel (``--sharding data``) or its TT tables placed table
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -59,9 +66,11 @@ from flowtt_jax.nnx import TTEmbeddingCollection
 
 if __package__:  # imported as examples.dlrm
     from .criteo_synth import NUM_DENSE, SynthConfig, SynthCriteo
+    from .criteo_tsv import CriteoTSV, add_data_arguments
     from .meta_synth import MetaSynthConfig, SynthMeta
 else:  # run as a script: python examples/dlrm.py (its folder is sys.path[0])
     from criteo_synth import NUM_DENSE, SynthConfig, SynthCriteo
+    from criteo_tsv import CriteoTSV, add_data_arguments
     from meta_synth import MetaSynthConfig, SynthMeta
 
 try:
@@ -152,7 +161,7 @@ class StepTimes:
     back-to-back calls over their count, blocking once at the end, so device time when
     the device is the bottleneck) and the training loop's own average step."""
 
-    data: float  # generating one batch on device
+    data: float  # generating one batch on device (reading one: --data)
     forward: float  # the model's forward alone
     train_step: float  # forward + backward + optimizer update on a fixed batch
     loop: float  # the training loop: data + train step + dispatch + log syncs
@@ -213,14 +222,22 @@ def bce(logits, labels):
     return optax.sigmoid_binary_cross_entropy(logits, labels).mean()
 
 
+def synthetic_stream(batch: Callable, stream: int, batch_size: int) -> Iterator[tuple]:
+    """Batches 0, 1, 2, ... of a synthetic data set's ``stream``: ``batch(i, batch_size, stream=)``."""
+    return (batch(i, batch_size, stream=stream) for i in itertools.count())
+
+
 @dataclasses.dataclass
 class Run:
     """A run's program and state: ``train_step(state, dense, sparse, labels) -> (state,
-    loss)`` (the state donated), ``predict(state, dense, sparse) -> logits``, ``batch(index,
-    batch_size, stream=)`` (device batches), the state as a flat list of arrays."""
+    loss)`` (the state donated), ``predict(state, dense, sparse) -> logits``, ``batches(stream,
+    batch_size)`` (an iterator of device batches ``(dense, sparse, labels, teacher logits or
+    None)``; stream 0 trains, 1 is held out), ``batch(index, batch_size, stream=)`` (the
+    synthetic data's batch program; None with --data), the state as a flat list of arrays."""
 
     name: str
-    batch: Callable
+    batches: Callable[[int, int], Iterator[tuple]]
+    batch: Callable | None
     train_step: Callable
     predict: Callable
     state: list
@@ -232,7 +249,10 @@ class Run:
 
 def build_run(args: argparse.Namespace, dense_tables: bool, log=print) -> Run:
     """The model, optimizer, data and jitted steps of ``args`` (TT or dense tables)."""
-    if args.preset == "meta":
+    if args.data is not None:  # Criteo TSV files, parsed on the host (criteo_tsv.py)
+        data = CriteoTSV.from_args(args, log)
+        cards = {f"C{i + 1}": n for i, n in enumerate(data.cardinalities)}
+    elif args.preset == "meta":
         config = MetaSynthConfig(
             args.tables, max_rows=args.max_rows or None, zipf_a=args.zipf_a, seed=args.data_seed
         )
@@ -262,19 +282,28 @@ def build_run(args: argparse.Namespace, dense_tables: bool, log=print) -> Run:
     )
     emb_bytes = embedding_bytes(model)  # before sharding (table-wise cores are stacked, padded)
     mesh = make_mesh(args.mesh)
-    batch = data.batch
+    batch = None if args.data is not None else data.batch
+    batches = data.batches if batch is None else functools.partial(synthetic_stream, batch)
     if mesh is not None:
         if args.batch_size % mesh.size:
             raise ValueError(f"--batch-size {args.batch_size} does not split over {mesh.size} devices")
         placement = None
         if args.sharding == "table":  # input-aware: costs from a batch of the step's size
-            sample = np.asarray(data.batch(0, args.batch_size, stream=0)[1])
+            if batch is None:
+                sample = next(iter(data.loader(0, args.batch_size)))["sparse"]
+            else:
+                sample = np.asarray(data.batch(0, args.batch_size, stream=0)[1])
             costs = ftt_sharding.table_costs(
                 model.embeddings.layout, {t.name: sample[:, i] for i, t in enumerate(tables)}
             )
             placement = ftt_sharding.place_tables(costs, mesh.size)
         ftt_sharding.shard_collection(model.embeddings, mesh, placement=placement)
-        batch = data.batch_fn(NamedSharding(mesh, PartitionSpec("data")))
+        sharding = NamedSharding(mesh, PartitionSpec("data"))
+        if batch is None:  # each process reads its rows of a batch (criteo_tsv.py)
+            batches = functools.partial(data.batches, sharding=sharding)
+        else:
+            batch = data.batch_fn(sharding)
+            batches = functools.partial(synthetic_stream, batch)
         log(
             f"[{name}] mesh {dict(mesh.shape)} over {jax.process_count()} process(es), collection "
             f"{args.sharding} parallel"
@@ -302,8 +331,8 @@ def build_run(args: argparse.Namespace, dense_tables: bool, log=print) -> Run:
     # and costs more to donate). The state is donated, so updates happen in place (the
     # dense baseline's tables and Adam moments are GBs at full cardinality). Batches are
     # made on device by their own jitted program (the same one in the TT and dense runs,
-    # so the data are bitwise identical); nothing in the loop waits for the device except
-    # the loss at log points.
+    # so the data are bitwise identical; --data: both runs read the same files); nothing in
+    # the loop waits for the device except the loss at log points.
     graphdef, state = nnx.split((model, optimizer))
     if mesh is not None:
         state = ftt_sharding.place_state(state, mesh)
@@ -338,12 +367,12 @@ def build_run(args: argparse.Namespace, dense_tables: bool, log=print) -> Run:
     def predict(leaves, dense, sparse):
         return forward(merge(leaves)[0], dense, sparse)
 
-    return Run(name, batch, train_step, predict, state, emb_bytes, dense_eq, full_dense, mesh)
+    return Run(name, batches, batch, train_step, predict, state, emb_bytes, dense_eq, full_dense, mesh)
 
 
 def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> RunResult:
     run = build_run(args, dense_tables, log)
-    name, batch, train_step, predict, state = run.name, run.batch, run.train_step, run.predict, run.state
+    name, train_step, predict, state = run.name, run.train_step, run.predict, run.state
     emb_bytes, dense_eq, full_dense, mesh = run.emb_bytes, run.dense_eq, run.full_dense, run.mesh
 
     # train_seconds counts everything (compile included); examples/s is measured after
@@ -354,8 +383,8 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
     t0 = time.perf_counter()
     t_first = None
     losses = []
-    for step in range(args.steps):
-        d, s, y, _ = batch(step, args.batch_size, stream=0)
+    train_batches = run.batches(0, args.batch_size)
+    for step, (d, s, y, _) in zip(range(args.steps), train_batches):
         state, loss = train_step(state, d, s, y)
         losses.append(loss)
         if step == 0:
@@ -373,6 +402,7 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
             bar.update(1)
     jax.block_until_ready(state)
     t_end = time.perf_counter()
+    train_batches.close()
     if bar is not None:
         bar.close()
     train_seconds = t_end - t0
@@ -382,17 +412,20 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
     steady = args.batch_size / loop
 
     scores, labels, logits = [], [], []
-    for i in range(args.eval_batches):
-        d, s, y, lg = batch(i, args.batch_size, stream=1)
-        scores.append(predict(state, d, s))
-        labels.append(y)
-        logits.append(lg)
+    with contextlib.closing(run.batches(1, args.batch_size)) as held_out:
+        for _, (d, s, y, lg) in zip(range(args.eval_batches), held_out):
+            scores.append(predict(state, d, s))
+            labels.append(y)
+            logits.append(lg)  # None: real data, no teacher
+    if not scores:
+        raise ValueError(f"no held-out batch of {args.batch_size} examples (--eval-data too short?)")
     fetch = (
         np.asarray if mesh is None else lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True))
     )
-    scores, labels, logits = (np.concatenate([fetch(a) for a in x]) for x in (scores, labels, logits))
+    teacher = run.batch is not None
+    scores, labels = (np.concatenate([fetch(a) for a in x]) for x in (scores, labels))
     auc = roc_auc(labels, scores)
-    bayes = roc_auc(labels, logits)
+    bayes = roc_auc(labels, np.concatenate([fetch(a) for a in logits])) if teacher else float("nan")
     eval_loss = float(bce(jnp.asarray(scores), jnp.asarray(labels)))
     log(
         f"[{name}] trained {args.steps} steps x {args.batch_size} in {train_seconds:.1f} s "
@@ -400,26 +433,29 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
         f"{loss_val:.4f}"
     )
     log(
-        f"[{name}] held-out: AUC {auc:.4f}, log loss {eval_loss:.4f} on {labels.size:,} examples "
-        f"(Bayes AUC of the planted teacher: {bayes:.4f})"
+        f"[{name}] held-out: AUC {auc:.4f}, log loss {eval_loss:.4f} on {labels.size:,} examples"
+        + (f" (Bayes AUC of the planted teacher: {bayes:.4f})" if teacher else "")
     )
 
     # Where a step's time goes, each part alone (after the evaluation: the extra steps
     # train the model further on one batch, which nothing uses any more).
-    d, s, y, _ = batch(0, args.batch_size, stream=0)
+    # The data part: the next batches of a fresh training stream (synthetic: the same
+    # program as batch 0; --data: reading, parsing and copying, the prefetch thread ahead).
+    with contextlib.closing(run.batches(0, args.batch_size)) as stream:
+        d, s, y, _ = next(stream)
 
-    def one_step():
-        nonlocal state
-        state, loss = train_step(state, d, s, y)
-        return loss
+        def one_step():
+            nonlocal state
+            state, loss = train_step(state, d, s, y)
+            return loss
 
-    n = args.profile_steps
-    times = StepTimes(
-        data=timed(lambda: batch(0, args.batch_size, stream=0), n),
-        forward=timed(lambda: predict(state, d, s), n),
-        train_step=timed(one_step, n),
-        loop=loop,
-    )
+        n = args.profile_steps
+        times = StepTimes(
+            data=timed(lambda: next(stream), n),
+            forward=timed(lambda: predict(state, d, s), n),
+            train_step=timed(one_step, n),
+            loop=loop,
+        )
     log(f"[{name}] step time after compile: {times.report(args.batch_size)}")
     return RunResult(
         name,
@@ -475,6 +511,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=1_000_000,
         help="cap table rows by hashing ids mod cap (both runs); 0 = full cardinalities",
     )
+    add_data_arguments(p)  # --data, --eval-data, ... (examples/criteo_tsv.py)
     p.add_argument("--optimizer", choices=("adam", "adagrad"), default="adam")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--bottom", type=int, nargs="*", default=[64], help="bottom MLP hidden sizes")
@@ -520,6 +557,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--check needs --compare")
     if args.interaction is None:
         args.interaction = "cat" if args.preset == "meta" else "dot"
+    if args.data is not None and args.preset != "criteo":
+        p.error("--data trains the criteo preset (26 one-hot features)")
     if args.preset == "meta" and args.mesh is not None:
         p.error("--preset meta runs on one device: a sharded collection takes feature dicts or stacked ids")
     if args.mesh is not None and not (
@@ -543,8 +582,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, RunResult]:
     if args.distributed:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     what = "Criteo-format" if args.preset == "criteo" else f"Meta-like ({args.tables} multi-hot features)"
+    what = f"Criteo TSV data ({' '.join(args.data)})" if args.data else f"synthetic {what} data"
     print(
-        f"DLRM on synthetic {what} data: {args.steps} steps x batch {args.batch_size}, "
+        f"DLRM on {what}: {args.steps} steps x batch {args.batch_size}, "
         f"{args.optimizer} lr {args.lr}, backend {jax.default_backend()} "
         f"({jax.devices()[0].device_kind})"
     )
