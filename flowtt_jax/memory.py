@@ -133,7 +133,11 @@ def _pack_bytes(pack: TablePack, stats: BatchStats) -> CallBytes:
         inputs = (2 * ID_BYTES + PREPARED_BYTES) * n
         return CallBytes(inputs + per_id * n, inputs + per_id * n, 4 * bags * dim, per_id * n)
     one_table = pack.kind == "single" or len(pack.tables) == 1
-    return op_bytes(n, bags, dim, one_table, pack.ids_per_pass, pack.capacity_for(n))
+    b = op_bytes(n, bags, dim, one_table, pack.ids_per_pass, pack.capacity_for(n))
+    if not pack.cache_rows or not n:
+        return b
+    routed = (8 + 4 * dim) * n  # hit and slot per id, the cached rows gathered (their gradient)
+    return CallBytes(b.kept + routed, b.own + routed, b.out, b.rows + 4 * n * dim)
 
 
 def _scratch(pack: TablePack, stats: BatchStats) -> int:
@@ -180,7 +184,10 @@ def _estimate(
     if unknown:
         raise KeyError(f"estimate_memory: features {unknown} are read by no table")
     shapes = [jax.ShapeDtypeStruct(shape, param_dtype) for p in packs for shape in p.array_shapes]
-    parameters = sum(x.size * x.dtype.itemsize for x in shapes)
+    shapes += [  # hot-row cache blocks (trained); their ids are 4 bytes a row
+        jax.ShapeDtypeStruct((p.cache_rows, p.tables[0].features), param_dtype) for p in packs if p.cache_rows
+    ]
+    parameters = sum(x.size * x.dtype.itemsize for x in shapes) + sum(4 * p.cache_rows for p in packs)
     state = 0
     if optimizer is not None:
         state = sum(

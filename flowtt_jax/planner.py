@@ -18,12 +18,13 @@ The rule:
 3. **Small tables dense.** Tables of fewer than ``dense_below`` rows become dense first,
    smallest first, while the budget allows: below that size a TT table is slower than the
    dense one (measured: ``docs/planner.md``) and saves little.
-4. **Rank where the traffic is.** Then, repeatedly, the move (a table to any higher
-   option) of the highest ``(gain in modelled hits) / (added bytes)`` that fits. A table's
-   modelled hits are ``ids per batch * coverage(k)``: the share of its lookups that go to
-   its ``k`` most popular rows under a bounded Zipf law fitted to the sample's ids and
-   unique ids (``fit_zipf``), ``k`` = the rows' worth of parameters the option stores
-   (``num_params / dim``; dense: every row).
+4. **Rank and cache where the traffic is.** Then, repeatedly, the move (a table to any
+   higher option: a rank, a rank with a hot-row cache, dense) of the highest
+   ``(gain in modelled hits) / (added bytes)`` that fits. A table's modelled hits are
+   ``ids per batch * coverage(k)``: the share of its lookups that go to its ``k`` most
+   popular rows under a bounded Zipf law fitted to the sample's ids and unique ids
+   (``fit_zipf``), ``k`` = its cached rows plus ``TT_ROW_WORTH`` times the rows' worth of
+   parameters its TT stores (``num_params / dim``; dense: every row).
 
 Deterministic: the same inputs give the same plan (ties go to the earlier table).
 """
@@ -69,6 +70,14 @@ STEP_SLACK = 0.1
 #: Passes over a parameter per training step: read, gradient written and read, update, and
 #: an Adam-like optimizer's two slots.
 STEP_PASSES = 5
+#: What one row's worth of TT parameters (``num_params / dim``) holds, in exact rows, in the
+#: hits model (rule 4) where a table may take a cache: TT rows share their cores, so a TT
+#: parameter holds less than a cached row's (the compression study: hashed dense beat TT at
+#: 10-100x fewer bytes). Without cache options the TT's rows' worth counts whole.
+TT_ROW_WORTH = 0.5
+#: Hot-row cache sizes the planner tries per TT table, as fractions of its rows (each
+#: rounded up to 64 rows; ``plan_tables(cache=True)`` with a traffic sample).
+CACHE_FRACTIONS = (1 / 1024, 1 / 128, 1 / 16)
 _EXACT = 4096  # Zipf ranks summed exactly; past them, geometric bins / the integral
 _MAX_ZIPF = 8.0
 
@@ -144,7 +153,8 @@ class TableChoice:
     """One table of a plan. Bytes are the table's alone (``estimate_memory`` of it by itself
     on its features' ids): ``activation_bytes`` includes its parameters' gradient when
     training and its kernel scratch. ``zipf_a``: the fitted skew (None: no sample);
-    ``coverage``: the modelled share of its lookups its bytes hold; ``note``: why its kind."""
+    ``coverage``: the modelled share of its lookups its bytes hold; ``note``: why its kind;
+    ``cache_rows``: its hot-row cache (0: none)."""
 
     name: str
     kind: str
@@ -158,6 +168,7 @@ class TableChoice:
     activation_bytes: int
     coverage: float
     note: str = ""
+    cache_rows: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +193,20 @@ class TablePlan:
         return self.estimate.parameters
 
     def __str__(self) -> str:
-        head = ("table", "kind", "rank", "row shape", "rows", "ids", "zipf", "params", "opt", "act", "cover")
+        head = (
+            "table",
+            "kind",
+            "rank",
+            "row shape",
+            "rows",
+            "cache",
+            "ids",
+            "zipf",
+            "params",
+            "opt",
+            "act",
+            "cover",
+        )
         body = [
             (
                 c.name,
@@ -190,6 +214,7 @@ class TablePlan:
                 "-" if c.rank is None else str(c.rank),
                 "-" if c.row_shape is None else "x".join(map(str, c.row_shape)),
                 f"{c.num_embeddings:,}",
+                f"{c.cache_rows:,}" if c.cache_rows else "-",
                 f"{c.ids_per_batch:,}",
                 "-" if c.zipf_a is None else f"{c.zipf_a:.2f}",
                 _fmt(c.parameter_bytes),
@@ -292,7 +317,7 @@ def _step_cost(cfg: TableConfig, ids: int) -> float:
     d = cfg.features
     if cfg.kind == "dense":
         return float(STEP_PASSES * d * (max(ids, 1) if cfg.sparse is not None else cfg.num_embeddings))
-    return TT_ID_COST * ids * d + STEP_PASSES * cfg.spec().num_params
+    return TT_ID_COST * ids * d + STEP_PASSES * cfg.num_params
 
 
 def _table_options(
@@ -303,6 +328,7 @@ def _table_options(
     kw: dict,
     check: bool,
     dense_update: SparseUpdate | None = None,
+    cache: bool = False,
 ) -> _Table:
     feats = base.feature_keys
     alone = BatchStats(
@@ -322,8 +348,10 @@ def _table_options(
         _step_cost(dense_cfg, ids),
     )
     options, seen, notes = [], set(), []
+    zipf_a = fit_zipf(base.num_embeddings, ids, unique) if ids and unique else None
+    caches = _cache_sizes(base.num_embeddings) if cache and zipf_a is not None else (0,)
     for r in sorted(set(ranks)):
-        spec = dataclasses.replace(base, kind="tt", rank=r).spec()
+        spec = dataclasses.replace(base, kind="tt", rank=r, cache_rows=0).spec()
         inner = spec.ranks[1:-1]
         if inner in seen:
             continue
@@ -332,17 +360,40 @@ def _table_options(
         if reason is not None:
             notes.append(f"rank {r} dropped: {reason}")
             continue
-        cfg = dataclasses.replace(base, kind="tt", rank=inner[0] if len(set(inner)) == 1 else inner)
-        opt = _Option(
-            cfg, estimate_memory([cfg], alone, **kw), spec.num_params / base.features, _step_cost(cfg, ids)
-        )
-        if opt.bytes < dense.bytes:
-            options.append(opt)
+        for c in caches:
+            cfg = dataclasses.replace(
+                base, kind="tt", rank=inner[0] if len(set(inner)) == 1 else inner, cache_rows=c
+            )
+            opt = _Option(
+                cfg,
+                estimate_memory([cfg], alone, **kw),
+                (TT_ROW_WORTH if len(caches) > 1 else 1.0) * spec.num_params / base.features,
+                _step_cost(cfg, ids),
+            )
+            if opt.bytes < dense.bytes:
+                options.append(opt)
+    if len(caches) > 1:  # ranks x caches: by bytes
+        options.sort(key=lambda o: o.bytes)
     options.append(dense)
-    zipf_a = fit_zipf(base.num_embeddings, ids, unique) if ids and unique else None
     weight = 1 if traffic is None else ids  # no sample: every table read once a batch
-    hits = tuple(weight * zipf_coverage(base.num_embeddings, zipf_a or 0.0, o.held) for o in options)
+    hits = tuple(weight * _coverage(base.num_embeddings, zipf_a, o) for o in options)
     return _Table(tuple(options), hits, ids, zipf_a, tuple(notes))
+
+
+def _cache_sizes(num_rows: int) -> tuple[int, ...]:
+    """0 and the ``CACHE_FRACTIONS`` of ``num_rows``, each rounded up to 64 rows, below them."""
+    sizes = {-(-int(num_rows * f) // 64) * 64 for f in CACHE_FRACTIONS}
+    return (0, *sorted(c for c in sizes if 0 < c < num_rows))
+
+
+def _coverage(num_rows: int, zipf_a: float | None, option: _Option) -> float:
+    """The modelled share of a table's lookups ``option`` holds: its cache's rows exactly
+    (the hottest), then its TT's rows' worth (``held``, from the next hottest on)."""
+    cfg = option.config
+    if cfg.kind == "dense":
+        return 1.0
+    a = zipf_a or 0.0
+    return zipf_coverage(num_rows, a, cfg.cache_rows + option.held)
 
 
 def plan_tables(
@@ -358,6 +409,7 @@ def plan_tables(
     dense_below: int = DENSE_BELOW,
     step_slack: float | None = STEP_SLACK,
     dense_update: SparseUpdate | None = None,
+    cache: bool = True,
 ) -> TablePlan:
     """Which tables become TT and at which rank, the rest dense, so that the collection's
     step fits ``budget_bytes`` (the rule: this module's docstring, ``docs/planner.md``).
@@ -384,6 +436,9 @@ def plan_tables(
         traffic only (the accuracy-per-byte plan, whatever its step time).
       dense_update: a ``SparseUpdate`` the dense tables of the plan get (``TableConfig.sparse``:
         their touched rows updated only, so a dense table costs its ids, not its rows).
+      cache: a TT table may also hold a hot-row cache (``TableConfig.cache_rows``, of
+        ``CACHE_FRACTIONS`` of its rows) where a traffic sample gives its skew: the cached rows
+        count as exact hits, its TT's rows' worth as ``TT_ROW_WORTH`` each (rule 4).
 
     Raises ``ValueError`` when even the cheapest plan exceeds the budget, with its bytes and
     the tables that dominate them.
@@ -406,7 +461,9 @@ def plan_tables(
     traffic = traffic if traffic is not None else stats
     if step_slack is not None and not (isinstance(step_slack, (int, float)) and step_slack >= 0):
         raise ValueError(f"plan_tables: step_slack must be a number >= 0 or None, got {step_slack!r}")
-    plan = [_table_options(c, ranks, sizes, traffic, kw, machine is None, dense_update) for c in configs]
+    plan = [
+        _table_options(c, ranks, sizes, traffic, kw, machine is None, dense_update, cache) for c in configs
+    ]
     level = [0] * len(plan)
 
     def joint(lv: Sequence[int]) -> MemoryEstimate:
@@ -508,6 +565,9 @@ def _choice(base: TableConfig, table: _Table, level: int, dense_below: int, slow
             notes.append(f"small: < dense_below={dense_below:,} rows")
     elif base.num_embeddings < dense_below:
         notes.append("small, but dense did not fit the budget")
+    if cfg.kind == "tt" and cfg.cache_rows:
+        hot = zipf_coverage(base.num_embeddings, table.zipf_a or 0.0, cfg.cache_rows)
+        notes.append(f"cache: its {cfg.cache_rows:,} hottest rows hold {hot:.0%} of its lookups")
     spec = cfg.spec() if cfg.kind == "tt" else None
     return TableChoice(
         base.name,
@@ -520,6 +580,7 @@ def _choice(base: TableConfig, table: _Table, level: int, dense_below: int, slow
         e.parameters,
         e.optimizer_state,
         e.activation_bytes + e.scratch,
-        zipf_coverage(base.num_embeddings, table.zipf_a or 0.0, opt.held),
+        _coverage(base.num_embeddings, table.zipf_a, opt),
         "; ".join(notes),
+        cfg.cache_rows,
     )

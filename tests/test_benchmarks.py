@@ -380,6 +380,7 @@ def test_layer_impls_equal_the_packed_op():
     out, grads = results["ours_batched"]
     assert np.any(out)
     assert len(grads) == 9  # three shape groups (small tables cap their ranks), in the same order
+
     # CPU: bit for bit; the GPU's kernels sum in another order per call form (H100, 3a61906:
     # 10 % of the bags differ in the last bits, 7.6e-6 absolute on values of ~40)
     def same(a, b):
@@ -387,6 +388,7 @@ def test_layer_impls_equal_the_packed_op():
             np.testing.assert_array_equal(a, b)
         else:
             assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), (name, np.abs(a - b).max())
+
     for name in ("ours_layer", "ours_layer_dict"):
         same(results[name][0], out)
         for a, b in zip(results[name][1], grads, strict=True):

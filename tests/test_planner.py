@@ -127,12 +127,15 @@ def test_no_plan_fits_names_the_bytes_needed(sample):
 
 def test_small_tables_dense(sample):
     _, stats = sample
-    plan = {c.name: c for c in ftt.plan_tables(CARDS, 600_000, dim=16, stats=stats, step_slack=None).choices}
+    plan = {
+        c.name: c
+        for c in ftt.plan_tables(CARDS, 600_000, dim=16, stats=stats, step_slack=None, cache=False).choices
+    }
     assert plan["tiny"].kind == "dense" and "tiny" in plan["tiny"].note
     assert plan["small"].kind == "dense" and "dense_below" in plan["small"].note
     assert plan["big"].kind == "tt"
     # without the small-table rule the 1,000-row table competes on hits per byte: TT here
-    tight = ftt.plan_tables(CARDS, 600_000, dim=16, stats=stats, dense_below=0, step_slack=None)
+    tight = ftt.plan_tables(CARDS, 600_000, dim=16, stats=stats, dense_below=0, step_slack=None, cache=False)
     assert {c.name: c.kind for c in tight.choices}["small"] == "tt"
     # and with it, a budget too small for the dense table leaves it TT, saying so
     small = {
@@ -152,7 +155,9 @@ def test_rank_follows_traffic():
     for budget in (60_000, 120_000, 250_000, 500_000, 1_000_000):
         ranks = {
             c.name: c.rank
-            for c in ftt.plan_tables(tables, budget, traffic=stats, training=False, step_slack=None).choices
+            for c in ftt.plan_tables(
+                tables, budget, traffic=stats, training=False, step_slack=None, cache=False
+            ).choices
         }
         assert ranks["busy"] >= ranks["quiet"], (budget, ranks)
         ahead |= ranks["busy"] > ranks["quiet"]
@@ -163,7 +168,9 @@ def test_rank_goes_to_the_flatter_table(sample):
     """Same rows, same ids: a skewed table's few hot rows hold most of its lookups, so past
     them its rank buys less than the uniformly read table's."""
     _, stats = sample
-    plan = ftt.plan_tables(CARDS, 600_000, dim=16, traffic=stats, training=False, step_slack=None)
+    plan = ftt.plan_tables(
+        CARDS, 600_000, dim=16, traffic=stats, training=False, step_slack=None, cache=False
+    )
     choices = {c.name: c for c in plan.choices}
     assert choices["flat"].zipf_a + 0.5 < 1.0 < choices["mid"].zipf_a
     assert choices["flat"].rank > choices["mid"].rank
@@ -200,7 +207,7 @@ def test_plan_builds_a_collection(sample):
     plan = ftt.plan_tables(CARDS, 2 << 20, dim=16, stats=stats, optimizer=optax.adam(1e-3))
     assert {t.kind for t in plan.tables} == {"tt", "dense"}
     coll = nnx.eval_shape(lambda: ftt.nnx.TTEmbeddingCollection(plan.tables, rngs=nnx.Rngs(0)))
-    params = nnx.state(coll, nnx.Param)
+    params = nnx.state(coll, (nnx.Param, ftt.nnx.HotIds))  # hot-row caches: their rows and ids
     assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) == plan.parameter_bytes
     coll = ftt.nnx.TTEmbeddingCollection(plan.tables, rngs=nnx.Rngs(0))
     out = coll({k: jnp.asarray(v) for k, v in batch.items()})
@@ -307,3 +314,28 @@ def test_tables_are_checked_up_front():
         ftt.plan_tables([TableConfig("a", 100, 8), TableConfig("a", 200, 8)], 10**6)
     with pytest.raises(ValueError, match="plan_tables: a feature reads more than one table"):
         ftt.plan_tables([TableConfig("a", 100, 8), TableConfig("b", 200, 8, feature_names=("a",))], 10**6)
+
+
+def test_cache_goes_to_the_skewed_table():
+    """Same rows, same ids: the Zipf(1.2) table's hottest rows hold most of its lookups, so
+    its cache comes before the uniformly read table's (which gets none at a small budget);
+    the report says what the cache holds; ``cache=False`` and a plan without a traffic
+    sample hold none; the plan builds a collection of its bytes."""
+    rng = np.random.default_rng(0)
+    tables = [TableConfig("skewed", 400_000, 16), TableConfig("flat", 400_000, 16)]
+    batch = {"skewed": _zipf_ids(rng, 400_000, 1.2, (2048,)), "flat": rng.integers(0, 400_000, (2048,))}
+    stats = BatchStats.measure([batch], tables)
+    plan = ftt.plan_tables(tables, 300_000, traffic=stats, training=False, step_slack=None)
+    choice = {c.name: c for c in plan.choices}
+    assert choice["skewed"].cache_rows > 0 and choice["flat"].cache_rows == 0, plan
+    assert "hottest rows hold" in choice["skewed"].note and choice["skewed"].coverage > 0.8
+    assert [t.cache_rows for t in plan.tables] == [choice["skewed"].cache_rows, 0]
+    for budget in (1_000_000, 3_000_000):
+        c = {c.name: c for c in ftt.plan_tables(tables, budget, traffic=stats, training=False).choices}
+        assert c["skewed"].cache_rows >= c["flat"].cache_rows
+    off = ftt.plan_tables(tables, 300_000, traffic=stats, training=False, step_slack=None, cache=False)
+    assert all(t.cache_rows == 0 for t in off.tables)
+    assert all(t.cache_rows == 0 for t in ftt.plan_tables(tables, 300_000, training=False).tables)
+    coll = nnx.eval_shape(lambda: ftt.nnx.TTEmbeddingCollection(plan.tables, rngs=nnx.Rngs(0)))
+    params = nnx.state(coll, (nnx.Param, ftt.nnx.HotIds))
+    assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) == plan.parameter_bytes

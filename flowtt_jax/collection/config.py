@@ -204,8 +204,12 @@ class TableConfig:
 
     @property
     def num_params(self) -> int:
-        """Parameters actually stored (TT cores or the dense table)."""
-        return self.spec().num_params if self.kind == "tt" else self.dense_params
+        """Parameters actually stored (TT cores and hot-row cache, or the dense table)."""
+        return (
+            self.spec().num_params + self.cache_rows * self.features
+            if self.kind == "tt"
+            else self.dense_params
+        )
 
     @property
     def dense_params(self) -> int:
