@@ -11,8 +11,17 @@ embedding parameters get at most that many bytes, spent:
   tables under ``DENSE_BELOW`` rows dense when that fits, else none);
 - ``planner``: ``flowtt_jax.plan_tables`` (ranks ``--planner-ranks``: 2 and ``DEFAULT_RANKS``;
   small tables dense first, rank where the sample batches' traffic is; ``docs/planner.md``);
+- ``planner_cache``: the same with hot-row caches (``plan_tables(cache=True)``: a TT table
+  may hold its hottest rows dense, ``TableConfig.cache_rows``), the hot ids counted on the
+  sample batches (``TTEmbeddingCollection.refresh_cache``);
 - ``hashed``: dense tables of at most ``m`` rows, ids hashed by ``id mod m`` (the hashing
-  trick), ``m`` the largest that fits.
+  trick), ``m`` the largest that fits;
+- ``dense`` (with ``--methods dense``): the uncompressed tables, the ceiling (once, at 1x).
+
+The GPU study (issue 54; >= 10 M examples a run, 3 seeds, full cardinalities)::
+
+    python examples/compression_study.py --steps 2442 --batch-size 4096 --eval-batches 64 \
+        --seeds 0 1 2 --methods dense hashed uniform planner planner_cache --crossover-rows
 
 The budget counts parameters only (all three train with Adam, whose state is twice the
 parameters for every method alike). The data (``criteo_synth.py``) give the tables reasons
@@ -60,7 +69,7 @@ else:  # run as a script (its folder is sys.path[0])
     from dlrm import DLRM, bce, embedding_bytes, roc_auc
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("uniform", "planner", "hashed")
+METHODS = ("uniform", "planner", "planner_cache", "hashed", "dense")
 
 
 # ----------------------------------------------------------------------------- the three ways
@@ -112,11 +121,19 @@ def make_data(args: argparse.Namespace) -> SynthCriteo:
 
 # ----------------------------------------------------------------------------- training
 def train_eval(
-    tables: Sequence[TableConfig], data: SynthCriteo, args, seed: int, rows: int | None = None
+    tables: Sequence[TableConfig],
+    data: SynthCriteo,
+    args,
+    seed: int,
+    rows: int | None = None,
+    samples: Sequence[dict] = (),
 ) -> dict:
     """Trains the DLRM over ``tables`` (ids ``mod rows`` when given; init ``seed``) for
-    ``--steps`` batches of stream 0; AUC and log loss on ``--eval-batches`` batches of stream 1."""
+    ``--steps`` batches of stream 0; AUC and log loss on ``--eval-batches`` batches of stream 1.
+    Cached tables hold the hottest ids of the sample batches ``samples`` (feature dicts)."""
     model = DLRM(tables, dim=args.dim, bottom=args.bottom, top=args.top, rngs=nnx.Rngs(seed))
+    if any(t.cache_rows for t in tables):
+        model.embeddings.refresh_cache(samples)
     emb_bytes = embedding_bytes(model)
     opt = nnx.Optimizer(model, optax.adam(args.lr), wrt=nnx.Param)
     graphdef, state = nnx.split((model, opt))
@@ -141,8 +158,12 @@ def train_eval(
     for i in range(args.steps):
         d, s, y, _ = data.batch(i, args.batch_size, stream=0)
         state, loss = step(state, d, s, y)
+        if i == 0:
+            loss.block_until_ready()
+            t1 = time.perf_counter()  # the steps after the compile
     loss = float(loss)
     seconds = time.perf_counter() - t0
+    step_ms = 1e3 * (time.perf_counter() - t1) / max(args.steps - 1, 1)
     scores, labels = [], []
     for i in range(args.eval_batches):
         d, s, y, _ = data.batch(i, args.batch_size, stream=1)
@@ -155,6 +176,7 @@ def train_eval(
         "logloss": float(bce(jnp.asarray(scores), jnp.asarray(labels))),
         "train_loss": loss,
         "train_seconds": seconds,
+        "step_ms": step_ms,
     }
 
 
@@ -195,7 +217,9 @@ def measure_crossover(rows: Sequence[int], ranks: Sequence[int], batch: int, rep
 
 # ----------------------------------------------------------------------------- report
 def describe(tables: Sequence[TableConfig]) -> list[list]:
-    return [[t.name, t.kind, t.rank if t.kind == "tt" else None, t.num_embeddings] for t in tables]
+    return [
+        [t.name, t.kind, t.rank if t.kind == "tt" else None, t.num_embeddings, t.cache_rows] for t in tables
+    ]
 
 
 def summarize(doc: dict) -> list[dict]:
@@ -214,6 +238,7 @@ def summarize(doc: dict) -> list[dict]:
         for key in ("auc", "logloss"):
             v = np.array([r[key] for r in runs])
             row[key], row[f"{key}_pm"] = float(v.mean()), float(np.ptp(v) / 2)
+        row["step_ms"] = float(np.mean([r.get("step_ms", np.nan) for r in runs]))
         rows.append(row)
     return rows
 
@@ -227,27 +252,29 @@ def results_table(doc: dict) -> str:
         f"{a['batch_size']}, seeds {a['seeds']}, held-out {a['eval_batches'] * a['batch_size']:,} examples "
         f"(Bayes AUC {doc['bayes_auc']:.4f}); dense tables {doc['dense_bytes'] / 2**20:,.0f} MiB; "
         f"{doc['elapsed_s'] / 60:.1f} min in all.\n",
-        "| budget | method | embedding bytes | AUC | log loss | tables |",
-        "|---|---|---|---|---|---|",
+        "| budget | method | embedding bytes | AUC | log loss | step ms | tables |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in summarize(doc):
         budget = f"{r['factor']}x ({r['budget_bytes'] / 2**20:.2f} MiB)"
         if "error" in r:
             need = re.search(r"needs ([\d,]+) bytes", r["error"])
             why = f"no plan: the smallest needs {need.group(1)} bytes" if need else r["error"]
-            lines.append(f"| {budget} | {r['method']} | - | - | - | {why} |")
+            lines.append(f"| {budget} | {r['method']} | - | - | - | - | {why} |")
             continue
         kinds = [t[1] for t in r["tables"]]
         ranks = {str(tuple(t[2]) if isinstance(t[2], list) else t[2]) for t in r["tables"] if t[1] == "tt"}
         ranks = sorted(ranks, key=lambda x: (len(x), x))
+        cached = sum(t[4] for t in r["tables"] if len(t) > 4)
         what = (
             f"rows <= {r['hashed_rows']:,}"
             if r["method"] == "hashed"
             else f"{kinds.count('tt')} TT (rank {', '.join(ranks)}), {kinds.count('dense')} dense"
+            + (f", {cached:,} rows cached" if cached else "")
         )
         lines.append(
             f"| {budget} | {r['method']} | {r['embedding_bytes'] / 2**20:.2f} MiB | {r['auc']:.4f} +- "
-            f"{r['auc_pm']:.4f} | {r['logloss']:.4f} +- {r['logloss_pm']:.4f} | {what} |"
+            f"{r['auc_pm']:.4f} | {r['logloss']:.4f} +- {r['logloss_pm']:.4f} | {r['step_ms']:.1f} | {what} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -278,7 +305,7 @@ def plot(doc: dict, path: Path) -> None:
 
     rows = [r for r in summarize(doc) if "error" not in r]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for method, marker in zip(METHODS, "os^"):
+    for method, marker in zip(METHODS, "osD^*"):
         mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["embedding_bytes"])
         x = [r["embedding_bytes"] / 2**20 for r in mine]
         for ax, key in zip(axes, ("auc", "logloss")):
@@ -331,7 +358,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--factors", type=int, nargs="+", default=[10, 100, 1000, 10000], help="budgets: dense bytes / factor"
     )
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=[m for m in METHODS if m != "dense"])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--eval-batches", type=int, default=32)
@@ -395,10 +422,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     samples = [
         np.asarray(data.batch(10**6 + i, args.batch_size, stream=0)[1]) for i in range(args.sample_batches)
     ]
-    traffic = BatchStats.measure(
-        [{name: s[:, f] for f, name in enumerate(cards)} for s in samples],
-        make_table_configs(cards, args.dim),
-    )
+    samples = [{name: s[:, f] for f, name in enumerate(cards)} for s in samples]
+    traffic = BatchStats.measure(samples, make_table_configs(cards, args.dim))
     bayes = []
     for i in range(args.eval_batches):
         _, _, y, logit = data.batch(i, args.batch_size, stream=1)
@@ -422,48 +447,53 @@ def main(argv: Sequence[str] | None = None) -> dict:
     }
     out = args.out or ROOT / f"benchmarks/results/cpu/compression_study_{dev.platform}_{now:%Y-%m-%d}.json"
     print(f"dense tables {dense_bytes:,} bytes; Bayes AUC {doc['bayes_auc']:.4f}; budgets {args.factors}x")
-    for factor in args.factors:
+    plans = [(1, m) for m in args.methods if m == "dense"]
+    plans += [(f, m) for f in args.factors for m in args.methods if m != "dense"]
+    for factor, method in plans:
         budget = dense_bytes // factor
-        for method in args.methods:
-            run = {"method": method, "factor": factor, "budget_bytes": budget, "hashed_rows": None}
-            tables = None
-            if method == "uniform":
-                tables = uniform_tables(cards, args.dim, budget)
-                if tables is None:
-                    run["error"] = f"not even rank 1 fits {budget:,} bytes"
-            elif method == "planner":
-                try:
-                    plan = ftt.plan_tables(
-                        cards,
-                        budget,
-                        dim=args.dim,
-                        traffic=traffic,
-                        training=False,
-                        ranks=args.planner_ranks,
-                        step_slack=None,  # accuracy per byte: the study's question
-                    )
-                    print(plan)
-                    tables = list(plan.tables)
-                except ValueError as e:
-                    run["error"] = str(e)
-            else:
-                run["hashed_rows"] = hashed_rows(cards, args.dim, budget)
-                capped = {k: min(n, run["hashed_rows"]) for k, n in cards.items()}
-                tables = make_table_configs(capped, args.dim, all_dense=True)
+        run = {"method": method, "factor": factor, "budget_bytes": budget, "hashed_rows": None}
+        tables = None
+        if method == "uniform":
+            tables = uniform_tables(cards, args.dim, budget)
             if tables is None:
-                print(f"{factor:>5}x {method:<8} {run['error']}")
-                doc["runs"].append(run)
-                continue
-            for seed in args.seeds:
-                result = {**run, "seed": seed, **train_eval(tables, data, args, seed, run["hashed_rows"])}
-                result["tables"] = describe(tables)
-                doc["runs"].append(result)
-                print(
-                    f"{factor:>5}x {method:<8} seed {seed} {result['embedding_bytes'] / 2**20:9.2f} MiB  "
-                    f"AUC {result['auc']:.4f}  log loss {result['logloss']:.4f}  "
-                    f"({result['train_seconds']:.0f} s)",
-                    flush=True,
+                run["error"] = f"not even rank 1 fits {budget:,} bytes"
+        elif method == "dense":
+            tables = make_table_configs(cards, args.dim, all_dense=True)
+        elif method.startswith("planner"):
+            try:
+                plan = ftt.plan_tables(
+                    cards,
+                    budget,
+                    dim=args.dim,
+                    traffic=traffic,
+                    training=False,
+                    ranks=args.planner_ranks,
+                    step_slack=None,  # accuracy per byte: the study's question
+                    cache=method == "planner_cache",
                 )
+                print(plan)
+                tables = list(plan.tables)
+            except ValueError as e:
+                run["error"] = str(e)
+        else:
+            run["hashed_rows"] = hashed_rows(cards, args.dim, budget)
+            capped = {k: min(n, run["hashed_rows"]) for k, n in cards.items()}
+            tables = make_table_configs(capped, args.dim, all_dense=True)
+        if tables is None:
+            print(f"{factor:>5}x {method:<8} {run['error']}")
+            doc["runs"].append(run)
+            continue
+        for seed in args.seeds:
+            trained = train_eval(tables, data, args, seed, run["hashed_rows"], samples)
+            result = {**run, "seed": seed, **trained}
+            result["tables"] = describe(tables)
+            doc["runs"].append(result)
+            print(
+                f"{factor:>5}x {method:<8} seed {seed} {result['embedding_bytes'] / 2**20:9.2f} MiB  "
+                f"AUC {result['auc']:.4f}  log loss {result['logloss']:.4f}  "
+                f"step {result['step_ms']:.1f} ms ({result['train_seconds']:.0f} s)",
+                flush=True,
+            )
     if args.crossover_rows:
         doc["crossover"] = measure_crossover(args.crossover_rows, (4, 16), args.batch_size)
     doc["elapsed_s"] = time.perf_counter() - t_start
