@@ -172,9 +172,10 @@ def per_device(mesh: Mesh, axis: str, fn: Callable, param_spec: Any, out_spec: P
     if axis in jax.sharding.get_abstract_mesh().manual_axes:
         return fn(params, *batch)
     in_specs = (param_spec,) + (PartitionSpec(axis),) * len(batch)
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(
-        params, *batch
-    )
+    # jitted: one program, not an eager compile per op (which crashed XLA's CPU compiler over
+    # 4-8 virtual devices with jax 0.11.2: SIGSEGV in backend_compile_and_load of an FFI call)
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)
+    return jax.jit(mapped)(params, *batch)
 
 
 def run_sharded(
@@ -209,7 +210,7 @@ def run_sharded(
     mapped = jax.shard_map(
         body, mesh=mesh, in_specs=(specs, PartitionSpec(axis)), out_specs=PartitionSpec(axis), check_vma=False
     )
-    return mapped(dict(params), arrays)
+    return jax.jit(mapped)(dict(params), arrays)  # one program (per_device says why)
 
 
 @dataclasses.dataclass(frozen=True)
