@@ -5,6 +5,7 @@
     python examples/dlrm.py --compare    # TT then dense on the same data; prints both AUCs
     python examples/dlrm.py --mesh data=2 --sharding table   # 2 devices, TT tables placed table-wise
     python examples/dlrm.py --data /criteo/train.txt          # Criteo TSV files (.gz, directories, globs)
+    python examples/dlrm.py --preset meta --compare --curve-every 25 --out run.json --plot run.png
 
 Model (the DLRM of Naumov et al., scaled down for a CPU): bottom MLP over the 13
 dense features -> D; one embedding per sparse feature (26 features, Criteo Kaggle
@@ -17,6 +18,13 @@ made on the device by a jitted program, one batch per step; or, with ``--data PA
 onto the device by a thread (``criteo_tsv.py``: the format, the id mapping, the held-out
 split -- ``--eval-data``, else the stream's last ``--eval-batches`` batches -- and the
 processes' shares).
+
+``--curve-every N`` scores one fixed held-out set (the same examples in the TT and dense runs)
+every N steps, between steps, into a learning curve ``[(examples seen, AUC, log loss)]``;
+``--out`` writes the runs (curves, bytes, times, device, commit) as JSON and ``--plot`` draws
+the curves (``curves.py``). Per-table-type optimizer: ``--tt-optimizer`` / ``--tt-lr`` for the
+TT cores (their tables labelled ``"tt"``, ``optax.multi_transform``), ``--tt-init-std`` their
+rows' std at init; the preset's defaults (``PRESETS``) fill the flags left unset.
 
 The training loop only dispatches: batch ``i`` is generated on device and fed to a
 jitted, state-donating train step; the host waits for the device only at log points
@@ -67,36 +75,18 @@ from flowtt_jax.nnx import TTEmbeddingCollection
 if __package__:  # imported as examples.dlrm
     from .criteo_synth import NUM_DENSE, SynthConfig, SynthCriteo
     from .criteo_tsv import CriteoTSV, add_data_arguments
+    from .curves import HeldOut, plot, roc_auc, run_document, write_json  # noqa: F401 (roc_auc: re-exported)
     from .meta_synth import MetaSynthConfig, SynthMeta
 else:  # run as a script: python examples/dlrm.py (its folder is sys.path[0])
     from criteo_synth import NUM_DENSE, SynthConfig, SynthCriteo
     from criteo_tsv import CriteoTSV, add_data_arguments
+    from curves import HeldOut, plot, roc_auc, run_document, write_json  # noqa: F401
     from meta_synth import MetaSynthConfig, SynthMeta
 
 try:
     from tqdm.auto import tqdm
 except ImportError:  # pragma: no cover
     tqdm = None
-
-
-# ----------------------------------------------------------------------------- metric
-def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
-    """Rank-based ROC AUC (Mann-Whitney U) with average ranks for ties."""
-    labels = np.asarray(labels).astype(bool).ravel()
-    scores = np.asarray(scores, np.float64).ravel()
-    n_pos = int(labels.sum())
-    n_neg = labels.size - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    order = np.argsort(scores, kind="mergesort")
-    sorted_scores = scores[order]
-    # average rank (1-based) over runs of equal scores
-    starts = np.r_[0, np.flatnonzero(np.diff(sorted_scores)) + 1]
-    ends = np.r_[starts[1:], scores.size]
-    avg = (starts + ends + 1) / 2.0
-    ranks = np.empty(scores.size)
-    ranks[order] = np.repeat(avg, ends - starts)
-    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
 
 # ----------------------------------------------------------------------------- model
@@ -194,6 +184,7 @@ class RunResult:
     steps: int
     batch_size: int
     step_times: StepTimes
+    curve: list[tuple[int, float, float]]  # (examples seen, held-out AUC, log loss)
 
     @property
     def memory_ratio(self) -> float:
@@ -268,8 +259,14 @@ def build_run(args: argparse.Namespace, dense_tables: bool, log=print) -> Run:
         args.dim,
         rank=args.rank,
         dense_threshold=args.dense_threshold,
+        mode=args.pooling,
         all_dense=dense_tables,
     )
+    # TT cores: their own optimizer label ("tt": --tt-optimizer, --tt-lr) and row std
+    tables = [
+        dataclasses.replace(t, optimizer="tt", init_std=args.tt_init_std) if t.kind == "tt" else t
+        for t in tables
+    ]
     name = "dense" if dense_tables else "tt"
     model = DLRM(
         tables,
@@ -309,7 +306,11 @@ def build_run(args: argparse.Namespace, dense_tables: bool, log=print) -> Run:
             f"{args.sharding} parallel"
             + (f" (placement imbalance {placement.imbalance:.3f})" if placement is not None else "")
         )
-    optimizer = nnx.Optimizer(model, build_optimizer(args.optimizer, args.lr), wrt=nnx.Param)
+    tx = build_optimizer(args.optimizer, args.lr)
+    if (args.tt_optimizer, args.tt_lr) != (args.optimizer, args.lr):  # the TT cores' own
+        tt_tx = build_optimizer(args.tt_optimizer, args.tt_lr)
+        tx = optax.multi_transform({"default": tx, "tt": tt_tx}, model.embeddings.param_labels())
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     dense_eq = sum(n * args.dim * 4 for n in data.cardinalities)
     full_dense = sum(n * args.dim * 4 for n in data.raw_cardinalities)
@@ -374,9 +375,29 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
     run = build_run(args, dense_tables, log)
     name, train_step, predict, state = run.name, run.train_step, run.predict, run.state
     emb_bytes, dense_eq, full_dense, mesh = run.emb_bytes, run.dense_eq, run.full_dense, run.mesh
+    fetch = (
+        np.asarray if mesh is None else lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    )
+    # One fixed held-out set (stream 1: the same examples in the TT and dense runs), scored
+    # every --curve-every steps between steps (its time kept out of the training times) and
+    # at the end: the learning curve [(examples seen, AUC, log loss)].
+    with contextlib.closing(run.batches(1, args.batch_size)) as stream:
+        held = HeldOut.take(stream, args.eval_batches, fetch)
+    curve, eval_seconds = [], 0.0
 
-    # train_seconds counts everything (compile included); examples/s is measured after
-    # the first (compiling) step
+    def score(step: int) -> tuple[int, float, float]:
+        nonlocal eval_seconds
+        t = time.perf_counter()
+        curve.append((step * args.batch_size, *held.evaluate(lambda d, s: predict(state, d, s), fetch)))
+        eval_seconds += time.perf_counter() - t
+        return curve[-1]
+
+    if args.curve_every:
+        score(0)  # the untrained model
+    eval_seconds = 0.0
+
+    # train_seconds counts everything but evaluations (compile included); examples/s is
+    # measured after the first (compiling) step
     bar = None
     if tqdm is not None and not args.no_progress:
         bar = tqdm(total=args.steps, desc=f"train[{name}]", unit="step", dynamic_ncols=True)
@@ -392,16 +413,20 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
             t_first = time.perf_counter()
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             loss_val = float(np.mean(jax.device_get(losses[-args.log_every :])))  # no new compile
-            elapsed = time.perf_counter() - t_first
+            elapsed = time.perf_counter() - t_first - eval_seconds
             eps = step * args.batch_size / elapsed if step > 0 else float("nan")
             if bar is not None:
                 bar.set_postfix_str(f"loss {loss_val:.4f}, {eps:,.0f} examples/s")
             else:
                 log(f"[{name}] step {step + 1}/{args.steps} loss {loss_val:.4f} ({eps:,.0f} examples/s)")
+        if args.curve_every and (step + 1) % args.curve_every == 0 and step + 1 < args.steps:
+            _, auc, eval_loss = score(step + 1)
+            if bar is None:
+                log(f"[{name}] step {step + 1}: held-out AUC {auc:.4f}, log loss {eval_loss:.4f}")
         if bar is not None:
             bar.update(1)
     jax.block_until_ready(state)
-    t_end = time.perf_counter()
+    t_end = time.perf_counter() - eval_seconds
     train_batches.close()
     if bar is not None:
         bar.close()
@@ -411,30 +436,16 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
     loop = (t_end - t_first) / (args.steps - 1) if args.steps > 1 else float("nan")
     steady = args.batch_size / loop
 
-    scores, labels, logits = [], [], []
-    with contextlib.closing(run.batches(1, args.batch_size)) as held_out:
-        for _, (d, s, y, lg) in zip(range(args.eval_batches), held_out):
-            scores.append(predict(state, d, s))
-            labels.append(y)
-            logits.append(lg)  # None: real data, no teacher
-    if not scores:
-        raise ValueError(f"no held-out batch of {args.batch_size} examples (--eval-data too short?)")
-    fetch = (
-        np.asarray if mesh is None else lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True))
-    )
+    _, auc, eval_loss = score(args.steps)
     teacher = run.batch is not None
-    scores, labels = (np.concatenate([fetch(a) for a in x]) for x in (scores, labels))
-    auc = roc_auc(labels, scores)
-    bayes = roc_auc(labels, np.concatenate([fetch(a) for a in logits])) if teacher else float("nan")
-    eval_loss = float(bce(jnp.asarray(scores), jnp.asarray(labels)))
     log(
         f"[{name}] trained {args.steps} steps x {args.batch_size} in {train_seconds:.1f} s "
-        f"({steady:,.0f} examples/s after compile); train loss (mean of last {tail} steps) "
-        f"{loss_val:.4f}"
+        f"({steady:,.0f} examples/s after compile; held-out scoring {eval_seconds:.1f} s apart); "
+        f"train loss (mean of last {tail} steps) {loss_val:.4f}"
     )
     log(
-        f"[{name}] held-out: AUC {auc:.4f}, log loss {eval_loss:.4f} on {labels.size:,} examples"
-        + (f" (Bayes AUC of the planted teacher: {bayes:.4f})" if teacher else "")
+        f"[{name}] held-out: AUC {auc:.4f}, log loss {eval_loss:.4f} on {held.size:,} examples"
+        + (f" (Bayes AUC of the planted teacher: {held.bayes_auc:.4f})" if teacher else "")
     )
 
     # Where a step's time goes, each part alone (after the evaluation: the extra steps
@@ -460,7 +471,7 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
     return RunResult(
         name,
         auc,
-        bayes,
+        held.bayes_auc,
         loss_val,
         eval_loss,
         train_seconds,
@@ -471,10 +482,20 @@ def train_and_eval(args: argparse.Namespace, dense_tables: bool, log=print) -> R
         args.steps,
         args.batch_size,
         times,
+        curve,
     )
 
 
 # ----------------------------------------------------------------------------- cli
+# Each preset's defaults of the flags left unset (docs/layers.md). Meta: mean pooling (the
+# planted teacher averages each bag) beat sum by 0.014 AUC at 100k examples; a TT-only
+# learning rate (3e-2), Adagrad for the cores, a smaller or larger row std did not help.
+PRESETS = {
+    "criteo": dict(interaction="dot", optimizer="adam", lr=1e-2, pooling="sum"),
+    "meta": dict(interaction="cat", optimizer="adam", lr=1e-2, pooling="mean"),
+}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -512,8 +533,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="cap table rows by hashing ids mod cap (both runs); 0 = full cardinalities",
     )
     add_data_arguments(p)  # --data, --eval-data, ... (examples/criteo_tsv.py)
-    p.add_argument("--optimizer", choices=("adam", "adagrad"), default="adam")
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--optimizer", choices=("adam", "adagrad"), default=None, help="default: the preset's")
+    p.add_argument("--lr", type=float, default=None, help="default: the preset's (PRESETS)")
+    p.add_argument(
+        "--tt-optimizer", choices=("adam", "adagrad"), default=None, help="TT cores' (--optimizer)"
+    )
+    p.add_argument("--tt-lr", type=float, default=None, help="TT cores' learning rate (--lr)")
+    p.add_argument("--tt-init-std", type=float, default=None, help="TT rows' std at init (1/sqrt(dim))")
+    p.add_argument(
+        "--pooling", choices=("sum", "mean", "sqrtn"), default=None, help="bag pooling (the preset's)"
+    )
+    p.add_argument(
+        "--curve-every", type=int, default=0, help="score the held-out set every N steps (learning curve)"
+    )
+    p.add_argument("--out", default=None, help="write the runs (curves included) to this JSON file")
+    p.add_argument("--plot", default=None, help="plot the held-out AUC / log loss curves to this PNG")
     p.add_argument("--bottom", type=int, nargs="*", default=[64], help="bottom MLP hidden sizes")
     p.add_argument("--top", type=int, nargs="*", default=[128, 64], help="top MLP hidden sizes")
     p.add_argument("--zipf-a", type=float, default=1.2, help="id popularity exponent")
@@ -555,8 +589,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.check and not args.compare:
         p.error("--check needs --compare")
-    if args.interaction is None:
-        args.interaction = "cat" if args.preset == "meta" else "dot"
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.tt_optimizer = args.tt_optimizer or args.optimizer
+    args.tt_lr = args.lr if args.tt_lr is None else args.tt_lr
+    if args.mesh is not None and (args.tt_optimizer, args.tt_lr) != (args.optimizer, args.lr):
+        p.error("--tt-optimizer / --tt-lr: one device (sharding.place_state takes no multi_transform state)")
     if args.data is not None and args.preset != "criteo":
         p.error("--data trains the criteo preset (26 one-hot features)")
     if args.preset == "meta" and args.mesh is not None:
@@ -585,8 +624,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, RunResult]:
     what = f"Criteo TSV data ({' '.join(args.data)})" if args.data else f"synthetic {what} data"
     print(
         f"DLRM on {what}: {args.steps} steps x batch {args.batch_size}, "
-        f"{args.optimizer} lr {args.lr}, backend {jax.default_backend()} "
-        f"({jax.devices()[0].device_kind})"
+        f"{args.optimizer} lr {args.lr} (TT cores: {args.tt_optimizer} lr {args.tt_lr}, row std "
+        f"{args.tt_init_std or 1 / math.sqrt(args.dim):.3g}), {args.pooling} pooling, backend "
+        f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
     )
     if args.max_rows:
         print(
@@ -629,6 +669,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, RunResult]:
         results[r.name] = r
         if not args.dense:
             print("(--dense trains the same model with dense tables; --compare runs both on the same data)")
+    if args.out or args.plot:
+        doc = run_document(vars(args), results)
+        if args.out:
+            print(f"runs written to {write_json(args.out, doc)}")
+        if args.plot and (path := plot(doc, args.plot)):
+            print(f"learning curves plotted to {path}")
     return results
 
 

@@ -23,6 +23,7 @@ uses the compiled kernels when the extension is built, else the pure-jnp referen
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import errors, nnx
 
+from flowtt_jax.collection.cache import check_hot_ids
 from flowtt_jax.collection.cache import hot_ids as cache_hot_ids
 from flowtt_jax.collection.config import TableConfig
 from flowtt_jax.collection.layout import CollectionLayout, labeller
@@ -202,6 +204,14 @@ class SparseTable(nnx.Variable):
 
 class SparseSlot(nnx.Variable):
     """A sparse table's optimizer state (accumulators, moments, per-row step counts)."""
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _with_hot_ids(layout: CollectionLayout, values: dict, hot: dict) -> dict:
+    """``values`` with every table of ``hot`` caching its ids (one program)."""
+    for name, ids in hot.items():
+        values = layout.with_hot_ids(values, name, ids)
+    return values
 
 
 class HotIds(nnx.Variable):
@@ -442,9 +452,15 @@ class TTEmbeddingCollection(nnx.Module):
         if hot_ids is None:
             owners = {f: cfg.name for cfg in self.tables for f in cfg.feature_keys}
             hot_ids = cache_hot_ids(batches, self.tables, owners)
-        values = self._values()
-        for name, ids in hot_ids.items():
-            values = self.layout.with_hot_ids(values, name, ids)
+        sizes = {cfg.name: (cfg.cache_rows, cfg.num_embeddings) for cfg in self.tables}
+        unknown = sorted(set(hot_ids) - set(sizes))
+        if unknown:
+            raise KeyError(f"refresh_cache: no tables named {unknown}")
+        for name in hot_ids:
+            if not sizes[name][0]:
+                raise ValueError(f"table {name!r} has no hot-row cache (TableConfig.cache_rows)")
+        hot = {n: check_hot_ids(ids, *sizes[n], n) for n, ids in hot_ids.items()}
+        values = _with_hot_ids(self.layout, self._values(), hot)
         for k, p in self.params.items():
             p[...] = values[k]
         return {n: np.asarray(self.layout.table_cache(values, n)[1]) for n in hot_ids}

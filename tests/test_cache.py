@@ -103,7 +103,7 @@ def test_cached_tables_equal_the_float64_oracle(impl, seeds, x64):
         if cache is not None:
             hits += sum(int(np.isin(feats[f]["ids"], np.asarray(cache[1])).sum()) for f in cfg.feature_keys)
     assert hits > 10  # the calls route real hits
-    got = layout.apply(params, feats, impl=impl)
+    got = jax.jit(lambda p: layout.apply(p, feats, impl=impl))(params)  # one program: fast tests
     want = _oracle(layout, params, feats)
     for f in want:
         np.testing.assert_allclose(
@@ -116,8 +116,8 @@ def test_cached_tables_equal_the_float64_oracle(impl, seeds, x64):
     def loss(fn):
         return lambda t: sum(jnp.sum(fn({**params, **t})[f] * cot[f]) for f in cot)
 
-    g = jax.grad(loss(lambda p: layout.apply(p, feats, impl=impl)))(trained)
-    g_ref = jax.grad(loss(lambda p: _oracle(layout, p, feats)))(trained)
+    g = jax.jit(jax.grad(loss(lambda p: layout.apply(p, feats, impl=impl))))(trained)
+    g_ref = jax.jit(jax.grad(loss(lambda p: _oracle(layout, p, feats))))(trained)
     assert set(g) == set(g_ref) and any(k.endswith("_cache") for k in g)
     for k in g:
         scale = float(np.abs(np.asarray(g_ref[k])).max())
@@ -146,7 +146,7 @@ def test_check_grads_through_the_cache(seeds, x64):
         params[layout.param_names(0)[1]],
         jnp.asarray(rng.uniform(0.5, 2, 8)),
     )
-    check_grads(f, args, order=1, modes=["rev"])
+    check_grads(jax.jit(f), args, order=1, modes=["rev"])
 
 
 def test_ids_move_in_and_out(seeds):
@@ -196,10 +196,15 @@ def test_every_input_form_routes_the_cache(seeds):
     ids = np.stack([rng.integers(0, 4, 6), rng.integers(0, 8, 6), rng.integers(0, 90, 6)], 1)
     ids[0] = [699, 5, 89]
     feats = {f: ids[:, i] for i, f in enumerate("abc")}
-    ref = layout.apply(params, feats)
-    stacked = layout.apply_stacked(params, ids)
-    jagged = layout.apply_jagged(params, KeyedJagged.from_features({f: v[:, None] for f, v in feats.items()}))
-    rows = layout.lookup(params, feats)
+    kj = KeyedJagged.from_features({f: v[:, None] for f, v in feats.items()})
+    ref, stacked, jagged, rows = jax.jit(
+        lambda p: (
+            layout.apply(p, feats),
+            layout.apply_stacked(p, ids),
+            layout.apply_jagged(p, kj),
+            layout.lookup(p, feats),
+        )
+    )(params)
     for i, f in enumerate("abc"):
         np.testing.assert_allclose(np.asarray(stacked[:, i]), np.asarray(ref[f]), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(np.asarray(jagged[:, i]), np.asarray(ref[f]), rtol=1e-6, atol=1e-6)
@@ -224,8 +229,10 @@ def test_checkpoint_by_table_name_carries_the_cache():
         "b2": np.array([1, 2, 7]),
         "c": np.array([0, 1, 299]),
     }
-    for f, v in a(feats).items():
-        np.testing.assert_array_equal(np.asarray(b(feats)[f]), np.asarray(v))
+    call = nnx.jit(lambda m: m(feats))
+    got = call(b)
+    for f, v in call(a).items():
+        np.testing.assert_array_equal(np.asarray(got[f]), np.asarray(v))
     assert b.refresh_cache(hot_ids={"b": [7]})["b"][0] == 7
     with pytest.raises(ValueError, match=r"table 'a': shapes .* != the collection's"):
         b.load_table_state({**state, "a": state["a"][:3]})

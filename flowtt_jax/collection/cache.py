@@ -30,7 +30,16 @@ import numpy as np
 from flowtt_jax.capacity import feature_ids
 from flowtt_jax.tt import reference
 
-__all__ = ["EMPTY", "first_rows", "hot_ids", "route", "pool_cached", "sorted_hot", "tt_rows_of"]
+__all__ = [
+    "EMPTY",
+    "check_hot_ids",
+    "first_rows",
+    "hot_ids",
+    "route",
+    "pool_cached",
+    "sorted_hot",
+    "tt_rows_of",
+]
 
 #: A hot-id slot that holds no id (sorts after every id of a table under 2^31 - 1 rows).
 EMPTY = np.iinfo(np.int32).max
@@ -81,10 +90,10 @@ def first_rows(pack: Any) -> jax.Array:
     return jnp.concatenate([jnp.arange(t.cache_rows, dtype=jnp.int32) for t in pack.tables if t.cache_rows])
 
 
-def sorted_hot(ids: Any, size: int, num_rows: int, table: str) -> jax.Array:
-    """``ids`` (int, any shape; host or device, jittable) as a table's hot slots: the unique
-    ids ascending, padded with ``EMPTY`` to ``size``. ``ValueError`` naming ``table`` for more
-    than ``size`` ids or, on the host, an id outside ``[0, num_rows)``."""
+def check_hot_ids(ids: Any, size: int, num_rows: int, table: str) -> jax.Array:
+    """``ids`` flat (int, any shape; host or device). ``TypeError`` / ``ValueError`` naming
+    ``table`` for non-integers, more than ``size`` ids or, concrete, an id outside
+    ``[0, num_rows)``."""
     ids = jnp.ravel(jnp.asarray(ids))
     if not jnp.issubdtype(ids.dtype, jnp.integer) and ids.size:  # [] is float: no ids
         raise TypeError(f"table {table!r}: hot ids must be integers, got {ids.dtype}")
@@ -96,7 +105,16 @@ def sorted_hot(ids: Any, size: int, num_rows: int, table: str) -> jax.Array:
             raise ValueError(
                 f"table {table!r}: hot ids must be in [0, {num_rows}), got {host.min()}..{host.max()}"
             )
-    return jnp.unique(ids.astype(jnp.int32), size=size, fill_value=EMPTY)
+    return ids.astype(jnp.int32)
+
+
+def sorted_hot(ids: Any, size: int, num_rows: int, table: str) -> jax.Array:
+    """``ids`` (``check_hot_ids``'; jittable) as a table's hot slots: the unique ids
+    ascending, padded with ``EMPTY`` to ``size``; traced ids out of ``[0, num_rows)`` are
+    dropped (concrete ones raise)."""
+    ids = check_hot_ids(ids, size, num_rows, table)
+    ids = jnp.where((ids >= 0) & (ids < num_rows), ids, EMPTY)
+    return jnp.unique(ids, size=size, fill_value=EMPTY)
 
 
 def hot_ids(
