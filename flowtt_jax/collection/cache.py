@@ -76,12 +76,25 @@ def pool_cached(
     return reference.pool(rows, jnp.where(hit, weights, 0), bag_ids, num_bags)
 
 
+#: ``tt_rows_of`` contracts this many bytes of gathered core slices at a time (the
+#: reference gathers ``r q r`` floats per id and core: a 440 k-row cache at rank 64 in one
+#: go asked XLA for 71 GB).
+ROWS_CHUNK_BYTES = 64 << 20
+
+
 def tt_rows_of(cores: Sequence[jax.Array], ids: jax.Array) -> jax.Array:
     """Rows ``[k, D]`` (the cores' dtype, float32 accumulation) of the TT table ``cores`` at
-    ``ids`` ``[k]``; ``EMPTY`` slots give zero rows."""
+    ``ids`` ``[k]``, in chunks of ``ROWS_CHUNK_BYTES`` (one ``lax.map``); ``EMPTY`` slots give
+    zero rows."""
     valid = ids != EMPTY
     f32 = tuple(c.astype(jnp.promote_types(c.dtype, jnp.float32)) for c in cores)
-    rows = reference.tt_rows(f32, jnp.where(valid, ids, 0))
+    safe = jnp.where(valid, ids, 0)
+    per_id = 4 * sum(int(np.prod(c.shape[1:])) for c in cores)
+    chunk = max(1, min(ids.shape[0], ROWS_CHUNK_BYTES // per_id))
+    pad = -ids.shape[0] % chunk
+    parts = jnp.pad(safe, (0, pad)).reshape(-1, chunk)
+    dim = int(np.prod([c.shape[2] for c in cores]))
+    rows = jax.lax.map(lambda part: reference.tt_rows(f32, part), parts).reshape(-1, dim)[: ids.shape[0]]
     return jnp.where(valid[:, None], rows, 0).astype(cores[0].dtype)
 
 
