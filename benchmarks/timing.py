@@ -23,7 +23,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -282,3 +282,23 @@ def timed(f: Callable, args: tuple, *, target_s: float = 0.4, max_iters: int = 2
         "iters": k * repeats,
         "first_call_ms": first,
     }
+
+
+def step_times(step: Callable, feeds: Sequence[tuple], steps: int) -> tuple[dict, Any]:
+    """``({compile_s, step_ms, steps_per_s}, last output)`` of a (state-donating) training
+    ``step``: its first call, compile and run, timed blocking; then ``steps`` calls over
+    ``feeds`` in turn, queued back to back."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(step(*feeds[0]))
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(steps):
+        out = step(*feeds[i % len(feeds)])
+    jax.block_until_ready(out)
+    per_step = (time.perf_counter() - t0) / steps
+    times = {
+        "compile_s": round(compile_s, 2),
+        "step_ms": round(1e3 * per_step, 2),
+        "steps_per_s": round(1 / per_step, 2),
+    }
+    return times, out

@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import time
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from benchmarks import records
+from benchmarks import records, timing
 from examples.criteo_synth import CRITEO_KAGGLE_CARDINALITIES as CARDS
 from flowtt_jax.collection import make_table_configs
 from flowtt_jax.nnx import TTEmbeddingCollection
@@ -60,22 +59,8 @@ def measure(batch: int, fraction: int | None, batches: list[dict]) -> dict:
         o.update(m, grads)
         return value
 
-    t0 = time.perf_counter()
-    jax.block_until_ready(step(model, opt, batches[0]))
-    compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for i in range(STEPS):
-        value = step(model, opt, batches[i % len(batches)])
-    jax.block_until_ready(value)
-    per_step = (time.perf_counter() - t0) / STEPS
-    cached = sum(t.cache_rows for t in tables)
-    return {
-        "fraction": fraction,
-        "cached_rows": cached,
-        "compile_s": round(compile_s, 2),
-        "step_ms": round(1e3 * per_step, 2),
-        "steps_per_s": round(1 / per_step, 2),
-    }
+    times, _ = timing.step_times(step, [(model, opt, b) for b in batches], STEPS)
+    return {"fraction": fraction, "cached_rows": sum(t.cache_rows for t in tables), **times}
 
 
 def main(argv: list[str] | None = None) -> dict:

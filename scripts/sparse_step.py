@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from benchmarks import records
+from benchmarks import records, timing
 from flowtt_jax import sparse as sp
 from flowtt_jax.collection import TableConfig
 from flowtt_jax.collection.config import SparseUpdate
@@ -72,22 +71,8 @@ def measure(rows: int, sparse: bool) -> dict:
 
     rng = np.random.default_rng(0)
     batches = [_batch(rng, rows) for _ in range(4)]
-    t0 = time.perf_counter()
-    jax.block_until_ready(step(model, opt, batches[0]))
-    compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for i in range(STEPS):
-        loss = step(model, opt, batches[i % 4])
-    jax.block_until_ready(loss)
-    per_step = (time.perf_counter() - t0) / STEPS
-    return {
-        "rows": rows,
-        "sparse": sparse,
-        "compile_s": round(compile_s, 2),
-        "step_ms": round(1e3 * per_step, 2),
-        "steps_per_s": round(1 / per_step, 2),
-        "loss": float(loss),
-    }
+    times, loss = timing.step_times(step, [(model, opt, b) for b in batches], STEPS)
+    return {"rows": rows, "sparse": sparse, **times, "loss": float(loss)}
 
 
 def main(out: str) -> None:
