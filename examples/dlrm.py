@@ -594,8 +594,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     args.tt_optimizer = args.tt_optimizer or args.optimizer
     args.tt_lr = args.lr if args.tt_lr is None else args.tt_lr
-    if args.mesh is not None and (args.tt_optimizer, args.tt_lr) != (args.optimizer, args.lr):
-        p.error("--tt-optimizer / --tt-lr: one device (sharding.place_state takes no multi_transform state)")
     if args.data is not None and args.preset != "criteo":
         p.error("--data trains the criteo preset (26 one-hot features)")
     if args.preset == "meta" and args.mesh is not None:

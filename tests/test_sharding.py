@@ -260,3 +260,29 @@ def test_data_parallel_across_two_processes():
     results = _run_workers([(code.format(i, port), _cpu_env()) for i in range(2)], timeout=300)
     for i, (returncode, out) in enumerate(results):
         assert returncode == 0 and f"process {i} OK" in out, out[-3000:]
+
+
+def test_place_state_takes_a_multi_transform_optimizer():
+    """A per-table optimizer (``optax.multi_transform`` by ``param_labels``) holds leafless
+    ``MaskedNode``s in its state: ``place_state`` leaves them and places every array."""
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    from flowtt_jax import sharding as sh
+    from flowtt_jax.collection import TableConfig
+    from flowtt_jax.nnx import TTEmbeddingCollection
+
+    tables = [TableConfig("a", 1000, 8, rank=4, optimizer="tt"), TableConfig("b", 50, 8, kind="dense")]
+    coll = TTEmbeddingCollection(tables, rngs=nnx.Rngs(0))
+    tx = optax.multi_transform({"tt": optax.adam(1e-2), "default": optax.sgd(1e-2)}, coll.param_labels())
+    opt = nnx.Optimizer(coll, tx, wrt=nnx.Param)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    state = nnx.state((coll, opt))
+    placed = sh.place_state(state, mesh)
+    assert jax.tree.structure(placed) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(state), strict=True):
+        assert a.sharding.mesh == mesh
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -117,7 +117,14 @@ def place_state(state: nnx.State, mesh: Mesh) -> nnx.State:
     """``state`` (e.g. ``nnx.state((model, optimizer))``) placed on ``mesh`` as its
     metadata says: table-wise cores and their optimizer moments split, all else replicated.
     Process-local values must be the same in every process (same seeds)."""
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, _specs(state))
+
+    def put(spec: PartitionSpec | None, x: Any) -> Any:
+        # None: a leafless node (an optax.multi_transform state's MaskedNode): nothing to place
+        return x if spec is None else jax.device_put(x, NamedSharding(mesh, spec))
+
+    return jax.tree.map(
+        put, _specs(state), state, is_leaf=lambda s: s is None or isinstance(s, PartitionSpec)
+    )
 
 
 def shard_batch(batch: Any, mesh: Mesh, axis: str = "data") -> Any:
