@@ -119,7 +119,8 @@ class TableViews:
         old = self.table_cache(params, name)
         if old is None:
             raise ValueError(f"table {name!r} has no hot-row cache (TableConfig.cache_rows)")
-        cfg = self.packs[self.locate(name)[0]].tables[self.locate(name)[1]]
+        p, t = self.locate(name)
+        cfg = self.packs[p].tables[t]
         new = sorted_hot(ids, old[1].shape[0], cfg.num_embeddings, name)
         at = jnp.minimum(jnp.searchsorted(old[1], new), old[1].shape[0] - 1)
         kept = (old[1][at] == new) & (new != EMPTY)
