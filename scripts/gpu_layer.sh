@@ -3,8 +3,9 @@
 # sum to under 10 minutes):
 #   scripts/gpu_layer.sh        build, the collection tests on the GPU, the collection benchmark
 #                               with ours_layer beside ours_batched (Meta-like 240 and 788 tables
-#                               x 4096), construction and compile times (python -m scripts.layer_timing,
-#                               788 tables at 4096 and 32768)
+#                               x 4096), construction and compile times of the packed and dict
+#                               calls (python -m scripts.layer_timing, 240 and 788 tables at 4096);
+#                               SKIP_TESTS=1 skips the tests
 #   scripts/gpu_layer.sh dlrm   build, then the DLRM Meta-like preset at batch 4096
 # Logs and JSON go to $OUT (default ./gpu_layer_out).
 set -uo pipefail
@@ -20,10 +21,10 @@ if [[ $STAGE == dlrm ]]; then
     --eval-batches 8 --max-rows 0 --dim 32 --rank 32 --lr 3e-3 --log-every 20 --no-progress --profile-steps 5
   exit $status
 fi
-stage 90 tests $PY -m pytest -q -p no:cacheprovider "${par[@]}" tests/test_collection_jagged.py \
+[[ ${SKIP_TESTS:-0} == 1 ]] || stage 90 tests $PY -m pytest -q -p no:cacheprovider "${par[@]}" tests/test_collection_jagged.py \
   "tests/test_benchmarks.py::test_layer_impls_equal_the_packed_op" tests/test_collection_stacked.py
 TAIL=12 stage 160 bench $PY -m benchmarks --stage collection --impls ours_batched,ours_layer,ours_layer_dict \
   --tables 240,788 --batches 4096 --out-dir "$OUT/bench" --time-budget 140
-TAIL=8 stage 60 timing $PY -m scripts.layer_timing --tables 788 --batches 4096,32768 --calls packed,packed_train \
-  --json "$OUT/layer_timing.json"
+TAIL=10 stage 150 timing $PY -m scripts.layer_timing --tables 240,788 --batches 4096 \
+  --calls packed,dict,packed_train,dict_train --json "$OUT/layer_timing.json"
 exit $status

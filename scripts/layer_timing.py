@@ -70,7 +70,12 @@ def measure(tables: int, batch: int, calls: tuple[str, ...]) -> dict:
         return jax.grad(lambda s: jnp.sum(jnp.sin(fwd(s, x))))(st)
 
     for call in calls:
-        inp, step = {"packed": (jagged, fwd), "dict": (feats, fwd), "packed_train": (jagged, fwd_bwd)}[call]
+        inp, step = {
+            "packed": (jagged, fwd),
+            "dict": (feats, fwd),
+            "packed_train": (jagged, fwd_bwd),
+            "dict_train": (feats, fwd_bwd),
+        }[call]
         jax.clear_caches()
         lowered, lower_s = _timed(lambda s=step, i=inp: jax.jit(s).lower(state, i))
         _, compile_s = _timed(lowered.compile)
@@ -88,7 +93,7 @@ def main(argv=None) -> None:
     csv = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
     ap.add_argument("--tables", type=csv, default=(240, 788))
     ap.add_argument("--batches", type=csv, default=(64, 4096))
-    ap.add_argument("--calls", default="packed,dict,packed_train")
+    ap.add_argument("--calls", default="packed,dict,packed_train,dict_train")
     ap.add_argument("--json", help="write the records here")
     a = ap.parse_args(argv)
     recs = [measure(t, b, tuple(a.calls.split(","))) for t in a.tables for b in a.batches]
