@@ -1,0 +1,692 @@
+"""Follow ``features`` from ``CollectionLayout.apply`` through the code (issue 51): a static
+walk of the calls that pass it on, and how often it hops between modules.
+
+Usage (from the repository root)::
+
+    python -m scripts.feature_walk [--json PATH]   # PATH "-": the JSON on stdout
+
+What it measures
+----------------
+The walk parses the package with ``ast`` (nothing is imported or run) and starts at
+``CollectionLayout.apply`` (``flowtt_jax/collection/layout.py``) with ``features`` *tracked*.
+In a function it walks, a name is tracked when it is a parameter given a tracked value (in a
+nested function, also a tracked name of the enclosing one it reads); when an assignment's right
+side uses a tracked name (``=``, ``+=``, annotated, ``:=``; a call's result counts, ``x =
+f(tracked)``; ``out[k] = tracked`` tracks ``out``); when it is the target of a ``for``, a
+comprehension or a ``with ... as`` over a tracked expression; when a method is called on it
+with a tracked argument (``out.append(tracked)``). This is a fixed point over the whole body
+(flow- and path-insensitive: every branch counts, ``isinstance`` prunes nothing).
+
+Every call one of whose arguments (positional, ``*``, keyword, ``**``) or whose receiver uses
+a tracked name is then taken in source order (a call's arguments before the call, as Python
+evaluates them). One that resolves to a function of the package is followed depth-first, the
+parameters given tracked values tracked there. Calls resolve through the module's imports
+(``from x import f``, ``import x as m; m.f``, ``from pkg import module; module.f``, re-exports
+chased), its own functions and classes, functions nested in the caller, ``self.method`` /
+``cls.method`` (from the class whose method runs, through its package bases in MRO order) and
+``Class.method``; calling a package class enters its ``__init__`` if it has one.
+
+A *stop* is a distinct function ``(module, qualname)`` entered, counted once; a later call
+giving tracked values to other parameters walks it again (no new stop), so a narrow first
+visit hides nothing. The stops' modules in visit order are the *sequence*; a *return* is a
+stop in a module the sequence had left before (``A A B A C B``: 2, the third A and second B).
+Printed: the stops as a call tree, stops per module, the numbers of stops, modules and
+returns, and the modules re-entered.
+
+Not resolved (listed in the output, never dropped silently)
+-----------------------------------------------------------
+- methods of a value (``batch.csr(...)``, ``bags._replace(...)``, ``x.reshape(...)``): the
+  receiver's type is not inferred (dynamic dispatch); listed as *unresolved* with the
+  package's methods of that name as candidates, as are calls of local values (a lambda or
+  callable in a variable, a parameter, a call's result) and of module-level values;
+- overrides of a ``self.method`` in package subclasses (the walk is of the start's class);
+- package functions handed to a call outside the package (``jax.tree.map(cast, tracked)``,
+  ``functools.partial``, ``lax`` control flow bodies): *callbacks*, not followed;
+- package classes without an ``__init__`` of their own (NamedTuples, dataclasses, whose
+  ``__post_init__`` is not entered): *constructors*;
+- calls outside the package (``jax``, ``numpy``, builtins, ``getattr``): counted by name;
+- not seen at all: properties, operators and other implicit calls (``__getitem__``,
+  ``__iter__``), and values passed on other than through arguments and call results
+  (globals, context variables, attributes of ``self``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import builtins
+import collections
+import dataclasses
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "flowtt_jax"
+START = ("flowtt_jax/collection/layout.py", "CollectionLayout.apply")
+PARAM = "features"
+_BUILTINS = frozenset(dir(builtins))
+
+
+class ClassInfo(NamedTuple):
+    node: ast.ClassDef
+    methods: dict[str, ast.FunctionDef]
+
+
+@dataclasses.dataclass
+class ModuleInfo:
+    path: str  # repository-relative
+    functions: dict[str, ast.FunctionDef]
+    classes: dict[str, ClassInfo]
+    imports: dict[str, tuple]  # local name -> ("module", dotted) | ("from", dotted, attr)
+    globals_: set[str]
+
+
+class Package:
+    """The package's modules, parsed on demand, and symbol resolution across them."""
+
+    def __init__(self, root: Path, package: str) -> None:
+        self.root = root
+        self.package = package
+        self.paths: dict[str, Path] = {}
+        for p in (root / package).rglob("*.py"):
+            parts = list(p.relative_to(root).with_suffix("").parts)
+            self.paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+        self._modules: dict[str, ModuleInfo] = {}
+
+    def is_internal(self, dotted: str) -> bool:
+        return dotted == self.package or dotted.startswith(self.package + ".")
+
+    def module(self, name: str) -> ModuleInfo:
+        if name not in self._modules:
+            path = self.paths[name]
+            tree = ast.parse(path.read_text(), filename=str(path))
+            functions, classes, imports, globals_ = {}, {}, {}, set()
+            for node in tree.body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    functions[node.name] = node
+                elif isinstance(node, ast.ClassDef):
+                    methods = {
+                        n.name: n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    }
+                    classes[node.name] = ClassInfo(node, methods)
+                elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    for t in targets:
+                        globals_ |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+            package_of = name if path.name == "__init__.py" else name.rpartition(".")[0]
+            for node in ast.walk(tree):  # module level and inside functions alike
+                if isinstance(node, ast.Import):
+                    for a in node.names:  # `import a.b` binds `a`
+                        local = a.asname or a.name.split(".")[0]
+                        imports[local] = ("module", a.name if a.asname else local)
+                elif isinstance(node, ast.ImportFrom):
+                    base = node.module or ""
+                    if node.level:
+                        anchor = package_of.split(".")
+                        anchor = anchor[: len(anchor) - (node.level - 1)]
+                        base = ".".join(anchor + ([base] if base else []))
+                    for a in node.names:
+                        imports[a.asname or a.name] = ("from", base, a.name)
+            self._modules[name] = ModuleInfo(
+                path.relative_to(self.root).as_posix(), functions, classes, imports, globals_
+            )
+        return self._modules[name]
+
+    def resolve(self, module: str, name: str, seen: frozenset = frozenset()) -> tuple:
+        """What ``name`` is at the top level of package module ``module``: ``("function", m,
+        qualname)``, ``("class", m, name)``, ``("module", dotted)``, ``("external", dotted)``
+        or ``("unknown", why)``."""
+        if (module, name) in seen:
+            return ("unknown", f"import cycle at {module}.{name}")
+        seen = seen | {(module, name)}
+        info = self.module(module)
+        if name in info.functions:
+            return ("function", module, name)
+        if name in info.classes:
+            return ("class", module, name)
+        if name in info.imports:
+            imp = info.imports[name]
+            if imp[0] == "module":
+                return ("module", imp[1]) if self.is_internal(imp[1]) else ("external", imp[1])
+            _, base, attr = imp
+            if f"{base}.{attr}" in self.paths:
+                return ("module", f"{base}.{attr}")
+            if base in self.paths:
+                return self.resolve(base, attr, seen)
+            if self.is_internal(base):
+                return ("unknown", f"{base}.{attr} not found")
+            return ("external", f"{base}.{attr}")
+        if f"{module}.{name}" in self.paths and self.paths[module].name == "__init__.py":
+            return ("module", f"{module}.{name}")
+        if name in info.globals_:
+            return ("unknown", f"module-level value {name}")
+        if name in _BUILTINS:
+            return ("external", name)
+        return ("unknown", f"name {name} not found in {module}")
+
+    def attribute(self, target: tuple, attr: str) -> tuple:
+        """``target.attr`` for a resolved ``target``."""
+        kind = target[0]
+        if kind == "module":
+            if f"{target[1]}.{attr}" in self.paths:
+                return ("module", f"{target[1]}.{attr}")
+            return self.resolve(target[1], attr)
+        if kind == "external":
+            return ("external", f"{target[1]}.{attr}")
+        if kind == "class":
+            found = self.method(target[1], target[2], attr)
+            if found and _is_property(self.module(found[0]).classes[found[1]].methods[attr]):
+                return ("unknown", f"property {target[2]}.{attr}")
+            if found:
+                return ("method", *found, attr, False)
+            return ("unknown", f"{target[2]}.{attr}: no such method in the package")
+        return ("unknown", f"{attr} of {target[1]}")
+
+    def method(self, module: str, cls: str, name: str) -> tuple[str, str] | None:
+        """``(module, class)`` whose method ``name`` class ``cls`` runs (its MRO), or None."""
+        return next(
+            (k for k in self.mro(module, cls) if name in self.module(k[0]).classes[k[1]].methods), None
+        )
+
+    def bases(self, module: str, cls: str) -> list[tuple[str, str]]:
+        """The package classes ``cls`` derives from directly."""
+        out = []
+        for base in self.module(module).classes[cls].node.bases:
+            chain = _dotted(base)
+            if not chain:
+                continue
+            target = self.resolve(module, chain[0])
+            for a in chain[1:]:
+                target = self.attribute(target, a)
+            if target[0] == "class":
+                out.append((target[1], target[2]))
+        return out
+
+    def mro(self, module: str, cls: str, seen: frozenset = frozenset()) -> list[tuple[str, str]]:
+        """The class's method resolution order over its package classes (C3)."""
+        if (module, cls) in seen:
+            return []
+        seqs = [self.mro(*b, seen | {(module, cls)}) for b in self.bases(module, cls)]
+        seqs = [q for q in seqs + [self.bases(module, cls)] if q]
+        out = [(module, cls)]
+        while seqs:
+            for q in seqs:
+                head = q[0]
+                if not any(head in r[1:] for r in seqs):
+                    break
+            else:  # inconsistent: Python would refuse the class; keep the order given
+                head = seqs[0][0]
+            out.append(head)
+            seqs = [r[1:] if r[0] == head else r for r in seqs]
+            seqs = [q for q in seqs if q]
+        return out
+
+    def overrides(self, module: str, cls: str, name: str) -> list[str]:
+        """``path:Class.name`` of the methods ``name`` that ``self.name`` runs instead of
+        ``cls``'s in the package's subclasses of ``cls`` (their MRO finds another first)."""
+        mine = self.method(module, cls, name)
+        out = set()
+        for m in sorted(self.paths):
+            for c in self.module(m).classes:
+                order = self.mro(m, c)
+                if (module, cls) not in order[1:]:
+                    continue
+                found = self.method(m, c, name)
+                if found and found != mine:
+                    out.add(f"{self.module(found[0]).path}:{found[1]}.{name}")
+        return sorted(out)
+
+    def methods_named(self, name: str) -> list[str]:
+        """``path:Class.name`` of every package class defining method ``name`` (candidates)."""
+        out = []
+        for m in sorted(self.paths):
+            info = self.module(m)
+            out += [f"{info.path}:{c}.{name}" for c, ci in info.classes.items() if name in ci.methods]
+        return out
+
+
+def _dotted(node: ast.AST) -> list[str] | None:
+    """``a.b.c`` as ``["a", "b", "c"]`` (None unless a chain of names)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return [node.id, *reversed(parts)]
+
+
+def _is_property(node: ast.FunctionDef) -> bool:
+    """A ``property`` / ``cached_property`` (or its setter): reading it runs no call."""
+    names = {(_dotted(d) or [""])[-1] for d in node.decorator_list}
+    return bool(names & {"property", "cached_property", "setter", "deleter"})
+
+
+def _root_name(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Starred)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+@dataclasses.dataclass
+class Frame:
+    """A function as the walk sees it: where it is, its enclosing function and class."""
+
+    module: str
+    qualname: str
+    node: ast.FunctionDef | ast.AsyncFunctionDef
+    cls: tuple[str, str] | None  # (module, class) of a method or a function nested in one
+    parent: Frame | None
+    tracked: set[str] = dataclasses.field(default_factory=set)
+
+
+def _params(node: ast.FunctionDef) -> list[str]:
+    a = node.args
+    return [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)] + [
+        p.arg for p in (a.vararg, a.kwarg) if p is not None
+    ]
+
+
+def _body_nodes(node: ast.AST):
+    """The nodes of a function's body, not entering nested functions or classes (lambdas and
+    comprehensions are entered)."""
+    stack = list(reversed(node.body)) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        stack.extend(reversed(list(ast.iter_child_nodes(n))))
+
+
+@functools.cache
+def _body(node: ast.FunctionDef) -> tuple[ast.AST, ...]:
+    return tuple(n for n in _body_nodes(node) if n is not node)
+
+
+@functools.cache
+def _nested_defs(node: ast.FunctionDef) -> dict[str, ast.FunctionDef]:
+    return {n.name: n for n in _body(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+@functools.cache
+def _local_names(node: ast.FunctionDef) -> frozenset[str]:
+    """Names a function binds itself (parameters, assignments, loop targets, imports, defs)."""
+    names = set(_params(node))
+    for n in _body(node):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            names.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in n.names}
+        elif isinstance(n, ast.arg):  # lambda parameters
+            names.add(n.arg)
+    return frozenset(names)
+
+
+def _uses(expr: ast.AST | None, tracked: set[str]) -> bool:
+    return expr is not None and any(isinstance(n, ast.Name) and n.id in tracked for n in ast.walk(expr))
+
+
+def _store_names(target: ast.AST) -> set[str]:
+    """The names an assignment target binds or mutates (``a``, ``a, *b``, ``a[k]``, ``a.x``)."""
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return set().union(*(_store_names(t) for t in target.elts)) if target.elts else set()
+    if isinstance(target, ast.Starred):
+        return _store_names(target.value)
+    root = _root_name(target)
+    return {root} - {"self", "cls"} if root else set()
+
+
+def _track(frame: Frame, imported: set[str]) -> None:
+    """Grows ``frame.tracked`` to its fixed point over the function's body."""
+    tracked = frame.tracked
+    nodes = _body(frame.node)
+    while True:
+        before = len(tracked)
+        for n in nodes:
+            if isinstance(n, ast.Assign) and _uses(n.value, tracked):
+                for t in n.targets:
+                    tracked |= _store_names(t)
+            elif isinstance(n, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and _uses(n.value, tracked):
+                tracked |= _store_names(n.target)
+            elif isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)) and _uses(n.iter, tracked):
+                tracked |= _store_names(n.target)
+            elif (
+                isinstance(n, ast.withitem) and n.optional_vars is not None and _uses(n.context_expr, tracked)
+            ):
+                tracked |= _store_names(n.optional_vars)
+            elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+                root = _root_name(n.func.value)
+                args = [*n.args, *(k.value for k in n.keywords)]
+                if root and root not in imported and root not in ("self", "cls"):
+                    if any(_uses(a, tracked) for a in args):
+                        tracked.add(root)  # a method given a tracked value: its receiver holds it
+        if len(tracked) == before:
+            return
+
+
+@functools.cache
+def _calls_in_order(node: ast.FunctionDef) -> list[ast.Call]:
+    """The body's calls in evaluation order: by where each call ends (a call's arguments end
+    before it), statements in source order."""
+    calls = [n for n in _body(node) if isinstance(n, ast.Call)]
+    return sorted(calls, key=lambda c: (c.end_lineno, c.end_col_offset, -c.lineno, -c.col_offset))
+
+
+@dataclasses.dataclass
+class Stop:
+    index: int
+    module: str  # repository-relative path
+    qualname: str
+    depth: int
+    params: list[str]  # the tracked parameters it was first entered with
+    called_from: str | None  # path:line of the call
+    is_return: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+
+@dataclasses.dataclass
+class WalkResult:
+    start: str  # path:qualname
+    param: str
+    stops: list[Stop] = dataclasses.field(default_factory=list)
+    unresolved: list[dict] = dataclasses.field(default_factory=list)
+    callbacks: list[dict] = dataclasses.field(default_factory=list)
+    constructors: list[dict] = dataclasses.field(default_factory=list)
+    external: dict[str, int] = dataclasses.field(default_factory=dict)  # name -> call sites
+    rewalks: list[dict] = dataclasses.field(default_factory=list)
+    overrides: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def sequence(self) -> list[str]:
+        return [s.module for s in self.stops]
+
+    @property
+    def per_module(self) -> dict[str, int]:
+        return dict(collections.Counter(self.sequence).most_common())
+
+    @property
+    def returns(self) -> int:
+        return sum(s.is_return for s in self.stops)
+
+    @property
+    def returns_by_module(self) -> dict[str, int]:
+        return dict(collections.Counter(s.module for s in self.stops if s.is_return).most_common())
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["stop_list"] = [d | {"label": s.label} for d, s in zip(out.pop("stops"), self.stops)]
+        figures = {"stops": len(self.stops), "modules": len(self.per_module), "returns": self.returns}
+        more = {"per_module": self.per_module, "returns_by_module": self.returns_by_module}
+        return figures | more | {"sequence": self.sequence} | out
+
+
+class Walker:
+    def __init__(self, pkg: Package, result: WalkResult) -> None:
+        self.pkg = pkg
+        self.out = result
+        self.walked: dict[tuple[str, str], set[str]] = {}  # key -> tracked parameters walked with
+        self._seen_sites: set[tuple] = set()
+
+    # -- entering a function
+
+    def enter(self, frame: Frame, params: set[str], depth: int, site: str | None) -> None:
+        key = (frame.module, frame.qualname)
+        path = self.pkg.module(frame.module).path
+        stops = self.out.stops
+        if key not in self.walked:
+            stops.append(Stop(len(stops) + 1, path, frame.qualname, depth, sorted(params), site))
+            self.walked[key] = set()
+        elif params <= self.walked[key]:
+            return
+        else:
+            new = sorted(params - self.walked[key])
+            self.out.rewalks.append({"function": f"{path}:{frame.qualname}", "new_params": new, "from": site})
+        self.walked[key] |= params
+        frame.tracked = set(self.walked[key])
+        if frame.parent is not None:  # a closure reads its enclosing function's tracked names
+            own = _local_names(frame.node)
+            frame.tracked |= {n for n in frame.parent.tracked if n not in own}
+        self.walk_body(frame, depth)
+
+    def walk_body(self, frame: Frame, depth: int) -> None:
+        info = self.pkg.module(frame.module)
+        local = _local_names(frame.node)
+        imported = (set(info.imports) | set(info.functions) | set(info.classes)) - local
+        _track(frame, imported)
+        for call in _calls_in_order(frame.node):
+            self.call(frame, call, depth)
+
+    # -- one call
+
+    def call(self, frame: Frame, call: ast.Call, depth: int) -> None:
+        tracked = frame.tracked
+        path = self.pkg.module(frame.module).path
+        site = f"{path}:{call.lineno}"
+        arg_tracked = [_uses(a, tracked) for a in call.args]
+        kw_tracked = [_uses(k.value, tracked) for k in call.keywords]
+        if not any(arg_tracked) and not any(kw_tracked) and not _uses(call.func, tracked):
+            return
+        target, bound, receiver_tracked = self.callee(frame, call.func)
+        if not any(arg_tracked) and not any(kw_tracked) and not receiver_tracked:
+            return
+        record = {"site": site, "in": frame.qualname, "call": _short(call)}
+        kind = target[0]
+        if kind == "method" and bound and frame.cls and (frame.cls, target[3]) not in self._seen_sites:
+            self._seen_sites.add((frame.cls, target[3]))
+            if others := self.pkg.overrides(*frame.cls, target[3]):
+                self.out.overrides.append(record | {"overrides": others, "note": ", ".join(others)})
+        if kind == "class" and (init := self.pkg.method(target[1], target[2], "__init__")):
+            target, kind, bound = ("method", *init, "__init__", True), "method", True
+        if kind in ("function", "method", "nested"):
+            callee = self.frame_of(target)
+            self.enter(callee, self.bind(callee.node, call, arg_tracked, kw_tracked, bound), depth + 1, site)
+            return
+        if (site, call.col_offset) in self._seen_sites:
+            return
+        self._seen_sites.add((site, call.col_offset))
+        if kind == "class":
+            post = "__post_init__" in self.pkg.module(target[1]).classes[target[2]].methods
+            name = f"{self.pkg.module(target[1]).path}:{target[2]}"
+            note = name + (" (its __post_init__ not entered)" if post else "")
+            self.out.constructors.append(record | {"class": name, "post_init": post, "note": note})
+        elif kind == "external":
+            self.out.external[target[1]] = self.out.external.get(target[1], 0) + 1
+            if funcs := self.function_args(frame, call):
+                self.out.callbacks.append(
+                    record | {"callee": target[1], "functions": funcs, "note": ", ".join(funcs)}
+                )
+        else:
+            why = target[1]
+            if receiver_tracked:
+                why = "method of a tracked value" + (
+                    ", tracked arguments" if any(arg_tracked + kw_tracked) else ""
+                )
+            found = self.pkg.methods_named(call.func.attr) if isinstance(call.func, ast.Attribute) else []
+            note = why + (f"; candidates: {', '.join(found)}" if found else "")
+            self.out.unresolved.append(record | {"why": why, "candidates": found, "note": note})
+
+    def callee(self, frame: Frame, func: ast.AST) -> tuple[tuple, bool, bool]:
+        """``(target, bound, receiver tracked)`` of a call's function expression."""
+        chain = _dotted(func)
+        if chain is None:  # a call's result, a subscript, ...
+            tracked = isinstance(func, ast.Attribute) and _uses(func.value, frame.tracked)
+            return ("unknown", f"callee {ast.unparse(func)} is not a name"), False, tracked
+        head, rest = chain[0], chain[1:]
+        # a function nested in this one or an enclosing one
+        f: Frame | None = frame
+        while f is not None:
+            if head in _nested_defs(f.node) and not rest:
+                return ("nested", f, head), False, False
+            if head in _local_names(f.node):
+                break
+            f = f.parent
+        if f is not None and head in _local_names(f.node):
+            if head in ("self", "cls") and frame.cls and len(rest) == 1:
+                found = self.pkg.method(*frame.cls, rest[0])
+                if found and _is_property(self.pkg.module(found[0]).classes[found[1]].methods[rest[0]]):
+                    return ("unknown", f"property {head}.{rest[0]}"), False, False
+                if found:
+                    return ("method", *found, rest[0], True), True, False
+                return ("unknown", f"{head}.{rest[0]}: not a method of {frame.cls[1]}"), False, False
+            tracked = bool(rest) and head in frame.tracked
+            what = "a local value" if not rest else "method of a local value"
+            return ("unknown", f"{what} {head}"), False, tracked
+        target = self.pkg.resolve(frame.module, head)
+        for a in rest:
+            target = self.pkg.attribute(target, a)
+        return target, False, False
+
+    def frame_of(self, target: tuple) -> Frame:
+        if target[0] == "nested":
+            _, parent, name = target
+            node = _nested_defs(parent.node)[name]
+            return Frame(parent.module, f"{parent.qualname}.<locals>.{name}", node, parent.cls, parent)
+        if target[0] == "function":
+            _, module, name = target
+            return Frame(module, name, self.pkg.module(module).functions[name], None, None)
+        _, module, cls, name, _bound = target
+        node = self.pkg.module(module).classes[cls].methods[name]
+        return Frame(module, f"{cls}.{name}", node, (module, cls), None)
+
+    def bind(self, node: ast.FunctionDef, call: ast.Call, arg_tracked, kw_tracked, bound: bool) -> set[str]:
+        """The callee's parameters that receive a tracked value."""
+        a = node.args
+        positional = [p.arg for p in (*a.posonlyargs, *a.args)]
+        static = any(_dotted(d) in (["staticmethod"],) for d in node.decorator_list)
+        if bound and not static:
+            positional = positional[1:]
+        keyword = set(positional[len(a.posonlyargs) :]) | {p.arg for p in a.kwonlyargs}
+        out: set[str] = set()
+        starred_at = None
+        for i, (arg, t) in enumerate(zip(call.args, arg_tracked)):
+            if isinstance(arg, ast.Starred) and starred_at is None:
+                starred_at = i
+            if not t:
+                continue
+            if isinstance(arg, ast.Starred) or starred_at is not None:
+                out |= set(positional[starred_at:]) | ({a.vararg.arg} if a.vararg else set())
+            elif i < len(positional):
+                out.add(positional[i])
+            elif a.vararg:
+                out.add(a.vararg.arg)
+        for k, t in zip(call.keywords, kw_tracked):
+            if not t:
+                continue
+            if k.arg is None:  # **mapping
+                out |= keyword | ({a.kwarg.arg} if a.kwarg else set())
+            elif k.arg in keyword:
+                out.add(k.arg)
+            elif a.kwarg:
+                out.add(a.kwarg.arg)
+        return out
+
+    def function_args(self, frame: Frame, call: ast.Call) -> list[str]:
+        """Package functions passed as arguments (callbacks of an outside call)."""
+        out = []
+        for arg in [*call.args, *(k.value for k in call.keywords)]:
+            chain = _dotted(arg)
+            if not chain:
+                continue
+            target, _, _ = self.callee(frame, arg)
+            if target[0] in ("function", "method", "nested"):
+                out.append(self.frame_of(target).qualname)
+        return out
+
+
+def _short(call: ast.Call, most: int = 90) -> str:
+    text = " ".join(ast.unparse(call).split())
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
+def return_marks(sequence: list[str]) -> list[bool]:
+    """For each stop of a module sequence, whether it is a return: its module differs from
+    the previous stop's and the sequence was in it before (``A A B A C B``: the 4th and 6th)."""
+    marks, seen = [], set()
+    for i, m in enumerate(sequence):
+        marks.append(i > 0 and m != sequence[i - 1] and m in seen)
+        seen.add(m)
+    return marks
+
+
+def walk(root: Path = ROOT, start: tuple[str, str] = START, param: str = PARAM) -> WalkResult:
+    """The walk of ``param`` from ``start`` (a repository-relative path and a qualname
+    ``function`` or ``Class.method``) through package ``flowtt_jax`` under ``root``."""
+    pkg = Package(root, PACKAGE)
+    module = ".".join(Path(start[0]).with_suffix("").parts)
+    module = module.removesuffix(".__init__")
+    result = WalkResult(f"{start[0]}:{start[1]}", param)
+    walker = Walker(pkg, result)
+    cls, _, name = start[1].rpartition(".")
+    info = pkg.module(module)
+    if cls and name in getattr(info.classes.get(cls), "methods", {}):
+        node, owner = info.classes[cls].methods[name], (module, cls)
+    elif not cls and name in info.functions:
+        node, owner = info.functions[name], None
+    else:
+        raise ValueError(f"no function {start[1]} in {start[0]}")
+    walker.enter(Frame(module, start[1], node, owner, None), {param}, 0, None)
+    for stop, mark in zip(result.stops, return_marks(result.sequence)):
+        stop.is_return = mark
+    result.external = dict(sorted(result.external.items(), key=lambda kv: -kv[1]))
+    return result
+
+
+def report(result: WalkResult) -> str:
+    lines = [f"`{result.param}` from {result.start}, followed through the calls that pass it on", ""]
+    lines.append("stops (depth-first, in visit order; indent = call depth; '<- return' = module re-entered):")
+    for s in result.stops:
+        mark = "  <- return" if s.is_return else ""
+        site = f"  (from {s.called_from})" if s.called_from else ""
+        lines.append(f"{s.index:4d} {'  ' * s.depth}{s.label}  [{', '.join(s.params)}]{site}{mark}")
+    lines += ["", "stops per module:", *(f"  {n:3d}  {m}" for m, n in result.per_module.items())]
+    by = ", ".join(f"{m} {n}" for m, n in result.returns_by_module.items()) or "none"
+    lines += [
+        "",
+        f"stops: {len(result.stops)}   modules: {len(result.per_module)}   returns: {result.returns}",
+        f"returns by module re-entered: {by}",
+    ]
+
+    for title, items in (
+        ("unresolved calls taking a tracked value, not followed", result.unresolved),
+        ("package functions handed to calls outside the package, not followed", result.callbacks),
+        ("package classes built from tracked values, no __init__ of their own", result.constructors),
+        ("self.method calls whose package subclasses' overrides are not followed", result.overrides),
+    ):
+        lines += ["", f"{title} ({len(items)}):"]
+        lines += [f"  {x['site']} in {x['in']}: {x['call']}  [{x['note']}]" for x in items]
+    lines += [
+        "",
+        f"functions walked again for parameters a later call tracked, no new stop ({len(result.rewalks)}):",
+    ]
+    lines += [f"  {r['function']} +[{', '.join(r['new_params'])}] from {r['from']}" for r in result.rewalks]
+    ext = ", ".join(f"{k} x{v}" for k, v in result.external.items())
+    lines += ["", f"calls outside the package, not followed (call sites): {ext}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON ('-': stdout)")
+    args = parser.parse_args(argv)
+    result = walk()
+    if args.json == "-":
+        json.dump(result.as_dict(), sys.stdout, indent=1)
+        print()
+        return 0
+    print(report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.as_dict(), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
