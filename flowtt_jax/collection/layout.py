@@ -297,10 +297,13 @@ class CollectionLayout(TableViews):
         packs = self._call_packs(*self._form_sizes(features, True))
         out = {}
         for b in dict_batches(packs, features, oob, self._kernels(packs, params, impl)):
-            pooled = self._pool(packs, params, b, impl, dtype)
-            # split, not slices: a slice's transpose pads to the whole [F*B, D] (F^2 work)
-            for slot, part in zip(b.slots, jnp.split(pooled, len(b.slots))):
-                out[slot.feature] = part
+            pooled = self._pool(packs, params, b, impl, dtype, batch_major=True)
+            pooled = pooled.reshape(b.batch, len(b.slots), pooled.shape[-1])
+            # batch-major [B, F, D] split along F: a model's jnp.stack(outs, 1) folds back to
+            # it (no copy, nothing to compile per feature); a split, not slices, whose
+            # transposes would pad each to the whole [B, F, D] (F^2 work)
+            for slot, part in zip(b.slots, jnp.split(pooled, len(b.slots), axis=1)):
+                out[slot.feature] = part[:, 0]
         return out
 
     def _kernels(self, packs: Sequence[TablePack], params: Mapping[str, jax.Array], impl: str) -> list[bool]:
