@@ -64,7 +64,10 @@ def measure(tables: int, batch: int, calls: tuple[str, ...]) -> dict:
 
     def fwd(st, x):
         out = nnx.merge(graph, st)(x)
-        return out if isinstance(x, KeyedJagged) else jnp.stack([out[f] for f in coll.feature_names], 1)
+        if isinstance(x, KeyedJagged):
+            return out
+        # TorchRec's [B, sum D]; reshaped to the KeyedJagged call's [B, F, D]
+        return jnp.concatenate([out[f] for f in coll.feature_names], -1).reshape(batch, tables, -1)
 
     def fwd_bwd(st, x):
         return jax.grad(lambda s: jnp.sum(jnp.sin(fwd(s, x))))(st)

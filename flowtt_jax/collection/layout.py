@@ -298,12 +298,13 @@ class CollectionLayout(TableViews):
         out = {}
         for b in dict_batches(packs, features, oob, self._kernels(packs, params, impl)):
             pooled = self._pool(packs, params, b, impl, dtype, batch_major=True)
-            pooled = pooled.reshape(b.batch, len(b.slots), pooled.shape[-1])
-            # batch-major [B, F, D] split along F: a model's jnp.stack(outs, 1) folds back to
-            # it (no copy, nothing to compile per feature); a split, not slices, whose
-            # transposes would pad each to the whole [B, F, D] (F^2 work)
+            pooled = pooled.reshape(b.batch, len(b.slots) * pooled.shape[-1])
+            # batch-major [B, F*D] split along its columns: a model's jnp.concatenate(outs, -1)
+            # (TorchRec's [B, sum D]) folds back to it, no copy and nothing compiled per
+            # feature; a split, not slices, whose transposes would pad each to the whole
+            # [B, F*D] (F^2 work)
             for slot, part in zip(b.slots, jnp.split(pooled, len(b.slots), axis=1)):
-                out[slot.feature] = part[:, 0]
+                out[slot.feature] = part
         return out
 
     def _kernels(self, packs: Sequence[TablePack], params: Mapping[str, jax.Array], impl: str) -> list[bool]:

@@ -63,14 +63,12 @@ def _compiled_bytes(layout, params, inputs, pooled: bool, kw: Mapping[str, Any])
         features, weights = jax.tree.unflatten(treedef, full)
         out = layout.call(p, features, weights, pooled=pooled, **kw)
         # a loss that needs the outputs in its backward, as a model's does (a sum would not);
-        # a dict's outputs of one shape stacked in the features' order, as a model's
-        # interaction does: the dict call's [B, F, D] split folds back, where F reductions
-        # (or a stack in the keys' sorted order) would each compile
+        # a dict's outputs in the features' order, concatenated as a model's [B, sum D] is:
+        # the dict call's [B, F*D] split folds back (F reductions would each compile)
         named = [out[f] for f in layout.feature_names if f in out] if isinstance(out, Mapping) else None
-        groups: dict[tuple, list] = {}
-        for x in named if named and all(hasattr(x, "shape") for x in named) else jax.tree.leaves(out):
-            groups.setdefault((x.shape, x.dtype), []).append(x)
-        return sum(jnp.sum(jnp.square(jnp.stack(g, 1).astype(jnp.float32))) for g in groups.values())
+        if named and all(hasattr(x, "ndim") and x.ndim == 2 for x in named):
+            out = jnp.concatenate(named, -1)
+        return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(out))
 
     compiled = jax.jit(jax.grad(loss)).lower(abstract_params, arrays).compile()
     m = compiled.memory_analysis()
