@@ -372,4 +372,6 @@ class ShardedLayout(abc.ABC):
             for i, f in enumerate(self.feature_names)
         }
         out = self.local_apply(params, features, oob=oob, impl=impl, dtype=dtype)
-        return jnp.stack([out[f] for f in self.feature_names], axis=1)
+        # concatenated, not stacked: the dict call's [B, F*D] columns fold back to it
+        flat = jnp.concatenate([out[f] for f in self.feature_names], axis=-1)
+        return flat.reshape(ids.shape[0], len(self.feature_names), -1)
