@@ -1,53 +1,38 @@
 """Follow ``features`` from ``CollectionLayout.apply`` through the code (issue 51): a static
-walk of the calls that pass it on, and how often it hops between modules.
+walk of the calls that pass the ids on, from the user's call to the op, and its module hops.
 
-Usage (from the repository root)::
+    python -m scripts.feature_walk [--json PATH] [--end ENTRY ...] [--planning ENTRY ...]
 
-    python -m scripts.feature_walk [--json PATH]   # PATH "-": the JSON on stdout
+The package is parsed with ``ast`` (nothing imported or run). From ``START`` with ``features``
+*tracked*, a name is tracked in a function walked when it is a parameter given a tracked value
+(in a nested function, also a tracked name of the enclosing one); when an assignment's value
+uses a tracked name (``x = f(tracked)``; ``out[k] = tracked`` tracks ``out``); when it is the
+target of a ``for``, comprehension or ``with ... as`` over a tracked expression; when a method
+is called on it with a tracked argument (``out.append(tracked)``): a fixed point over the body,
+flow- and path-insensitive. Each call whose arguments or receiver use a tracked name is taken
+in evaluation order; one resolving to a package function (through imports, re-exports, nested
+functions, ``self.method`` in MRO order, ``Class.method``, a class's ``__init__``) is entered
+once and followed depth-first (walked again when a later call tracks other parameters).
 
-What it measures
-----------------
-The walk parses the package with ``ast`` (nothing is imported or run) and starts at
-``CollectionLayout.apply`` (``flowtt_jax/collection/layout.py``) with ``features`` *tracked*.
-In a function it walks, a name is tracked when it is a parameter given a tracked value (in a
-nested function, also a tracked name of the enclosing one it reads); when an assignment's right
-side uses a tracked name (``=``, ``+=``, annotated, ``:=``; a call's result counts, ``x =
-f(tracked)``; ``out[k] = tracked`` tracks ``out``); when it is the target of a ``for``, a
-comprehension or a ``with ... as`` over a tracked expression; when a method is called on it
-with a tracked argument (``out.append(tracked)``). This is a fixed point over the whole body
-(flow- and path-insensitive: every branch counts, ``isinstance`` prunes nothing).
+``END`` and ``PLANNING`` hold functions ``path:qualname``, modules ``path`` or folders ``path/``:
 
-Every call one of whose arguments (positional, ``*``, keyword, ``**``) or whose receiver uses
-a tracked name is then taken in source order (a call's arguments before the call, as Python
-evaluates them). One that resolves to a function of the package is followed depth-first, the
-parameters given tracked values tracked there. Calls resolve through the module's imports
-(``from x import f``, ``import x as m; m.f``, ``from pkg import module; module.f``, re-exports
-chased), its own functions and classes, functions nested in the caller, ``self.method`` /
-``cls.method`` (from the class whose method runs, through its package bases in MRO order) and
-``Class.method``; calling a package class enters its ``__init__`` if it has one.
+- ``END``, the op's entry: ``collection/pool.py:pool_packed`` (the batch is handed to the op
+  there), ``ops/``, ``kernels/``, ``tt/``: entered (a stop), not followed;
+- ``PLANNING``, calls that read only static sizes and dtypes of ``features`` for the memory
+  plan (``CollectionLayout._form_sizes``, ``_call_packs``, ``_kernels``, ``_cast_to_batch``,
+  ``memory.py``, ``budget.py``, ``collection/xla_fit.py``): not the data path, not entered,
+  listed as *planning calls, not followed*.
 
-A *stop* is a distinct function ``(module, qualname)`` entered, counted once; a later call
-giving tracked values to other parameters walks it again (no new stop), so a narrow first
-visit hides nothing. The stops' modules in visit order are the *sequence*; a *return* is a
-stop in a module the sequence had left before (``A A B A C B``: 2, the third A and second B).
-Printed: the stops as a call tree, stops per module, the numbers of stops, modules and
-returns, and the modules re-entered.
+The functions entered, in order, give a module sequence; a run of one module in it is one
+*visit* (issue 51's stop). *Stops* = visits, *modules* = distinct modules, *returns* = stops -
+modules, the visits to a module left before (``AABACB``: ``ABACB``, 5 stops, 3 modules, 2
+returns). Printed: the functions as a call tree (detail), the visits, the figures.
 
-Not resolved (listed in the output, never dropped silently)
------------------------------------------------------------
-- methods of a value (``batch.csr(...)``, ``bags._replace(...)``, ``x.reshape(...)``): the
-  receiver's type is not inferred (dynamic dispatch); listed as *unresolved* with the
-  package's methods of that name as candidates, as are calls of local values (a lambda or
-  callable in a variable, a parameter, a call's result) and of module-level values;
-- overrides of a ``self.method`` in package subclasses (the walk is of the start's class);
-- package functions handed to a call outside the package (``jax.tree.map(cast, tracked)``,
-  ``functools.partial``, ``lax`` control flow bodies): *callbacks*, not followed;
-- package classes without an ``__init__`` of their own (NamedTuples, dataclasses, whose
-  ``__post_init__`` is not entered): *constructors*;
-- calls outside the package (``jax``, ``numpy``, builtins, ``getattr``): counted by name;
-- not seen at all: properties, operators and other implicit calls (``__getitem__``,
-  ``__iter__``), and values passed on other than through arguments and call results
-  (globals, context variables, attributes of ``self``).
+Listed, not followed: methods of a value (the receiver's type is not inferred; the package's
+methods of that name as candidates), calls of local or module-level values, subclass overrides
+of a ``self.method``, package functions handed to outside calls (*callbacks*), package classes
+without an ``__init__`` (*constructors*), outside calls (counted). Not seen: properties,
+operators and other implicit calls, values passed other than as arguments and call results.
 """
 
 from __future__ import annotations
@@ -59,7 +44,6 @@ import collections
 import dataclasses
 import functools
 import json
-import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -67,6 +51,21 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "flowtt_jax"
 START = ("flowtt_jax/collection/layout.py", "CollectionLayout.apply")
 PARAM = "features"
+END = (  # entered (a stop), not followed: the op's entry
+    "flowtt_jax/collection/pool.py:pool_packed",
+    "flowtt_jax/ops/",
+    "flowtt_jax/kernels/",
+    "flowtt_jax/tt/",
+)
+PLANNING = (  # the memory planner: neither entered nor followed, listed
+    "flowtt_jax/collection/layout.py:CollectionLayout._form_sizes",
+    "flowtt_jax/collection/layout.py:CollectionLayout._call_packs",
+    "flowtt_jax/collection/layout.py:CollectionLayout._kernels",
+    "flowtt_jax/collection/layout.py:_cast_to_batch",
+    "flowtt_jax/memory.py",
+    "flowtt_jax/budget.py",
+    "flowtt_jax/collection/xla_fit.py",
+)
 _BUILTINS = frozenset(dir(builtins))
 
 
@@ -379,25 +378,37 @@ def _calls_in_order(node: ast.FunctionDef) -> list[ast.Call]:
 
 
 @dataclasses.dataclass
-class Stop:
+class Entered:  # a function the walk entered
     index: int
     module: str  # repository-relative path
     qualname: str
     depth: int
     params: list[str]  # the tracked parameters it was first entered with
     called_from: str | None  # path:line of the call
-    is_return: bool = False
+    followed: bool = True  # False: an END (the op's entry)
 
     @property
     def label(self) -> str:
         return f"{self.module}:{self.qualname}"
 
 
+def module_visits(sequence: list[str]) -> list[str]:
+    """The sequence with each run of one module merged into one visit (``AABACB``: ``ABACB``)."""
+    return [m for i, m in enumerate(sequence) if i == 0 or m != sequence[i - 1]]
+
+
+def figures(sequence: list[str]) -> dict[str, int]:
+    """Issue 51's figures of a module sequence: stops (visits), modules, returns."""
+    stops, modules = len(module_visits(sequence)), len(set(sequence))
+    return {"stops": stops, "modules": modules, "returns": stops - modules}
+
+
 @dataclasses.dataclass
 class WalkResult:
     start: str  # path:qualname
     param: str
-    stops: list[Stop] = dataclasses.field(default_factory=list)
+    functions: list[Entered] = dataclasses.field(default_factory=list)
+    planning: list[dict] = dataclasses.field(default_factory=list)
     unresolved: list[dict] = dataclasses.field(default_factory=list)
     callbacks: list[dict] = dataclasses.field(default_factory=list)
     constructors: list[dict] = dataclasses.field(default_factory=list)
@@ -406,33 +417,28 @@ class WalkResult:
     overrides: list[dict] = dataclasses.field(default_factory=list)
 
     @property
-    def sequence(self) -> list[str]:
-        return [s.module for s in self.stops]
+    def visits(self) -> list[str]:
+        return module_visits([f.module for f in self.functions])
 
     @property
-    def per_module(self) -> dict[str, int]:
-        return dict(collections.Counter(self.sequence).most_common())
+    def figures(self) -> dict[str, int]:
+        return figures([f.module for f in self.functions])
 
     @property
-    def returns(self) -> int:
-        return sum(s.is_return for s in self.stops)
-
-    @property
-    def returns_by_module(self) -> dict[str, int]:
-        return dict(collections.Counter(s.module for s in self.stops if s.is_return).most_common())
+    def per_module(self) -> dict[str, int]:  # visits per module
+        return dict(collections.Counter(self.visits).most_common())
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out["stop_list"] = [d | {"label": s.label} for d, s in zip(out.pop("stops"), self.stops)]
-        figures = {"stops": len(self.stops), "modules": len(self.per_module), "returns": self.returns}
-        more = {"per_module": self.per_module, "returns_by_module": self.returns_by_module}
-        return figures | more | {"sequence": self.sequence} | out
+        out["functions"] = [d | {"label": f.label} for d, f in zip(out["functions"], self.functions)]
+        return self.figures | {"visits": self.visits, "per_module": self.per_module} | out
 
 
 class Walker:
-    def __init__(self, pkg: Package, result: WalkResult) -> None:
+    def __init__(self, pkg: Package, result: WalkResult, end=END, planning=PLANNING) -> None:
         self.pkg = pkg
         self.out = result
+        self.end, self.planning = tuple(end), tuple(planning)
         self.walked: dict[tuple[str, str], set[str]] = {}  # key -> tracked parameters walked with
         self._seen_sites: set[tuple] = set()
 
@@ -441,15 +447,18 @@ class Walker:
     def enter(self, frame: Frame, params: set[str], depth: int, site: str | None) -> None:
         key = (frame.module, frame.qualname)
         path = self.pkg.module(frame.module).path
-        stops = self.out.stops
+        functions, end = self.out.functions, _matches(self.end, path, frame.qualname)
         if key not in self.walked:
-            stops.append(Stop(len(stops) + 1, path, frame.qualname, depth, sorted(params), site))
+            functions.append(Entered(len(functions) + 1, path, frame.qualname, depth, sorted(params), site))
+            functions[-1].followed = not end
             self.walked[key] = set()
-        elif params <= self.walked[key]:
+        elif params <= self.walked[key] or end:
             return
         else:
             new = sorted(params - self.walked[key])
             self.out.rewalks.append({"function": f"{path}:{frame.qualname}", "new_params": new, "from": site})
+        if end:  # the op's entry: a stop, not followed
+            return
         self.walked[key] |= params
         frame.tracked = set(self.walked[key])
         if frame.parent is not None:  # a closure reads its enclosing function's tracked names
@@ -488,12 +497,16 @@ class Walker:
             target, kind, bound = ("method", *init, "__init__", True), "method", True
         if kind in ("function", "method", "nested"):
             callee = self.frame_of(target)
-            self.enter(callee, self.bind(callee.node, call, arg_tracked, kw_tracked, bound), depth + 1, site)
-            return
+            label = f"{self.pkg.module(callee.module).path}:{callee.qualname}"
+            if not _matches(self.planning, *label.split(":")):
+                params = self.bind(callee.node, call, arg_tracked, kw_tracked, bound)
+                return self.enter(callee, params, depth + 1, site)
         if (site, call.col_offset) in self._seen_sites:
             return
         self._seen_sites.add((site, call.col_offset))
-        if kind == "class":
+        if kind in ("function", "method", "nested"):
+            self.out.planning.append(record | {"callee": label, "note": label})
+        elif kind == "class":
             post = "__post_init__" in self.pkg.module(target[1]).classes[target[2]].methods
             name = f"{self.pkg.module(target[1]).path}:{target[2]}"
             note = name + (" (its __post_init__ not entered)" if post else "")
@@ -602,29 +615,27 @@ class Walker:
         return out
 
 
+def _matches(entries: tuple[str, ...], path: str, qualname: str) -> bool:
+    """Whether function ``path:qualname`` is one of ``entries`` (functions, modules, folders)."""
+    return any(e in (path, f"{path}:{qualname}") or (e.endswith("/") and path.startswith(e)) for e in entries)
+
+
 def _short(call: ast.Call, most: int = 90) -> str:
     text = " ".join(ast.unparse(call).split())
     return text if len(text) <= most else text[: most - 3] + "..."
 
 
-def return_marks(sequence: list[str]) -> list[bool]:
-    """For each stop of a module sequence, whether it is a return: its module differs from
-    the previous stop's and the sequence was in it before (``A A B A C B``: the 4th and 6th)."""
-    marks, seen = [], set()
-    for i, m in enumerate(sequence):
-        marks.append(i > 0 and m != sequence[i - 1] and m in seen)
-        seen.add(m)
-    return marks
-
-
-def walk(root: Path = ROOT, start: tuple[str, str] = START, param: str = PARAM) -> WalkResult:
+def walk(
+    root: Path = ROOT, start: tuple[str, str] = START, param: str = PARAM, end=END, planning=PLANNING
+) -> WalkResult:
     """The walk of ``param`` from ``start`` (a repository-relative path and a qualname
-    ``function`` or ``Class.method``) through package ``flowtt_jax`` under ``root``."""
+    ``function`` or ``Class.method``) through package ``flowtt_jax`` under ``root``, ending at
+    ``end`` and leaving ``planning`` out (see the module's docstring)."""
     pkg = Package(root, PACKAGE)
     module = ".".join(Path(start[0]).with_suffix("").parts)
     module = module.removesuffix(".__init__")
     result = WalkResult(f"{start[0]}:{start[1]}", param)
-    walker = Walker(pkg, result)
+    walker = Walker(pkg, result, end, planning)
     cls, _, name = start[1].rpartition(".")
     info = pkg.module(module)
     if cls and name in getattr(info.classes.get(cls), "methods", {}):
@@ -634,28 +645,25 @@ def walk(root: Path = ROOT, start: tuple[str, str] = START, param: str = PARAM) 
     else:
         raise ValueError(f"no function {start[1]} in {start[0]}")
     walker.enter(Frame(module, start[1], node, owner, None), {param}, 0, None)
-    for stop, mark in zip(result.stops, return_marks(result.sequence)):
-        stop.is_return = mark
     result.external = dict(sorted(result.external.items(), key=lambda kv: -kv[1]))
     return result
 
 
 def report(result: WalkResult) -> str:
     lines = [f"`{result.param}` from {result.start}, followed through the calls that pass it on", ""]
-    lines.append("stops (depth-first, in visit order; indent = call depth; '<- return' = module re-entered):")
-    for s in result.stops:
-        mark = "  <- return" if s.is_return else ""
-        site = f"  (from {s.called_from})" if s.called_from else ""
-        lines.append(f"{s.index:4d} {'  ' * s.depth}{s.label}  [{', '.join(s.params)}]{site}{mark}")
-    lines += ["", "stops per module:", *(f"  {n:3d}  {m}" for m, n in result.per_module.items())]
-    by = ", ".join(f"{m} {n}" for m, n in result.returns_by_module.items()) or "none"
-    lines += [
-        "",
-        f"stops: {len(result.stops)}   modules: {len(result.per_module)}   returns: {result.returns}",
-        f"returns by module re-entered: {by}",
-    ]
-
+    lines.append("functions entered (depth-first, in order; indent = call depth; '(end)': not followed):")
+    for f in result.functions:
+        site = f"  (from {f.called_from})" if f.called_from else ""
+        end = "" if f.followed else "  (end)"
+        lines.append(f"{f.index:4d} {'  ' * f.depth}{f.label}  [{', '.join(f.params)}]{site}{end}")
+    v = result.visits
+    lines += ["", "module visits (a run of functions in one module is one visit; '<- return': re-entered):"]
+    lines += [f"  {i:3d}  {m}{'  <- return' if m in v[: i - 1] else ''}" for i, m in enumerate(v, 1)]
+    lines += ["", "visits per module:", *(f"  {n:3d}  {m}" for m, n in result.per_module.items())]
+    fig = result.figures
+    lines += ["", f"stops: {fig['stops']}   modules: {fig['modules']}   returns: {fig['returns']}"]
     for title, items in (
+        ("planning calls, not followed", result.planning),
         ("unresolved calls taking a tracked value, not followed", result.unresolved),
         ("package functions handed to calls outside the package, not followed", result.callbacks),
         ("package classes built from tracked values, no __init__ of their own", result.constructors),
@@ -663,10 +671,7 @@ def report(result: WalkResult) -> str:
     ):
         lines += ["", f"{title} ({len(items)}):"]
         lines += [f"  {x['site']} in {x['in']}: {x['call']}  [{x['note']}]" for x in items]
-    lines += [
-        "",
-        f"functions walked again for parameters a later call tracked, no new stop ({len(result.rewalks)}):",
-    ]
+    lines += ["", f"functions walked again for parameters a later call tracked ({len(result.rewalks)}):"]
     lines += [f"  {r['function']} +[{', '.join(r['new_params'])}] from {r['from']}" for r in result.rewalks]
     ext = ", ".join(f"{k} x{v}" for k, v in result.external.items())
     lines += ["", f"calls outside the package, not followed (call sites): {ext}"]
@@ -676,15 +681,14 @@ def report(result: WalkResult) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON ('-': stdout)")
+    for name, default in (("end", END), ("planning", PLANNING)):  # replace the constant's entries
+        parser.add_argument(f"--{name}", nargs="*", default=default, metavar="ENTRY")
     args = parser.parse_args(argv)
-    result = walk()
-    if args.json == "-":
-        json.dump(result.as_dict(), sys.stdout, indent=1)
-        print()
-        return 0
-    print(report(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result.as_dict(), indent=1) + "\n")
+    result = walk(end=args.end, planning=args.planning)
+    data = json.dumps(result.as_dict(), indent=1)
+    print(data if args.json == "-" else report(result))
+    if args.json and args.json != "-":
+        Path(args.json).write_text(data + "\n")
     return 0
 
 

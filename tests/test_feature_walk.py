@@ -1,7 +1,8 @@
 """Issue 51's measure of the collection call's input path (``scripts/feature_walk.py``): the
-walk of ``features`` from ``CollectionLayout.apply`` through the calls that pass it on makes at
-most ``MAX_STOPS`` stops (distinct functions) with at most ``MAX_RETURNS`` returns to a module
-it had left. ``python -m scripts.feature_walk`` prints the walk."""
+walk of ``features`` from ``CollectionLayout.apply`` to the op's entry (``pool_packed``) makes
+at most ``MAX_STOPS`` stops (module visits: a run of functions in one module is one) with at
+most ``MAX_RETURNS`` returns to a module it had left (stops - modules); the memory planner's
+calls are listed, not followed. ``python -m scripts.feature_walk`` prints the walk."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 import pytest
 
 from scripts import feature_walk
-from scripts.feature_walk import return_marks, walk
+from scripts.feature_walk import figures, module_visits, walk
 
 MAX_STOPS = 10
 MAX_RETURNS = 3
@@ -21,10 +22,11 @@ def result():
     return walk()
 
 
-def test_return_marks():
-    assert return_marks(list("AABACB")) == [False, False, False, True, False, True]
-    assert return_marks(list("AABBCC")) == [False] * 6
-    assert return_marks([]) == []
+def test_module_visits_and_figures():
+    assert module_visits(list("AABACB")) == list("ABACB")
+    assert figures(list("AABACB")) == {"stops": 5, "modules": 3, "returns": 2}
+    assert figures(list("AABBCC")) == {"stops": 3, "modules": 3, "returns": 0}
+    assert figures([]) == {"stops": 0, "modules": 0, "returns": 0}
 
 
 def test_walker_on_a_small_package(tmp_path):
@@ -63,48 +65,85 @@ def test_walker_on_a_small_package(tmp_path):
         "    return inner(value) + value.method(1)\n"
     )
     (pkg / "c.py").write_text("def helper(v, w=None):\n    return v\n\ndef other(u):\n    return u\n")
-    r = walk(tmp_path, ("flowtt_jax/a.py", "L.run"), "features")
-    assert [s.label for s in r.stops] == [
+    r = walk(tmp_path, ("flowtt_jax/a.py", "L.run"), "features", end=(), planning=())
+    assert [f.label for f in r.functions] == [
         "flowtt_jax/a.py:L.run",
         "flowtt_jax/a.py:L._prep",
-        "flowtt_jax/c.py:helper",  # c.other takes no tracked value: not a stop
+        "flowtt_jax/c.py:helper",  # c.other takes no tracked value: not entered
         "flowtt_jax/b.py:step",
         "flowtt_jax/a.py:Base._back",
         "flowtt_jax/b.py:finish",
         "flowtt_jax/b.py:finish.<locals>.inner",
     ]
-    assert r.stops[2].params == ["v"] and r.stops[3].params == ["v"]
-    assert r.sequence.count("flowtt_jax/a.py") == 3
-    assert r.returns == 2 and r.returns_by_module == {"flowtt_jax/a.py": 1, "flowtt_jax/b.py": 1}
+    assert r.functions[2].params == ["v"] and r.functions[3].params == ["v"]
+    assert r.visits == [
+        "flowtt_jax/a.py",
+        "flowtt_jax/c.py",
+        "flowtt_jax/b.py",
+        "flowtt_jax/a.py",
+        "flowtt_jax/b.py",
+    ]
+    assert r.figures == {"stops": 5, "modules": 3, "returns": 2}
+    assert r.per_module == {"flowtt_jax/a.py": 2, "flowtt_jax/b.py": 2, "flowtt_jax/c.py": 1}
     assert [u["call"] for u in r.unresolved] == ["value.method(1)"]
+    # b.step is the end (entered, not followed: c.helper is not entered from it); c.py is planning
+    r = walk(
+        tmp_path,
+        ("flowtt_jax/a.py", "L.run"),
+        "features",
+        end=("flowtt_jax/b.py:step",),
+        planning=("flowtt_jax/c.py",),
+    )
+    assert [f.label for f in r.functions][:3] == [
+        "flowtt_jax/a.py:L.run",
+        "flowtt_jax/a.py:L._prep",
+        "flowtt_jax/b.py:step",
+    ]
+    assert [f.followed for f in r.functions][:3] == [True, True, False]
+    assert [p["callee"] for p in r.planning] == ["flowtt_jax/c.py:helper"]
 
 
-def test_walk_follows_the_input_pipeline(result):
-    assert result.stops[0].label == "flowtt_jax/collection/layout.py:CollectionLayout.apply"
-    assert "flowtt_jax/collection/batch.py" in result.sequence, [s.label for s in result.stops]
-    labels = [s.label for s in result.stops]
+def test_walk_follows_the_ids_to_the_op(result):
+    labels = [f.label for f in result.functions]
+    assert labels[0] == "flowtt_jax/collection/layout.py:CollectionLayout.apply"
+    assert "flowtt_jax/collection/batch.py" in result.visits, labels
     assert len(labels) == len(set(labels))
-    assert all(m.startswith("flowtt_jax/") for m in result.sequence)
+    # ends at the op's entry: pool_packed entered, not followed; nothing followed in ops/kernels/tt
+    assert "flowtt_jax/collection/pool.py:pool_packed" in labels, labels
+    ends = [f.label for f in result.functions if not f.followed]
+    assert "flowtt_jax/collection/pool.py:pool_packed" in ends
+    assert not any(
+        f.called_from.startswith("flowtt_jax/collection/pool.py:") for f in result.functions[1:]
+    ), labels
+    op = ("flowtt_jax/ops/", "flowtt_jax/kernels/", "flowtt_jax/tt/")
+    assert all(f.label in ends for f in result.functions if f.module.startswith(op))
+    # the memory planner is listed, not followed
+    planned = {p["callee"] for p in result.planning}
+    assert "flowtt_jax/collection/layout.py:CollectionLayout._form_sizes" in planned, planned
+    assert not any(f.module in ("flowtt_jax/memory.py", "flowtt_jax/budget.py") for f in result.functions)
 
 
 def test_feature_walk_json(tmp_path, capsys):
     out = tmp_path / "walk.json"
     assert feature_walk.main(["--json", str(out)]) == 0
-    assert "stops:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "stops:" in printed and "planning calls, not followed" in printed
     data = json.loads(out.read_text())
-    assert data["stops"] == len(data["sequence"]) == len(data["stop_list"])
+    assert data["stops"] == len(data["visits"]) == sum(data["per_module"].values())
     assert data["modules"] == len(data["per_module"])
-    assert data["returns"] == sum(data["returns_by_module"].values())
+    assert data["returns"] == data["stops"] - data["modules"]
+    assert data["functions"][0]["label"].endswith("CollectionLayout.apply") and data["planning"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 51's walk targets are not met yet (python -m scripts.feature_walk)")
+@pytest.mark.xfail(
+    strict=True, reason="issue 51's walk targets are not met yet (python -m scripts.feature_walk)"
+)
 def test_feature_walk_targets(result):
-    """Issue 51's targets: at most 10 stops and at most 3 returns."""
-    stops, returns = len(result.stops), result.returns
-    figures = (
-        f"{stops} stops in {len(result.per_module)} modules, {returns} returns "
-        f"(re-entered: {result.returns_by_module}); per module: {result.per_module}; "
-        "python -m scripts.feature_walk prints the walk"
+    """Issue 51's targets: at most 10 stops (module visits) and at most 3 returns."""
+    fig = result.figures
+    msg = (
+        f"{fig['stops']} stops in {fig['modules']} modules, {fig['returns']} returns; visits per module: "
+        f"{result.per_module}; python -m scripts.feature_walk prints the walk"
     )
-    assert stops <= MAX_STOPS, figures
-    assert returns <= MAX_RETURNS, figures
+    assert fig["stops"] <= MAX_STOPS, msg
+    assert fig["returns"] <= MAX_RETURNS, msg
