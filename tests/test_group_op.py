@@ -84,6 +84,12 @@ def per_table_loop(
     return jnp.stack(outs)
 
 
+def jitted_loop(ids, offsets, modes, oob="zero"):
+    """``per_table_loop`` of these bags as one program of ``(packed, weights)`` (one compile,
+    not one per reference op)."""
+    return jax.jit(lambda c, w: per_table_loop(c, ids, offsets, w, modes, oob=oob))
+
+
 def test_layout_packs_and_slices_back():
     tables = [ftt.init_cores(jax.random.key(t), s) for t, s in enumerate(SPECS)]
     packed = LAYOUT.pack(tables)
@@ -171,11 +177,12 @@ def test_plan_rows_are_the_tables_rows():
     tables = np.repeat(np.asarray(FEATURE_TABLES), 7)[
         np.searchsorted(offsets, np.arange(len(ids)), side="right") - 1
     ]
-    plan = make_group_plan(LAYOUT, jnp.asarray(ids), jnp.asarray(tables, jnp.int32))
-    rows = np.asarray(plan_rows(packed, plan))
-    dense = [
-        np.asarray(ftt.to_dense(LAYOUT.table_cores(packed, t), s.num_embeddings)) for t, s in enumerate(SPECS)
-    ]
+    plan = jax.jit(make_group_plan, static_argnums=0)(LAYOUT, jnp.asarray(ids), jnp.asarray(tables, jnp.int32))
+    rows = np.asarray(jax.jit(plan_rows)(packed, plan))
+    dense = jax.jit(
+        lambda p: [ftt.to_dense(LAYOUT.table_cores(p, t), s.num_embeddings) for t, s in enumerate(SPECS)]
+    )(packed)
+    dense = [np.asarray(d) for d in dense]
     inv = np.asarray(plan.inverse)
     for k in range(len(ids)):
         np.testing.assert_allclose(rows[inv[k]], dense[tables[k]][ids[k]], rtol=1e-5, atol=1e-6)
@@ -196,7 +203,7 @@ def test_forward_matches_per_table_loop(impl, weighted):
             c, LAYOUT, i, o, FEATURE_TABLES, weights=w, mode=MODES, impl=impl
         )
     )(packed, ids, offsets, w)
-    expected = per_table_loop(packed, ids, offsets, w, MODES)
+    expected = jitted_loop(ids, offsets, MODES)(packed, w)
     assert out.shape == (len(FEATURE_TABLES), 7, 16)
     np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6)
     assert np.all(np.asarray(out[4]) == 0)  # the empty feature
@@ -221,7 +228,7 @@ def test_gradients_match_per_table_loop(impl):
             (0, 1),
         )
     )
-    ref = jax.grad(loss(lambda c, w: per_table_loop(c, ids, offsets, w, MODES)), (0, 1))
+    ref = jax.jit(jax.grad(loss(lambda c, w: per_table_loop(c, ids, offsets, w, MODES)), (0, 1)))
     (dc, dw), (dc_ref, dw_ref) = ours(packed, weights), ref(packed, weights)
     for a, b in zip(dc, dc_ref):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
@@ -264,7 +271,7 @@ def test_batch_major_is_the_transposed_output_and_gradient(impl):
     (dc, dw), out = run(False)
     assert out_bm.shape == (batch, len(FEATURE_TABLES), 16)
     np.testing.assert_allclose(
-        out_bm, jnp.swapaxes(per_table_loop(packed, ids, offsets, weights, MODES), 0, 1), rtol=2e-5, atol=2e-6
+        out_bm, jnp.swapaxes(jitted_loop(ids, offsets, MODES)(packed, weights), 0, 1), rtol=2e-5, atol=2e-6
     )
     exact = impl == "ffi" or jax.default_backend() == "cpu"
     for a, b in zip((out_bm, *dc_bm, dw_bm), (jnp.swapaxes(out, 0, 1), *dc, dw)):
@@ -285,7 +292,7 @@ def test_out_of_range_ids_follow_the_policy_per_table(impl, oob):
     out = tt_embedding_bag_group(
         packed, LAYOUT, ids, offsets, FEATURE_TABLES, weights=weights, mode=MODES, oob=oob, impl=impl
     )
-    expected = per_table_loop(packed, ids, offsets, weights, MODES, oob=oob)
+    expected = jitted_loop(ids, offsets, MODES, oob=oob)(packed, weights)
     np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6)
 
 
@@ -305,8 +312,9 @@ def test_vmap_over_weights(impl):
     out = jax.vmap(
         lambda w: tt_embedding_bag_group(packed, LAYOUT, ids, offsets, FEATURE_TABLES, weights=w, impl=impl)
     )(ws)
+    loop = jitted_loop(ids, offsets, ("sum",) * 6)
     for k in range(3):
-        expected = per_table_loop(packed, ids, offsets, ws[k], ("sum",) * 6)
+        expected = loop(packed, ws[k])
         np.testing.assert_allclose(out[k], expected, rtol=2e-5, atol=2e-6)
 
 
