@@ -97,10 +97,11 @@ def test_budget_choice_fits_by_the_estimate_and_by_xla(share):
     def loss(m):
         return sum(jnp.sum(jnp.sin(v)) for v in m(feats).values())
 
-    got, want = lean(feats), plain(feats)
+    call, grad = nnx.jit(lambda m: m(feats)), nnx.jit(nnx.grad(loss))  # a program each, not op by op
+    got, want = call(lean), call(plain)
     for f in want:  # windows and passes sum a bag's rows in another order: float rounding
         np.testing.assert_allclose(np.asarray(got[f]), np.asarray(want[f]), rtol=1e-5, atol=1e-6, err_msg=f)
-    g_lean, g_plain = nnx.grad(loss)(lean), nnx.grad(loss)(plain)
+    g_lean, g_plain = grad(lean), grad(plain)
     for a, b in zip(jax.tree.leaves(g_lean), jax.tree.leaves(g_plain)):  # sums in pass order
         scale = float(np.abs(np.asarray(b)).max())
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * scale)
