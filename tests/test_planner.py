@@ -210,7 +210,7 @@ def test_plan_builds_a_collection(sample):
     params = nnx.state(coll, (nnx.Param, ftt.nnx.HotIds))  # hot-row caches: their rows and ids
     assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) == plan.parameter_bytes
     coll = ftt.nnx.TTEmbeddingCollection(plan.tables, rngs=nnx.Rngs(0))
-    out = coll({k: jnp.asarray(v) for k, v in batch.items()})
+    out = nnx.jit(lambda m, x: m(x))(coll, {k: jnp.asarray(v) for k, v in batch.items()})
     assert {k: v.shape for k, v in out.items()} == {k: (512, 16) for k in CARDS}
     assert all(np.isfinite(np.asarray(v)).all() for v in out.values())
 
