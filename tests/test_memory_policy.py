@@ -295,3 +295,19 @@ def test_reference_path_estimate_within_15_percent(training):
         assert abs(est / xla - 1) <= 0.15, (est, xla)
     else:
         assert 0.85 <= est / xla <= 1.5, (est, xla)
+
+
+@needs_kernels
+def test_the_xla_check_takes_features_of_other_batch_sizes():
+    """Near its budget a dict call whose features have other batch sizes is checked by XLA
+    (its outputs, of other rows, are not concatenated in the check's loss) and runs."""
+    cfgs = [TableConfig("a", 50_000, 16, rank=8), TableConfig("b", 40_000, 16, rank=8)]
+    rng = np.random.default_rng(3)
+    feats = {"a": rng.integers(0, 50_000, (256, 4)), "b": rng.integers(0, 40_000, (128, 3))}
+    roomy = TTEmbeddingCollection(cfgs, memory_budget=10**12, rngs=nnx.Rngs(0))
+    estimate = roomy.layout.memory_plan(feats).estimate.total
+    coll = TTEmbeddingCollection(cfgs, memory_budget=int(1.2 * estimate), rngs=nnx.Rngs(0))
+    plan = coll.layout.memory_plan(feats)
+    assert plan.xla_bytes is not None, str(plan)
+    out = coll(feats)
+    assert out["a"].shape == (256, 16) and out["b"].shape == (128, 16)

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flowtt_jax.budget import CANDIDATES, pass_size
 
@@ -66,7 +67,8 @@ def _compiled_bytes(layout, params, inputs, pooled: bool, kw: Mapping[str, Any])
         # a dict's outputs in the features' order, concatenated as a model's [B, sum D] is:
         # the dict call's [B, F*D] split folds back (F reductions would each compile)
         named = [out[f] for f in layout.feature_names if f in out] if isinstance(out, Mapping) else None
-        if named and all(hasattr(x, "ndim") and x.ndim == 2 for x in named):
+        same_rows = named and len({(np.shape(x)[0], x.dtype) for x in named}) == 1
+        if same_rows and all(np.ndim(x) == 2 for x in named):  # not features of other batch sizes
             out = jnp.concatenate(named, -1)
         return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(out))
 
