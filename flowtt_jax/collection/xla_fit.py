@@ -50,6 +50,21 @@ def pinned_layout(layout: Any, ids_per_pass: int | None, windows: int = 1) -> An
     )
 
 
+def _pack_blocks(layout, out: Mapping[str, Any]) -> list:
+    """A dict call's outputs as one ``[B, F*D]`` block per pack (its features' columns in
+    its order, which fold back to the pack's pooled array), or one by one where a pack's
+    features have other batch sizes or shapes (other forms)."""
+    blocks = []
+    for pack in layout.packs:
+        named = [out[s.feature] for s in pack.features if s.feature in out]
+        one_block = len({(np.shape(x)[0], x.dtype) for x in named}) == 1
+        if one_block and all(np.ndim(x) == 2 for x in named):
+            blocks.append(jnp.concatenate(named, -1))
+        else:
+            blocks += named
+    return blocks
+
+
 def _compiled_bytes(layout, params, inputs, pooled: bool, kw: Mapping[str, Any]) -> int:
     """Arguments + temporaries + outputs of the training step of ``layout.call`` on the
     abstract ``params`` and ``inputs`` (``(features, weights)``)."""
@@ -64,13 +79,11 @@ def _compiled_bytes(layout, params, inputs, pooled: bool, kw: Mapping[str, Any])
         features, weights = jax.tree.unflatten(treedef, full)
         out = layout.call(p, features, weights, pooled=pooled, **kw)
         # a loss that needs the outputs in its backward, as a model's does (a sum would not);
-        # a dict's outputs in the features' order, concatenated as a model's [B, sum D] is:
-        # the dict call's [B, F*D] split folds back (F reductions would each compile)
-        named = [out[f] for f in layout.feature_names if f in out] if isinstance(out, Mapping) else None
-        same_rows = named and len({(np.shape(x)[0], x.dtype) for x in named}) == 1
-        if same_rows and all(np.ndim(x) == 2 for x in named):  # not features of other batch sizes
-            out = jnp.concatenate(named, -1)
-        return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(out))
+        # a dict's outputs concatenated pack by pack: each pack's [B, F*D] columns fold back
+        # to it (F reductions would each compile), and no copy a model might not make
+        blocks = pooled and isinstance(out, Mapping)  # unpooled rows are split by rows, not columns
+        parts = _pack_blocks(layout, out) if blocks else jax.tree.leaves(out)
+        return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in parts)
 
     compiled = jax.jit(jax.grad(loss)).lower(abstract_params, arrays).compile()
     m = compiled.memory_analysis()
