@@ -34,11 +34,13 @@ TABLES = (
 
 def _features(rng: np.random.Generator, batch: int = 9) -> dict:
     """CSR bags with weights (empty bags included), ids at each table's last row, and a hot
-    id repeated; every table's ids."""
+    id repeated; every table's ids. Bags of 2-5 ids elsewhere: at least 16 ids a feature,
+    10 or more drawn from the whole table, so some miss every cache (a draw of 7 distinct
+    ids or fewer could all be cached and leave the cores without a gradient)."""
     feats = {}
     for cfg in TABLES:
         for f in cfg.feature_keys:
-            lens = rng.integers(0, 5, batch)
+            lens = rng.integers(2, 6, batch)
             lens[1] = 0
             n = int(lens.sum())
             ids = rng.integers(0, cfg.num_embeddings, n)
