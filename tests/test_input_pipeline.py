@@ -26,17 +26,28 @@ import pytest
 from jax.experimental import checkify
 
 from flowtt_jax import KeyedJagged
+from flowtt_jax.collection import TableConfig
 from flowtt_jax.collection.layout import CollectionLayout
-from tests.test_collection_stacked import _tables
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / f"pipeline_cpu_{host_platform.machine()}.json"
 B = 5
+DIM = 8
 
 
 def _layout() -> CollectionLayout:
-    """``test_collection_stacked``'s tables: packs in another order than the features (a TT
-    group, a dense pack, a 2-core table), a table shared by two features, every mode."""
-    return CollectionLayout(tuple(_tables()))
+    """Packs in another order than the features (a TT group, a dense pack, a 2-core table),
+    a table shared by two features, every mode (the pinned values' tables: kept here, not
+    shared with other tests, whose sizes may change)."""
+    return CollectionLayout(
+        (
+            TableConfig("a", 1000, DIM, rank=4, mode="mean"),
+            TableConfig("d", 50, DIM, kind="dense"),
+            TableConfig("b", 3000, DIM, rank=4, mode="sqrtn", feature_names=("b1", "b2")),
+            TableConfig("two", 300, DIM, rank=4, num_cores=2),
+            TableConfig("d2", 40, DIM, kind="dense", mode="mean"),
+            TableConfig("c", 77, DIM, rank=4),
+        )
+    )
 
 
 def _rows(layout) -> dict[str, int]:
