@@ -21,7 +21,9 @@ once and followed depth-first (walked again when a later call tracks other param
 - ``PLANNING``, calls that read only static sizes and dtypes of ``features`` for the memory
   plan (``CollectionLayout._form_sizes``, ``_call_packs``, ``_kernels``, ``_cast_to_batch``,
   ``memory.py``, ``budget.py``, ``collection/xla_fit.py``): not the data path, not entered,
-  listed as *planning calls, not followed*.
+  listed as *planning calls, not followed*; what they return is a static plan (the packs,
+  the parameters in the batch's dtype), not the features: an assignment from one does not
+  track its target.
 
 The functions entered, in order, give a module sequence; a run of one module in it is one
 *visit* (issue 51's stop). *Stops* = visits, *modules* = distinct modules, *returns* = stops -
@@ -39,13 +41,14 @@ from __future__ import annotations
 
 import argparse
 import ast
-import builtins
 import collections
 import dataclasses
 import functools
 import json
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
+
+from scripts.package_ast import Package, dotted, is_property
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "flowtt_jax"
@@ -66,202 +69,6 @@ PLANNING = (  # the memory planner: neither entered nor followed, listed
     "flowtt_jax/budget.py",
     "flowtt_jax/collection/xla_fit.py",
 )
-_BUILTINS = frozenset(dir(builtins))
-
-
-class ClassInfo(NamedTuple):
-    node: ast.ClassDef
-    methods: dict[str, ast.FunctionDef]
-
-
-@dataclasses.dataclass
-class ModuleInfo:
-    path: str  # repository-relative
-    functions: dict[str, ast.FunctionDef]
-    classes: dict[str, ClassInfo]
-    imports: dict[str, tuple]  # local name -> ("module", dotted) | ("from", dotted, attr)
-    globals_: set[str]
-
-
-class Package:
-    """The package's modules, parsed on demand, and symbol resolution across them."""
-
-    def __init__(self, root: Path, package: str) -> None:
-        self.root = root
-        self.package = package
-        self.paths: dict[str, Path] = {}
-        for p in (root / package).rglob("*.py"):
-            parts = list(p.relative_to(root).with_suffix("").parts)
-            self.paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
-        self._modules: dict[str, ModuleInfo] = {}
-
-    def is_internal(self, dotted: str) -> bool:
-        return dotted == self.package or dotted.startswith(self.package + ".")
-
-    def module(self, name: str) -> ModuleInfo:
-        if name not in self._modules:
-            path = self.paths[name]
-            tree = ast.parse(path.read_text(), filename=str(path))
-            functions, classes, imports, globals_ = {}, {}, {}, set()
-            for node in tree.body:
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    functions[node.name] = node
-                elif isinstance(node, ast.ClassDef):
-                    methods = {
-                        n.name: n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-                    }
-                    classes[node.name] = ClassInfo(node, methods)
-                elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                    for t in targets:
-                        globals_ |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
-            package_of = name if path.name == "__init__.py" else name.rpartition(".")[0]
-            for node in ast.walk(tree):  # module level and inside functions alike
-                if isinstance(node, ast.Import):
-                    for a in node.names:  # `import a.b` binds `a`
-                        local = a.asname or a.name.split(".")[0]
-                        imports[local] = ("module", a.name if a.asname else local)
-                elif isinstance(node, ast.ImportFrom):
-                    base = node.module or ""
-                    if node.level:
-                        anchor = package_of.split(".")
-                        anchor = anchor[: len(anchor) - (node.level - 1)]
-                        base = ".".join(anchor + ([base] if base else []))
-                    for a in node.names:
-                        imports[a.asname or a.name] = ("from", base, a.name)
-            self._modules[name] = ModuleInfo(
-                path.relative_to(self.root).as_posix(), functions, classes, imports, globals_
-            )
-        return self._modules[name]
-
-    def resolve(self, module: str, name: str, seen: frozenset = frozenset()) -> tuple:
-        """What ``name`` is at the top level of package module ``module``: ``("function", m,
-        qualname)``, ``("class", m, name)``, ``("module", dotted)``, ``("external", dotted)``
-        or ``("unknown", why)``."""
-        if (module, name) in seen:
-            return ("unknown", f"import cycle at {module}.{name}")
-        seen = seen | {(module, name)}
-        info = self.module(module)
-        if name in info.functions:
-            return ("function", module, name)
-        if name in info.classes:
-            return ("class", module, name)
-        if name in info.imports:
-            imp = info.imports[name]
-            if imp[0] == "module":
-                return ("module", imp[1]) if self.is_internal(imp[1]) else ("external", imp[1])
-            _, base, attr = imp
-            if f"{base}.{attr}" in self.paths:
-                return ("module", f"{base}.{attr}")
-            if base in self.paths:
-                return self.resolve(base, attr, seen)
-            if self.is_internal(base):
-                return ("unknown", f"{base}.{attr} not found")
-            return ("external", f"{base}.{attr}")
-        if f"{module}.{name}" in self.paths and self.paths[module].name == "__init__.py":
-            return ("module", f"{module}.{name}")
-        if name in info.globals_:
-            return ("unknown", f"module-level value {name}")
-        if name in _BUILTINS:
-            return ("external", name)
-        return ("unknown", f"name {name} not found in {module}")
-
-    def attribute(self, target: tuple, attr: str) -> tuple:
-        """``target.attr`` for a resolved ``target``."""
-        kind = target[0]
-        if kind == "module":
-            if f"{target[1]}.{attr}" in self.paths:
-                return ("module", f"{target[1]}.{attr}")
-            return self.resolve(target[1], attr)
-        if kind == "external":
-            return ("external", f"{target[1]}.{attr}")
-        if kind == "class":
-            found = self.method(target[1], target[2], attr)
-            if found and _is_property(self.module(found[0]).classes[found[1]].methods[attr]):
-                return ("unknown", f"property {target[2]}.{attr}")
-            if found:
-                return ("method", *found, attr, False)
-            return ("unknown", f"{target[2]}.{attr}: no such method in the package")
-        return ("unknown", f"{attr} of {target[1]}")
-
-    def method(self, module: str, cls: str, name: str) -> tuple[str, str] | None:
-        """``(module, class)`` whose method ``name`` class ``cls`` runs (its MRO), or None."""
-        return next(
-            (k for k in self.mro(module, cls) if name in self.module(k[0]).classes[k[1]].methods), None
-        )
-
-    def bases(self, module: str, cls: str) -> list[tuple[str, str]]:
-        """The package classes ``cls`` derives from directly."""
-        out = []
-        for base in self.module(module).classes[cls].node.bases:
-            chain = _dotted(base)
-            if not chain:
-                continue
-            target = self.resolve(module, chain[0])
-            for a in chain[1:]:
-                target = self.attribute(target, a)
-            if target[0] == "class":
-                out.append((target[1], target[2]))
-        return out
-
-    def mro(self, module: str, cls: str, seen: frozenset = frozenset()) -> list[tuple[str, str]]:
-        """The class's method resolution order over its package classes (C3)."""
-        if (module, cls) in seen:
-            return []
-        seqs = [self.mro(*b, seen | {(module, cls)}) for b in self.bases(module, cls)]
-        seqs = [q for q in seqs + [self.bases(module, cls)] if q]
-        out = [(module, cls)]
-        while seqs:
-            for q in seqs:
-                head = q[0]
-                if not any(head in r[1:] for r in seqs):
-                    break
-            else:  # inconsistent: Python would refuse the class; keep the order given
-                head = seqs[0][0]
-            out.append(head)
-            seqs = [r[1:] if r[0] == head else r for r in seqs]
-            seqs = [q for q in seqs if q]
-        return out
-
-    def overrides(self, module: str, cls: str, name: str) -> list[str]:
-        """``path:Class.name`` of the methods ``name`` that ``self.name`` runs instead of
-        ``cls``'s in the package's subclasses of ``cls`` (their MRO finds another first)."""
-        mine = self.method(module, cls, name)
-        out = set()
-        for m in sorted(self.paths):
-            for c in self.module(m).classes:
-                order = self.mro(m, c)
-                if (module, cls) not in order[1:]:
-                    continue
-                found = self.method(m, c, name)
-                if found and found != mine:
-                    out.add(f"{self.module(found[0]).path}:{found[1]}.{name}")
-        return sorted(out)
-
-    def methods_named(self, name: str) -> list[str]:
-        """``path:Class.name`` of every package class defining method ``name`` (candidates)."""
-        out = []
-        for m in sorted(self.paths):
-            info = self.module(m)
-            out += [f"{info.path}:{c}.{name}" for c, ci in info.classes.items() if name in ci.methods]
-        return out
-
-
-def _dotted(node: ast.AST) -> list[str] | None:
-    """``a.b.c`` as ``["a", "b", "c"]`` (None unless a chain of names)."""
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    return [node.id, *reversed(parts)]
-
-
-def _is_property(node: ast.FunctionDef) -> bool:
-    """A ``property`` / ``cached_property`` (or its setter): reading it runs no call."""
-    names = {(_dotted(d) or [""])[-1] for d in node.decorator_list}
-    return bool(names & {"property", "cached_property", "setter", "deleter"})
 
 
 def _root_name(node: ast.AST) -> str | None:
@@ -327,8 +134,14 @@ def _local_names(node: ast.FunctionDef) -> frozenset[str]:
     return frozenset(names)
 
 
-def _uses(expr: ast.AST | None, tracked: set[str]) -> bool:
-    return expr is not None and any(isinstance(n, ast.Name) and n.id in tracked for n in ast.walk(expr))
+def _uses(expr: ast.AST | None, tracked: set[str], skip=None) -> bool:
+    """Whether ``expr`` reads a tracked name; ``skip(call)``: a call whose whole subtree is
+    left out (a planning call: its result is a static plan, not the features)."""
+    if expr is None or (skip is not None and isinstance(expr, ast.Call) and skip(expr)):
+        return False
+    if isinstance(expr, ast.Name):
+        return expr.id in tracked
+    return any(_uses(c, tracked, skip) for c in ast.iter_child_nodes(expr))
 
 
 def _store_names(target: ast.AST) -> set[str]:
@@ -341,29 +154,32 @@ def _store_names(target: ast.AST) -> set[str]:
     return {root} - {"self", "cls"} if root else set()
 
 
-def _track(frame: Frame, imported: set[str]) -> None:
-    """Grows ``frame.tracked`` to its fixed point over the function's body."""
+def _track(frame: Frame, imported: set[str], planning=None) -> None:
+    """Grows ``frame.tracked`` to its fixed point over the function's body; ``planning(call)``:
+    a planning call, whose result is not tracked."""
     tracked = frame.tracked
     nodes = _body(frame.node)
+
+    def uses(expr: ast.AST | None) -> bool:
+        return _uses(expr, tracked, planning)
+
     while True:
         before = len(tracked)
         for n in nodes:
-            if isinstance(n, ast.Assign) and _uses(n.value, tracked):
+            if isinstance(n, ast.Assign) and uses(n.value):
                 for t in n.targets:
                     tracked |= _store_names(t)
-            elif isinstance(n, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and _uses(n.value, tracked):
+            elif isinstance(n, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and uses(n.value):
                 tracked |= _store_names(n.target)
-            elif isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)) and _uses(n.iter, tracked):
+            elif isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)) and uses(n.iter):
                 tracked |= _store_names(n.target)
-            elif (
-                isinstance(n, ast.withitem) and n.optional_vars is not None and _uses(n.context_expr, tracked)
-            ):
+            elif isinstance(n, ast.withitem) and n.optional_vars is not None and uses(n.context_expr):
                 tracked |= _store_names(n.optional_vars)
             elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
                 root = _root_name(n.func.value)
                 args = [*n.args, *(k.value for k in n.keywords)]
                 if root and root not in imported and root not in ("self", "cls"):
-                    if any(_uses(a, tracked) for a in args):
+                    if any(uses(a) for a in args):
                         tracked.add(root)  # a method given a tracked value: its receiver holds it
         if len(tracked) == before:
             return
@@ -470,9 +286,17 @@ class Walker:
         info = self.pkg.module(frame.module)
         local = _local_names(frame.node)
         imported = (set(info.imports) | set(info.functions) | set(info.classes)) - local
-        _track(frame, imported)
+        _track(frame, imported, lambda call: self.is_planning(frame, call))
         for call in _calls_in_order(frame.node):
             self.call(frame, call, depth)
+
+    def is_planning(self, frame: Frame, call: ast.Call) -> bool:
+        """Whether ``call`` resolves to a ``PLANNING`` function."""
+        target, _, _ = self.callee(frame, call.func)
+        if target[0] not in ("function", "method", "nested"):
+            return False
+        callee = self.frame_of(target)
+        return _matches(self.planning, self.pkg.module(callee.module).path, callee.qualname)
 
     # -- one call
 
@@ -529,7 +353,7 @@ class Walker:
 
     def callee(self, frame: Frame, func: ast.AST) -> tuple[tuple, bool, bool]:
         """``(target, bound, receiver tracked)`` of a call's function expression."""
-        chain = _dotted(func)
+        chain = dotted(func)
         if chain is None:  # a call's result, a subscript, ...
             tracked = isinstance(func, ast.Attribute) and _uses(func.value, frame.tracked)
             return ("unknown", f"callee {ast.unparse(func)} is not a name"), False, tracked
@@ -545,7 +369,7 @@ class Walker:
         if f is not None and head in _local_names(f.node):
             if head in ("self", "cls") and frame.cls and len(rest) == 1:
                 found = self.pkg.method(*frame.cls, rest[0])
-                if found and _is_property(self.pkg.module(found[0]).classes[found[1]].methods[rest[0]]):
+                if found and is_property(self.pkg.module(found[0]).classes[found[1]].methods[rest[0]]):
                     return ("unknown", f"property {head}.{rest[0]}"), False, False
                 if found:
                     return ("method", *found, rest[0], True), True, False
@@ -574,7 +398,7 @@ class Walker:
         """The callee's parameters that receive a tracked value."""
         a = node.args
         positional = [p.arg for p in (*a.posonlyargs, *a.args)]
-        static = any(_dotted(d) in (["staticmethod"],) for d in node.decorator_list)
+        static = any(dotted(d) in (["staticmethod"],) for d in node.decorator_list)
         if bound and not static:
             positional = positional[1:]
         keyword = set(positional[len(a.posonlyargs) :]) | {p.arg for p in a.kwonlyargs}
@@ -606,7 +430,7 @@ class Walker:
         """Package functions passed as arguments (callbacks of an outside call)."""
         out = []
         for arg in [*call.args, *(k.value for k in call.keywords)]:
-            chain = _dotted(arg)
+            chain = dotted(arg)
             if not chain:
                 continue
             target, _, _ = self.callee(frame, arg)

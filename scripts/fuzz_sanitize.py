@@ -59,7 +59,7 @@ TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")  # compute-sanitizer
 def _worker(out_path: Path, num_cases: int) -> int:
     import jax
 
-    from flowtt_jax.inputs.bag import prepare_bags
+    from flowtt_jax.inputs.oob import prepare_bags
     from flowtt_jax.kernels import ffi
     from tests.test_fuzz_corpus import compare, corpus, kernel_refusal, make_cores, oracle, run
 

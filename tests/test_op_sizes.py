@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import flowtt_jax as ftt
-from flowtt_jax.inputs.csr import MAX_NNZ
+from flowtt_jax.inputs.validate import MAX_NNZ
 from flowtt_jax.kernels import ffi
 from tests.helpers import make_cores
 

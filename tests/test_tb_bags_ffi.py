@@ -1,5 +1,5 @@
 """The bags op flowtt_tb_bags (ffi.tb_bags) equals the jax.numpy preparation of a packed
-batch (``bag.packed_bags(kernel=False)``: canonical bags, the per-table ``oob`` policy,
+batch (``oob.packed_bags(kernel=False)``: canonical bags, the per-table ``oob`` policy,
 dropped positions parked) bit for bit.
 
 Runs on the CPU, and on the GPU (marked ``gpu``). The raw target's outputs are aliased to
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flowtt_jax.inputs.bag import packed_bags
+from flowtt_jax.inputs.oob import packed_bags
 from flowtt_jax.kernels import ffi
 from tests.helpers import f32, poisoned_call
 from tests.test_plan_ffi import device_param

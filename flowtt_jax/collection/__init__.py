@@ -2,8 +2,8 @@
 into shape groups (``layout``), their parameters' initialisation (``init``) and pooling
 (``pool``). The Flax layers over them are ``flowtt_jax.nnx`` / ``flowtt_jax.linen``."""
 
-from flowtt_jax.collection.batch import bag_kwargs
 from flowtt_jax.collection.config import TableConfig, check_tables, make_table_configs
+from flowtt_jax.inputs.validate import bag_kwargs
 from flowtt_jax.ops.dense import dense_embedding_bag, dense_lookup
 
 __all__ = [

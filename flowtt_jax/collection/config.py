@@ -25,7 +25,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flowtt_jax.inputs.csr import MODES
+from flowtt_jax.inputs.validate import MODES
 from flowtt_jax.tt.spec import TTSpec
 
 __all__ = [

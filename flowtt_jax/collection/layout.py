@@ -28,8 +28,6 @@ import numpy as np
 from flowtt_jax.budget import static_count
 from flowtt_jax.capacity import MAX_PASSES
 from flowtt_jax.collection.batch import (
-    PackBatch,
-    check_stacked,
     dict_batches,
     form_sizes,
     jagged_batches,
@@ -47,10 +45,11 @@ from flowtt_jax.collection.packs import (
     pack_tables,
     param_names,
 )
-from flowtt_jax.collection.pool import call_counters, note_out_of_range, pack_impl, pool_packed
+from flowtt_jax.collection.pool import call_counters, pack_impl, pool_batch
 from flowtt_jax.collection.tables import TableViews
 from flowtt_jax.collection.xla_fit import check_by_xla, pinned_layout
 from flowtt_jax.inputs.jagged import KeyedJagged
+from flowtt_jax.inputs.validate import check_stacked
 from flowtt_jax.kernels import ffi
 from flowtt_jax.memory import BatchStats, MemoryPlan, apply_candidate, choose_memory_plan, resolve_budget
 
@@ -296,8 +295,9 @@ class CollectionLayout(TableViews):
         params = _cast_to_batch(params, features)
         packs = self._call_packs(*self._form_sizes(features, True))
         out = {}
+        pools = self._pool_inputs(packs, params)
         for b in dict_batches(packs, features, oob, self._kernels(packs, params, impl)):
-            pooled = self._pool(packs, params, b, impl, dtype, batch_major=True)
+            pooled = pool_batch(*pools[b.pack], b, impl, dtype, batch_major=True)
             pooled = pooled.reshape(b.batch, len(b.slots) * pooled.shape[-1])
             # batch-major [B, F*D] split along its columns: a model's jnp.concatenate(outs, -1)
             # (TorchRec's [B, sum D]) folds back to it, no copy and nothing compiled per
@@ -314,27 +314,21 @@ class CollectionLayout(TableViews):
             for p, pack in enumerate(packs)
         ]
 
-    def _pool(
-        self,
-        packs,
-        params,
-        b: PackBatch,
-        impl: str,
-        dtype: Any,
-        *,
-        batch_major: bool = False,
-        cast: bool = True,
-    ) -> jax.Array:
-        """Batch ``b`` pooled by its pack (``pool.pool_packed``), in ``dtype`` (None: the
-        parameters'; ``cast=False``: the pooling's own float32 or float64)."""
-        arrays = tuple(params[n] for n in self.param_names(b.pack))
-        note_out_of_range(tuple(t.name for t in packs[b.pack].tables), b.out_of_range)
-        batch = b.batch if batch_major else 0
-        name = self.param_names(b.pack)[0]
-        cache = self.cache_names(b.pack)
-        cache = cache and (params[cache[0]], params[cache[1]])
-        out = pool_packed(packs[b.pack], arrays, b.bags, b.tables, b.weighted, impl, batch, name, cache)
-        return out.astype(arrays[0].dtype if dtype is None else dtype) if cast else out
+    def _pool_inputs(self, packs: Sequence[TablePack], params: Mapping[str, jax.Array]) -> list[tuple]:
+        """Each pack's ``(pack, arrays, first parameter's name, (cache rows, hot ids) | None)``,
+        what ``pool.pool_batch`` takes besides the batch."""
+        out = []
+        for p, pack in enumerate(packs):
+            names, cache = self.param_names(p), self.cache_names(p)
+            out.append(
+                (
+                    pack,
+                    tuple(params[n] for n in names),
+                    names[0],
+                    cache and (params[cache[0]], params[cache[1]]),
+                )
+            )
+        return out
 
     def apply_jagged(
         self,
@@ -355,7 +349,8 @@ class CollectionLayout(TableViews):
         packs = self._call_packs([csr.ids.shape[0]] * len(self.packs), csr.batch)  # each pack sees every id
         batches = jagged_batches(packs, csr, oob, self._kernels(packs, params, impl), pooled=True)
         params = _cast_to_batch(params, (csr.ids, csr.weights))
-        pooled = [self._pool(packs, params, b, impl, dtype, batch_major=True) for b in batches]
+        pools = self._pool_inputs(packs, params)
+        pooled = [pool_batch(*pools[b.pack], b, impl, dtype, batch_major=True) for b in batches]
         parts = [x.reshape(b.batch, len(b.slots), x.shape[-1]) for b, x in zip(batches, pooled)]
         if len({cfg.features for cfg in self.tables}) > 1:  # tables of several dims: by name
             return {s.feature: x[:, i] for b, x in zip(batches, parts) for i, s in enumerate(b.slots)}
@@ -384,18 +379,19 @@ class CollectionLayout(TableViews):
             packs = self._call_packs([n] * len(self.packs), n)
             batches = jagged_batches(packs, csr, oob, self._kernels(packs, params, impl), pooled=False)
             params = _cast_to_batch(params, (csr.ids, csr.weights))
+            pools = self._pool_inputs(packs, params)
             rows = None
             for b in batches:  # each position is live in one pack
-                part = self._pool(packs, params, b, impl, None, cast=False)
+                part = pool_batch(*pools[b.pack], b, impl, None, cast=False)
                 rows = part if rows is None else rows + part
             rows = rows.astype(params[self.param_names(0)[0]].dtype if dtype is None else dtype)
             # back to the input's positions (rows in no bag are 0, so colliding adds add 0)
             return rows if src is None or n == 0 else jnp.zeros_like(rows).at[src].add(rows)
         packs = self._call_packs(*self._form_sizes(features, False))
         params = _cast_to_batch(params, features)
-        out = {}
+        out, pools = {}, self._pool_inputs(packs, params)
         for b, shapes in lookup_batches(packs, features, oob, self._kernels(packs, params, impl)):
-            rows = self._pool(packs, params, b, impl, dtype)
+            rows = pool_batch(*pools[b.pack], b, impl, dtype)
             sizes = [int(np.prod(shape)) for shape in shapes]
             for s, shape, part in zip(b.slots, shapes, jnp.split(rows, np.cumsum(sizes)[:-1])):
                 out[s.feature] = part.reshape(*shape, -1)
@@ -530,9 +526,9 @@ class CollectionLayout(TableViews):
         ids, weights = self._check_stacked(ids, weights, oob)
         params = _cast_to_batch(params, (ids, weights))
         packs = self._call_packs(*self._form_sizes(ids, True))
-        parts, order = [], []
+        parts, order, pools = [], [], self._pool_inputs(packs, params)
         for b, cols in stacked_batches(packs, self.feature_names, ids, weights, oob):
-            pooled = self._pool(packs, params, b, impl, dtype)
+            pooled = pool_batch(*pools[b.pack], b, impl, dtype)
             parts.append(pooled.reshape(len(cols), b.batch, pooled.shape[-1]))
             order += cols
         out = jnp.concatenate(parts) if len(parts) > 1 else parts[0]  # [F, B, D], packs' order
@@ -541,8 +537,8 @@ class CollectionLayout(TableViews):
         return jnp.transpose(out, (1, 0, 2))
 
     def _check_stacked(self, ids, weights, oob: str) -> tuple[jax.Array, jax.Array | None]:
-        """Stacked ids and weights as ``[B, F, L]`` after their checks (``batch.check_stacked``)."""
-        return check_stacked(self.feature_names, self.tables, ids, weights, oob)
+        """Stacked ids and weights as ``[B, F, L]`` after their checks (``validate.check_stacked``)."""
+        return check_stacked(self.feature_names, [t.features for t in self.tables], ids, weights, oob)
 
 
 def _cast_to_batch(params: Mapping[str, jax.Array], batch: Any) -> dict[str, jax.Array]:

@@ -18,11 +18,11 @@ import jax.numpy as jnp
 from flowtt_jax.collection.cache import pool_cached, route
 from flowtt_jax.collection.packs import TablePack
 from flowtt_jax.collection.sparse_rows import gather_rows
-from flowtt_jax.inputs.bag import CanonicalBags
+from flowtt_jax.inputs.normalise import CanonicalBags
 from flowtt_jax.ops.pooled import choose_impl, pooled, to_batch_major
 from flowtt_jax.tt import reference
 
-__all__ = ["call_counters", "note_out_of_range", "pack_impl", "pool_packed"]
+__all__ = ["call_counters", "note_out_of_range", "pack_impl", "pool_batch", "pool_packed"]
 
 
 #: The innermost ``call_counters`` list of the call being traced (None: none open).
@@ -118,3 +118,25 @@ def pool_packed(
     if flags is not None:
         flags.append(("overflow", pack.tables[0].name, overflowed))
     return out if cached is None else out + to_batch_major(cached, batch).astype(out.dtype)
+
+
+def pool_batch(
+    pack: TablePack,
+    arrays: tuple[jax.Array, ...],
+    name: str,
+    cache: tuple[jax.Array, jax.Array] | None,
+    b: Any,
+    impl: str,
+    dtype: Any,
+    *,
+    batch_major: bool = False,
+    cast: bool = True,
+) -> jax.Array:
+    """A ``collection.batch.PackBatch`` ``b`` of ``pack`` (its parameters ``arrays``, the first
+    named ``name``; its hot-row ``cache``) pooled (``pool_packed``; batch-major where asked),
+    in ``dtype`` (None: the parameters'; ``cast=False``: the pooling's own float32 or
+    float64); its out-of-range counts noted (``note_out_of_range``)."""
+    note_out_of_range(tuple(t.name for t in pack.tables), b.out_of_range)
+    batch = b.batch if batch_major else 0
+    out = pool_packed(pack, arrays, b.bags, b.tables, b.weighted, impl, batch, name, cache)
+    return out.astype(arrays[0].dtype if dtype is None else dtype) if cast else out

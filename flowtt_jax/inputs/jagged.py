@@ -7,26 +7,32 @@ optional per-id ``weights [n]``, features in the collection's ``feature_names`` 
 ``TTEmbeddingCollection`` takes it straight to the table-batched op, with no per-feature
 op in the program.
 
-``collection.batch`` brings every other input form to the same packed CSR; ``compact``
-gathers bags given by start and length into a valid CSR in one pass (traced offsets that
-may leave positions outside their bags, features reordered into their packs' order).
+``KeyedJagged.csr`` is the form's stage 1 (validate, ``inputs.validate``'s checks) and
+gives the packed CSR the other stages take (``collection.batch``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from flowtt_jax.inputs.csr import as_weights, bag_of_positions, check_csr, check_sizes, clamp_csr
-from flowtt_jax.inputs.oob import as_ids, saturate_int32
+from flowtt_jax.inputs.normalise import (
+    PackedCSR,
+    bag_of_positions,
+    clamp_csr,
+    concat_weights,
+    offsets_of,
+    saturate_int32,
+)
+from flowtt_jax.inputs.validate import as_ids, as_weights, check_csr, check_sizes
 
-__all__ = ["KeyedJagged", "PackedCSR", "compact", "concat_weights", "offsets_of"]
+__all__ = ["KeyedJagged"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,49 +200,3 @@ def _int_array(x: Any, name: str) -> Any:
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"KeyedJagged {name} must be an integer array, got dtype {x.dtype}")
     return x
-
-
-class PackedCSR(NamedTuple):
-    """Bags of F features over one flat array: ``ids [n]``, feature-major ``offsets [F*B + 1]``
-    (concrete: a valid CSR over ``[0, n]``; traced: clamped by the bag preparation, positions
-    outside ``[offsets[0], offsets[-1])`` in no bag), optional ``weights [n]`` and ``batch`` B."""
-
-    ids: jax.Array
-    offsets: Any
-    weights: jax.Array | None
-    batch: int
-
-
-def offsets_of(lengths: jax.Array) -> jax.Array:
-    """CSR offsets ``[k + 1]`` int32 of ``k`` bag lengths."""
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths, dtype=jnp.int32)])
-
-
-def concat_weights(weights: Sequence[jax.Array | None], sizes: Sequence[int]) -> jax.Array | None:
-    """Per-feature weights (None: all 1) as one float ``[sum sizes]`` array (float32 at least);
-    None when no feature has weights."""
-    if all(w is None for w in weights):
-        return None
-    parts = [
-        jnp.ones((m,), jnp.float32) if w is None else jnp.asarray(w).reshape(-1)
-        for w, m in zip(weights, sizes)
-    ]
-    out = jnp.concatenate(parts)
-    return out.astype(jnp.promote_types(out.dtype, jnp.float32))
-
-
-def compact(ids: jax.Array, weights: jax.Array | None, starts: jax.Array, lengths: jax.Array):
-    """Bags given by ``starts`` and ``lengths`` (int32, one per bag, positions of ``ids``) as
-    one valid CSR: ``(ids [n], weights [n] | None, offsets [num_bags + 1], src [n])``, bag k
-    being ``ids[starts[k] : starts[k] + lengths[k]]`` moved to ``offsets[k]`` by one gather
-    (position j holds ``ids[src[j]]``). Positions past ``offsets[-1]`` (when the bags hold
-    fewer than n ids) are in no bag."""
-    n = ids.shape[0]
-    offsets = offsets_of(lengths)
-    if n == 0:
-        return ids, weights, offsets, jnp.zeros((0,), jnp.int32)
-    bag = jnp.clip(bag_of_positions(offsets, n), 0, max(lengths.shape[0] - 1, 0))
-    pos = jax.lax.iota(jnp.int32, n)
-    src = jnp.where(pos < offsets[-1], starts[bag] + pos - offsets[bag], pos)
-    src = jnp.clip(src, 0, n - 1)
-    return ids[src], None if weights is None else weights[src], offsets, src

@@ -1,4 +1,6 @@
-"""Out-of-range id policy: ``"error" | "clip" | "zero"``, and the ids' dtypes.
+"""Stage 3 of the input pipeline, **oob**: each position's table and the out-of-range id
+policy against it, ``"error" | "clip" | "zero"``; and the bag ops' entry through stages 1-3
+(``prepare_bags``: one table; ``packed_bags``: a packed batch of several tables).
 
 - ``"error"``: concrete ids raise ``ValueError``; traced ids add a
   ``checkify.check`` (wrap the jitted function in ``checkify.checkify``).
@@ -7,7 +9,8 @@
   a position of weight 0 is never read: a non-finite row 0 cannot leak into it); it
   still counts towards a bag's length for ``mean`` / ``sqrtn``.
 
-Whatever the policy, ids handed to kernels are int32 in ``[0, N)``.
+Whatever the policy, ids handed to kernels are int32 in ``[0, N)``; a dropped position
+(weight 0: masked, in no bag, out of range under ``"zero"``) is parked on a kept one's id.
 
 Every integer dtype is accepted. Ids are compared with N after a saturating cast to
 int32 (int8/int16/uint8/uint16 widen exactly; wider ids above 2^31 - 1 or below -2^31
@@ -15,78 +18,37 @@ become those bounds, which no table reaches: they stay out of range and ``"clip"
 sends them to the nearest end). Host ids (numpy arrays, Python ints and lists) that do
 not fit JAX's default integer type -- int64 values past int32 while ``jax_enable_x64``
 is off, which ``jnp.asarray`` would wrap silently -- are saturated the same way before
-JAX sees them (``as_ids``): ``"error"`` names them, ``"zero"`` and ``"clip"`` apply.
+JAX sees them (``validate.as_ids``): ``"error"`` names them, ``"zero"`` and ``"clip"`` apply.
+
+On the kernel path (``"clip"`` / ``"zero"``), one ``flowtt_tb_bags`` call gives a packed
+batch's valid CSR, bags, tables, policy and parking (``table_oob``), the jax.numpy path its
+oracle.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from flowtt_jax.inputs.csr import saturate_int32
+from flowtt_jax.inputs.normalise import CanonicalBags, canonical_bags, csr_bags, saturate_int32
+from flowtt_jax.inputs.validate import check_bag_form, check_integer, check_mode, check_policy
+from flowtt_jax.kernels import ffi
 
 __all__ = [
-    "OOB_POLICIES",
+    "apply_bags_oob",
     "apply_oob",
     "apply_table_oob",
-    "as_ids",
-    "host_ids",
+    "count_out_of_range",
+    "packed_bags",
     "park_dropped",
-    "saturate_int32",
+    "prepare_bags",
+    "table_oob",
 ]
-
-OOB_POLICIES = ("error", "clip", "zero")
-
-_I32 = np.iinfo(np.int32)
-
-
-def _check_policy(policy: str) -> None:
-    if policy not in OOB_POLICIES:
-        raise ValueError(f"oob must be one of {OOB_POLICIES}, got {policy!r}")
-
-
-def _check_integer(dtype, name: str = "ids") -> None:
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer array, got dtype {dtype}")
-
-
-def as_ids(ids, policy: str, name: str = "ids") -> jax.Array:
-    """``ids`` as a JAX integer array, without JAX's silent wrap-around of host ids.
-
-    JAX arrays and tracers pass unchanged. Host ids whose values do not fit the dtype
-    JAX would give them (int64 / uint64 past int32 / uint32 while ``jax_enable_x64`` is
-    off) are out of range of every table: ``policy == "error"`` raises ``ValueError``
-    naming them, else they are saturated to the int32 bounds (still out of range).
-    ``name`` names the argument in errors.
-    """
-    _check_policy(policy)
-    if isinstance(ids, jax.Array):
-        _check_integer(ids.dtype, name)
-        return ids
-    return jnp.asarray(host_ids(ids, policy, name))
-
-
-def host_ids(ids, policy: str = "zero", name: str = "ids") -> np.ndarray:
-    """Host ids as numpy in a dtype JAX keeps as is: int64 / uint64 values past int32 while
-    ``jax_enable_x64`` is off (which ``jnp.asarray`` or ``jax.device_put`` would wrap: 2^32 + 5
-    to 5) saturated to the int32 bounds, so they stay out of range of every table
-    (``policy == "error"``: ``ValueError`` naming them)."""
-    host = np.asarray(ids)
-    _check_integer(host.dtype, name)
-    if jax.dtypes.canonicalize_dtype(host.dtype).itemsize < host.dtype.itemsize:
-        wide = (host < _I32.min) | (host > _I32.max)
-        if np.any(wide):
-            if policy == "error":
-                bad = host[wide]
-                raise ValueError(
-                    f"{bad.size} value(s) of {name} do not fit in int32 (jax_enable_x64 is off), so "
-                    f"they are out of range of any table, e.g. {bad[:5].tolist()}"
-                )
-            host = np.clip(host, _I32.min, _I32.max)
-        host = host.astype(np.int32)
-    return host
 
 
 def apply_oob(ids: jax.Array, num_embeddings: int, policy: str) -> tuple[jax.Array, jax.Array | None]:
@@ -94,8 +56,8 @@ def apply_oob(ids: jax.Array, num_embeddings: int, policy: str) -> tuple[jax.Arr
 
     ``ids``: a JAX integer array of any integer dtype (``as_ids`` first for host input).
     """
-    _check_policy(policy)
-    _check_integer(ids.dtype)
+    check_policy(policy)
+    check_integer(ids.dtype)
     ids32 = saturate_int32(ids)
     valid = (ids32 >= 0) & (ids32 < num_embeddings)
     if policy == "error":
@@ -127,18 +89,15 @@ def apply_table_oob(
     live: jax.Array | None = None,
     where: tuple[jax.Array, int, tuple[str, ...]] | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """``apply_oob`` for positions of several tables: ids [n] of any integer dtype, tables
+    """``apply_oob`` for positions of several tables: ids [n] int32, tables
     [n] int32 table indices, num_rows [T] each table's N. Returns ``(int32 ids in
     [0, N_t), valid)``, ``valid`` a bool mask for ``"zero"``, else None. ``table_names``
     (T names) name the table in ``"error"``'s messages; ``live`` [n] bool: the positions
     ``"error"`` checks (None: all; a position in no bag of this call, e.g. another pack's or
     a static-capacity tail, is not this call's to refuse); ``where``: ``(bag_ids [n], batch,
     feature names)`` of feature-major bags, so the message names the feature and example."""
-    _check_policy(policy)
-    _check_integer(ids.dtype)
     limit = jnp.asarray(num_rows)[tables]
-    ids32 = saturate_int32(ids)  # any int dtype: out-of-range ids stay out of range
-    valid = (ids32 >= 0) & (ids32 < limit)
+    valid = (ids >= 0) & (ids < limit)
     if policy == "error":
         ok = valid if live is None else valid | ~live
         traced = any(isinstance(x, jax.core.Tracer) for x in (ids, valid, ok))
@@ -177,7 +136,7 @@ def apply_table_oob(
                     f"{bad.size} id(s) out of range of their tables, e.g. id {np.asarray(ids)[i]} "
                     f"of {table} ({np.asarray(limit)[i]} rows) at {at}"
                 )
-    clipped = jnp.clip(ids32, 0, limit - 1)
+    clipped = jnp.clip(ids, 0, limit - 1)
     if policy == "zero":
         return jnp.where(valid, clipped, 0), valid
     return clipped, None
@@ -203,3 +162,135 @@ def park_dropped(ids: jax.Array, live: jax.Array | None, *others: jax.Array):
     first = jnp.argmax(live)  # 0 when nothing is live: then every output is 0 anyway
     moved = tuple(jnp.where(live, x, x[first]) for x in (ids, *others))
     return moved if others else moved[0]
+
+
+def apply_bags_oob(
+    bags: CanonicalBags, ids: jax.Array, valid: jax.Array | None, *others: jax.Array
+) -> CanonicalBags | tuple:
+    """``bags`` after the ``oob`` policy gave ``(ids, valid)`` for their ids (``apply_oob``,
+    or ``apply_table_oob`` for positions of several tables).
+
+    Returns ``CanonicalBags`` whose ids are those int32 ids and whose weights are 0 for the
+    ids ``oob="zero"`` drops (they still count towards a bag's length for ``mean`` /
+    ``sqrtn``); ``keep`` is False at every dropped position (masked, in no bag, out of
+    range under ``"zero"``), whose id is parked on a kept one (``park_dropped``; ``others``,
+    e.g. the positions' tables, move with it and come back after the bags).
+    """
+    w = bags.weights if valid is None else jnp.where(valid, bags.weights, 0.0)
+    live = bags.keep if valid is None else (valid if bags.keep is None else valid & bags.keep)
+    parked = park_dropped(ids, live, *others)
+    if not others:
+        return bags._replace(ids=parked, weights=w, keep=live)
+    return (bags._replace(ids=parked[0], weights=w, keep=live), *parked[1:])
+
+
+def count_out_of_range(
+    ids: jax.Array,
+    offsets: jax.Array,
+    keep: jax.Array | None,
+    slot_tables: np.ndarray,
+    num_rows: jax.Array | np.ndarray,
+    batch: int,
+    oob: str,
+) -> jax.Array:
+    """int32 ``[T]``: ids of feature-major bags (``offsets`` over int32 ``ids [n]``, ``batch``
+    bags a feature, feature f of table ``slot_tables[f]``, table t of ``num_rows[t]`` rows;
+    ``keep``: False where a position is dropped, e.g. masked) out of range of their table,
+    before the policy; zeros under ``oob="error"`` (it raises instead). Each position's
+    feature from the features' bounds (a scatter of F marks and a cumulative sum), the counts
+    from a cumulative sum and a gather of the bounds: no scatter over the ids. The
+    collections' default counters."""
+    num_tables = len(num_rows)
+    n = ids.shape[0]
+    if oob == "error" or n == 0 or not len(slot_tables) or batch == 0:
+        return jnp.zeros((num_tables,), jnp.int32)
+    bounds = jnp.clip(offsets[::batch], 0, n)  # [F + 1]: where each feature's bags start and end
+    feature = jnp.cumsum(jnp.zeros((n + 1,), jnp.int32).at[bounds[1:-1]].add(1)[:n], dtype=jnp.int32)
+    limit = jnp.asarray(num_rows)[slot_tables][feature]
+    bad = (ids < 0) | (ids >= limit)
+    if keep is not None:
+        bad = bad & keep
+    running = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(bad, dtype=jnp.int32)])
+    per_feature = running[bounds[1:]] - running[bounds[:-1]]
+    return jax.ops.segment_sum(per_feature, jnp.asarray(slot_tables), num_segments=num_tables)
+
+
+def table_oob(
+    bags: CanonicalBags,
+    offsets: jax.Array | None,
+    slot_tables: np.ndarray,
+    num_rows: jax.Array | np.ndarray,
+    batch: int,
+    oob: str,
+    *,
+    kernel: bool,
+    weights: jax.Array | None = None,
+    table_names: tuple[str, ...] | None = None,
+    feature_names: tuple[str, ...] | None = None,
+) -> tuple[CanonicalBags, jax.Array, jax.Array]:
+    """Feature-major ``bags`` (int32 ids, ``batch`` bags a feature, feature f of table
+    ``slot_tables[f]`` of ``num_rows`` rows) after the ``oob`` policy against each position's
+    table: ``(CanonicalBags, tables [n] int32, out_of_range [T] int32)`` (the count before
+    the policy, ``count_out_of_range``). ``offsets``: the bags' CSR as given (a packed CSR, or
+    None for canonical bags); with it, ``kernel`` takes one ``flowtt_tb_bags`` call for
+    ``"clip"`` / ``"zero"`` (``weights``: the user's, None for none), the same values as the
+    jax.numpy path, its oracle. ``"error"`` checks a packed CSR's positions in bags (canonical
+    bags: every position) and names the table, feature (``table_names``, ``feature_names``)
+    and example."""
+    counts = count_out_of_range(
+        bags.ids, bags.offsets, bags.keep if offsets is None else None, slot_tables, num_rows, batch, oob
+    )
+    if not (kernel and oob != "error" and offsets is not None):
+        tables = jnp.asarray(slot_tables, jnp.int32)[bags.bag_ids // max(batch, 1)]
+        where = None if feature_names is None else (bags.bag_ids, batch, tuple(feature_names))
+        # a packed CSR's positions in no bag are not this call's (another pack's, a padded
+        # tail); a feature's own ids in no bag (masked, segments past num_bags) are checked,
+        # as tt_embedding_bag checks them
+        live = bags.keep if offsets is not None else None
+        flat, valid = apply_table_oob(bags.ids, tables, num_rows, oob, table_names, live=live, where=where)
+        return (*apply_bags_oob(bags, flat, valid, tables), counts)  # dropped positions add no rows
+    flat, tables, live, bag_ids, csr = ffi.tb_bags(
+        bags.ids, offsets, slot_tables, num_rows, batch, oob == "clip"
+    )
+    # live positions are kept ones: the user weights where live (the canonical bags' own
+    # weights would keep XLA's running maximum of the offsets alive)
+    w = live if weights is None else jnp.where(live != 0, weights.astype(bags.weights.dtype), 0.0)
+    return bags._replace(ids=flat, weights=w, offsets=csr, bag_ids=bag_ids, keep=live != 0), tables, counts
+
+
+def prepare_bags(
+    ids: jax.Array, *, num_embeddings: int, oob: str, mode: str = "sum", **form: Any
+) -> CanonicalBags:
+    """A bag op's input (``ids`` and ``form``: its bag form keywords and ``weights``) through
+    the stages: checked (``check_bag_form``; ``oob="error"`` also checks traced offsets),
+    canonical bags with ``mode`` folded in, the ``oob`` policy for a table of
+    ``num_embeddings`` rows."""
+    check_mode(mode)
+    bags = canonical_bags(check_bag_form(ids, **form, policy=oob, check_offsets=oob == "error"), mode)
+    return apply_bags_oob(bags, *apply_oob(bags.ids, num_embeddings, oob))
+
+
+def packed_bags(
+    ids: jax.Array,
+    offsets: jax.Array,
+    weights: jax.Array | None,
+    feature_tables: Sequence[int],
+    num_rows: jax.Array,
+    oob: str,
+    *,
+    kernel: bool,
+) -> tuple[CanonicalBags, jax.Array]:
+    """The table-batched op's packed feature-major batch (ids [n] of any integer dtype, n >= 1,
+    offsets [F*B + 1], optional weights [n]) through the stages: checked (``check_bag_form``:
+    traced offsets ``checkify``-checked under ``oob="error"``), each position's bag, the ``oob``
+    policy against its feature's table (``table_oob``: one ``flowtt_tb_bags`` call where
+    ``kernel``): ``(CanonicalBags, tables [n] int32)``, weights as given (not the modes')."""
+    batch = (np.shape(offsets)[0] - 1) // len(feature_tables)
+    form = check_bag_form(ids, offsets=offsets, weights=weights, policy=oob, check_offsets=oob == "error")
+    offsets = saturate_int32(jnp.asarray(form.offsets))
+    bags = csr_bags(saturate_int32(form.ids), offsets, form.weights)
+    slot_tables = np.asarray(feature_tables, np.int32)
+    bags, tables, _ = table_oob(
+        bags, offsets, slot_tables, num_rows, batch, oob, kernel=kernel, weights=form.weights
+    )
+    return bags, tables

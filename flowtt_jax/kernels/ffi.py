@@ -322,7 +322,7 @@ def tb_bags(
 
     ``ids`` [n] int32 (n >= 1), ``offsets`` [F*batch + 1] int32 of any values,
     ``feature_tables`` [F] and ``num_rows`` [T] int32; ``batch`` (static) bags per feature;
-    ``clip`` (static): the ``"clip"`` policy, else ``"zero"``. Equal to ``bag.packed_bags``'
+    ``clip`` (static): the ``"clip"`` policy, else ``"zero"``. Equal to ``oob.packed_bags``'
     jax.numpy path: the valid CSR (``offsets`` clamped into [0, n], then their running
     maximum), bag of each position in it (clipped to the bags), its feature's table, its id
     clipped into the table (``"zero"``: 0 where out of range), live where the position is in

@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flowtt_jax.inputs.bag import prepare_bags
-from flowtt_jax.inputs.oob import apply_oob, as_ids
+from flowtt_jax.inputs.oob import apply_oob, prepare_bags
+from flowtt_jax.inputs.validate import as_ids
 from flowtt_jax.tt import reference
 
 __all__ = ["dense_embedding_bag", "dense_lookup"]

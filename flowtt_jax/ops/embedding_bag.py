@@ -31,9 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from flowtt_jax.budget import CANDIDATES, op_bytes, pass_size, resolve_budget, static_count
-from flowtt_jax.inputs.bag import CanonicalBags, packed_bags, prepare_bags
-from flowtt_jax.inputs.csr import MODES, check_sizes, scale_by_modes
-from flowtt_jax.inputs.oob import apply_oob, as_ids, park_dropped
+from flowtt_jax.inputs.normalise import CanonicalBags
+from flowtt_jax.inputs.oob import apply_oob, packed_bags, park_dropped, prepare_bags
+from flowtt_jax.inputs.pack import scale_by_modes
+from flowtt_jax.inputs.validate import MODES, as_ids, check_sizes
 from flowtt_jax.kernels.group_plan import GroupLayout
 from flowtt_jax.ops.pooled import choose_impl, pooled
 from flowtt_jax.tt.spec import TTSpec, as_cores
@@ -90,7 +91,7 @@ def tt_embedding_bag(
       offsets: concrete offsets must be non-decreasing from 0 to n (else ``ValueError``).
         Traced ones are clamped into ``[0, n]`` and made non-decreasing, positions outside
         ``[offsets[0], offsets[B])`` belonging to no bag; with ``oob="error"`` they get a
-        ``checkify`` check instead (see ``flowtt_jax.inputs.bag``).
+        ``checkify`` check instead (see ``flowtt_jax.inputs.normalise``).
       weights: optional per-id float weights, same shape as ids (differentiable). A
         weight of exactly 0 skips its position (a non-finite row gives 0, not NaN).
       mode: ``"sum" | "mean" | "sqrtn"``; an empty bag gives zeros.

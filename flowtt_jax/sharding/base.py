@@ -33,8 +33,8 @@ import numpy as np
 from jax.experimental import checkify
 from jax.sharding import Mesh, PartitionSpec
 
-from flowtt_jax.inputs.csr import saturate_int32
-from flowtt_jax.inputs.oob import as_ids, host_ids
+from flowtt_jax.inputs.normalise import saturate_int32
+from flowtt_jax.inputs.validate import as_ids, host_ids
 
 __all__ = ["shard_bags", "local_features", "run_sharded", "ShardedLayout"]
 

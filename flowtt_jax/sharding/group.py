@@ -34,9 +34,10 @@ import numpy as np
 from jax.experimental import checkify
 from jax.sharding import Mesh, PartitionSpec
 
-from flowtt_jax.inputs.bag import canonical_bags
-from flowtt_jax.inputs.csr import scale_by_modes
-from flowtt_jax.inputs.oob import OOB_POLICIES, apply_table_oob, as_ids, host_ids, saturate_int32
+from flowtt_jax.inputs.normalise import csr_bags, saturate_int32
+from flowtt_jax.inputs.oob import apply_table_oob
+from flowtt_jax.inputs.pack import scale_by_modes
+from flowtt_jax.inputs.validate import OOB_POLICIES, as_ids, host_ids
 from flowtt_jax.kernels.group_plan import GroupLayout
 from flowtt_jax.ops.embedding_bag import feature_modes, tt_embedding_bag_group
 from flowtt_jax.sharding.base import per_device
@@ -277,7 +278,7 @@ class GroupTableWise:
         # this device's bags as tt_embedding_bag_group prepares them (packed_bags) less the
         # parking: a dropped position keeps its own table, whose owner pools its bag
         local_weights = None if weights is None else weights[0]
-        bags = canonical_bags(ids, offsets=offsets, weights=local_weights, mode="sum")
+        bags = csr_bags(ids, offsets, local_weights)
         feature = bags.bag_ids // per
         tables = jnp.asarray(self.feature_tables, jnp.int32)[feature]
         local_ids, valid = apply_table_oob(bags.ids, tables, self.layout.table_arrays()["num_rows"], oob)
