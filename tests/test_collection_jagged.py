@@ -20,6 +20,12 @@ from flowtt_jax.collection import TableConfig  # noqa: E402
 from flowtt_jax.nnx import TTEmbeddingCollection  # noqa: E402
 from tests.test_collection_stacked import DIM, _assert_same, _stack, _tables  # noqa: E402
 
+#: The collection's calls as one program each: eager, a call runs op by op and every new batch
+#: shape compiles each op anew (seconds a call); the eager calls are checked in
+#: ``test_jagged_equals_dict_call_bitwise``.
+_call = nnx.jit(lambda m, x: m(x))
+_unpooled = nnx.jit(lambda m, x: m(x, pooled=False))
+
 
 def _rows(col) -> dict[str, int]:
     return {f: cfg.num_embeddings for cfg in col.tables for f in cfg.feature_keys}
@@ -120,7 +126,7 @@ def test_jagged_traced_invalid_offsets_clamp_like_the_dict_call():
             "ids": jnp.asarray(ids[lo:hi]),
             "offsets": jnp.asarray(fixed[i * batch : (i + 1) * batch + 1] - lo),
         }
-    _assert_same(np.asarray(got), np.asarray(_stack(col, col(want))), False)
+    _assert_same(np.asarray(got), np.asarray(_stack(col, _call(col, want))), False)
 
 
 def test_jagged_checks_name_the_problem():
@@ -132,8 +138,9 @@ def test_jagged_checks_name_the_problem():
         col(KeyedJagged(kjt.ids, lengths=kjt.lengths, keys=("a",) + col.feature_names[:-1]))
     with pytest.raises(ValueError, match="sum to at most len\\(ids\\)"):
         col(KeyedJagged(kjt.ids[1:], lengths=kjt.lengths))
-    padded = col(KeyedJagged(jnp.concatenate([kjt.ids, jnp.full((5,), -3, jnp.int32)]), lengths=kjt.lengths))
-    _assert_same(np.asarray(padded), np.asarray(col(kjt)), False)  # a padded tail: in no bag
+    tail = jnp.full((5,), -3, jnp.int32)
+    padded = _call(col, KeyedJagged(jnp.concatenate([kjt.ids, tail]), lengths=kjt.lengths))
+    _assert_same(np.asarray(padded), np.asarray(_call(col, kjt)), False)  # a padded tail: in no bag
     with pytest.raises(ValueError, match="F = 7 features"):
         col(KeyedJagged(kjt.ids, lengths=kjt.lengths[1:]))
     with pytest.raises(ValueError, match="exactly one of"):
@@ -346,11 +353,12 @@ def test_linen_twin_takes_a_jagged_batch():
     col = TTEmbeddingCollection(_tables(), rngs=nnx.Rngs(0))
     _, kjt = _batch(col, 3, seed=7, weighted=True)
     lcol = linen.TTEmbeddingCollection(_tables())
-    assert set(lcol.init(jax.random.key(0), kjt)["params"]) == set(col.params)
+    assert set(jax.jit(lcol.init)(jax.random.key(0), kjt)["params"]) == set(col.params)
     params = {"params": {k: p[...] for k, p in col.params.items()}}
-    _assert_same(np.asarray(lcol.apply(params, kjt)), np.asarray(col(kjt)), False)
-    rows = lcol.apply(params, kjt, pooled=False)
-    np.testing.assert_array_equal(np.asarray(rows), np.asarray(col.lookup(kjt)))
+    apply = jax.jit(lcol.apply, static_argnames="pooled")
+    _assert_same(np.asarray(apply(params, kjt)), np.asarray(_call(col, kjt)), False)
+    rows = apply(params, kjt, pooled=False)
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(nnx.jit(lambda m, x: m.lookup(x))(col, kjt)))
 
 
 def test_unknown_feature_keys_raise():
@@ -362,7 +370,7 @@ def test_unknown_feature_keys_raise():
         col({**feats, "zz": feats["a"]})
     with pytest.raises(KeyError, match="'a_typo'"):
         col.lookup({"a_typo": jnp.asarray([1, 2])})
-    assert set(col(feats)) == set(col.feature_names)
+    assert set(_call(col, feats)) == set(col.feature_names)
 
 
 def test_oob_error_under_jit_through_checked():
@@ -462,8 +470,8 @@ def test_keys_in_any_order_a_builder_and_padded_rows():
         }
     )
     assert shuffled.keys == tuple(names[i] for i in perm)
-    _assert_same(np.asarray(col(shuffled)), np.asarray(col(kjt)), False)
-    rows, want = col(shuffled, pooled=False), col(kjt, pooled=False)
+    _assert_same(np.asarray(_call(col, shuffled)), np.asarray(_call(col, kjt)), False)
+    rows, want = _unpooled(col, shuffled), _unpooled(col, kjt)
     padded, padded_want = shuffled.to_padded(rows, 6), kjt.to_padded(want, 6)
     for f in names:
         np.testing.assert_array_equal(np.asarray(padded[f][1]), np.asarray(padded_want[f][1]))
@@ -472,7 +480,7 @@ def test_keys_in_any_order_a_builder_and_padded_rows():
         np.testing.assert_array_equal(np.asarray(padded[f][1]).sum(1), np.minimum(lengths, 6))
     # per bag, the padded rows are the unpooled rows of the dict lookup, in order, zeros after
     f = names[2]
-    dict_rows = np.asarray(col({f: feats[f]["ids"]}, pooled=False)[f])
+    dict_rows = np.asarray(_unpooled(col, {f: feats[f]["ids"]})[f])
     offsets = np.asarray(feats[f]["offsets"])
     for b in range(4):
         got = np.asarray(padded[f][0])[b]
@@ -486,8 +494,8 @@ def test_keys_in_any_order_a_builder_and_padded_rows():
     one = {n: np.arange(4) % 40 for n in names}
     one[names[1]] = np.arange(8).reshape(4, 2) % 40
     built = KeyedJagged.from_features(one)
-    stacked_dict = col({n: v for n, v in one.items()})
-    _assert_same(np.asarray(col(built)), np.asarray(_stack(col, stacked_dict)), False)
+    stacked_dict = _call(col, {n: v for n, v in one.items()})
+    _assert_same(np.asarray(_call(col, built)), np.asarray(_stack(col, stacked_dict)), False)
     with pytest.raises(ValueError, match="same batch size"):
         KeyedJagged.from_features({"a": np.arange(3), "c": np.arange(4)})
 
@@ -508,7 +516,7 @@ def test_jagged_batch_over_tables_of_several_dims_gives_a_dict():
         "hist": {"ids": np.array([1, 2, 3, 4, 799]), "offsets": np.array([0, 2, 2, 5])},
     }
     kjt = KeyedJagged.from_features(feats)
-    got, want = col(kjt), col(feats)
+    got, want = _call(col, kjt), _call(col, feats)
     assert set(got) == set(want) and got["country"].shape == (3, 4) and got["user"].shape == (3, 16)
     for f in want:
         _assert_same(np.asarray(got[f]), np.asarray(want[f]), False)
