@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The layer at scale on the device machine, one `run` call each (the stage limits of one call
 # sum to under 10 minutes):
-#   scripts/gpu_layer.sh        build, the collection tests on the GPU, the collection benchmark
+#   scripts/gpu_layer.sh        build, the collection and input pipeline tests on the GPU, the collection benchmark
 #                               with ours_layer beside ours_batched (Meta-like 240 and 788 tables
 #                               x 4096), construction and compile times of the packed and dict
 #                               calls (python -m scripts.layer_timing, 240 and 788 tables at 4096);
@@ -21,8 +21,9 @@ if [[ $STAGE == dlrm ]]; then
     --eval-batches 8 --max-rows 0 --dim 32 --rank 32 --lr 3e-3 --log-every 20 --no-progress --profile-steps 5
   exit $status
 fi
-[[ ${SKIP_TESTS:-0} == 1 ]] || stage 90 tests $PY -m pytest -q -p no:cacheprovider "${par[@]}" tests/test_collection_jagged.py \
-  "tests/test_benchmarks.py::test_layer_impls_equal_the_packed_op" tests/test_collection_stacked.py
+[[ ${SKIP_TESTS:-0} == 1 ]] || stage 150 tests $PY -m pytest -q -p no:cacheprovider "${par[@]}" tests/test_collection_jagged.py \
+  "tests/test_benchmarks.py::test_layer_impls_equal_the_packed_op" tests/test_collection_stacked.py \
+  tests/test_input_pipeline.py tests/test_input_errors.py tests/test_tb_bags_ffi.py tests/test_op_policies.py
 TAIL=12 stage 160 bench $PY -m benchmarks --stage collection --impls ours_batched,ours_layer,ours_layer_dict \
   --tables 240,788 --batches 4096 --out-dir "$OUT/bench" --time-budget 140
 TAIL=10 stage 150 timing $PY -m scripts.layer_timing --tables 240,788 --batches 4096 \

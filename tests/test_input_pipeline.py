@@ -228,3 +228,58 @@ def test_every_form_as_before_bitwise(impl, case):
     assert sorted(got) == sorted(want)
     wrong = [k for k in want if got[k] != want[k]]
     assert not wrong, f"{key}: changed bits in {wrong}"
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+def test_traced_offsets_leave_positions_in_no_bag(impl, seeds):
+    """A dict call's traced offsets that leave a feature's positions outside its bags (first
+    offset > 0, last < n, a decrease): clamped into the feature's ids, those positions in no
+    bag: outputs, weight gradients (0 there) and out-of-range counts (ids there not counted)
+    of the dict call given each feature's clamped slice, every pooling mode."""
+    layout = _layout()
+    params = _params(layout)
+    rng = np.random.default_rng(next(seeds))
+    rows = _rows(layout)
+    feats, bad, want_feats, kept = {}, {}, {}, {}
+    for f in layout.feature_names:
+        v = _csr(rng, rows[f], B + 1, True)
+        while int(v["offsets"][-1]) < 4:
+            v = _csr(rng, rows[f], B + 1, True)
+        n = int(v["offsets"][-1])
+        o = np.asarray(v["offsets"]).copy()
+        ids = np.asarray(v["ids"]).copy()
+        ids[0], ids[-1] = -5, rows[f] + 7  # out of range, in no bag: not counted
+        o[0], o[-1] = 1, n - 1
+        o[2] = o[1] - 1  # a decrease: the running maximum
+        fixed = np.maximum.accumulate(np.clip(o, 0, n))
+        feats[f] = {"ids": jnp.asarray(ids), "weights": v["weights"]}
+        bad[f] = jnp.asarray(o)
+        lo, hi = fixed[0], fixed[-1]
+        want_feats[f] = {
+            "ids": jnp.asarray(ids[lo:hi]),
+            "offsets": jnp.asarray(fixed - lo),
+            "weights": v["weights"][lo:hi],
+        }
+        kept[f] = (lo, hi)
+    cot = {f: jnp.asarray(rng.standard_normal((B + 1, DIM)), jnp.float32) for f in feats}
+
+    def loss(w, offsets, inputs):
+        given = {
+            f: {**inputs[f], "weights": w[f], **({} if offsets is None else {"offsets": offsets[f]})}
+            for f in inputs
+        }
+        out, counts = layout.call(params, given, with_counts=True, impl=impl)
+        return sum(jnp.vdot(cot[f], out[f]) for f in out), (out, counts.out_of_range)
+
+    step = jax.jit(jax.grad(loss, has_aux=True))
+    w_got = {f: feats[f]["weights"] for f in feats}
+    g_got, (got, counts_got) = step(w_got, bad, feats)
+    w_want = {f: want_feats[f]["weights"] for f in feats}
+    g_want, (want, counts_want) = step(w_want, None, want_feats)
+    for f in feats:
+        np.testing.assert_allclose(np.asarray(got[f]), np.asarray(want[f]), rtol=1e-6, atol=1e-6, err_msg=f)
+        lo, hi = kept[f]
+        g = np.asarray(g_got[f])
+        np.testing.assert_allclose(g[lo:hi], np.asarray(g_want[f]), rtol=1e-6, atol=1e-6, err_msg=f)
+        assert not np.any(g[:lo]) and not np.any(g[hi:]), f
+    np.testing.assert_array_equal(np.asarray(counts_got), np.asarray(counts_want))

@@ -99,10 +99,13 @@ def _finish(
     weighted: bool,
     scaled: bool = False,
     pooled: bool = True,
+    keep: jax.Array | None = None,
+    lengths: jax.Array | None = None,
 ) -> PackBatch:
     """Stages 3-4 of normalised feature-major ``bags`` of ``pack.features`` (``batch`` bags a
-    feature; ``offsets``, ``weights``: their packed CSR and user weights where the
-    ``flowtt_tb_bags`` kernel may take them, ``kernel``): the ``oob`` policy against each
+    feature; ``offsets``, ``weights``, ``keep``, ``lengths``: their packed CSR, user weights,
+    positions in no bag and bag lengths where the ``flowtt_tb_bags`` kernel may take them,
+    ``kernel``): the ``oob`` policy against each
     position's table (``oob.table_oob``), then the modes (``pooled``, unless ``scaled``
     already) or each id its own bag (unpooled). A packed CSR of no ids, or pooled without
     bags: empty bags (canonical bags go through: ``oob="error"`` checks ids in no bag)."""
@@ -124,6 +127,7 @@ def _finish(
         oob,
         kernel=kernel,
         weights=weights,
+        keep=keep,
         table_names=tuple(t.name for t in pack.tables),
         feature_names=tuple(s.feature for s in pack.features),
     )
@@ -131,7 +135,9 @@ def _finish(
         bags = unpooled(bags)
     elif not scaled:
         modes = [s.mode for s in pack.features]
-        bags = bags._replace(weights=scale_by_modes(bags.weights, bags.offsets, bags.bag_ids, modes, batch))
+        bags = bags._replace(
+            weights=scale_by_modes(bags.weights, bags.offsets, bags.bag_ids, modes, batch, lengths)
+        )
     return PackBatch(p, pack.features, bags, tables, weighted, batch, counts)
 
 
@@ -166,6 +172,8 @@ def dict_batches(
                     weights=g.weights,
                     weighted=g.weighted,
                     scaled=g.scaled,
+                    keep=g.keep,
+                    lengths=g.lengths,
                 )
             )
     return out

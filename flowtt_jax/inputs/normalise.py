@@ -7,8 +7,8 @@ canonical CSR over one flat int32 ids array (``jax.numpy`` only).
   from the kept positions' count when asked) or a CSR over flat ids (``csr_bags``);
 - a pack's features (``pack_forms``): padded and CSR features of one batch size as one
   ``PackedCSR`` (one concatenation of the ids, one of the offsets, whatever the number of
-  features; traced offsets, which may leave positions outside their bags, one ``compact``
-  gather), the other forms as canonical bags per feature then packed per batch size;
+  features; traced offsets, which may leave positions outside their bags: those masked, no
+  gather of the ids), the other forms as canonical bags per feature then packed per batch size;
 - a ``KeyedJagged``'s features reordered into the packs' order (``reorder``), stacked ids'
   columns (``stacked_bags``), an unpooled lookup's ids (``flat_csr``).
 
@@ -60,12 +60,17 @@ class CanonicalBags(NamedTuple):
 class PackedCSR(NamedTuple):
     """Bags of F features over one flat array: ``ids [n]``, feature-major ``offsets [F*B + 1]``
     (concrete: a valid CSR over ``[0, n]``; traced: clamped by ``csr_bags``, positions
-    outside ``[offsets[0], offsets[-1])`` in no bag), optional ``weights [n]`` and ``batch`` B."""
+    outside ``[offsets[0], offsets[-1])`` in no bag), optional ``weights [n]`` and ``batch`` B;
+    ``keep [n]`` bool (or None): False at positions between two features' bags (in no bag,
+    though inside a bag of ``offsets``), ``lengths [F*B]`` int32 (or None: ``diff(offsets)``)
+    the bags' own lengths then."""
 
     ids: jax.Array
     offsets: jax.Array
     weights: jax.Array | None
     batch: int
+    keep: jax.Array | None = None
+    lengths: jax.Array | None = None
 
 
 class FormGroup(NamedTuple):
@@ -82,6 +87,8 @@ class FormGroup(NamedTuple):
     batch: int
     scaled: bool
     weighted: bool
+    keep: jax.Array | None = None
+    lengths: jax.Array | None = None
 
 
 def saturate_int32(ids: jax.Array) -> jax.Array:
@@ -158,14 +165,17 @@ def compact(ids: jax.Array, weights: jax.Array | None, starts: jax.Array, length
     return ids[src], None if weights is None else weights[src], offsets, src
 
 
-def csr_bags(ids: jax.Array, offsets: jax.Array, weights: jax.Array | None) -> CanonicalBags:
+def csr_bags(
+    ids: jax.Array, offsets: jax.Array, weights: jax.Array | None, keep: jax.Array | None = None
+) -> CanonicalBags:
     """CSR bags over flat ``ids [n]`` (checked offsets, or traced ones: clamped, positions
-    outside ``[offsets[0], offsets[-1])`` in no bag) as ``CanonicalBags``, weights as given."""
+    outside ``[offsets[0], offsets[-1])`` in no bag; ``keep``: False at other positions in no
+    bag) as ``CanonicalBags``, weights as given."""
     n = ids.shape[0]
     offsets = clamp_csr(offsets, n)  # valid CSR whatever the input
     pos = jnp.arange(n, dtype=jnp.int32)
-    keep = (pos >= offsets[0]) & (pos < offsets[-1])
-    return _bags(ids, weights, offsets, keep, None, "sum")
+    inside = (pos >= offsets[0]) & (pos < offsets[-1])
+    return _bags(ids, weights, offsets, inside if keep is None else inside & keep, None, "sum")
 
 
 def canonical_bags(form: BagForm, mode: str = "sum") -> CanonicalBags:
@@ -233,11 +243,18 @@ def pack_forms(forms: Sequence[BagForm], modes: Sequence[str]) -> list[FormGroup
     per feature, the modes folded in, then packed: ``packed_canonical``)."""
     csr = pack_features(forms)
     if csr is not None:
-        bags = csr_bags(csr.ids, csr.offsets, csr.weights)
-        weighted = csr.weights is not None
-        return [
-            FormGroup(tuple(range(len(forms))), bags, csr.offsets, csr.weights, csr.batch, False, weighted)
-        ]
+        bags = csr_bags(csr.ids, csr.offsets, csr.weights, csr.keep)
+        group = (
+            bags,
+            csr.offsets,
+            csr.weights,
+            csr.batch,
+            False,
+            csr.weights is not None,
+            csr.keep,
+            csr.lengths,
+        )
+        return [FormGroup(tuple(range(len(forms))), *group)]
     groups: dict[int, list[int]] = {}
     for j, f in enumerate(forms):
         groups.setdefault(f.batch, []).append(j)
@@ -253,7 +270,10 @@ def pack_features(forms: Sequence[BagForm]) -> PackedCSR | None:
     """Padded (unmasked) and CSR forms of one batch size as one ``PackedCSR``, or None when a
     form needs its own preparation (``mask``, ``segment_ids``) or the batch sizes differ.
     A fixed number of ops whatever their count: one concatenation of the ids (and weights),
-    one of the CSR offsets; traced offsets add one ``compact`` gather."""
+    one of the CSR offsets. Traced offsets (clamped into each feature's ids) leave the bags
+    where they are: the positions of a feature before its first bag or after its last are
+    masked (``keep``: a scatter of 4 marks a feature and one cumulative sum, no gather of the
+    ids), its bags' ``lengths`` given."""
     if any(f.form == "segments" or f.mask is not None for f in forms) or len({f.batch for f in forms}) != 1:
         return None
     batch = forms[0].batch
@@ -288,10 +308,18 @@ def pack_features(forms: Sequence[BagForm]) -> PackedCSR | None:
         return (x if back is None else x[back]).reshape(-1)
 
     bag_starts = in_order(parts_start)  # [F*B]: where each bag starts in the concatenated ids
+    offsets = jnp.concatenate([bag_starts, jnp.full((1,), n, jnp.int32)])
     if not traced:  # valid CSRs: the bags start where they are, no gather (and no scan)
-        return PackedCSR(ids, jnp.concatenate([bag_starts, jnp.full((1,), n, jnp.int32)]), weights, batch)
-    ids, weights, offsets, _ = compact(ids, weights, bag_starts, in_order(parts_len))
-    return PackedCSR(ids, offsets, weights, batch)
+        return PackedCSR(ids, offsets, weights, batch)
+    # a CSR feature's positions outside [off[0], off[B]) are in no bag: marks +1 where such a
+    # run starts, -1 where it ends (the feature's head [start, start + off[0]) and tail
+    # [start + off[B], end)), their running sum > 0 inside one
+    lo = jnp.asarray(starts[csr], jnp.int32)
+    hi = jnp.asarray(starts[np.asarray(csr) + 1], jnp.int32)
+    at = jnp.concatenate([lo, lo + off[:, 0], lo + off[:, -1], hi])
+    mark = jnp.concatenate([jnp.ones_like(lo), -jnp.ones_like(lo), jnp.ones_like(lo), -jnp.ones_like(lo)])
+    runs = jnp.cumsum(jnp.zeros((n + 1,), jnp.int32).at[at].add(mark)[:n], dtype=jnp.int32)
+    return PackedCSR(ids, offsets, weights, batch, runs == 0, in_order(parts_len))
 
 
 def packed_canonical(bags: Sequence[CanonicalBags]) -> CanonicalBags:

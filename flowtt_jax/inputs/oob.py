@@ -225,6 +225,7 @@ def table_oob(
     *,
     kernel: bool,
     weights: jax.Array | None = None,
+    keep: jax.Array | None = None,
     table_names: tuple[str, ...] | None = None,
     feature_names: tuple[str, ...] | None = None,
 ) -> tuple[CanonicalBags, jax.Array, jax.Array]:
@@ -233,12 +234,13 @@ def table_oob(
     table: ``(CanonicalBags, tables [n] int32, out_of_range [T] int32)`` (the count before
     the policy, ``count_out_of_range``). ``offsets``: the bags' CSR as given (a packed CSR, or
     None for canonical bags); with it, ``kernel`` takes one ``flowtt_tb_bags`` call for
-    ``"clip"`` / ``"zero"`` (``weights``: the user's, None for none), the same values as the
-    jax.numpy path, its oracle. ``"error"`` checks a packed CSR's positions in bags (canonical
+    ``"clip"`` / ``"zero"`` (``weights``: the user's, None for none; ``keep``: False at the
+    positions of ``offsets``' bags that are in none, ``normalise.PackedCSR``'s), the same
+    values as the jax.numpy path, its oracle. ``"error"`` checks a packed CSR's positions in bags (canonical
     bags: every position) and names the table, feature (``table_names``, ``feature_names``)
     and example."""
     counts = count_out_of_range(
-        bags.ids, bags.offsets, bags.keep if offsets is None else None, slot_tables, num_rows, batch, oob
+        bags.ids, bags.offsets, bags.keep if offsets is None else keep, slot_tables, num_rows, batch, oob
     )
     if not (kernel and oob != "error" and offsets is not None):
         tables = jnp.asarray(slot_tables, jnp.int32)[bags.bag_ids // max(batch, 1)]
@@ -254,6 +256,7 @@ def table_oob(
     )
     # live positions are kept ones: the user weights where live (the canonical bags' own
     # weights would keep XLA's running maximum of the offsets alive)
+    live = live if keep is None else jnp.where(keep, live, 0.0)
     w = live if weights is None else jnp.where(live != 0, weights.astype(bags.weights.dtype), 0.0)
     return bags._replace(ids=flat, weights=w, offsets=csr, bag_ids=bag_ids, keep=live != 0), tables, counts
 
