@@ -31,9 +31,15 @@ SPECS = {
 }
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _dense_f64(cores, n):
+    return ftt.to_dense([c.astype(jnp.float64) for c in cores], n)
+
+
 def dense_of(cores, n):
+    """The table in float64, one program per shape."""
     with jax.enable_x64(True):
-        return np.asarray(ftt.to_dense([c.astype(jnp.float64) for c in cores], n))
+        return np.asarray(_dense_f64(cores, n))
 
 
 def _bag_loss(cores, weights, ids, offsets, impl):
@@ -128,8 +134,6 @@ def test_bags_equal_hand_computed(impl, mode, weighted, form):
     assert rel_err(out, expected) < 1e-5
 
 
-
-
 @pytest.mark.parametrize("spec_name", sorted(SPECS))
 @pytest.mark.parametrize("kind", ID_KINDS + ("single",))
 def test_ffi_matches_reference_forward_and_grads(spec_name, kind):
@@ -140,11 +144,14 @@ def test_ffi_matches_reference_forward_and_grads(spec_name, kind):
     cores = make_cores(spec, seed=9)
     weights = np.random.default_rng(10).standard_normal(n).astype(np.float32)
 
-    out = ftt.tt_embedding_bag(cores, ids, offsets=offsets, weights=weights, mode="mean", impl="ffi")
+    bag = jax.jit(
+        lambda c, i, o, w: ftt.tt_embedding_bag(c, i, offsets=o, weights=w, mode="mean", impl="ffi")
+    )
+    out = bag(cores, ids, offsets, weights)
     ref = bag_f64(cores, ids, offsets=offsets, weights=weights, mode="mean")
     assert rel_err(out, ref) < 1e-5
 
-    grad = jax.grad(_bag_loss, argnums=(0, 1))
+    grad = jax.jit(jax.grad(_bag_loss, argnums=(0, 1)), static_argnums=4)
     g_ffi = grad(cores, weights, ids, offsets, "ffi")
     with jax.enable_x64(True):
         c64 = tuple(jnp.asarray(c, jnp.float64) for c in cores)
@@ -169,9 +176,9 @@ def test_huge_skew_one_hot_group():
     rng.shuffle(ids)
     offsets = random_offsets(700, ids.size, seed=1)
     cores = make_cores(spec, seed=2)
-    out = ftt.tt_embedding_bag(cores, ids, offsets=offsets, impl="ffi")
+    out = jax.jit(lambda c: ftt.tt_embedding_bag(c, ids, offsets=offsets, impl="ffi"))(cores)
     assert rel_err(out, bag_f64(cores, ids, offsets=offsets)) < 1e-5
-    g = jax.grad(lambda c: ftt.tt_embedding_bag(c, ids, offsets=offsets, impl="ffi").sum())(cores)
+    g = jax.jit(jax.grad(lambda c: ftt.tt_embedding_bag(c, ids, offsets=offsets, impl="ffi").sum()))(cores)
     with jax.enable_x64(True):
         c64 = tuple(jnp.asarray(c, jnp.float64) for c in cores)
         g_ref = jax.jit(
@@ -287,14 +294,14 @@ def test_vmap_over_ids_and_over_cores(impl):
     ids = np.stack([make_ids("zipf1.2", 30, spec.num_embeddings, seed=s) for s in range(4)])
     offsets = random_offsets(6, 30, seed=3)
     bag = functools.partial(ftt.tt_embedding_bag, offsets=offsets, impl=impl)
-    batched = jax.vmap(bag, in_axes=(None, 0))(cores, ids)
+    batched = jax.jit(jax.vmap(bag, in_axes=(None, 0)))(cores, ids)
     for b in range(4):
         assert rel_err(batched[b], bag_f64(cores, ids[b], offsets=offsets)) < 1e-5
     stacked = [jnp.stack([c, 2 * c]) for c in cores]
-    both = jax.vmap(lambda c, i: ftt.tt_lookup(c, i, impl=impl))(stacked, ids[:2])
-    assert rel_err(both[1], 8 * np.asarray(ftt.tt_lookup(cores, ids[1], impl="reference"))) < 1e-5
-    grads = jax.vmap(jax.grad(lambda c, i: bag(c, i).sum()), in_axes=(None, 0))(cores, ids)
-    single = jax.grad(lambda c: bag(c, ids[2]).sum())(cores)
+    both = jax.jit(jax.vmap(lambda c, i: ftt.tt_lookup(c, i, impl=impl)))(stacked, ids[:2])
+    assert rel_err(both[1], 8 * dense_of(cores, spec.num_embeddings)[ids[1]]) < 1e-5
+    grads = jax.jit(jax.vmap(jax.grad(lambda c, i: bag(c, i).sum()), in_axes=(None, 0)))(cores, ids)
+    single = jax.jit(jax.grad(lambda c: bag(c, ids[2]).sum()))(cores)
     for gb, gs in zip(grads, single):
         assert rel_err(gb[2], gs) < 1e-5
 
@@ -358,7 +365,7 @@ def test_four_cores_fall_back_to_reference():
     spec = ftt.TTSpec.create(3000, 16, 4, num_cores=4)
     cores = make_cores(spec, seed=13)
     ids = make_ids("uniform", 50, 3000, seed=13)
-    assert rel_err(ftt.tt_lookup(cores, ids), dense_of(cores, 3000)[ids]) < 1e-5
+    assert rel_err(jax.jit(ftt.tt_lookup)(cores, ids), dense_of(cores, 3000)[ids]) < 1e-5
     with pytest.raises(ValueError, match="3 cores"):
         ftt.tt_lookup(cores, ids, impl="ffi")
 
