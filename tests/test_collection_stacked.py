@@ -22,6 +22,12 @@ from flowtt_jax.nnx import TTEmbeddingCollection  # noqa: E402
 
 DIM = 8
 
+#: The collection's call as one program: eager, a call runs op by op and every new input
+#: shape compiles each op anew (seconds a call). The host int64 ids stay eager (under jit, ids
+#: past int32 would wrap), and so do the gradients (the stacked and the dict call's weight
+#: gradients are bitwise equal eagerly, not under jit).
+_call = nnx.jit(lambda m, x: m(x))
+
 
 def _tables():
     """Packs in another order than the features (TT group, dense pack, a 2-core single),
@@ -86,8 +92,8 @@ def test_stacked_equals_the_feature_dict(length, impl):
     want = _stack(col, jax.jit(lambda c, x: c(x))(col, _as_dict(col, ids, weights)))
     kernels = _kernel_features(col, impl)
     _assert_same(out, want, kernels)
-    plain = col(ids)  # no weights
-    _assert_same(plain, _stack(col, col(_as_dict(col, ids))), kernels)
+    plain = _call(col, ids)  # no weights
+    _assert_same(plain, _stack(col, _call(col, _as_dict(col, ids))), kernels)
 
     def loss(c, w, stacked):
         y = c(ids, w) if stacked else _stack(c, c(_as_dict(c, ids, w)))
@@ -109,9 +115,9 @@ def test_zero_batch_empty_bags_and_host_int64_ids():
     num = len(col.feature_names)
     for shape in ((0, num), (0, num, 2), (3, num, 0)):
         ids = np.zeros(shape, np.int32)
-        out = col(ids)
+        out = _call(col, ids)
         assert out.shape == (shape[0], num, DIM), shape
-        want = _stack(col, col(_as_dict(col, ids)))
+        want = _stack(col, _call(col, _as_dict(col, ids)))
         np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
     ids = np.random.default_rng(3).integers(0, 40, (4, num)).astype(np.int64)
     ids[1, 0] = 2**40 + 5  # would wrap to row 5 in jnp.asarray (no x64)
@@ -131,9 +137,10 @@ def test_linen_takes_stacked_ids():
     layer = linen.TTEmbeddingCollection(_tables())
     names = CollectionLayout(tuple(_tables())).feature_names
     ids = np.random.default_rng(1).integers(0, 40, (5, len(names)))
-    variables = layer.init(jax.random.key(0), ids)
-    out = layer.apply(variables, ids)
-    want = layer.apply(variables, {f: ids[:, i] for i, f in enumerate(names)})
+    variables = jax.jit(layer.init)(jax.random.key(0), ids)
+    apply = jax.jit(layer.apply)  # a program each, not op by op
+    out = apply(variables, ids)
+    want = apply(variables, {f: ids[:, i] for i, f in enumerate(names)})
     np.testing.assert_array_equal(np.asarray(out), np.asarray(jnp.stack([want[f] for f in names], 1)))
 
 
