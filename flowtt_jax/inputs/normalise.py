@@ -7,8 +7,9 @@ canonical CSR over one flat int32 ids array (``jax.numpy`` only).
   from the kept positions' count when asked) or a CSR over flat ids (``csr_bags``);
 - a pack's features (``pack_forms``): padded and CSR features of one batch size as one
   ``PackedCSR`` (one concatenation of the ids, one of the offsets, whatever the number of
-  features; traced offsets, which may leave positions outside their bags: those masked, no
-  gather of the ids), the other forms as canonical bags per feature then packed per batch size;
+  features; traced offsets, which may leave positions outside their bags: one junk bag a
+  feature takes them, dropped after the pooling), the other forms as canonical bags per
+  feature then packed per batch size;
 - a ``KeyedJagged``'s features reordered into the packs' order (``reorder``), stacked ids'
   columns (``stacked_bags``), an unpooled lookup's ids (``flat_csr``).
 
@@ -61,16 +62,15 @@ class PackedCSR(NamedTuple):
     """Bags of F features over one flat array: ``ids [n]``, feature-major ``offsets [F*B + 1]``
     (concrete: a valid CSR over ``[0, n]``; traced: clamped by ``csr_bags``, positions
     outside ``[offsets[0], offsets[-1])`` in no bag), optional ``weights [n]`` and ``batch`` B;
-    ``keep [n]`` bool (or None): False at positions between two features' bags (in no bag,
-    though inside a bag of ``offsets``), ``lengths [F*B]`` int32 (or None: ``diff(offsets)``)
-    the bags' own lengths then."""
+    ``junk``: each feature has one more bag, its last (``offsets`` ``[F*(B+1) + 1]``), of the
+    positions between its bags and the next feature's (in no bag of the user's): pooled, then
+    dropped."""
 
     ids: jax.Array
     offsets: jax.Array
     weights: jax.Array | None
     batch: int
-    keep: jax.Array | None = None
-    lengths: jax.Array | None = None
+    junk: bool = False
 
 
 class FormGroup(NamedTuple):
@@ -87,8 +87,7 @@ class FormGroup(NamedTuple):
     batch: int
     scaled: bool
     weighted: bool
-    keep: jax.Array | None = None
-    lengths: jax.Array | None = None
+    junk: bool = False
 
 
 def saturate_int32(ids: jax.Array) -> jax.Array:
@@ -165,17 +164,14 @@ def compact(ids: jax.Array, weights: jax.Array | None, starts: jax.Array, length
     return ids[src], None if weights is None else weights[src], offsets, src
 
 
-def csr_bags(
-    ids: jax.Array, offsets: jax.Array, weights: jax.Array | None, keep: jax.Array | None = None
-) -> CanonicalBags:
+def csr_bags(ids: jax.Array, offsets: jax.Array, weights: jax.Array | None) -> CanonicalBags:
     """CSR bags over flat ``ids [n]`` (checked offsets, or traced ones: clamped, positions
-    outside ``[offsets[0], offsets[-1])`` in no bag; ``keep``: False at other positions in no
-    bag) as ``CanonicalBags``, weights as given."""
+    outside ``[offsets[0], offsets[-1])`` in no bag) as ``CanonicalBags``, weights as given."""
     n = ids.shape[0]
     offsets = clamp_csr(offsets, n)  # valid CSR whatever the input
     pos = jnp.arange(n, dtype=jnp.int32)
-    inside = (pos >= offsets[0]) & (pos < offsets[-1])
-    return _bags(ids, weights, offsets, inside if keep is None else inside & keep, None, "sum")
+    keep = (pos >= offsets[0]) & (pos < offsets[-1])
+    return _bags(ids, weights, offsets, keep, None, "sum")
 
 
 def canonical_bags(form: BagForm, mode: str = "sum") -> CanonicalBags:
@@ -243,17 +239,8 @@ def pack_forms(forms: Sequence[BagForm], modes: Sequence[str]) -> list[FormGroup
     per feature, the modes folded in, then packed: ``packed_canonical``)."""
     csr = pack_features(forms)
     if csr is not None:
-        bags = csr_bags(csr.ids, csr.offsets, csr.weights, csr.keep)
-        group = (
-            bags,
-            csr.offsets,
-            csr.weights,
-            csr.batch,
-            False,
-            csr.weights is not None,
-            csr.keep,
-            csr.lengths,
-        )
+        bags = csr_bags(csr.ids, csr.offsets, csr.weights)
+        group = (bags, csr.offsets, csr.weights, csr.batch, False, csr.weights is not None, csr.junk)
         return [FormGroup(tuple(range(len(forms))), *group)]
     groups: dict[int, list[int]] = {}
     for j, f in enumerate(forms):
@@ -270,10 +257,10 @@ def pack_features(forms: Sequence[BagForm]) -> PackedCSR | None:
     """Padded (unmasked) and CSR forms of one batch size as one ``PackedCSR``, or None when a
     form needs its own preparation (``mask``, ``segment_ids``) or the batch sizes differ.
     A fixed number of ops whatever their count: one concatenation of the ids (and weights),
-    one of the CSR offsets. Traced offsets (clamped into each feature's ids) leave the bags
-    where they are: the positions of a feature before its first bag or after its last are
-    masked (``keep``: a scatter of 4 marks a feature and one cumulative sum, no gather of the
-    ids), its bags' ``lengths`` given."""
+    one of the CSR offsets. Traced offsets (clamped into each feature's ids) may leave a
+    feature's positions outside its bags: the bags stay where they are and each feature gets
+    one more, ``junk``, from the end of its last bag to the start of the next feature's first
+    (no work over the ids: no gather, no scan)."""
     if any(f.form == "segments" or f.mask is not None for f in forms) or len({f.batch for f in forms}) != 1:
         return None
     batch = forms[0].batch
@@ -285,41 +272,28 @@ def pack_features(forms: Sequence[BagForm]) -> PackedCSR | None:
     csr = [j for j, f in enumerate(forms) if f.form == "csr"]
     padded = [j for j, f in enumerate(forms) if f.form == "padded"]
     traced = False
-    parts_len, parts_start = [], []
+    parts = []  # [F_form, B + 1]: where each bag starts in the concatenated ids, and where it ends
     if csr:
         raw = [forms[j].offsets for j in csr]
         traced = any(isinstance(o, jax.core.Tracer) for o in raw)
         off = jnp.concatenate([saturate_int32(jnp.asarray(o)) for o in raw]).reshape(len(raw), batch + 1)
         if traced:  # canonical_bags' clamp, per feature
             off = clamp_csr(off, jnp.asarray([sizes[j] for j in csr], jnp.int32)[:, None])
-        parts_len.append(off[:, 1:] - off[:, :-1])
-        parts_start.append(off[:, :-1] + jnp.asarray(starts[csr], jnp.int32)[:, None])
+        parts.append(off + jnp.asarray(starts[csr], jnp.int32)[:, None])
     if padded:  # bag b of a [B, L] feature starts at start + L * b: from an iota, not a host constant
         length = jnp.asarray([forms[j].ids.shape[1] for j in padded], jnp.int32)[:, None]
-        parts_len.append(jnp.broadcast_to(length, (len(padded), batch)))
-        parts_start.append(
-            jnp.asarray(starts[padded], jnp.int32)[:, None] + length * jax.lax.iota(jnp.int32, batch)
+        parts.append(
+            jnp.asarray(starts[padded], jnp.int32)[:, None] + length * jax.lax.iota(jnp.int32, batch + 1)
         )
     order = csr + padded
-    back = None if order == sorted(order) else np.argsort(order)  # to the features' order
-
-    def in_order(parts: list) -> jax.Array:
-        x = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-        return (x if back is None else x[back]).reshape(-1)
-
-    bag_starts = in_order(parts_start)  # [F*B]: where each bag starts in the concatenated ids
+    bounds = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    if order != sorted(order):  # to the features' order
+        bounds = bounds[np.argsort(order)]
+    # valid CSRs: the bags start where they are, each feature's last ends where the next's
+    # first starts; traced ones: each feature's end starts its junk bag
+    bag_starts = (bounds if traced else bounds[:, :-1]).reshape(-1)
     offsets = jnp.concatenate([bag_starts, jnp.full((1,), n, jnp.int32)])
-    if not traced:  # valid CSRs: the bags start where they are, no gather (and no scan)
-        return PackedCSR(ids, offsets, weights, batch)
-    # a CSR feature's positions outside [off[0], off[B]) are in no bag: marks +1 where such a
-    # run starts, -1 where it ends (the feature's head [start, start + off[0]) and tail
-    # [start + off[B], end)), their running sum > 0 inside one
-    lo = jnp.asarray(starts[csr], jnp.int32)
-    hi = jnp.asarray(starts[np.asarray(csr) + 1], jnp.int32)
-    at = jnp.concatenate([lo, lo + off[:, 0], lo + off[:, -1], hi])
-    mark = jnp.concatenate([jnp.ones_like(lo), -jnp.ones_like(lo), jnp.ones_like(lo), -jnp.ones_like(lo)])
-    runs = jnp.cumsum(jnp.zeros((n + 1,), jnp.int32).at[at].add(mark)[:n], dtype=jnp.int32)
-    return PackedCSR(ids, offsets, weights, batch, runs == 0, in_order(parts_len))
+    return PackedCSR(ids, offsets, weights, batch, traced)
 
 
 def packed_canonical(bags: Sequence[CanonicalBags]) -> CanonicalBags:

@@ -192,11 +192,13 @@ def count_out_of_range(
     num_rows: jax.Array | np.ndarray,
     batch: int,
     oob: str,
+    junk: bool = False,
 ) -> jax.Array:
     """int32 ``[T]``: ids of feature-major bags (``offsets`` over int32 ``ids [n]``, ``batch``
     bags a feature, feature f of table ``slot_tables[f]``, table t of ``num_rows[t]`` rows;
-    ``keep``: False where a position is dropped, e.g. masked) out of range of their table,
-    before the policy; zeros under ``oob="error"`` (it raises instead). Each position's
+    ``keep``: False where a position is dropped, e.g. masked; ``junk``: each feature's last
+    bag is not counted) out of range of their table, before the policy; zeros under
+    ``oob="error"`` (it raises instead). Each position's
     feature from the features' bounds (a scatter of F marks and a cumulative sum), the counts
     from a cumulative sum and a gather of the bounds: no scatter over the ids. The
     collections' default counters."""
@@ -211,7 +213,8 @@ def count_out_of_range(
     if keep is not None:
         bad = bad & keep
     running = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(bad, dtype=jnp.int32)])
-    per_feature = running[bounds[1:]] - running[bounds[:-1]]
+    ends = jnp.clip(offsets[batch - 1 :: batch], 0, n) if junk else bounds[1:]
+    per_feature = running[ends] - running[bounds[:-1]]
     return jax.ops.segment_sum(per_feature, jnp.asarray(slot_tables), num_segments=num_tables)
 
 
@@ -225,7 +228,7 @@ def table_oob(
     *,
     kernel: bool,
     weights: jax.Array | None = None,
-    keep: jax.Array | None = None,
+    junk: bool = False,
     table_names: tuple[str, ...] | None = None,
     feature_names: tuple[str, ...] | None = None,
 ) -> tuple[CanonicalBags, jax.Array, jax.Array]:
@@ -233,14 +236,21 @@ def table_oob(
     ``slot_tables[f]`` of ``num_rows`` rows) after the ``oob`` policy against each position's
     table: ``(CanonicalBags, tables [n] int32, out_of_range [T] int32)`` (the count before
     the policy, ``count_out_of_range``). ``offsets``: the bags' CSR as given (a packed CSR, or
-    None for canonical bags); with it, ``kernel`` takes one ``flowtt_tb_bags`` call for
-    ``"clip"`` / ``"zero"`` (``weights``: the user's, None for none; ``keep``: False at the
-    positions of ``offsets``' bags that are in none, ``normalise.PackedCSR``'s), the same
-    values as the jax.numpy path, its oracle. ``"error"`` checks a packed CSR's positions in bags (canonical
+    None for canonical bags; ``junk``: each feature's last bag holds positions in no bag of the
+    user's, not counted); with it, ``kernel`` takes one ``flowtt_tb_bags`` call for
+    ``"clip"`` / ``"zero"`` (``weights``: the user's, None for none), the same values as the
+    jax.numpy path, its oracle. ``"error"`` checks a packed CSR's positions in bags (canonical
     bags: every position) and names the table, feature (``table_names``, ``feature_names``)
     and example."""
     counts = count_out_of_range(
-        bags.ids, bags.offsets, bags.keep if offsets is None else keep, slot_tables, num_rows, batch, oob
+        bags.ids,
+        bags.offsets,
+        bags.keep if offsets is None else None,
+        slot_tables,
+        num_rows,
+        batch,
+        oob,
+        junk,
     )
     if not (kernel and oob != "error" and offsets is not None):
         tables = jnp.asarray(slot_tables, jnp.int32)[bags.bag_ids // max(batch, 1)]
@@ -256,7 +266,6 @@ def table_oob(
     )
     # live positions are kept ones: the user weights where live (the canonical bags' own
     # weights would keep XLA's running maximum of the offsets alive)
-    live = live if keep is None else jnp.where(keep, live, 0.0)
     w = live if weights is None else jnp.where(live != 0, weights.astype(bags.weights.dtype), 0.0)
     return bags._replace(ids=flat, weights=w, offsets=csr, bag_ids=bag_ids, keep=live != 0), tables, counts
 
