@@ -118,12 +118,13 @@ def test_rowwise_adagrad_and_lazy_adam_follow_their_math(rule):
     cfg = SparseUpdate(rule, 0.05, eps=1e-8)
     sparse, dense, _ = _pair(cfg, optax.sgd(0.0))
     feats = _batches(3, 1)[0]
-    _, grads = nnx.value_and_grad(_loss)(dense, feats)  # the dense gradient, for the math
+    # one program each, not op by op
+    _, grads = nnx.jit(nnx.value_and_grad(_loss))(dense, feats)  # the dense gradient, for the math
     g = np.asarray(dense.layout.table_params({k: v[...] for k, v in grads["params"].items()}, "user")[0])
     start = np.asarray(sparse.table("user"))
-    grad_fn = sp.sparse_value_and_grad(_loss)
+    grad_fn = nnx.jit(sp.sparse_value_and_grad(_loss))
     _, _, rows = grad_fn(sparse, feats)
-    sp.apply_sparse(sparse, rows)
+    nnx.jit(sp.apply_sparse)(sparse, rows)
     touched = np.flatnonzero(np.any(g != 0, axis=1))
     want = start.copy()
     gt = g[touched]
