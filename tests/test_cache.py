@@ -79,15 +79,22 @@ def _oracle(layout: CollectionLayout, params: dict, feats: dict) -> dict:
 
 def _refreshed(layout: CollectionLayout, params: dict, feats: dict) -> dict:
     """``params`` with each cached table holding its feature's most frequent ids, one of them
-    the table's last row, and its cached rows moved off their TT values."""
+    the table's last row, and its cached rows moved off their TT values (one program, not op
+    by op)."""
     owners = {f: cfg.name for cfg in layout.tables for f in cfg.feature_keys}
+    chosen = {}
     for name, ids in hot_ids([{f: v["ids"] for f, v in feats.items()}], layout.tables, owners).items():
         cfg = layout.tables[[t.name for t in layout.tables].index(name)]
-        ids = np.unique(np.concatenate([ids[: cfg.cache_rows - 1], [cfg.num_embeddings - 1]]))
-        params = layout.with_hot_ids(params, name, ids)
-        rows, hot = layout.table_cache(params, name)
-        params = layout.with_cache(params, name, rows + 0.25 * jnp.sign(rows + 1e-3), hot)
-    return params
+        chosen[name] = np.unique(np.concatenate([ids[: cfg.cache_rows - 1], [cfg.num_embeddings - 1]]))
+
+    def refresh(params: dict) -> dict:
+        for name, ids in chosen.items():
+            params = layout.with_hot_ids(params, name, ids)
+            rows, hot = layout.table_cache(params, name)
+            params = layout.with_cache(params, name, rows + 0.25 * jnp.sign(rows + 1e-3), hot)
+        return params
+
+    return jax.jit(refresh)(params)
 
 
 @pytest.mark.parametrize("impl", ["auto", "reference"])
@@ -156,7 +163,8 @@ def test_ids_move_in_and_out(seeds):
     dropped one reads its TT row again; jitted with traced ids it is the same program."""
     layout = CollectionLayout((TableConfig("a", 1000, 8, rank=4, cache_rows=4),), memory_budget=None)
     params = layout.init(jax.random.key(next(seeds)))
-    tt_rows = np.asarray(layout.to_dense({**params, **layout.with_hot_ids(params, "a", [])}, "a"))
+    to_dense = jax.jit(layout.to_dense, static_argnums=1)  # one program, not op by op
+    tt_rows = np.asarray(to_dense({**params, **layout.with_hot_ids(params, "a", [])}, "a"))
     params = layout.with_hot_ids(params, "a", [10, 20, 30])
     rows, hot = layout.table_cache(params, "a")
     assert list(np.asarray(hot)) == [10, 20, 30, EMPTY]
@@ -171,9 +179,9 @@ def test_ids_move_in_and_out(seeds):
         rtol=1e-5,
         atol=1e-5,
     )
-    dense = np.asarray(layout.to_dense(moved, "a"))
+    dense = np.asarray(to_dense(moved, "a"))
     np.testing.assert_allclose(dense[20], tt_rows[20], rtol=1e-5, atol=1e-6)  # 20 left: its TT row
-    out = layout.apply(moved, {"a": np.array([[20, 10, 999]])})["a"]
+    out = jax.jit(lambda p: layout.apply(p, {"a": np.array([[20, 10, 999]])})["a"])(moved)
     np.testing.assert_allclose(
         np.asarray(out)[0], tt_rows[20] + tt_rows[10] + 1 + tt_rows[999], rtol=1e-5, atol=1e-5
     )
