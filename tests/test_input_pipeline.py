@@ -243,14 +243,15 @@ def test_traced_offsets_leave_positions_in_no_bag(impl, seeds):
     feats, bad, want_feats, kept = {}, {}, {}, {}
     for f in layout.feature_names:
         v = _csr(rng, rows[f], B + 1, True)
-        while int(v["offsets"][-1]) < 4:
+        while int(v["offsets"][-1]) < 8:
             v = _csr(rng, rows[f], B + 1, True)
         n = int(v["offsets"][-1])
         o = np.asarray(v["offsets"]).copy()
         ids = np.asarray(v["ids"]).copy()
         ids[0], ids[-1] = -5, rows[f] + 7  # out of range, in no bag: not counted
-        o[0], o[-1] = 1, n - 1
-        o[2] = o[1] - 1  # a decrease: the running maximum
+        ids[1], ids[-2] = 0, rows[f] - 1  # in range, in no bag: no row
+        o[0], o[-1] = 2, n - 2
+        o[3] = o[2] - 1  # a decrease: the running maximum
         fixed = np.maximum.accumulate(np.clip(o, 0, n))
         feats[f] = {"ids": jnp.asarray(ids), "weights": v["weights"]}
         bad[f] = jnp.asarray(o)

@@ -75,9 +75,7 @@ class PackBatch(NamedTuple):
     unpooled, each position its own bag), ``tables [n]`` int32 each position's table in the
     pack, ``weighted``: whether the user gave weights (their gradient is asked for),
     ``out_of_range``: int32 ``[len(pack.tables)]`` ids in these bags out of range of their
-    table, before the ``oob`` policy (``oob.count_out_of_range``); ``junk``: each feature has
-    ``batch + 1`` bags, the last of positions in no bag of the user's (``normalise.PackedCSR``):
-    its pooled row is dropped."""
+    table, before the ``oob`` policy (``oob.count_out_of_range``)."""
 
     pack: int
     slots: tuple[FeatureSlot, ...]
@@ -86,7 +84,6 @@ class PackBatch(NamedTuple):
     weighted: bool
     batch: int
     out_of_range: jax.Array
-    junk: bool = False
 
 
 def _finish(
@@ -102,14 +99,14 @@ def _finish(
     weighted: bool,
     scaled: bool = False,
     pooled: bool = True,
-    junk: bool = False,
+    bounds: jax.Array | None = None,
 ) -> PackBatch:
     """Stages 3-4 of normalised feature-major ``bags`` of ``pack.features`` (``batch`` bags a
     feature; ``offsets``, ``weights``: their packed CSR and user weights where the
     ``flowtt_tb_bags`` kernel may take them, ``kernel``): the ``oob`` policy against each
     position's table (``oob.table_oob``), then the modes (``pooled``, unless ``scaled``
-    already) or each id its own bag (unpooled); ``junk``: ``batch + 1`` bags a feature
-    (``PackBatch``). A packed CSR of no ids, or pooled without
+    already) or each id its own bag (unpooled); ``bounds``: ``normalise.PackedCSR``'s (its
+    positions in no bag dropped, its bags' lengths for the modes). A packed CSR of no ids, or pooled without
     bags: empty bags (canonical bags go through: ``oob="error"`` checks ids in no bag)."""
     n = bags.ids.shape[0]
     num_bags = len(pack.features) * batch
@@ -120,17 +117,16 @@ def _finish(
         )
         counts = jnp.zeros((len(pack.tables),), jnp.int32)
         return PackBatch(p, pack.features, empty, zeros, weighted, batch, counts)
-    per = batch + junk  # bags a feature
     bags, tables, counts = table_oob(
         bags,
         offsets,
         np.asarray([s.table for s in pack.features], np.int32),
         np.asarray([t.num_embeddings for t in pack.tables], np.int32),
-        per,
+        batch,
         oob,
         kernel=kernel,
         weights=weights,
-        junk=junk,
+        bounds=bounds,
         table_names=tuple(t.name for t in pack.tables),
         feature_names=tuple(s.feature for s in pack.features),
     )
@@ -138,8 +134,10 @@ def _finish(
         bags = unpooled(bags)
     elif not scaled:
         modes = [s.mode for s in pack.features]
-        bags = bags._replace(weights=scale_by_modes(bags.weights, bags.offsets, bags.bag_ids, modes, per))
-    return PackBatch(p, pack.features, bags, tables, weighted, batch, counts, junk)
+        lengths = None if bounds is None else jnp.diff(bounds, axis=1).reshape(-1)
+        w = scale_by_modes(bags.weights, bags.offsets, bags.bag_ids, modes, batch, lengths)
+        bags = bags._replace(weights=w)
+    return PackBatch(p, pack.features, bags, tables, weighted, batch, counts)
 
 
 def dict_batches(
@@ -173,7 +171,7 @@ def dict_batches(
                     weights=g.weights,
                     weighted=g.weighted,
                     scaled=g.scaled,
-                    junk=g.junk,
+                    bounds=g.bounds,
                 )
             )
     return out

@@ -135,18 +135,8 @@ def pool_batch(
     """A ``collection.batch.PackBatch`` ``b`` of ``pack`` (its parameters ``arrays``, the first
     named ``name``; its hot-row ``cache``) pooled (``pool_packed``; batch-major where asked),
     in ``dtype`` (None: the parameters'; ``cast=False``: the pooling's own float32 or
-    float64); its out-of-range counts noted (``note_out_of_range``). A batch with ``junk``
-    bags (each feature's last) gives ``[F*B, D]`` without them."""
+    float64); its out-of-range counts noted (``note_out_of_range``)."""
     note_out_of_range(tuple(t.name for t in pack.tables), b.out_of_range)
-    per = b.batch + b.junk  # bags a feature
-    out = pool_packed(
-        pack, arrays, b.bags, b.tables, b.weighted, impl, per if batch_major else 0, name, cache
-    )
-    if b.junk:  # batch-major: the junk bags are the last row block; else the last of each feature
-        num = len(b.slots)
-        out = (
-            out[: b.batch * num]
-            if batch_major
-            else out.reshape(num, per, -1)[:, : b.batch].reshape(num * b.batch, -1)
-        )
+    batch = b.batch if batch_major else 0
+    out = pool_packed(pack, arrays, b.bags, b.tables, b.weighted, impl, batch, name, cache)
     return out.astype(arrays[0].dtype if dtype is None else dtype) if cast else out

@@ -7,9 +7,9 @@ canonical CSR over one flat int32 ids array (``jax.numpy`` only).
   from the kept positions' count when asked) or a CSR over flat ids (``csr_bags``);
 - a pack's features (``pack_forms``): padded and CSR features of one batch size as one
   ``PackedCSR`` (one concatenation of the ids, one of the offsets, whatever the number of
-  features; traced offsets, which may leave positions outside their bags: one junk bag a
-  feature takes them, dropped after the pooling), the other forms as canonical bags per
-  feature then packed per batch size;
+  features; traced offsets, which may leave positions outside their bags: their bounds
+  kept), the other forms as canonical bags per feature then packed
+  per batch size;
 - a ``KeyedJagged``'s features reordered into the packs' order (``reorder``), stacked ids'
   columns (``stacked_bags``), an unpooled lookup's ids (``flat_csr``).
 
@@ -62,15 +62,15 @@ class PackedCSR(NamedTuple):
     """Bags of F features over one flat array: ``ids [n]``, feature-major ``offsets [F*B + 1]``
     (concrete: a valid CSR over ``[0, n]``; traced: clamped by ``csr_bags``, positions
     outside ``[offsets[0], offsets[-1])`` in no bag), optional ``weights [n]`` and ``batch`` B;
-    ``junk``: each feature has one more bag, its last (``offsets`` ``[F*(B+1) + 1]``), of the
-    positions between its bags and the next feature's (in no bag of the user's): pooled, then
-    dropped."""
+    ``bounds`` (traced offsets; else None): int32 ``[F, B + 1]`` each feature's bags' bounds in
+    ``ids``; a feature's last bag in ``offsets`` runs on to the next feature's first: its
+    positions from ``bounds[f, B]`` on are in no bag."""
 
     ids: jax.Array
     offsets: jax.Array
     weights: jax.Array | None
     batch: int
-    junk: bool = False
+    bounds: jax.Array | None = None
 
 
 class FormGroup(NamedTuple):
@@ -78,7 +78,7 @@ class FormGroup(NamedTuple):
     into the forms given), ``bags`` (``[F*B]`` bags, int32 ids), ``offsets`` and ``weights``:
     the packed CSR and user weights the ``flowtt_tb_bags`` kernel may take (None: canonical
     bags, the jax.numpy path), ``scaled``: the pooling modes already folded into the weights,
-    ``weighted``: whether the user gave weights."""
+    ``weighted``: whether the user gave weights; ``bounds``: ``PackedCSR``'s."""
 
     features: tuple[int, ...]
     bags: CanonicalBags
@@ -87,7 +87,7 @@ class FormGroup(NamedTuple):
     batch: int
     scaled: bool
     weighted: bool
-    junk: bool = False
+    bounds: jax.Array | None = None
 
 
 def saturate_int32(ids: jax.Array) -> jax.Array:
@@ -240,7 +240,7 @@ def pack_forms(forms: Sequence[BagForm], modes: Sequence[str]) -> list[FormGroup
     csr = pack_features(forms)
     if csr is not None:
         bags = csr_bags(csr.ids, csr.offsets, csr.weights)
-        group = (bags, csr.offsets, csr.weights, csr.batch, False, csr.weights is not None, csr.junk)
+        group = (bags, csr.offsets, csr.weights, csr.batch, False, csr.weights is not None, csr.bounds)
         return [FormGroup(tuple(range(len(forms))), *group)]
     groups: dict[int, list[int]] = {}
     for j, f in enumerate(forms):
@@ -258,9 +258,8 @@ def pack_features(forms: Sequence[BagForm]) -> PackedCSR | None:
     form needs its own preparation (``mask``, ``segment_ids``) or the batch sizes differ.
     A fixed number of ops whatever their count: one concatenation of the ids (and weights),
     one of the CSR offsets. Traced offsets (clamped into each feature's ids) may leave a
-    feature's positions outside its bags: the bags stay where they are and each feature gets
-    one more, ``junk``, from the end of its last bag to the start of the next feature's first
-    (no work over the ids: no gather, no scan)."""
+    feature's positions outside its bags: the bags stay where they are, their ``bounds`` kept
+    (``oob.table_oob`` tells those positions by their bag: no work over the ids here)."""
     if any(f.form == "segments" or f.mask is not None for f in forms) or len({f.batch for f in forms}) != 1:
         return None
     batch = forms[0].batch
@@ -289,11 +288,9 @@ def pack_features(forms: Sequence[BagForm]) -> PackedCSR | None:
     bounds = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
     if order != sorted(order):  # to the features' order
         bounds = bounds[np.argsort(order)]
-    # valid CSRs: the bags start where they are, each feature's last ends where the next's
-    # first starts; traced ones: each feature's end starts its junk bag
-    bag_starts = (bounds if traced else bounds[:, :-1]).reshape(-1)
-    offsets = jnp.concatenate([bag_starts, jnp.full((1,), n, jnp.int32)])
-    return PackedCSR(ids, offsets, weights, batch, traced)
+    # the bags start where they are; a feature's last ends where the next feature's first starts
+    offsets = jnp.concatenate([bounds[:, :-1].reshape(-1), jnp.full((1,), n, jnp.int32)])
+    return PackedCSR(ids, offsets, weights, batch, bounds if traced else None)
 
 
 def packed_canonical(bags: Sequence[CanonicalBags]) -> CanonicalBags:

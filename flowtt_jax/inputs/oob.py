@@ -192,13 +192,14 @@ def count_out_of_range(
     num_rows: jax.Array | np.ndarray,
     batch: int,
     oob: str,
-    junk: bool = False,
+    ends: jax.Array | None = None,
 ) -> jax.Array:
     """int32 ``[T]``: ids of feature-major bags (``offsets`` over int32 ``ids [n]``, ``batch``
     bags a feature, feature f of table ``slot_tables[f]``, table t of ``num_rows[t]`` rows;
-    ``keep``: False where a position is dropped, e.g. masked; ``junk``: each feature's last
-    bag is not counted) out of range of their table, before the policy; zeros under
-    ``oob="error"`` (it raises instead). Each position's
+    ``keep``: False where a position is dropped, e.g. masked; ``ends [F]``: where each
+    feature's bags end, its positions from there to the next feature's first bag in none)
+    out of range of their table, before the policy; zeros under ``oob="error"`` (it raises
+    instead). Each position's
     feature from the features' bounds (a scatter of F marks and a cumulative sum), the counts
     from a cumulative sum and a gather of the bounds: no scatter over the ids. The
     collections' default counters."""
@@ -212,10 +213,17 @@ def count_out_of_range(
     bad = (ids < 0) | (ids >= limit)
     if keep is not None:
         bad = bad & keep
+    if ends is not None:
+        bad = bad & (jax.lax.iota(jnp.int32, n) < ends[feature])
     running = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(bad, dtype=jnp.int32)])
-    ends = jnp.clip(offsets[batch - 1 :: batch], 0, n) if junk else bounds[1:]
-    per_feature = running[ends] - running[bounds[:-1]]
+    per_feature = running[bounds[1:]] - running[bounds[:-1]]
     return jax.ops.segment_sum(per_feature, jnp.asarray(slot_tables), num_segments=num_tables)
+
+
+def _gaps(bag_ids: jax.Array, bounds: jax.Array, batch: int) -> jax.Array:
+    """bool ``[n]``: positions (in bags ``bag_ids`` of a ``normalise.PackedCSR`` with ``bounds``)
+    past their feature's last bag, in no bag of the user's: one gather of ``[F]`` ends, fused."""
+    return jax.lax.iota(jnp.int32, bag_ids.shape[0]) >= bounds[:, -1][bag_ids // max(batch, 1)]
 
 
 def table_oob(
@@ -228,7 +236,7 @@ def table_oob(
     *,
     kernel: bool,
     weights: jax.Array | None = None,
-    junk: bool = False,
+    bounds: jax.Array | None = None,
     table_names: tuple[str, ...] | None = None,
     feature_names: tuple[str, ...] | None = None,
 ) -> tuple[CanonicalBags, jax.Array, jax.Array]:
@@ -236,22 +244,18 @@ def table_oob(
     ``slot_tables[f]`` of ``num_rows`` rows) after the ``oob`` policy against each position's
     table: ``(CanonicalBags, tables [n] int32, out_of_range [T] int32)`` (the count before
     the policy, ``count_out_of_range``). ``offsets``: the bags' CSR as given (a packed CSR, or
-    None for canonical bags; ``junk``: each feature's last bag holds positions in no bag of the
-    user's, not counted); with it, ``kernel`` takes one ``flowtt_tb_bags`` call for
+    None for canonical bags; ``bounds``: ``normalise.PackedCSR``'s, its positions in no bag
+    dropped: ``_gaps``); with it, ``kernel`` takes one ``flowtt_tb_bags`` call for
     ``"clip"`` / ``"zero"`` (``weights``: the user's, None for none), the same values as the
     jax.numpy path, its oracle. ``"error"`` checks a packed CSR's positions in bags (canonical
     bags: every position) and names the table, feature (``table_names``, ``feature_names``)
     and example."""
-    counts = count_out_of_range(
-        bags.ids,
-        bags.offsets,
-        bags.keep if offsets is None else None,
-        slot_tables,
-        num_rows,
-        batch,
-        oob,
-        junk,
-    )
+    ends = None if bounds is None else bounds[:, -1]
+    keep = bags.keep if offsets is None else None
+    counts = count_out_of_range(bags.ids, bags.offsets, keep, slot_tables, num_rows, batch, oob, ends)
+    if bounds is not None and not (kernel and oob != "error"):  # a feature's positions past its bags
+        keep = bags.keep & ~_gaps(bags.bag_ids, bounds, batch)
+        bags = bags._replace(weights=jnp.where(keep, bags.weights, 0.0), keep=keep)
     if not (kernel and oob != "error" and offsets is not None):
         tables = jnp.asarray(slot_tables, jnp.int32)[bags.bag_ids // max(batch, 1)]
         where = None if feature_names is None else (bags.bag_ids, batch, tuple(feature_names))
@@ -264,6 +268,8 @@ def table_oob(
     flat, tables, live, bag_ids, csr = ffi.tb_bags(
         bags.ids, offsets, slot_tables, num_rows, batch, oob == "clip"
     )
+    if bounds is not None:  # a feature's positions past its bags: in none
+        live = jnp.where(_gaps(bag_ids, bounds, batch), 0.0, live)
     # live positions are kept ones: the user weights where live (the canonical bags' own
     # weights would keep XLA's running maximum of the offsets alive)
     w = live if weights is None else jnp.where(live != 0, weights.astype(bags.weights.dtype), 0.0)

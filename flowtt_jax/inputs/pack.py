@@ -17,14 +17,20 @@ __all__ = ["scale_by_modes", "unpooled"]
 
 
 def scale_by_modes(
-    weights: jax.Array, offsets: jax.Array, bag_ids: jax.Array, modes: Sequence[str], batch: int
+    weights: jax.Array,
+    offsets: jax.Array,
+    bag_ids: jax.Array,
+    modes: Sequence[str],
+    batch: int,
+    lengths: jax.Array | None = None,
 ) -> jax.Array:
     """Per-position ``weights`` times their bag's pooling scale: ``1/len`` (``"mean"``) or
-    ``1/sqrt(len)`` (``"sqrtn"``), bag b of the feature-major CSR ``offsets`` pooled by
-    ``modes[b // batch]``; ``weights`` as they are when every mode is ``"sum"``."""
+    ``1/sqrt(len)`` (``"sqrtn"``), bag b of the feature-major CSR ``offsets`` (of ``lengths``
+    ids, when given: ``diff(offsets)`` otherwise) pooled by ``modes[b // batch]``; ``weights``
+    as they are when every mode is ``"sum"``."""
     if all(m == "sum" for m in modes):
         return weights
-    lengths = jnp.maximum(jnp.diff(offsets), 1).astype(weights.dtype)
+    lengths = jnp.maximum(jnp.diff(offsets) if lengths is None else lengths, 1).astype(weights.dtype)
     if len(set(modes)) == 1:  # one mode: no [num_bags] constant of modes in the program
         scale = 1.0 / lengths if modes[0] == "mean" else jax.lax.rsqrt(lengths)
         return weights * scale[bag_ids]
