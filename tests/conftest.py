@@ -37,8 +37,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 #: Moved from the default run to ``slow`` to keep the default run short (#51: <= 4 minutes
 #: on 2 cores), each the longest of its kind (7-28 s on 2 cores); CI's slow run keeps them.
-#: The default run keeps a faster sibling of each: the reference twin or the other
-#: parametrisation, the smaller collection of the same path, the single-device check.
+#: The default run keeps a faster sibling of each: the reference (or the kernels') twin or the
+#: other parametrisation, the smaller collection of the same path, the single-device check.
 MOVED_TO_SLOW = (
     "tests/test_group_op.py::test_collection_packs_groups_and_matches_single_ops",
     "tests/test_group_op.py::test_gradients_match_per_table_loop[ffi]",
@@ -56,6 +56,8 @@ MOVED_TO_SLOW = (
     "tests/test_collection_jagged.py::test_unpooled_rows_are_each_tables_rows",
     "tests/test_collection_stacked.py::test_stacked_equals_the_feature_dict[auto-None]",
     "tests/test_nnx.py::test_collection_mixes_tt_and_dense",
+    "tests/test_collection_stacked.py::test_stacked_equals_the_feature_dict[reference-None]",
+    "tests/test_embedding_bag.py::test_check_grads_reference",
 )
 
 
