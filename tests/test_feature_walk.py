@@ -29,11 +29,16 @@ def test_module_visits_and_figures():
     assert figures([]) == {"stops": 0, "modules": 0, "returns": 0}
 
 
-def test_walker_on_a_small_package(tmp_path):
+def _package(tmp_path, modules: dict[str, str]) -> None:
+    """A package ``flowtt_jax`` under ``tmp_path`` of ``{module file name: source}``."""
     pkg = tmp_path / "flowtt_jax"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text(
+    for name, text in {"__init__.py": "", **modules}.items():
+        (pkg / name).write_text(text)
+
+
+def test_walker_on_a_small_package(tmp_path):
+    a = (
         "from flowtt_jax import b\n"
         "from flowtt_jax.c import helper as h, other\n"
         "\n"
@@ -53,7 +58,7 @@ def test_walker_on_a_small_package(tmp_path):
         "    def _prep(self, f):\n"
         "        return h(f)\n"
     )
-    (pkg / "b.py").write_text(
+    b = (
         "import flowtt_jax.c as c\n"
         "\n"
         "def step(v, w=None):\n"
@@ -64,7 +69,8 @@ def test_walker_on_a_small_package(tmp_path):
         "        return q\n"
         "    return inner(value) + value.method(1)\n"
     )
-    (pkg / "c.py").write_text("def helper(v, w=None):\n    return v\n\ndef other(u):\n    return u\n")
+    c = "def helper(v, w=None):\n    return v\n\ndef other(u):\n    return u\n"
+    _package(tmp_path, {"a.py": a, "b.py": b, "c.py": c})
     r = walk(tmp_path, ("flowtt_jax/a.py", "L.run"), "features", end=(), planning=())
     assert [f.label for f in r.functions] == [
         "flowtt_jax/a.py:L.run",
@@ -106,10 +112,7 @@ def test_walker_on_a_small_package(tmp_path):
 def test_a_planning_calls_result_is_not_tracked(tmp_path):
     """A value assigned from a planning call (a static plan) is not the features: a call
     given only it is not entered; a call given the features still is."""
-    pkg = tmp_path / "flowtt_jax"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text(
+    a = (
         "from flowtt_jax.p import plan\n"
         "\n"
         "def run(features):\n"
@@ -123,7 +126,7 @@ def test_a_planning_calls_result_is_not_tracked(tmp_path):
         "def take(f, packs):\n"
         "    return f\n"
     )
-    (pkg / "p.py").write_text("def plan(n):\n    return n\n")
+    _package(tmp_path, {"a.py": a, "p.py": "def plan(n):\n    return n\n"})
     start = ("flowtt_jax/a.py", "run")
     r = walk(tmp_path, start, "features", end=(), planning=())
     assert [f.label for f in r.functions] == [
