@@ -19,27 +19,14 @@ from flax import nnx  # noqa: E402
 
 from flowtt_jax.collection import TableConfig  # noqa: E402
 from flowtt_jax.nnx import TTEmbeddingCollection  # noqa: E402
-
-DIM = 8
+from tests.test_input_pipeline import DIM  # noqa: E402
+from tests.test_input_pipeline import tables as _tables  # noqa: E402
 
 #: The collection's call as one program: eager, a call runs op by op and every new input
 #: shape compiles each op anew (seconds a call). The host int64 ids stay eager (under jit, ids
 #: past int32 would wrap), and so do the gradients (the stacked and the dict call's weight
 #: gradients are bitwise equal eagerly, not under jit).
 _call = nnx.jit(lambda m, x: m(x))
-
-
-def _tables():
-    """Packs in another order than the features (TT group, dense pack, a 2-core single),
-    a table shared by two features, every pooling mode."""
-    return [
-        TableConfig("a", 1000, DIM, rank=4, mode="mean"),
-        TableConfig("d", 50, DIM, kind="dense"),
-        TableConfig("b", 3000, DIM, rank=4, mode="sqrtn", feature_names=("b1", "b2")),
-        TableConfig("two", 300, DIM, rank=4, num_cores=2),
-        TableConfig("d2", 40, DIM, kind="dense", mode="mean"),
-        TableConfig("c", 77, DIM, rank=4),
-    ]
 
 
 def _as_dict(col, ids, weights=None) -> dict:

@@ -34,20 +34,23 @@ B = 5
 DIM = 8
 
 
-def _layout() -> CollectionLayout:
+def tables() -> list[TableConfig]:
     """Packs in another order than the features (a TT group, a dense pack, a 2-core table),
-    a table shared by two features, every mode (the pinned values' tables: kept here, not
-    shared with other tests, whose sizes may change)."""
-    return CollectionLayout(
-        (
-            TableConfig("a", 1000, DIM, rank=4, mode="mean"),
-            TableConfig("d", 50, DIM, kind="dense"),
-            TableConfig("b", 3000, DIM, rank=4, mode="sqrtn", feature_names=("b1", "b2")),
-            TableConfig("two", 300, DIM, rank=4, num_cores=2),
-            TableConfig("d2", 40, DIM, kind="dense", mode="mean"),
-            TableConfig("c", 77, DIM, rank=4),
-        )
-    )
+    a table shared by two features, every mode: the pinned values' tables (also
+    ``test_collection_stacked``'s and ``test_collection_jagged``'s; another size changes the
+    pins)."""
+    return [
+        TableConfig("a", 1000, DIM, rank=4, mode="mean"),
+        TableConfig("d", 50, DIM, kind="dense"),
+        TableConfig("b", 3000, DIM, rank=4, mode="sqrtn", feature_names=("b1", "b2")),
+        TableConfig("two", 300, DIM, rank=4, num_cores=2),
+        TableConfig("d2", 40, DIM, kind="dense", mode="mean"),
+        TableConfig("c", 77, DIM, rank=4),
+    ]
+
+
+def _layout() -> CollectionLayout:
+    return CollectionLayout(tuple(tables()))
 
 
 def _rows(layout) -> dict[str, int]:
