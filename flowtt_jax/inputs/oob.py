@@ -96,6 +96,8 @@ def apply_table_oob(
     ``"error"`` checks (None: all; a position in no bag of this call, e.g. another pack's or
     a static-capacity tail, is not this call's to refuse); ``where``: ``(bag_ids [n], batch,
     feature names)`` of feature-major bags, so the message names the feature and example."""
+    if ids.dtype != jnp.int32:  # another dtype would compare in a promoted one (uint32: wrapped)
+        raise TypeError(f"apply_table_oob takes int32 ids (normalise.saturate_int32), got {ids.dtype}")
     limit = jnp.asarray(num_rows)[tables]
     valid = (ids >= 0) & (ids < limit)
     if policy == "error":
