@@ -232,13 +232,12 @@ def jagged_batches(
 ) -> list[PackBatch]:
     """A ``KeyedJagged``'s batches (``jagged_csr``'s ``csr``), one per pack over the flat ids:
     the pack's features' slice of the offsets (positions outside it in no bag)."""
-    ids = saturate_int32(csr.ids)
     offsets = saturate_int32(jnp.asarray(csr.offsets))
     out, lo, b = [], 0, csr.batch
     for p, pack in enumerate(packs):
         hi = lo + len(pack.features)
         part = offsets[lo * b : hi * b + 1]
-        bags = csr_bags(ids, part, csr.weights)
+        bags = csr_bags(csr.ids, part, csr.weights)
         weighted = csr.weights is not None
         out.append(
             _finish(

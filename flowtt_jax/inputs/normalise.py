@@ -165,8 +165,10 @@ def compact(ids: jax.Array, weights: jax.Array | None, starts: jax.Array, length
 
 
 def csr_bags(ids: jax.Array, offsets: jax.Array, weights: jax.Array | None) -> CanonicalBags:
-    """CSR bags over flat ``ids [n]`` (checked offsets, or traced ones: clamped, positions
-    outside ``[offsets[0], offsets[-1])`` in no bag) as ``CanonicalBags``, weights as given."""
+    """CSR bags over flat ``ids [n]`` of any integer dtype (checked offsets, or traced ones:
+    clamped, positions outside ``[offsets[0], offsets[-1])`` in no bag) as ``CanonicalBags``
+    of int32 ids (``saturate_int32``), weights as given."""
+    ids = saturate_int32(ids)
     n = ids.shape[0]
     offsets = clamp_csr(offsets, n)  # valid CSR whatever the input
     pos = jnp.arange(n, dtype=jnp.int32)

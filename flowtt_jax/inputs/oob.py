@@ -253,8 +253,8 @@ def table_oob(
     bags: every position) and names the table, feature (``table_names``, ``feature_names``)
     and example."""
     ends = None if bounds is None else bounds[:, -1]
-    keep = bags.keep if offsets is None else None
-    counts = count_out_of_range(bags.ids, bags.offsets, keep, slot_tables, num_rows, batch, oob, ends)
+    counted = bags.keep if offsets is None else None  # a packed CSR: its bounds bound the count
+    counts = count_out_of_range(bags.ids, bags.offsets, counted, slot_tables, num_rows, batch, oob, ends)
     if bounds is not None and not (kernel and oob != "error"):  # a feature's positions past its bags
         keep = bags.keep & ~_gaps(bags.bag_ids, bounds, batch)
         bags = bags._replace(weights=jnp.where(keep, bags.weights, 0.0), keep=keep)
@@ -308,7 +308,7 @@ def packed_bags(
     batch = (np.shape(offsets)[0] - 1) // len(feature_tables)
     form = check_bag_form(ids, offsets=offsets, weights=weights, policy=oob, check_offsets=oob == "error")
     offsets = saturate_int32(jnp.asarray(form.offsets))
-    bags = csr_bags(saturate_int32(form.ids), offsets, form.weights)
+    bags = csr_bags(form.ids, offsets, form.weights)
     slot_tables = np.asarray(feature_tables, np.int32)
     bags, tables, _ = table_oob(
         bags, offsets, slot_tables, num_rows, batch, oob, kernel=kernel, weights=form.weights

@@ -278,7 +278,7 @@ class GroupTableWise:
         # this device's bags as tt_embedding_bag_group prepares them (packed_bags) less the
         # parking: a dropped position keeps its own table, whose owner pools its bag
         local_weights = None if weights is None else weights[0]
-        bags = csr_bags(saturate_int32(ids), offsets, local_weights)  # ids of any dtype: int32
+        bags = csr_bags(ids, offsets, local_weights)
         feature = bags.bag_ids // per
         tables = jnp.asarray(self.feature_tables, jnp.int32)[feature]
         local_ids, valid = apply_table_oob(bags.ids, tables, self.layout.table_arrays()["num_rows"], oob)
