@@ -41,7 +41,7 @@ from flowtt_jax.collection.sparse_rows import init_sparse_state
 from flowtt_jax.inputs.jagged import KeyedJagged
 from flowtt_jax.layer_methods import BagCall, DenseBagMethods, TTTableMethods
 from flowtt_jax.memory import BatchStats, MemoryEstimate, MemoryPlan, estimate_memory
-from flowtt_jax.tt.cores import CoreInit, check_cores, resolve_init
+from flowtt_jax.tt.cores import CoreInit, check_cores, normal, resolve_init
 from flowtt_jax.tt.cores import from_dense as _tt_svd
 from flowtt_jax.tt.spec import TTSpec
 
@@ -178,7 +178,7 @@ class EmbedBag(DenseBagMethods, nnx.Module):
         shape = (self.num_embeddings, self.features)
         if embedding_init is None or isinstance(embedding_init, (int, float)):
             std = 1.0 / math.sqrt(features) if embedding_init is None else float(embedding_init)
-            table = std * jax.random.normal(key, shape, jnp.float32)
+            table = std * normal(key, shape)
         else:
             table = embedding_init(key, shape, param_dtype)
         self.embedding = nnx.Param(jnp.asarray(table, param_dtype))

@@ -7,6 +7,7 @@ default)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +33,20 @@ KERNELS = kernels_unsupported_reason(layout=LAYOUT) is None
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="no table-batched kernels in this build")
 
 
-def _packed(seed: int):
-    keys = jax.random.split(jax.random.key(seed), LAYOUT.num_tables)
+@jax.jit
+def _packed_of_key(key):
+    keys = jax.random.split(key, LAYOUT.num_tables)
     return LAYOUT.pack([ftt.init_cores(k, s, std=1.0) for k, s in zip(keys, LAYOUT.specs)])
+
+
+def _packed(seed: int):
+    return _packed_of_key(jax.random.key(seed))  # one program for every seed
+
+
+# one program per shape (and window) for the oracles' plans
+_make_plan = jax.jit(ftt.make_plan, static_argnums=1)
+_group_plan = jax.jit(make_group_plan, static_argnums=0)
+_window_plan = jax.jit(window_plan, static_argnums=(1, 2))
 
 
 def _batch(seed: int, batch: int = 6, unique: bool = False):
@@ -86,7 +98,7 @@ def _window_case(seed: int):
     rng = np.random.default_rng(seed)
     n, dim, num_bags = 60, 8, 9
     ids = rng.integers(0, 25, n).astype(np.int32)
-    plan = ftt.make_plan(jnp.asarray(ids), 5)
+    plan = _make_plan(ids, 5)
     offsets = np.sort(rng.integers(0, n + 1, num_bags + 1)).astype(np.int32)
     offsets[0], offsets[-1] = 0, n
     weights = rng.standard_normal(n).astype(np.float32)
@@ -160,8 +172,8 @@ def test_window_op_is_the_reference_window(lo, size):
     inside prefix groups, at the last unique and past every unique."""
     ids, offsets, _ = _batch(lo + size)
     tables = np.repeat(np.repeat(FEATURE_TABLES, 6), np.diff(offsets)).astype(np.int32)
-    plan = make_group_plan(LAYOUT, jnp.asarray(ids), jnp.asarray(tables))
-    want = window_plan(plan, lo, size)
+    plan = _group_plan(LAYOUT, ids, tables)
+    want = _window_plan(plan, lo, size)
     outs = [jax.ShapeDtypeStruct((size + 1,), jnp.int32)]
     outs += [jax.ShapeDtypeStruct((size,), jnp.int32)] * 3 + [jax.ShapeDtypeStruct((2,), jnp.int32)]
     args = (plan.group_offsets, plan.u_i3, plan.g_i1, plan.g_i2, plan.counts)
@@ -175,7 +187,7 @@ def test_window_op_is_the_reference_window(lo, size):
 def test_window_op_errors_name_the_window():
     ids, offsets, _ = _batch(1)
     tables = np.repeat(np.repeat(FEATURE_TABLES, 6), np.diff(offsets)).astype(np.int32)
-    plan = make_group_plan(LAYOUT, jnp.asarray(ids), jnp.asarray(tables))
+    plan = _group_plan(LAYOUT, ids, tables)
     args = (plan.group_offsets, plan.u_i3, plan.g_i1, plan.g_i2, plan.counts)
     outs = [jax.ShapeDtypeStruct((5,), jnp.int32)] * 4 + [jax.ShapeDtypeStruct((2,), jnp.int32)]
     with pytest.raises(Exception, match="flowtt_tb_window: the window must be"):
@@ -381,8 +393,9 @@ def test_collection_with_capacities_matches_without():
         out = model(feats)
         return sum(jnp.sum(v**2) for v in out.values())
 
-    got, want = nnx.grad(loss)(capped), nnx.grad(loss)(plain)
-    np.testing.assert_allclose(float(loss(capped)), float(loss(plain)), rtol=1e-5)
+    value_and_grad = nnx.jit(nnx.value_and_grad(loss))
+    (got_loss, got), (want_loss, want) = value_and_grad(capped), value_and_grad(plain)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
     for (path, a), (_, b) in zip(jax.tree.leaves_with_path(got), jax.tree.leaves_with_path(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5, err_msg=str(path))
 
@@ -403,8 +416,9 @@ def test_linen_counts_overflows_in_its_stats_collection():
     model = TTEmbeddingCollection(cfgs)
     variables = model.init(jax.random.key(0), feats)  # the counter made, the init call not counted
     np.testing.assert_array_equal(np.asarray(variables["stats"]["overflow_counts"]), [0])
-    _, stats = model.apply(variables, feats, mutable=["stats"])
-    _, stats = model.apply({**variables, **stats}, feats, mutable=["stats"])
+    apply = jax.jit(functools.partial(model.apply, mutable=["stats"]))
+    _, stats = apply(variables, feats)
+    _, stats = apply({**variables, **stats}, feats)
     np.testing.assert_array_equal(np.asarray(stats["stats"]["overflow_counts"]), [2])
-    plain = model.apply({"params": variables["params"]}, feats)  # immutable, no stats: same bags
+    plain = jax.jit(model.apply)({"params": variables["params"]}, feats)  # immutable, no stats: same bags
     assert set(plain) == {"a", "b"}

@@ -65,6 +65,12 @@ def bag_f64(cores, ids, offsets, weights=None, mode="sum"):
 _ref_bag_grad = jax.jit(
     lambda c, w, ids, offsets: jax.grad(_bag_loss, argnums=(0, 1))(c, w, ids, offsets, "reference")
 )
+#: ``_bag_loss``'s gradients (cores, weights) by ``impl``, one program per shape
+_bag_grad = jax.jit(jax.grad(_bag_loss, argnums=(0, 1)), static_argnums=4)
+_mean_bag_ffi = jax.jit(
+    lambda c, i, o, w: ftt.tt_embedding_bag(c, i, offsets=o, weights=w, mode="mean", impl="ffi")
+)
+_lookup = jax.jit(ftt.tt_lookup, static_argnames="impl")
 
 
 def hand_bags(table, ids, bag_of, num_bags, weights, mode, keep=None):
@@ -89,7 +95,7 @@ def test_lookup_equals_dense_rows(impl, shape):
     spec = SPECS["d16r8"]
     cores = make_cores(spec, seed=len(shape))
     ids = make_ids("uniform", int(np.prod(shape)), spec.num_embeddings, seed=3).reshape(shape)
-    rows = ftt.tt_lookup(cores, ids, impl=impl)
+    rows = _lookup(cores, ids, impl=impl)
     assert rows.shape == shape + (16,)
     assert rel_err(rows, dense_of(cores, spec.num_embeddings)[ids]) < 1e-5
 
@@ -144,15 +150,11 @@ def test_ffi_matches_reference_forward_and_grads(spec_name, kind):
     cores = make_cores(spec, seed=9)
     weights = np.random.default_rng(10).standard_normal(n).astype(np.float32)
 
-    bag = jax.jit(
-        lambda c, i, o, w: ftt.tt_embedding_bag(c, i, offsets=o, weights=w, mode="mean", impl="ffi")
-    )
-    out = bag(cores, ids, offsets, weights)
+    out = _mean_bag_ffi(cores, ids, offsets, weights)
     ref = bag_f64(cores, ids, offsets=offsets, weights=weights, mode="mean")
     assert rel_err(out, ref) < 1e-5
 
-    grad = jax.jit(jax.grad(_bag_loss, argnums=(0, 1)), static_argnums=4)
-    g_ffi = grad(cores, weights, ids, offsets, "ffi")
+    g_ffi = _bag_grad(cores, weights, ids, offsets, "ffi")
     with jax.enable_x64(True):
         c64 = tuple(jnp.asarray(c, jnp.float64) for c in cores)
         g_ref = _ref_bag_grad(c64, jnp.asarray(weights, jnp.float64), jnp.asarray(ids), jnp.asarray(offsets))
@@ -205,7 +207,7 @@ def test_check_grads_ffi():
     offsets = random_offsets(8, 40, seed=5)
     weights = jnp.asarray(np.random.default_rng(5).standard_normal(40), jnp.float32)
     f = lambda c, w: ftt.tt_embedding_bag(c, ids, offsets=offsets, weights=w, mode="sum", impl="ffi")
-    check_grads(f, (cores, weights), order=1, modes=["rev"], atol=2e-2, rtol=2e-2, eps=1e-2)
+    check_grads(jax.jit(f), (cores, weights), order=1, modes=["rev"], atol=2e-2, rtol=2e-2, eps=1e-2)
 
 
 ROWS_OPS = {"flowtt_tt_rows_fwd", "flowtt_bag_pool_fwd", "flowtt_bag_pool_bwd", "flowtt_tt_rows_bwd"}
@@ -280,9 +282,8 @@ def test_gradients_bitwise_reproducible():
     ids = make_ids("zipf1.05", 3000, spec.num_embeddings, seed=2)
     offsets = random_offsets(200, 3000, seed=2)
     weights = np.random.default_rng(2).standard_normal(3000).astype(np.float32)
-    g = jax.jit(jax.grad(_bag_loss, argnums=(0, 1)), static_argnums=4)
-    first = jax.device_get(g(cores, weights, ids, offsets, "ffi"))
-    second = jax.device_get(g(cores, weights, ids, offsets, "ffi"))
+    first = jax.device_get(_bag_grad(cores, weights, ids, offsets, "ffi"))
+    second = jax.device_get(_bag_grad(cores, weights, ids, offsets, "ffi"))
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
         assert a.tobytes() == b.tobytes()
 
@@ -311,17 +312,19 @@ def test_empty_inputs(impl):
     spec = SPECS["d16r8"]
     cores = make_cores(spec, seed=6)
     empty = np.zeros((0,), np.int32)
-    assert ftt.tt_lookup(cores, empty, impl=impl).shape == (0, 16)
-    out = ftt.tt_embedding_bag(cores, empty, offsets=np.zeros(4, np.int32), impl=impl)
-    np.testing.assert_array_equal(out, np.zeros((3, 16)))
-    g = jax.grad(lambda c: ftt.tt_embedding_bag(c, empty, offsets=np.zeros(4, np.int32), impl=impl).sum())(
-        cores
-    )
-    assert all(np.all(np.asarray(x) == 0) for x in g)
-    # All bags empty but ids present (positions outside every bag are ignored).
     ids = make_ids("uniform", 5, spec.num_embeddings, seed=6)
-    out = ftt.tt_embedding_bag(cores, ids, segment_ids=np.full(5, 7), num_bags=3, impl=impl)
+
+    def calls(c):  # one program; the inputs host constants, as in an eager call
+        bag = lambda c: ftt.tt_embedding_bag(c, empty, offsets=np.zeros(4, np.int32), impl=impl)
+        # All bags empty but ids present (positions outside every bag are ignored).
+        outside = ftt.tt_embedding_bag(c, ids, segment_ids=np.full(5, 7), num_bags=3, impl=impl)
+        return ftt.tt_lookup(c, empty, impl=impl), bag(c), jax.grad(lambda c: bag(c).sum())(c), outside
+
+    rows, out, g, outside = jax.jit(calls)(cores)
+    assert rows.shape == (0, 16)
     np.testing.assert_array_equal(out, np.zeros((3, 16)))
+    assert all(np.all(np.asarray(x) == 0) for x in g)
+    np.testing.assert_array_equal(outside, np.zeros((3, 16)))
 
 
 @pytest.mark.parametrize("impl", ["ffi", "reference"])
@@ -353,11 +356,13 @@ def test_bfloat16_cores_compute_in_float32():
     cores = make_cores(spec, seed=12, dtype=jnp.bfloat16)
     ids = make_ids("uniform", 200, spec.num_embeddings, seed=12)
     offsets = random_offsets(20, 200, seed=12)
-    out = ftt.tt_embedding_bag(cores, ids, offsets=offsets, impl="ffi")
+    out = jax.jit(lambda c: ftt.tt_embedding_bag(c, ids, offsets=offsets, impl="ffi"))(cores)
     assert out.dtype == jnp.bfloat16
-    exact = bag_f64([c.astype(jnp.float32) for c in cores], ids, offsets=offsets)
-    assert rel_err(out.astype(jnp.float32), exact) < 1e-2
-    g = jax.grad(lambda c: ftt.tt_embedding_bag(c, ids, offsets=offsets).astype(jnp.float32).sum())(cores)
+    exact = bag_f64([np.asarray(c, np.float32) for c in cores], ids, offsets=offsets)
+    assert rel_err(np.asarray(out, np.float32), exact) < 1e-2
+    g = jax.jit(jax.grad(lambda c: ftt.tt_embedding_bag(c, ids, offsets=offsets).astype(jnp.float32).sum()))(
+        cores
+    )
     assert all(x.dtype == jnp.bfloat16 for x in g)
 
 
@@ -408,13 +413,17 @@ def test_low_precision_cores_accumulate_in_float32(core_dtype, impl):
     cores = make_cores(spec, seed=14, dtype=core_dtype)
     ids = make_ids("zipf1.05", 300, spec.num_embeddings, seed=14)
     offsets = random_offsets(30, 300, seed=14)
-    exact = bag_f64([c.astype(jnp.float32) for c in cores], ids, offsets=offsets)
-    out = ftt.tt_embedding_bag(cores, ids, offsets=offsets, impl=impl, dtype=jnp.float32)
+    exact = bag_f64([np.asarray(c, np.float32) for c in cores], ids, offsets=offsets)
+
+    def calls(c):  # one program
+        out = ftt.tt_embedding_bag(c, ids, offsets=offsets, impl=impl, dtype=jnp.float32)
+        return out, ftt.tt_lookup(c, ids, impl=impl, dtype=jnp.float32), ftt.tt_lookup(c, ids, impl=impl)
+
+    out, rows, default = jax.jit(calls)(cores)
     assert out.dtype == jnp.float32 and rel_err(out, exact) < 1e-5
-    rows = ftt.tt_lookup(cores, ids, impl=impl, dtype=jnp.float32)
     assert rows.dtype == jnp.float32
     assert rel_err(rows, dense_of(cores, spec.num_embeddings)[ids]) < 1e-5
-    assert ftt.tt_lookup(cores, ids, impl=impl).dtype == core_dtype
+    assert default.dtype == core_dtype
 
 
 def test_auto_fallback_to_reference_warns_once_per_reason(monkeypatch):

@@ -46,9 +46,11 @@ def test_weights_must_be_real(coll, bad):
         coll(_kjt(coll, [1, 2], lengths=lengths, weights=bad))
     with pytest.raises(TypeError, match="stacked weights must be real"):
         coll(jnp.array([[1, 2]]), bad.reshape(1, 2))
+    rng = np.random.default_rng(0)  # cores drawn by numpy: no random program per core shape
+    cores = [rng.standard_normal(c).astype(np.float32) for c in ftt.TTSpec.create(100, 8, 4).core_shapes]
     with pytest.raises(TypeError, match="weights must be real"):
         ftt.tt_embedding_bag(
-            ftt.init_cores(jax.random.key(0), ftt.TTSpec.create(100, 8, 4)),
+            cores,
             jnp.array([1, 2]),
             offsets=[0, 2],
             weights=bad,
@@ -113,7 +115,10 @@ def test_from_dense_refuses_non_finite_tables(bad, on_device):
     table[37, 3] = bad
     with pytest.raises(ValueError, match="non-finite"):
         ftt.from_dense(table, ftt.TTSpec.create(100, 8, 4), on_device=on_device)
-    coll = TTEmbeddingCollection([TableConfig("user", 100, 8, rank=4)], rngs=nnx.Rngs(0))
+    # parameters as shapes (no init program): the table is refused before they are read
+    coll = nnx.eval_shape(
+        lambda: TTEmbeddingCollection([TableConfig("user", 100, 8, rank=4)], rngs=nnx.Rngs(0))
+    )
     with pytest.raises(ValueError, match="table 'user': from_dense: the table has non-finite"):
         coll.from_dense("user", table, on_device=on_device)
 
@@ -190,14 +195,20 @@ def test_per_table_optimizer_labels_drive_multi_transform():
     )
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     feats = {"user": np.arange(4), "item": np.arange(4) + 7, "d": np.arange(4), "d2": np.arange(4)}
-    before = {
-        name: np.asarray(model.emb.layout.table_params(model.emb._values(), name)[0])
-        for name in ("user", "item", "d", "d2")
-    }
+
+    def tables_now():  # each table's first array, sliced on the host
+        values = jax.tree.map(np.asarray, model.emb._values())
+        return {name: model.emb.layout.table_params(values, name)[0] for name in ("user", "item", "d", "d2")}
+
+    before = tables_now()
     head = np.asarray(model.head.kernel[...])
-    grads = nnx.grad(lambda m: jnp.sum(m(feats) ** 2))(model)
-    opt.update(model, grads)
-    after = {name: np.asarray(model.emb.layout.table_params(model.emb._values(), name)[0]) for name in before}
+
+    @nnx.jit  # one program, not op by op
+    def train_step(model, opt):
+        opt.update(model, nnx.grad(lambda m: jnp.sum(m(feats) ** 2))(model))
+
+    train_step(model, opt)
+    after = tables_now()
     for name in ("user", "d"):
         np.testing.assert_array_equal(after[name], before[name])
     for name in ("item", "d2"):
@@ -205,7 +216,7 @@ def test_per_table_optimizer_labels_drive_multi_transform():
     assert not np.array_equal(np.asarray(model.head.kernel[...]), head)
 
     layer = ftt_linen.TTEmbeddingCollection(tables)
-    params = layer.init(jax.random.key(0), feats)["params"]
+    params = jax.jit(layer.init)(jax.random.key(0), feats)["params"]  # one program, not op by op
     labels = layer.param_labels()({"params": params, "other": jnp.zeros(3)})
     by_name = {n: labels["params"][n] for n in params}
     assert labels["other"] == "default"
@@ -252,16 +263,14 @@ def test_out_of_range_ids_are_counted_per_table_by_default(form):
     call(coll, feats)
     assert coll.out_of_range() == {k: 2 * v for k, v in want.items()}
     reference = TTEmbeddingCollection(tables, rngs=nnx.Rngs(0))
-    for x, y in zip(
-        jax.tree.leaves(out),
-        jax.tree.leaves(reference.layout.call(reference._values(), feats, pooled=form != "lookup")),
-    ):
+    ref_call = jax.jit(lambda v, x: reference.layout.call(v, x, pooled=form != "lookup"))  # not op by op
+    for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(ref_call(reference._values(), feats))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # the values oob="zero" gives
-    if form == "csr":
+    if form == "csr":  # linen's, each a program, not op by op
         layer = ftt_linen.TTEmbeddingCollection(tables)
-        variables = layer.init(jax.random.key(0), feats)
+        variables = jax.jit(layer.init)(jax.random.key(0), feats)
         np.testing.assert_array_equal(np.asarray(variables["stats"]["out_of_range_counts"]), [0, 0, 0])
-        _, stats = layer.apply(variables, feats, mutable=["stats"])
+        _, stats = jax.jit(lambda v, x: layer.apply(v, x, mutable=["stats"]))(variables, feats)
         np.testing.assert_array_equal(np.asarray(stats["stats"]["out_of_range_counts"]), [2, 1, 1])
 
 

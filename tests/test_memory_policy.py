@@ -33,7 +33,23 @@ def _case(seed: int, caps: int | None = None):
     return cfgs, feats
 
 
-def _xla_bytes(coll, feats, training: bool) -> int:
+def _abstract(cfgs, **kw):
+    """A collection whose parameters are shapes (``nnx.eval_shape``: its init program is
+    only traced), for what reads its plan or compiles its step."""
+    return nnx.eval_shape(lambda: TTEmbeddingCollection(cfgs, rngs=nnx.Rngs(0), **kw))
+
+
+def _twin(like, **kw):
+    """A collection of ``like``'s tables built with ``kw`` and holding ``like``'s parameters,
+    the draw ``rngs=nnx.Rngs(0)`` gives both: no init program per configuration."""
+    twin = _abstract(like.tables, **kw)
+    nnx.update(twin, nnx.state(like))
+    return twin
+
+
+def _step(coll, feats, training: bool):
+    """The compiled step over the collection's whole state: its bags, or (training) the
+    gradient of their sum of squares."""
     graphdef, state = nnx.split(coll)
 
     def bags(state, x):
@@ -42,8 +58,11 @@ def _xla_bytes(coll, feats, training: bool) -> int:
     def loss(state, x):
         return sum(jnp.sum(v**2) for v in bags(state, x).values())
 
-    step = jax.jit(jax.grad(loss) if training else bags)
-    m = step.lower(state, feats).compile().memory_analysis()
+    return jax.jit(jax.grad(loss) if training else bags).lower(state, feats).compile()
+
+
+def _xla_bytes(step) -> int:
+    m = step.memory_analysis()
     return m.temp_size_in_bytes + m.output_size_in_bytes
 
 
@@ -61,7 +80,7 @@ def test_auto_budget_is_a_share_of_the_device():
 def test_small_batches_run_in_one_pass_by_default():
     """The default ("auto") on a small batch: one pass, the estimate of no budget."""
     cfgs, feats = _case(1)
-    coll = TTEmbeddingCollection(cfgs, rngs=nnx.Rngs(0))
+    coll = _abstract(cfgs)
     stats = BatchStats.measure([feats], cfgs)
     plan = coll.memory_plan(stats)
     assert plan.ids_per_pass is None and plan.passes == 1 and plan.fits
@@ -84,24 +103,23 @@ def test_budget_choice_fits_by_the_estimate_and_by_xla(share):
     stats = BatchStats.measure([feats], cfgs)
     one = estimate_memory(cfgs, stats)
     budget = int(share * one.total)
-    lean = TTEmbeddingCollection(cfgs, memory_budget=budget, rngs=nnx.Rngs(0))
     plain = TTEmbeddingCollection(cfgs, memory_budget=None, rngs=nnx.Rngs(0))
+    lean = _twin(plain, memory_budget=budget)
     plan = lean.memory_plan(stats)
     assert plan.candidate != (1, 1) and plan.fits and plan.estimate.total <= budget, str(plan)
     assert lean.estimate_memory(stats) == plan.estimate  # the layer reports the same choice
     assert estimate_memory(cfgs, stats, memory_budget=budget) == plan.estimate
-    xla = _xla_bytes(lean, feats, training=True)
+    lean_step, plain_step = _step(lean, feats, training=True), _step(plain, feats, training=True)
+    xla = _xla_bytes(lean_step)
     assert abs(plan.estimate.activation_bytes / xla - 1) <= 0.15, (plan.estimate.activation_bytes, xla)
-    assert xla < _xla_bytes(plain, feats, training=True)
+    assert xla < _xla_bytes(plain_step)
 
-    def loss(m):
-        return sum(jnp.sum(jnp.sin(v)) for v in m(feats).values())
-
-    call, grad = nnx.jit(lambda m: m(feats)), nnx.jit(nnx.grad(loss))  # a program each, not op by op
+    call = nnx.jit(lambda m: m(feats))  # a program, not op by op
     got, want = call(lean), call(plain)
     for f in want:  # windows and passes sum a bag's rows in another order: float rounding
         np.testing.assert_allclose(np.asarray(got[f]), np.asarray(want[f]), rtol=1e-5, atol=1e-6, err_msg=f)
-    g_lean, g_plain = grad(lean), grad(plain)
+    # the gradients: of the steps XLA measured (over the whole state; the counters' are 0)
+    g_lean, g_plain = lean_step(nnx.state(lean), feats), plain_step(nnx.state(plain), feats)
     for a, b in zip(jax.tree.leaves(g_lean), jax.tree.leaves(g_plain)):  # sums in pass order
         scale = float(np.abs(np.asarray(b)).max())
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * scale)
@@ -110,10 +128,10 @@ def test_budget_choice_fits_by_the_estimate_and_by_xla(share):
 def test_a_budget_nothing_fits_takes_the_most_passes():
     cfgs, feats = _case(3)
     stats = BatchStats.measure([feats], cfgs)
-    plan = TTEmbeddingCollection(cfgs, memory_budget=1, rngs=nnx.Rngs(0)).memory_plan(stats)
+    plan = _abstract(cfgs, memory_budget=1).memory_plan(stats)
     assert not plan.fits and plan.passes == 64 and "does NOT fit" in str(plan)
     # ids_per_pass given: the user's choice, whatever the budget
-    given = TTEmbeddingCollection(cfgs, ids_per_pass=4096, memory_budget=1, rngs=nnx.Rngs(0))
+    given = _abstract(cfgs, ids_per_pass=4096, memory_budget=1)
     assert given.memory_plan(stats).ids_per_pass == 4096
 
 
@@ -156,14 +174,15 @@ def test_no_call_form_has_a_host_callback_and_overflow_is_counted():
 def test_lookup_honours_passes():
     """``lookup`` of a feature dict runs in passes when asked: fewer XLA temporaries."""
     cfgs, feats = _case(5)
+    plain = TTEmbeddingCollection(cfgs, memory_budget=None, rngs=nnx.Rngs(0))
 
-    def temp(per_pass):
-        coll = TTEmbeddingCollection(cfgs, ids_per_pass=per_pass, memory_budget=None, rngs=nnx.Rngs(0))
+    def temp(coll):
         graphdef, state = nnx.split(coll)
         fn = jax.jit(lambda s: nnx.merge(graphdef, s).lookup(feats))
         return fn.lower(state).compile().memory_analysis().temp_size_in_bytes, fn(state)
 
-    (lean, rows_lean), (full, rows_full) = temp(2048), temp(None)
+    lean, rows_lean = temp(_twin(plain, ids_per_pass=2048, memory_budget=None))
+    full, rows_full = temp(plain)
     assert lean < full
     for f in rows_full:
         np.testing.assert_array_equal(np.asarray(rows_lean[f]), np.asarray(rows_full[f]))
@@ -175,8 +194,9 @@ def test_op_budget_and_its_argument_errors():
     gives the same bags; bad ``unique_capacity`` / ``ids_per_pass`` name themselves."""
     specs = (ftt.TTSpec.create(1000, 16, 8), ftt.TTSpec.create(900, 16, 8, row_shape=(10, 10, 9)))
     layout = ftt.GroupLayout(specs)
-    packed = layout.pack([ftt.init_cores(jax.random.key(t), s) for t, s in enumerate(specs)])
     rng = np.random.default_rng(6)
+    # random cores drawn by numpy: no random program compiled per core shape
+    packed = layout.pack([[rng.standard_normal(c).astype(np.float32) for c in s.core_shapes] for s in specs])
     ids = jnp.asarray(rng.integers(0, 900, 6000), jnp.int32)
     offsets = jnp.asarray(np.concatenate([[0], np.sort(rng.integers(0, 6000, 199)), [6000]]), jnp.int32)
 
@@ -237,18 +257,18 @@ def test_the_choice_fits_by_xla(kind, form):
     the call's plan is checked by XLA's analysis, fits it, and is what the collection
     compiles (the user's step has the plan's bytes within 15 %: another program around it)."""
     cfgs, feats = _grid_case(kind, form)
-    plain = TTEmbeddingCollection(cfgs, memory_budget=None, rngs=nnx.Rngs(0))
-    params = {k: p[...] for k, p in plain.params.items()}
-    one_pass = _xla_bytes(plain, feats, training=True) + sum(v.nbytes for v in params.values())
+    plain = _abstract(cfgs, memory_budget=None)
+    param_bytes = sum(v.size * v.dtype.itemsize for v in jax.tree.leaves(nnx.state(plain.params)))
+    one_pass = _xla_bytes(_step(plain, feats, training=True)) + param_bytes
     budget = int(0.6 * one_pass)
-    coll = TTEmbeddingCollection(cfgs, memory_budget=budget, rngs=nnx.Rngs(0))
+    coll = _abstract(cfgs, memory_budget=budget)
     plan = coll.layout.memory_plan(feats)
     assert plan.xla_bytes is not None and plan.candidate != (1, 1), str(plan)
     assert plan.fits == (plan.xla_bytes <= budget)
     if plan.candidate != (64, 1):
         assert plan.fits, str(plan)
     # the user's own step (grad over the whole nnx state) compiles to the plan's bytes, 15 %
-    compiled = _xla_bytes(coll, feats, training=True) + sum(v.nbytes for v in params.values())
+    compiled = _xla_bytes(_step(coll, feats, training=True)) + param_bytes
     compiled += sum(4 * np.size(v) for v in feats.values()) + plan.estimate.scratch  # int32 ids
     assert abs(compiled / plan.xla_bytes - 1) <= 0.15, (compiled, str(plan))
 
@@ -268,12 +288,12 @@ def test_windows_of_the_uniques_come_before_passes():
     plan = coll.memory_plan(stats)
     assert plan.ids_per_pass is None and plan.windows == 2 and plan.fits, str(plan)
     assert "unique rows in 2 windows" in str(plan)
-    plain = TTEmbeddingCollection(cfgs, memory_budget=None, rngs=nnx.Rngs(0))
+    plain = _twin(coll, memory_budget=None)
     call = nnx.jit(lambda m: m(feats))  # a program each, not op by op
     got = call(coll)
     for f, v in call(plain).items():
         np.testing.assert_allclose(np.asarray(got[f]), np.asarray(v), rtol=1e-5, atol=1e-6)
-    given = TTEmbeddingCollection(cfgs, unique_windows=8, memory_budget=1, rngs=nnx.Rngs(0))
+    given = _abstract(cfgs, unique_windows=8, memory_budget=1)
     assert given.memory_plan(stats).windows == 8
     with pytest.raises(ValueError, match="unique_windows must be an int in \\[1, 64\\]"):
         TTEmbeddingCollection(cfgs, unique_windows=65, rngs=nnx.Rngs(0))
@@ -288,11 +308,11 @@ def test_reference_path_estimate_within_15_percent(training):
     rng = np.random.default_rng(9)
     cfgs = [TableConfig("t0", 500_000, 16, rank=8, num_cores=4)]
     feats = {"t0": rng.zipf(1.3, (1024, 17)) % 500_000}
-    coll = TTEmbeddingCollection(cfgs, memory_budget=None, rngs=nnx.Rngs(0))
+    coll = _abstract(cfgs, memory_budget=None)
     est = estimate_memory(cfgs, BatchStats.measure([feats], cfgs), training=training).activation_bytes
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the reference fallback's (once per process)
-        xla = _xla_bytes(coll, feats, training)
+        xla = _xla_bytes(_step(coll, feats, training))
     if jax.default_backend() == "cpu":
         assert abs(est / xla - 1) <= 0.15, (est, xla)
     else:
@@ -306,7 +326,7 @@ def test_the_xla_check_takes_features_of_other_batch_sizes():
     cfgs = [TableConfig("a", 50_000, 16, rank=8), TableConfig("b", 40_000, 16, rank=8)]
     rng = np.random.default_rng(3)
     feats = {"a": rng.integers(0, 50_000, (256, 4)), "b": rng.integers(0, 40_000, (128, 3))}
-    roomy = TTEmbeddingCollection(cfgs, memory_budget=10**12, rngs=nnx.Rngs(0))
+    roomy = _abstract(cfgs, memory_budget=10**12)
     estimate = roomy.layout.memory_plan(feats).estimate.total
     coll = TTEmbeddingCollection(cfgs, memory_budget=int(1.2 * estimate), rngs=nnx.Rngs(0))
     plan = coll.layout.memory_plan(feats)

@@ -101,13 +101,14 @@ def test_host_int64_ids_past_int32_are_out_of_range_not_wrapped(impl):
         ftt.tt_embedding_bag(cores, [1, 2], offsets=np.array([0, 2**32 + 2]), impl=impl)
 
 
-def test_int64_ids_under_x64_follow_the_policy(x64):
-    cores = make_cores(SPEC, seed=3)
-    ids = jnp.asarray(np.array([2**32 + 5, 5], np.int64))
-    assert ids.dtype == jnp.int64
-    with pytest.raises(ValueError, match="out of range"):
-        ftt.tt_lookup(cores, ids, oob="error")
-    assert not _np(ftt.tt_lookup(cores, ids))[0].any()
+def test_int64_ids_under_x64_follow_the_policy():
+    cores = make_cores(SPEC, seed=3)  # float32 either way: drawn by the programs made without x64
+    with jax.enable_x64(True):
+        ids = jnp.asarray(np.array([2**32 + 5, 5], np.int64))
+        assert ids.dtype == jnp.int64
+        with pytest.raises(ValueError, match="out of range"):
+            ftt.tt_lookup(cores, ids, oob="error")
+        assert not _np(ftt.tt_lookup(cores, ids))[0].any()
 
 
 # ---- 3. zero bags ----
@@ -126,9 +127,10 @@ def test_gradient_through_zero_bags_is_zero(impl):
     assert g_w.shape == (3,) and not _np(g_w).any()
     for kw in ({"segment_ids": jnp.zeros(3, int), "num_bags": 0}, {}):
         x = ids if kw else jnp.zeros((0, 3), jnp.int32)  # padded [0, L]
-        f = lambda c, x=x, kw=kw: jnp.sum(ftt.tt_embedding_bag(c, x, impl=impl, **kw))
-        assert ftt.tt_embedding_bag(cores, x, impl=impl, **kw).shape == (0, 8)
-        assert all(not _np(g).any() for g in jax.grad(f)(cores))
+        bags = lambda c, x=x, kw=kw: ftt.tt_embedding_bag(c, x, impl=impl, **kw)
+        out, g = jax.jit(lambda c, bags=bags: (bags(c), jax.grad(lambda c: jnp.sum(bags(c)))(c)))(cores)
+        assert out.shape == (0, 8)
+        assert all(not _np(d).any() for d in g)
 
 
 # ---- 4. zero means zero: dropped positions never read their rows ----
@@ -212,10 +214,10 @@ def test_batched_op_keeps_dropped_positions_zero(impl):
     ids = jnp.array([5, -1, 7, 3, 70, 4], jnp.int16)  # -1 and 70 out of range of their tables
     offsets = jnp.array([0, 2, 3, 5, 6])  # features (table 0, table 1), batch 2
     fn = lambda p: tt_embedding_bag_group(p, layout, ids, offsets, (0, 1), impl=impl)
-    out = _np(fn(packed))
+    out = _np(jax.jit(fn)(packed))
     assert np.isfinite(out).all()
-    assert np.allclose(out[0, 0], _np(ftt.tt_lookup(poisoned, jnp.array([5])))[0], atol=1e-6)
-    grads = jax.grad(lambda p: jnp.sum(fn(p)))(packed)
+    assert np.allclose(out[0, 0], _np(jax.jit(ftt.tt_lookup)(poisoned, jnp.array([5])))[0], atol=1e-6)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(fn(p))))(packed)
     assert all(np.isfinite(_np(g)).all() for g in grads)
 
 
@@ -238,8 +240,9 @@ def test_traced_bad_offsets_checkify_under_oob_error(impl):
         with pytest.raises(checkify.JaxRuntimeError, match=what):
             err.throw()
     # the documented default: clamp into [0, n], running maximum
-    clamped = jax.jit(lambda o: bags(o, "zero"))(jnp.array([0, 4, 2, 9]))
-    assert np.allclose(_np(clamped), _np(bags(jnp.array([0, 4, 4, 6]), "zero")), rtol=1e-6, atol=1e-7)
+    clamp = jax.jit(lambda o: bags(o, "zero"))
+    clamped, valid = clamp(jnp.array([0, 4, 2, 9])), clamp(jnp.array([0, 4, 4, 6]))  # one program
+    assert np.allclose(_np(clamped), _np(valid), rtol=1e-6, atol=1e-7)
 
 
 def test_traced_offsets_checkify_in_the_batched_op():
@@ -272,8 +275,8 @@ def test_forward_mode_and_second_order_name_the_reference():
         with pytest.raises(NotImplementedError, match="impl='reference'"):
             attempt()
     # the way out works, and agrees with the kernels' reverse-mode gradient
-    _, tangent = jax.jvp(f["reference"], (cores,), (cores,))
-    grads = jax.grad(f["ffi"])(cores)
+    _, tangent = jax.jit(lambda c: jax.jvp(f["reference"], (c,), (c,)))(cores)
+    grads = jax.jit(jax.grad(f["ffi"]))(cores)
     assert np.isclose(float(tangent), sum(float(jnp.vdot(g, c)) for g, c in zip(grads, cores)), rtol=1e-5)
 
 
@@ -286,7 +289,7 @@ def test_batched_op_forward_mode_names_the_reference():
     if choose_impl("auto", None, layout) == "ffi":
         with pytest.raises(NotImplementedError, match="impl='reference'"):
             jax.jvp(lambda p: f(p, "ffi"), (packed,), (packed,))
-    jax.jvp(lambda p: f(p, "reference"), (packed,), (packed,))
+    jax.jit(lambda p: jax.jvp(lambda p: f(p, "reference"), (p,), (p,)))(packed)
 
 
 # ---- 7. jax.export across processes ----

@@ -22,7 +22,7 @@ import numpy as np
 
 from flowtt_jax.collection.cache import first_rows, tt_rows_of
 from flowtt_jax.collection.packs import TablePack
-from flowtt_jax.tt.cores import resolve_init
+from flowtt_jax.tt.cores import normal, resolve_init
 
 __all__ = ["init_params"]
 
@@ -78,7 +78,7 @@ def _init_arrays(packs, names, dtype: np.dtype, key: jax.Array) -> dict[str, jax
             shapes = pack.layout.packed_shapes()
             rows = [[s.row_shape[k] for s in pack.layout.specs] for k in range(3)]
         for k, (name, shape, sizes) in enumerate(zip(names[p], shapes, rows)):
-            draw = jax.random.normal(jax.random.fold_in(pack_key, k), shape, jnp.float32)
+            draw = normal(jax.random.fold_in(pack_key, k), shape)
             params[name] = (draw * _row_scale(stds, sizes, len(shape))).astype(dtype)
     return params
 
