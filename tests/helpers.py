@@ -6,6 +6,7 @@ Import as ``from tests.helpers import ...`` (the repository root is on ``pythonp
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 
@@ -85,20 +86,28 @@ def assert_no_host_callback(compiled_text: str) -> None:
     assert not any("callback" in t for t in targets), targets
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _aliased_call(target: str, out_shapes: tuple, attrs: tuple, *args):
+    aliases = {len(args) - len(out_shapes) + k: k for k in range(len(out_shapes))}
+    call = jax.ffi.ffi_call(target, out_shapes, input_output_aliases=aliases)
+    return call(*args, **{name: value for name, _, value in attrs})
+
+
 def poisoned_call(target: str, out_shapes, *args, device: jax.Device | None = None, **attrs):
     """``jax.ffi.ffi_call`` under jit with each output aliased to a poisoned buffer
     appended after ``args`` (NaN for floats, -7 for ints), so an unwritten element shows.
+    One compiled program per target, shapes and attributes (typed: ``np.int64(0)`` and ``0``
+    are two programs), shared by every call.
 
     ``device``: where the operands and the poisoned buffers go (default: as they are).
     """
     put = (lambda x: x) if device is None else (lambda x: jax.device_put(x, device))
     poison = [
-        put(jnp.full(s.shape, jnp.nan if jnp.issubdtype(s.dtype, jnp.floating) else -7, s.dtype))
+        put(np.full(s.shape, np.nan if jnp.issubdtype(s.dtype, jnp.floating) else -7, s.dtype))
         for s in out_shapes
     ]
-    aliases = {len(args) + k: k for k in range(len(out_shapes))}
-    call = jax.ffi.ffi_call(target, tuple(out_shapes), input_output_aliases=aliases)
-    return jax.jit(lambda *xs: call(*xs, **attrs))(*(put(a) for a in args), *poison)
+    attrs_key = tuple((name, type(value), value) for name, value in sorted(attrs.items()))
+    return _aliased_call(target, tuple(out_shapes), attrs_key, *(put(a) for a in args), *poison)
 
 
 def cuda_device() -> jax.Device | None:
@@ -215,11 +224,14 @@ def pooled_reference(cores, ids, weights, offsets) -> np.ndarray:
     over each bag's positions; positions outside every bag are dropped."""
     num_bags = len(offsets) - 1
     with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
-        rows = reference.tt_rows([jnp.asarray(np.asarray(c), jnp.float64) for c in cores], jnp.asarray(ids))
-        out = reference.pool(
-            rows, jnp.asarray(weights, jnp.float64), jnp.asarray(bag_ids_of(offsets, len(ids))), num_bags
-        )
-        return np.asarray(out)
+        c64 = [np.asarray(c, np.float64) for c in cores]
+        w64 = np.asarray(weights, np.float64)
+        return np.asarray(_pooled64(c64, np.asarray(ids), w64, bag_ids_of(offsets, len(ids)), num_bags))
+
+
+@functools.partial(jax.jit, static_argnums=4)
+def _pooled64(cores, ids, weights, bag_ids, num_bags: int) -> jax.Array:
+    return reference.pool(reference.tt_rows(cores, ids), weights, bag_ids, num_bags)
 
 
 def assert_same(a, b) -> None:

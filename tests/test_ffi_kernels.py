@@ -5,7 +5,6 @@ trailing operand, so the buffer the kernel writes starts as NaN. Rows and d_rows
 num_unique are unspecified: only their [:num_unique] part is checked.
 """
 
-import functools
 import importlib.util
 
 import jax
@@ -28,6 +27,7 @@ from tests.helpers import (
     hot_prefix_ids,
     make_cores,
     make_ids,
+    poisoned_call,
     random_offsets,
     rel_err,
     target_pool_bwd,
@@ -46,21 +46,6 @@ BAG_SPEC = ftt.TTSpec.create(10000, 24, (6, 10), row_shape=(4, 5, 500), col_shap
 _plan = jax.jit(make_plan, static_argnums=1)
 _dense = jax.jit(ftt.to_dense, static_argnums=1)
 _segment_sum = jax.jit(jax.ops.segment_sum, static_argnums=2)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _aliased(target, out_shapes, attrs, *args):
-    aliases = {len(args) - len(out_shapes) + k: k for k in range(len(out_shapes))}
-    return jax.ffi.ffi_call(target, out_shapes, input_output_aliases=aliases)(*args, **dict(attrs))
-
-
-def poisoned_call(target, out_shapes, *args, **attrs):
-    """helpers.poisoned_call (each output aliased to a buffer of NaN / -7) with one
-    program per target, shapes and attributes instead of one per call."""
-    poison = [
-        np.full(s.shape, np.nan if jnp.issubdtype(s.dtype, jnp.floating) else -7, s.dtype) for s in out_shapes
-    ]
-    return _aliased(target, tuple(out_shapes), tuple(sorted(attrs.items())), *args, *poison)
 
 
 @jax.jit
