@@ -19,12 +19,14 @@ from flowtt_jax import KeyedJagged  # noqa: E402
 from flowtt_jax.collection import TableConfig  # noqa: E402
 from flowtt_jax.nnx import TTEmbeddingCollection  # noqa: E402
 from tests.test_collection_stacked import DIM, _assert_same, _stack, _tables  # noqa: E402
+from tests.test_input_pipeline import _dev  # noqa: E402
 
 #: The collection's calls as one program each: eager, a call runs op by op and every new batch
 #: shape compiles each op anew (seconds a call); the eager calls are checked in
-#: ``test_jagged_equals_dict_call_bitwise``.
+#: ``test_jagged_equals_dict_call_bitwise``. Set-up arrays go to the device by ``_dev``.
 _call = nnx.jit(lambda m, x: m(x))
 _unpooled = nnx.jit(lambda m, x: m(x, pooled=False))
+_to_padded = jax.jit(lambda batch, rows: batch.to_padded(rows, 6))
 
 
 def _rows(col) -> dict[str, int]:
@@ -47,16 +49,16 @@ def _batch(col, batch: int, seed: int, *, weighted: bool = False, max_len: int =
             v[-1] = rows[f] + 3  # out of range: a zero row under oob="zero"
         w = rng.uniform(0.5, 1.5, v.size).astype(np.float32)
         offsets = np.concatenate([[0], np.cumsum(n_f)]).astype(np.int32)
-        feats[f] = {"ids": jnp.asarray(v), "offsets": jnp.asarray(offsets)}
+        feats[f] = {"ids": _dev(v, np.int32), "offsets": _dev(offsets, np.int32)}
         if weighted:
-            feats[f]["weights"] = jnp.asarray(w)
+            feats[f]["weights"] = _dev(w, np.float32)
         ids.append(v)
         lengths.append(n_f)
         weights.append(w)
     kjt = KeyedJagged(
-        ids=jnp.asarray(np.concatenate(ids)),
-        lengths=jnp.asarray(np.stack(lengths).astype(np.int32)),
-        weights=jnp.asarray(np.concatenate(weights)) if weighted else None,
+        ids=_dev(np.concatenate(ids), np.int32),
+        lengths=_dev(np.stack(lengths), np.int32),
+        weights=_dev(np.concatenate(weights), np.float32) if weighted else None,
         keys=col.feature_names,
     )
     return feats, kjt
@@ -73,9 +75,9 @@ def test_jagged_equals_dict_call_bitwise(weighted):
     assert not np.any(np.isnan(np.asarray(want))) and np.any(np.asarray(want))
     got = col(kjt)
     _assert_same(np.asarray(got), np.asarray(want), False)
-    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(kjt.lengths.reshape(-1))])
+    offsets = _dev(np.r_[0, np.cumsum(np.asarray(kjt.lengths).reshape(-1))], np.int32)
     by_offsets = KeyedJagged(kjt.ids, offsets=offsets, weights=kjt.weights)
-    _assert_same(np.asarray(nnx.jit(lambda m, b: m(b))(col, by_offsets)), np.asarray(want), False)
+    _assert_same(np.asarray(_call(col, by_offsets)), np.asarray(want), False)
 
     graph, state = nnx.split(col)
 
@@ -92,7 +94,7 @@ def test_jagged_equals_dict_call_bitwise(weighted):
                 batch[f]["weights"] = w[lo:hi]
         return jnp.sum(jnp.sin(_stack(m, m(batch))))
 
-    w = kjt.weights if weighted else jnp.ones(kjt.ids.shape, jnp.float32)
+    w = kjt.weights if weighted else _dev(np.ones(kjt.ids.shape), np.float32)
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=3)
     g_packed, gw_packed = grad(state, w, kjt, True)
     g_dict, gw_dict = grad(state, w, feats, False)
@@ -113,7 +115,7 @@ def test_jagged_traced_invalid_offsets_clamp_like_the_dict_call():
     bad[0] = 2  # positions 0, 1 in no bag
     bad[-1] = offsets[-1] - 1  # the last position in no bag
     bad[9] = bad[8] - 1  # a decrease: the running maximum
-    got = jax.jit(lambda o: col(KeyedJagged(kjt.ids, offsets=o)))(jnp.asarray(bad))
+    got = jax.jit(lambda o: col(KeyedJagged(kjt.ids, offsets=o)))(_dev(bad, np.int32))
     fixed = np.maximum.accumulate(np.clip(bad, 0, offsets[-1]))
     ids = np.asarray(kjt.ids)
     keep = np.zeros(ids.shape, bool)
@@ -123,8 +125,8 @@ def test_jagged_traced_invalid_offsets_clamp_like_the_dict_call():
     for i, f in enumerate(col.feature_names):
         lo, hi = fixed[i * batch], fixed[(i + 1) * batch]
         want[f] = {
-            "ids": jnp.asarray(ids[lo:hi]),
-            "offsets": jnp.asarray(fixed[i * batch : (i + 1) * batch + 1] - lo),
+            "ids": _dev(ids[lo:hi], np.int32),
+            "offsets": _dev(fixed[i * batch : (i + 1) * batch + 1] - lo, np.int32),
         }
     _assert_same(np.asarray(got), np.asarray(_stack(col, _call(col, want))), False)
 
@@ -137,12 +139,12 @@ def test_jagged_checks_name_the_problem():
     with pytest.raises(ValueError, match="repeated \\['a'\\]"):
         col(KeyedJagged(kjt.ids, lengths=kjt.lengths, keys=("a",) + col.feature_names[:-1]))
     with pytest.raises(ValueError, match="sum to at most len\\(ids\\)"):
-        col(KeyedJagged(kjt.ids[1:], lengths=kjt.lengths))
-    tail = jnp.full((5,), -3, jnp.int32)
-    padded = _call(col, KeyedJagged(jnp.concatenate([kjt.ids, tail]), lengths=kjt.lengths))
+        col(KeyedJagged(_dev(np.asarray(kjt.ids)[1:], np.int32), lengths=kjt.lengths))
+    tail = _dev(np.r_[np.asarray(kjt.ids), np.full(5, -3)], np.int32)
+    padded = _call(col, KeyedJagged(tail, lengths=kjt.lengths))
     _assert_same(np.asarray(padded), np.asarray(_call(col, kjt)), False)  # a padded tail: in no bag
     with pytest.raises(ValueError, match="F = 7 features"):
-        col(KeyedJagged(kjt.ids, lengths=kjt.lengths[1:]))
+        col(KeyedJagged(kjt.ids, lengths=_dev(np.asarray(kjt.lengths)[1:], np.int32)))
     with pytest.raises(ValueError, match="exactly one of"):
         col(KeyedJagged(kjt.ids))
     bad = np.concatenate([[1], np.cumsum(np.asarray(kjt.lengths).reshape(-1))]).astype(np.int32)
@@ -240,7 +242,8 @@ def test_init_std_per_table_in_one_pack():
     ]
     col = TTEmbeddingCollection(tables, rngs=nnx.Rngs(0))
     assert len(col.layout.packs) == 2
-    got = [float(np.std(np.asarray(col.to_dense(t.name)))) for t in tables]
+    dense = nnx.jit(lambda m: [m.to_dense(t.name) for t in tables])(col)  # one program
+    got = [float(np.std(np.asarray(d))) for d in dense]
     np.testing.assert_allclose(got, [0.01, 1.0, 0.02, 2.0], rtol=0.2)
 
 
@@ -249,8 +252,9 @@ def _op_counts(text: str) -> Counter:
 
 
 def _program(num: int, batch: int, packed: bool, kind: str = "csr"):
-    """The lowered training step of a Meta-like collection over abstract inputs."""
-    col = TTEmbeddingCollection(_meta_like_tables(num), rngs=nnx.Rngs(0))
+    """The lowered training step of a Meta-like collection (abstract: not initialised) over
+    abstract inputs."""
+    col = nnx.eval_shape(lambda: TTEmbeddingCollection(_meta_like_tables(num), rngs=nnx.Rngs(0)))
     graph, state = nnx.split(col)
     n_f = 3 * batch
     names = col.feature_names
@@ -353,7 +357,7 @@ def test_linen_twin_takes_a_jagged_batch():
     col = TTEmbeddingCollection(_tables(), rngs=nnx.Rngs(0))
     _, kjt = _batch(col, 3, seed=7, weighted=True)
     lcol = linen.TTEmbeddingCollection(_tables())
-    assert set(jax.jit(lcol.init)(jax.random.key(0), kjt)["params"]) == set(col.params)
+    assert set(jax.eval_shape(lcol.init, jax.random.key(0), kjt)["params"]) == set(col.params)
     params = {"params": {k: p[...] for k, p in col.params.items()}}
     apply = jax.jit(lcol.apply, static_argnames="pooled")
     _assert_same(np.asarray(apply(params, kjt)), np.asarray(_call(col, kjt)), False)
@@ -381,31 +385,35 @@ def test_oob_error_under_jit_through_checked():
     col = TTEmbeddingCollection(_tables(), oob="error", rngs=nnx.Rngs(0))
     feats, kjt = _batch(col, 3, seed=9)
     step = ftt.checked(lambda m, x: m(x))
-    feats = {f: {k: v for k, v in x.items()} for f, x in feats.items()}
-    feats["c"]["ids"] = jnp.clip(feats["c"]["ids"], 0, 76)
+    rows = _rows(col)
     ok = {
-        f: {"ids": jnp.clip(x["ids"], 0, _rows(col)[f] - 1), "offsets": x["offsets"]}
+        f: {"ids": _dev(np.clip(np.asarray(x["ids"]), 0, rows[f] - 1), np.int32), "offsets": x["offsets"]}
         for f, x in feats.items()
     }
-    # Not bit for bit: the checked call is another XLA program than the eager one (checkify's
-    # ops beside it, other fusions), and on the GPU XLA may contract the modes' scaling into
-    # a multiply-add in one and not the other: 2.5e-7 apart measured on an H200 (6 of 168
-    # elements). The kernels themselves are bitwise reproducible (test_golden).
+    # The values: the same parameters' plain jitted call (oob="zero"; the same for valid ids).
+    # Not bit for bit: the checked call is another XLA program (checkify's ops beside it,
+    # other fusions), and on the GPU XLA may contract the modes' scaling into a multiply-add
+    # in one and not the other: 2.5e-7 apart measured on an H200 (6 of 168 elements). The
+    # kernels themselves are bitwise reproducible (test_golden).
+    zero = nnx.clone(col)
+    zero.oob = "zero"
     np.testing.assert_allclose(
-        np.asarray(_stack(col, step(col, ok))), np.asarray(_stack(col, col(ok))), rtol=2e-6, atol=1e-6
+        np.asarray(_stack(col, step(col, ok))), np.asarray(_stack(col, _call(zero, ok))), rtol=2e-6, atol=1e-6
     )
-    bad = dict(ok, c={"ids": ok["c"]["ids"].at[0].set(77), "offsets": ok["c"]["offsets"]})
+    c_ids = np.asarray(ok["c"]["ids"]).copy()
+    c_ids[0] = 77
+    bad = dict(ok, c={"ids": _dev(c_ids, np.int32), "offsets": ok["c"]["offsets"]})
     with pytest.raises(ValueError, match="found 77 in table #2 \\(of 77 rows\\).*#2 'c'"):
         step(col, bad)
     with pytest.raises(ValueError, match="id 77 of table 'c' \\(77 rows\\)"):
         col(bad)  # eager: the table's name
     with pytest.raises(ValueError, match="out of range"):
         step(col, kjt)  # _batch put an id past each table's end
-    cores = ftt.init_cores(jax.random.key(0), ftt.TTSpec.create(100, 8, 4))
+    cores = jax.jit(ftt.init_cores, static_argnums=1)(jax.random.key(0), ftt.TTSpec.create(100, 8, 4))
     lookup = ftt.checked(lambda c, i: ftt.tt_lookup(c, i, oob="error"))
-    assert lookup(cores, jnp.asarray([0, 99])).shape == (2, 8)
+    assert lookup(cores, _dev([0, 99], np.int32)).shape == (2, 8)
     with pytest.raises(ValueError, match="out of range"):
-        lookup(cores, jnp.asarray([0, 100]))
+        lookup(cores, _dev([0, 100], np.int32))
 
 
 @pytest.mark.parametrize(
@@ -437,13 +445,14 @@ def test_oob_error_checks_each_packs_own_bags_only():
 
     tables = [TableConfig("a", 1000, 8, rank=4), TableConfig("b", 50, 8, kind="dense", feature_names=("fb",))]
     col = TTEmbeddingCollection(tables, oob="error", rngs=nnx.Rngs(0))
-    lengths = jnp.array([[2, 1], [1, 1]])  # a: 500, 7 | 3; fb: 40 | 49; then a tail in no bag
-    ids = jnp.array([500, 7, 3, 40, 49, 12345, -3, 0])
-    kjt = KeyedJagged(ids=ids, lengths=lengths, keys=col.feature_names)
+    lengths = _dev([[2, 1], [1, 1]], np.int32)  # a: 500, 7 | 3; fb: 40 | 49; then a tail in no bag
+    ids = np.array([500, 7, 3, 40, 49, 12345, -3, 0], np.int32)
+    kjt = KeyedJagged(ids=_dev(ids, np.int32), lengths=lengths, keys=col.feature_names)
     step = ftt.checked(lambda m, x: m(x))
     want = np.asarray(col(kjt))
     np.testing.assert_array_equal(np.asarray(step(col, kjt)), want)
-    bad = KeyedJagged(ids=ids.at[4].set(50), lengths=lengths, keys=col.feature_names)
+    ids[4] = 50
+    bad = KeyedJagged(ids=_dev(ids, np.int32), lengths=lengths, keys=col.feature_names)
     with pytest.raises(ValueError, match="id 50 of table 'b' \\(50 rows\\) at feature 'fb', example 1"):
         col(bad)
     with pytest.raises(ValueError, match="found 50 in table #0 .* feature #0 example 1.*#0 'fb'"):
@@ -472,7 +481,7 @@ def test_keys_in_any_order_a_builder_and_padded_rows():
     assert shuffled.keys == tuple(names[i] for i in perm)
     _assert_same(np.asarray(_call(col, shuffled)), np.asarray(_call(col, kjt)), False)
     rows, want = _unpooled(col, shuffled), _unpooled(col, kjt)
-    padded, padded_want = shuffled.to_padded(rows, 6), kjt.to_padded(want, 6)
+    padded, padded_want = _to_padded(shuffled, rows), _to_padded(kjt, want)
     for f in names:
         np.testing.assert_array_equal(np.asarray(padded[f][1]), np.asarray(padded_want[f][1]))
         _assert_same(np.asarray(padded[f][0]), np.asarray(padded_want[f][0]), False)

@@ -22,12 +22,6 @@ from flowtt_jax.nnx import TTEmbeddingCollection  # noqa: E402
 from tests.test_input_pipeline import DIM  # noqa: E402
 from tests.test_input_pipeline import tables as _tables  # noqa: E402
 
-#: The collection's call as one program: eager, a call runs op by op and every new input
-#: shape compiles each op anew (seconds a call). The host int64 ids stay eager (under jit, ids
-#: past int32 would wrap), and so do the gradients (the stacked and the dict call's weight
-#: gradients are bitwise equal eagerly, not under jit).
-_call = nnx.jit(lambda m, x: m(x))
-
 
 def _as_dict(col, ids, weights=None) -> dict:
     return {
@@ -38,6 +32,15 @@ def _as_dict(col, ids, weights=None) -> dict:
 
 def _stack(col, out: dict) -> jax.Array:
     return jnp.stack([out[f] for f in col.feature_names], axis=1)
+
+
+#: The collection's calls as one program each: eager, a call runs op by op and every new input
+#: shape compiles each op anew (seconds a call). The host int64 ids stay eager (under jit, ids
+#: past int32 would wrap). Gradients take these programs' VJPs (bitwise equal stacked and dict
+#: on CPU; one jit over loss and gradient fuses the two calls' weight gradients differently).
+_call = nnx.jit(lambda m, x: m(x))
+_call_w = nnx.jit(lambda m, x, w: m(x, w))
+_dict_call = nnx.jit(lambda m, x, w=None: _stack(m, m(_as_dict(m, x, w))))  # stacked ids as a dict
 
 
 def _assert_same(a, b, exact: Sequence[int] | bool = True) -> None:
@@ -74,20 +77,19 @@ def test_stacked_equals_the_feature_dict(length, impl):
     ids[rng.random(shape) < 0.2] = 39  # the last row of d2
     weights = rng.standard_normal(shape).astype(np.float32)
 
-    out = jax.jit(lambda c, x, w: c(x, w))(col, ids, weights)
-    assert out.shape == (6, len(col.feature_names), DIM)
-    want = _stack(col, jax.jit(lambda c, x: c(x))(col, _as_dict(col, ids, weights)))
     kernels = _kernel_features(col, impl)
-    _assert_same(out, want, kernels)
     plain = _call(col, ids)  # no weights
-    _assert_same(plain, _stack(col, _call(col, _as_dict(col, ids))), kernels)
+    _assert_same(plain, _dict_call(col, ids), kernels)
 
     def loss(c, w, stacked):
-        y = c(ids, w) if stacked else _stack(c, c(_as_dict(c, ids, w)))
-        return jnp.sum(jnp.sin(y) * jnp.arange(1, y.shape[1] + 1)[:, None])
+        y = _call_w(c, ids, w) if stacked else _dict_call(c, ids, w)
+        return jnp.sum(jnp.sin(y) * np.arange(1, y.shape[1] + 1)[:, None]), y
 
-    g, gw = nnx.grad(loss, argnums=(0, 1))(col, jnp.asarray(weights), True)
-    g_ref, gw_ref = nnx.grad(loss, argnums=(0, 1))(col, jnp.asarray(weights), False)
+    grad = nnx.grad(loss, argnums=(0, 1), has_aux=True)  # the weighted outputs: its forward's
+    (g, gw), out = grad(col, jax.device_put(weights), True)
+    (g_ref, gw_ref), want = grad(col, jax.device_put(weights), False)
+    assert out.shape == (6, len(col.feature_names), DIM)
+    _assert_same(out, want, kernels)
     paths = jax.tree_util.tree_flatten_with_path(nnx.state(g))[0]
     for (path, a), b in zip(paths, jax.tree.leaves(nnx.state(g_ref))):
         # the TT pack's cores (params tt<k>_core<i>) come from the kernels when impl="auto"
@@ -104,13 +106,12 @@ def test_zero_batch_empty_bags_and_host_int64_ids():
         ids = np.zeros(shape, np.int32)
         out = _call(col, ids)
         assert out.shape == (shape[0], num, DIM), shape
-        want = _stack(col, _call(col, _as_dict(col, ids)))
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(_dict_call(col, ids)))
     ids = np.random.default_rng(3).integers(0, 40, (4, num)).astype(np.int64)
     ids[1, 0] = 2**40 + 5  # would wrap to row 5 in jnp.asarray (no x64)
-    out = col(ids)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(_stack(col, col(_as_dict(col, ids)))))
-    assert not np.any(np.asarray(out[1, 0])) and np.any(np.asarray(out[0, 0]))
+    out = np.asarray(col(ids))
+    np.testing.assert_array_equal(out, np.asarray(_stack(col, col(_as_dict(col, ids)))))
+    assert not np.any(out[1, 0]) and np.any(out[0, 0])
     strict = TTEmbeddingCollection(_tables(), oob="error", rngs=nnx.Rngs(0))
     for call in (lambda: strict(ids), lambda: strict(_as_dict(strict, ids))):
         with pytest.raises(ValueError, match="out of range|do not fit"):
@@ -124,7 +125,10 @@ def test_linen_takes_stacked_ids():
     layer = linen.TTEmbeddingCollection(_tables())
     names = CollectionLayout(tuple(_tables())).feature_names
     ids = np.random.default_rng(1).integers(0, 40, (5, len(names)))
-    variables = jax.jit(layer.init)(jax.random.key(0), ids)
+    # init traced (not compiled) on stacked ids; the values: the nnx twin's parameters
+    col = TTEmbeddingCollection(_tables(), rngs=nnx.Rngs(0))
+    assert set(jax.eval_shape(layer.init, jax.random.key(0), ids)["params"]) == set(col.params)
+    variables = {"params": {k: p[...] for k, p in col.params.items()}}
     apply = jax.jit(layer.apply)  # a program each, not op by op
     out = apply(variables, ids)
     want = apply(variables, {f: ids[:, i] for i, f in enumerate(names)})
@@ -147,7 +151,7 @@ def test_stacked_glue_does_not_grow_with_features():
             )
             for i in range(num_features)
         ]
-        col = TTEmbeddingCollection(tables, rngs=nnx.Rngs(0))
+        col = nnx.eval_shape(lambda: TTEmbeddingCollection(tables, rngs=nnx.Rngs(0)))  # no init compile
         text = jax.jit(lambda m, x: m(x)).lower(col, jnp.zeros((64, num_features), jnp.int32)).as_text()
         return Counter(re.findall(r"(stablehlo\.\w+)", text))
 

@@ -57,26 +57,29 @@ def _rows(layout) -> dict[str, int]:
     return {f: t.num_embeddings for t in layout.tables for f in t.feature_keys}
 
 
+def _dev(x, dtype) -> jax.Array:
+    """``x`` as a device array of ``dtype``, converted on the host: ``jnp.asarray`` compiles
+    a copy program for each new shape."""
+    return jax.device_put(np.asarray(x, dtype))
+
+
 def _csr(rng, rows: int, batch: int, weighted: bool) -> dict:
     lengths = rng.integers(0, 5, batch)
     lengths[rng.random(batch) < 0.25] = 0
     ids = rng.integers(0, rows, int(lengths.sum()))
     if ids.size > 1:
         ids[0], ids[-1] = rows - 1, rows + 2  # the last row; out of range
-    out = {
-        "ids": jnp.asarray(ids, jnp.int32),
-        "offsets": jnp.asarray(np.r_[0, np.cumsum(lengths)], jnp.int32),
-    }
+    out = {"ids": _dev(ids, np.int32), "offsets": _dev(np.r_[0, np.cumsum(lengths)], np.int32)}
     if weighted:
-        out["weights"] = jnp.asarray(rng.uniform(0.5, 1.5, ids.size), jnp.float32)
+        out["weights"] = _dev(rng.uniform(0.5, 1.5, ids.size), np.float32)
     return out
 
 
 def _padded(rng, rows: int, batch: int, length: int, weighted: bool) -> dict:
     ids = rng.integers(-1, rows + 1, (batch, length))
-    out = {"ids": jnp.asarray(ids, jnp.int32)}
+    out = {"ids": _dev(ids, np.int32)}
     if weighted:
-        out["weights"] = jnp.asarray(rng.uniform(0.5, 1.5, ids.shape), jnp.float32)
+        out["weights"] = _dev(rng.uniform(0.5, 1.5, ids.shape), np.float32)
     return out
 
 
@@ -89,18 +92,18 @@ def _forms(layout, seed: int) -> dict[str, tuple]:
     cases["dict_csr"] = ("dict", {f: _csr(rng, rows[f], B, False) for f in names}, {})
     cases["dict_csr_weighted"] = ("dict", {f: _csr(rng, rows[f], B, True) for f in names}, {})
     cases["dict_padded_weighted"] = ("dict", {f: _padded(rng, rows[f], B, 3, True) for f in names}, {})
-    one = {f: jnp.asarray(rng.integers(0, rows[f], B), jnp.int32) for f in names}
+    one = {f: _dev(rng.integers(0, rows[f], B), np.int32) for f in names}
     cases["dict_one_id"] = ("dict", one, {})
     mixed = {}
     for i, f in enumerate(names):
         if i % 3 == 0:
             p = _padded(rng, rows[f], B, 4, i % 2 == 0)
-            p["mask"] = jnp.asarray(rng.random((B, 4)) < 0.6)
+            p["mask"] = _dev(rng.random((B, 4)) < 0.6, bool)
             mixed[f] = p
         elif i % 3 == 1:
             n = 9
-            seg = {"ids": jnp.asarray(rng.integers(0, rows[f], n), jnp.int32)}
-            seg["segment_ids"] = jnp.asarray(rng.integers(-1, B + 1, n), jnp.int32)
+            seg = {"ids": _dev(rng.integers(0, rows[f], n), np.int32)}
+            seg["segment_ids"] = _dev(rng.integers(-1, B + 1, n), np.int32)
             seg["num_bags"] = B
             mixed[f] = seg
         else:
@@ -113,36 +116,36 @@ def _forms(layout, seed: int) -> dict[str, tuple]:
     cases["dict_clip"] = ("dict", cases["dict_csr_weighted"][1], {"oob": "clip"})
     valid = {f: _csr(rng, rows[f], B, True) for f in names}
     for v in valid.values():
-        v["ids"] = jnp.clip(v["ids"], 0, None) % 40
+        v["ids"] = _dev(np.clip(np.asarray(v["ids"]), 0, None) % 40, np.int32)
     cases["dict_error_valid"] = ("dict", valid, {"oob": "error"})
     cases["dict_traced_offsets"] = ("jit_dict", cases["dict_csr_weighted"][1], {})
-    feats = cases["dict_csr_weighted"][1]
-    ids = jnp.concatenate([feats[f]["ids"] for f in names])
-    weights = jnp.concatenate([feats[f]["weights"] for f in names])
-    lengths = jnp.stack([jnp.diff(feats[f]["offsets"]) for f in names])
-    cases["kjt_lengths"] = ("kjt", KeyedJagged(ids, lengths=lengths, keys=names), {})
+    feats = {f: {k: np.asarray(v) for k, v in cases["dict_csr_weighted"][1][f].items()} for f in names}
+    ids = np.concatenate([feats[f]["ids"] for f in names])
+    lengths = np.stack([np.diff(feats[f]["offsets"]) for f in names])
+    kjt_ids, kjt_lengths = _dev(ids, np.int32), _dev(lengths, np.int32)
+    cases["kjt_lengths"] = ("kjt", KeyedJagged(kjt_ids, lengths=kjt_lengths, keys=names), {})
     cases["kjt_offsets_weighted"] = (
         "kjt",
         KeyedJagged(
-            ids,
-            offsets=jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(lengths.reshape(-1))]),
-            weights=weights,
+            kjt_ids,
+            offsets=_dev(np.r_[0, np.cumsum(lengths.reshape(-1))], np.int32),
+            weights=_dev(np.concatenate([feats[f]["weights"] for f in names]), np.float32),
         ),
         {},
     )
-    tail = KeyedJagged(jnp.concatenate([ids, jnp.asarray([7, 999], jnp.int32)]), lengths=lengths)
+    tail = KeyedJagged(_dev(np.r_[ids, 7, 999], np.int32), lengths=kjt_lengths)
     cases["kjt_tail_clip"] = ("kjt", tail, {"oob": "clip"})
-    stacked = jnp.asarray(rng.integers(-1, 45, (B, len(names), 3)), jnp.int32)
+    stacked = rng.integers(-1, 45, (B, len(names), 3))
     cases["stacked_bfl_weighted"] = (
         "stacked",
-        (stacked, jnp.asarray(rng.uniform(0.5, 1.5, stacked.shape), jnp.float32)),
+        (_dev(stacked, np.int32), _dev(rng.uniform(0.5, 1.5, stacked.shape), np.float32)),
         {},
     )
-    cases["stacked_bf"] = ("stacked", (stacked[:, :, 0], None), {})
-    look = {f: jnp.asarray(rng.integers(-1, rows[f] + 1, (B, 3)), jnp.int32) for f in names[:4]}
+    cases["stacked_bf"] = ("stacked", (_dev(stacked[:, :, 0], np.int32), None), {})
+    look = {f: _dev(rng.integers(-1, rows[f] + 1, (B, 3)), np.int32) for f in names[:4]}
     look["c"] = {
-        "ids": jnp.asarray(rng.integers(0, rows["c"], (4,)), jnp.int32),
-        "weights": jnp.asarray(rng.uniform(0.5, 1.5, 4), jnp.float32),
+        "ids": _dev(rng.integers(0, rows["c"], (4,)), np.int32),
+        "weights": _dev(rng.uniform(0.5, 1.5, 4), np.float32),
     }
     cases["lookup_dict"] = ("lookup", look, {})
     cases["lookup_kjt_weighted"] = ("lookup", cases["kjt_offsets_weighted"][1], {})
@@ -177,7 +180,7 @@ def _run(layout, params, kind: str, inputs, kw: dict, impl: str) -> dict[str, np
     out = jitted(call)(params, args)
     outs = jax.tree.leaves(out)
     rng = np.random.default_rng(1)
-    cots = [jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in outs]
+    cots = [_dev(rng.standard_normal(x.shape), x.dtype) for x in outs]
 
     def loss(p, a):
         return sum(jnp.vdot(c, x) for c, x in zip(cots, jax.tree.leaves(call(p, a))))
@@ -246,26 +249,26 @@ def test_traced_offsets_leave_positions_in_no_bag(impl, seeds):
     feats, bad, want_feats, kept = {}, {}, {}, {}
     for f in layout.feature_names:
         v = _csr(rng, rows[f], B + 1, True)
-        while int(v["offsets"][-1]) < 8:
+        while np.asarray(v["offsets"])[-1] < 8:
             v = _csr(rng, rows[f], B + 1, True)
+        v = {k: np.array(x) for k, x in v.items()}  # host copies: set-up, not op by op
         n = int(v["offsets"][-1])
-        o = np.asarray(v["offsets"]).copy()
-        ids = np.asarray(v["ids"]).copy()
+        o, ids = v["offsets"], v["ids"]
         ids[0], ids[-1] = -5, rows[f] + 7  # out of range, in no bag: not counted
         ids[1], ids[-2] = 0, rows[f] - 1  # in range, in no bag: no row
         o[0], o[-1] = 2, n - 2
         o[3] = o[2] - 1  # a decrease: the running maximum
         fixed = np.maximum.accumulate(np.clip(o, 0, n))
-        feats[f] = {"ids": jnp.asarray(ids), "weights": v["weights"]}
-        bad[f] = jnp.asarray(o)
+        feats[f] = {"ids": _dev(ids, np.int32), "weights": _dev(v["weights"], np.float32)}
+        bad[f] = _dev(o, np.int32)
         lo, hi = fixed[0], fixed[-1]
         want_feats[f] = {
-            "ids": jnp.asarray(ids[lo:hi]),
-            "offsets": jnp.asarray(fixed - lo),
-            "weights": v["weights"][lo:hi],
+            "ids": _dev(ids[lo:hi], np.int32),
+            "offsets": _dev(fixed - lo, np.int32),
+            "weights": _dev(v["weights"][lo:hi], np.float32),
         }
         kept[f] = (lo, hi)
-    cot = {f: jnp.asarray(rng.standard_normal((B + 1, DIM)), jnp.float32) for f in feats}
+    cot = {f: _dev(rng.standard_normal((B + 1, DIM)), np.float32) for f in feats}
 
     def loss(w, offsets, inputs):
         given = {
