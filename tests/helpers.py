@@ -325,3 +325,25 @@ def bag_fwd_shape_errors(cores, plan, weights, offsets):
         (swap(1, cores[0]), (num_bags, dim), 64, "ranks"),
         (swap(4, plan.group_offsets[:-1]), (num_bags, dim), 64, "plan arrays"),
     ]
+
+
+def host_collection(tables, seed: int, **kwargs):
+    """An nnx ``TTEmbeddingCollection`` of ``tables`` whose parameters are drawn on the host
+    (standard normal; other state zero), not by its init program (a compile of seconds per
+    table set): for a collection a test overwrites (``load_table_state``), only refuses with,
+    or needs some random values of, not its init's."""
+    from flax import nnx
+
+    from flowtt_jax.nnx import TTEmbeddingCollection
+
+    m = nnx.eval_shape(lambda: TTEmbeddingCollection(tables, rngs=nnx.Rngs(0), **kwargs))
+    rng = np.random.default_rng(seed)
+
+    def fill(path, s):
+        draw = path[0].key == "params" and jnp.issubdtype(s.dtype, jnp.floating)
+        return jax.device_put(
+            rng.standard_normal(s.shape).astype(s.dtype) if draw else np.zeros(s.shape, s.dtype)
+        )
+
+    nnx.update(m, jax.tree_util.tree_map_with_path(fill, nnx.state(m)))
+    return m

@@ -186,7 +186,9 @@ def test_plan_rows_are_the_tables_rows():
     tables = np.repeat(np.asarray(FEATURE_TABLES), 7)[
         np.searchsorted(offsets, np.arange(len(ids)), side="right") - 1
     ]
-    plan = jax.jit(make_group_plan, static_argnums=0)(LAYOUT, jnp.asarray(ids), jnp.asarray(tables, jnp.int32))
+    plan = jax.jit(make_group_plan, static_argnums=0)(
+        LAYOUT, jnp.asarray(ids), jnp.asarray(tables, jnp.int32)
+    )
     rows = np.asarray(jax.jit(plan_rows)(packed, plan))
     dense = jax.jit(
         lambda p: [ftt.to_dense(LAYOUT.table_cores(p, t), s.num_embeddings) for t, s in enumerate(SPECS)]
