@@ -19,7 +19,16 @@ import numpy as np
 
 from flowtt_jax.tt.spec import TTSpec
 
-__all__ = ["Cores", "CoreInit", "normal", "init_cores", "to_dense", "from_dense", "resolve_init", "check_cores"]
+__all__ = [
+    "Cores",
+    "CoreInit",
+    "normal",
+    "init_cores",
+    "to_dense",
+    "from_dense",
+    "resolve_init",
+    "check_cores",
+]
 
 Cores = tuple[jax.Array, ...]
 
@@ -57,10 +66,7 @@ def init_cores(
     d = spec.num_cores
     core_std = (std**2 / math.prod(spec.ranks)) ** (1.0 / (2 * d))
     keys = jax.random.split(key, d)
-    return tuple(
-        (core_std * normal(k, s)).astype(dtype)
-        for k, s in zip(keys, spec.core_shapes)
-    )
+    return tuple((core_std * normal(k, s)).astype(dtype) for k, s in zip(keys, spec.core_shapes))
 
 
 def to_dense(cores: Sequence[jax.Array], num_embeddings: int | None = None) -> jax.Array:
