@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
+import tempfile
 import zlib
 from collections.abc import Iterator
 
@@ -25,6 +27,17 @@ jax.config.update("jax_default_matmul_precision", "highest")
 #: The environment carries it to pytest-xdist's workers (one seed for the whole run).
 TEST_SEED = int(os.environ.get("FLOWTT_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
 os.environ["FLOWTT_TEST_SEED"] = str(TEST_SEED)
+
+#: One compilation cache for the run, shared by pytest-xdist's workers (the environment carries
+#: its path to them): a program another test or worker compiled already (the same collection
+#: call from another test's lambda, an eager op on the same shape) is loaded instead of compiled.
+#: Made fresh for each run and removed at its end, so nothing outlives it.
+_OWN_CACHE = "FLOWTT_TEST_COMPILE_CACHE" not in os.environ
+if _OWN_CACHE:
+    os.environ["FLOWTT_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="flowtt_jax_test_xla_")
+jax.config.update("jax_compilation_cache_dir", os.environ["FLOWTT_TEST_COMPILE_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -73,6 +86,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["FLOWTT_TEST_COMPILE_CACHE"], ignore_errors=True)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
