@@ -331,7 +331,8 @@ def host_collection(tables, seed: int, **kwargs):
     """An nnx ``TTEmbeddingCollection`` of ``tables`` whose parameters are drawn on the host
     (standard normal; other state zero), not by its init program (a compile of seconds per
     table set): for a collection a test overwrites (``load_table_state``), only refuses with,
-    or needs some random values of, not its init's."""
+    or needs some random values of, not its init's. A cached table's hot ids are zeros here
+    (row 0 in every slot, not ``EMPTY``): load over them before reading the cache."""
     from flax import nnx
 
     from flowtt_jax.nnx import TTEmbeddingCollection

@@ -80,6 +80,7 @@ def test_stacked_equals_the_feature_dict(length, impl):
     kernels = _kernel_features(col, impl)
     plain = _call(col, ids)  # no weights
     _assert_same(plain, _dict_call(col, ids), kernels)
+    _assert_same(_call_w(col, ids, weights), _dict_call(col, ids, weights), kernels)
 
     def loss(c, w, stacked):
         y = _call_w(c, ids, w) if stacked else _dict_call(c, ids, w)

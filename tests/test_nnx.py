@@ -212,7 +212,7 @@ def test_checkpoint_roundtrip(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     tables = [TableConfig("big", N, D, rank=R), TableConfig("small", 10, D, kind="dense")]
     m = host_collection(tables, 3)
-    # train one step so the state is not the init
+    # train one step so the state is not the values drawn
     opt = nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param)
     x = {"big": np.array([[1, 2], [3, 999]], np.int32), "small": np.array([4, 9], np.int32)}
 
