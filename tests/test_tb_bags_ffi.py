@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flowtt_jax.inputs.oob import packed_bags
+from flowtt_jax.inputs.normalise import csr_bags, saturate_int32
+from flowtt_jax.inputs.oob import packed_bags, table_oob
 from flowtt_jax.kernels import ffi
 from tests.helpers import f32, poisoned_call
 from tests.test_plan_ffi import device_param
@@ -55,7 +56,10 @@ def bags_outs(n: int, num_offsets: int) -> list:
     return i32 + [f32((n,)), i32[0], jax.ShapeDtypeStruct((num_offsets,), jnp.int32)]
 
 
-def raw_tb_bags(device, ids, offsets, batch: int, clip: bool):
+NO_ENDS = np.full((len(FEATURE_TABLES),), np.iinfo(np.int32).max, np.int32)
+
+
+def raw_tb_bags(device, ids, offsets, batch: int, clip: bool, ends=None):
     n = ids.shape[0]
     outs = bags_outs(n, offsets.shape[0])
     return poisoned_call(
@@ -65,25 +69,45 @@ def raw_tb_bags(device, ids, offsets, batch: int, clip: bool):
         offsets,
         np.asarray(FEATURE_TABLES, np.int32),
         NUM_ROWS,
+        NO_ENDS if ends is None else ends,
         device=device,
         batch=np.int64(batch),
         clip=bool(clip),
     )
 
 
-def expected(ids, offsets, weights, oob: str):
+def with_ends(ids, offsets, weights, ends, oob: str, kernel: bool):
+    """``table_oob`` of the packed CSR whose features end at ``ends`` (a dict call's
+    ``PackedCSR.bounds[:, -1]``; the bags' starts as in ``offsets``)."""
+    f = len(FEATURE_TABLES)
+    batch = (offsets.shape[0] - 1) // f
+    offsets = saturate_int32(offsets)
+    bounds = jnp.concatenate([offsets[:-1].reshape(f, batch), ends[:, None]], axis=1)
+    bags = csr_bags(ids, offsets, weights)
+    tables = np.asarray(FEATURE_TABLES, np.int32)
+    bags, tables, _ = table_oob(
+        bags, offsets, tables, NUM_ROWS, batch, oob, kernel=kernel, weights=weights, bounds=bounds
+    )
+    return bags, tables
+
+
+def prepared(ids, offsets, weights, oob: str, kernel: bool, ends):
+    """``packed_bags`` (``ends`` None), else ``with_ends``."""
+    if ends is None:
+        return packed_bags(ids, offsets, weights, FEATURE_TABLES, NUM_ROWS, oob, kernel=kernel)
+    return with_ends(ids, offsets, weights, jnp.asarray(ends), oob, kernel)
+
+
+def expected(ids, offsets, weights, oob: str, ends=None):
     """The jax.numpy path on the CPU, offsets traced (clamped, not checked)."""
     with jax.default_device(jax.devices("cpu")[0]):
-        bags, tables = jax.jit(
-            lambda i, o, w: packed_bags(i, o, w, FEATURE_TABLES, NUM_ROWS, oob, kernel=False)
-        )(ids, offsets, weights)
-        return bags, tables
+        return jax.jit(lambda i, o, w: prepared(i, o, w, oob, False, ends))(ids, offsets, weights)
 
 
-def check(device, ids, offsets, weights, oob: str) -> None:
+def check(device, ids, offsets, weights, oob: str, ends=None) -> None:
     batch = (len(offsets) - 1) // len(FEATURE_TABLES)
-    want, want_tables = expected(ids, offsets, weights, oob)
-    got_ids, got_tables, live, bag_ids, csr = raw_tb_bags(device, ids, offsets, batch, oob == "clip")
+    want, want_tables = expected(ids, offsets, weights, oob, ends)
+    got_ids, got_tables, live, bag_ids, csr = raw_tb_bags(device, ids, offsets, batch, oob == "clip", ends)
     assert np.array_equal(np.asarray(csr), np.asarray(want.offsets))  # clamped, non-decreasing
     assert np.array_equal(np.asarray(got_ids), np.asarray(want.ids))
     assert np.array_equal(np.asarray(got_tables), np.asarray(want_tables))
@@ -92,9 +116,7 @@ def check(device, ids, offsets, weights, oob: str) -> None:
     assert set(np.unique(np.asarray(live))) <= {0.0, 1.0}
     # and through packed_bags on the device: the effective weights too
     with jax.default_device(device):
-        got, tables = jax.jit(
-            lambda i, o, w: packed_bags(i, o, w, FEATURE_TABLES, NUM_ROWS, oob, kernel=True)
-        )(ids, offsets, weights)
+        got, tables = jax.jit(lambda i, o, w: prepared(i, o, w, oob, True, ends))(ids, offsets, weights)
     assert np.asarray(got.weights).tobytes() == np.asarray(want.weights).tobytes()
     assert np.array_equal(np.asarray(got.ids), np.asarray(want.ids))
     assert np.array_equal(np.asarray(got.offsets), np.asarray(want.offsets))
@@ -142,6 +164,22 @@ def test_offsets_out_of_order_and_range_give_the_clamped_running_maximum(device,
     bad[rng.random(offsets.shape[0]) < 0.01] = n + 9
     bad[:3] = (-3, 7, 2)
     check(device, ids, bad.astype(np.int32), weights, oob)
+
+
+@device_param
+@pytest.mark.parametrize("oob", ["zero", "clip"])
+def test_positions_past_their_features_end_are_dropped(device, oob):
+    """``ends``: a feature's positions from its end on are in no bag (a dict call's traced
+    offsets that stop short of the feature's ids): ends inside the last bag, inside an
+    earlier bag, at the feature's first position, before it (negative), past it and none."""
+    ids, offsets, weights = draw(seed=9, batch=600, mean_length=3.0)
+    b = (len(offsets) - 1) // len(FEATURE_TABLES)
+    start, stop = offsets[:-1:b], offsets[b::b]
+    rng = np.random.default_rng(9)
+    inside = start + (rng.random(start.shape) * (stop - start)).astype(np.int32)
+    ends = np.stack([stop - 1, inside, start, np.full_like(start, -4), stop + 5, NO_ENDS], axis=1)
+    pick = np.asarray([0, 1, 2, 3, 4, 5, 1])  # a choice per feature, each kind at least once
+    check(device, ids, offsets, weights, oob, ends[np.arange(len(pick)), pick].astype(np.int32))
 
 
 @device_param

@@ -171,8 +171,12 @@ void tb_capacity(const TbBatchSpec& spec, std::mt19937_64& rng) {
       if (rng() % 50 == 0) ids[k] = rng() % 2 ? -1 : (int32_t)(N + 5);
     }
   }
-  // ---- flowtt_tb_bags, both policies, against cpu::MakeTbBags
-  DBuf<int32_t> d_ids(ids), d_offsets(offsets), d_ft(spec.feature_tables), d_rows_n(num_rows);
+  // ---- flowtt_tb_bags, both policies, against cpu::MakeTbBags; odd features end a
+  // position before their last bag does (ends: that position in no bag)
+  std::vector<int32_t> ends(F);
+  for (int f = 0; f < F; ++f) ends[f] = offsets[(f + 1) * spec.batch] - (f % 2);
+  DBuf<int32_t> d_ids(ids), d_offsets(offsets), d_ft(spec.feature_tables), d_rows_n(num_rows),
+      d_ends(ends);
   DBuf<int32_t> b_ids(n), b_tables(n), b_bag(n), b_csr(B + 1);
   DBuf<float> b_live(n);
   std::vector<int32_t> h_ids(n), h_tables(n), h_bag(n), h_csr(B + 1);
@@ -182,6 +186,7 @@ void tb_capacity(const TbBatchSpec& spec, std::mt19937_64& rng) {
                         offsets.data(),
                         spec.feature_tables.data(),
                         num_rows.data(),
+                        ends.data(),
                         n,
                         B,
                         spec.batch,
@@ -190,7 +195,7 @@ void tb_capacity(const TbBatchSpec& spec, std::mt19937_64& rng) {
                         clip};
     const TbBagsOut out_h{h_ids.data(), h_tables.data(), h_live.data(), h_bag.data(), h_csr.data()};
     flowtt::cpu::MakeTbBags(in_h, out_h);
-    const TbBagsIn in_d{d_ids.p, d_offsets.p, d_ft.p, d_rows_n.p, n, B, spec.batch, F, T, clip};
+    const TbBagsIn in_d{d_ids.p, d_offsets.p, d_ft.p, d_rows_n.p, d_ends.p, n, B, spec.batch, F, T, clip};
     size_t bytes = 0;
     CK(tb_bags_scratch_bytes(n, B, &bytes));
     DBuf<char> scratch(bytes);

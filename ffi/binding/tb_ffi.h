@@ -127,27 +127,29 @@ struct TbBagsChecked {
 };
 inline ffi::ErrorOr<TbBagsChecked> TbCheckBagsBuffers(const TbS32& ids, const TbS32& offsets,
                                                       const TbS32& feature_tables,
-                                                      const TbS32& num_rows, TbS32Out& ids_out,
+                                                      const TbS32& num_rows, const TbS32& ends,
+                                                      TbS32Out& ids_out,
                                                       TbS32Out& tables_out, TbF32Out& live,
                                                       TbS32Out& bag_ids, TbS32Out& offsets_out,
                                                       int64_t batch, bool clip) {
   const std::string e =
       TbCheckBags(ids.dimensions(), offsets.dimensions(), feature_tables.dimensions(),
-                  num_rows.dimensions(), ids_out->dimensions(), tables_out->dimensions(),
+                  num_rows.dimensions(), ends.dimensions(), ids_out->dimensions(),
+                  tables_out->dimensions(),
                   live->dimensions(), bag_ids->dimensions(), offsets_out->dimensions(), batch);
   if (!e.empty()) return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(e));
   const int64_t F = feature_tables.dimensions()[0];
   return TbBagsChecked{
       {ids.typed_data(), offsets.typed_data(), feature_tables.typed_data(), num_rows.typed_data(),
-       ids.dimensions()[0], F * batch, batch, F, num_rows.dimensions()[0], clip},
+       ends.typed_data(), ids.dimensions()[0], F * batch, batch, F, num_rows.dimensions()[0], clip},
       {ids_out->typed_data(), tables_out->typed_data(), live->typed_data(), bag_ids->typed_data(),
        offsets_out->typed_data()}};
 }
 
 template <typename Binding>
 auto TbBindBags(Binding b) {
-  // ids offsets feature_tables num_rows -> ids tables live bag_ids offsets; attrs batch, clip
-  return BindBuffers(std::move(b), Buffers<TbS32, TbS32, TbS32, TbS32>{},
+  // ids offsets feature_tables num_rows ends -> ids tables live bag_ids offsets; attrs batch, clip
+  return BindBuffers(std::move(b), Buffers<TbS32, TbS32, TbS32, TbS32, TbS32>{},
                      Buffers<TbS32, TbS32, TbF32, TbS32, TbS32>{})
       .template Attr<int64_t>("batch")
       .template Attr<bool>("clip");

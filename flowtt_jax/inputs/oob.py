@@ -247,7 +247,7 @@ def table_oob(
     table: ``(CanonicalBags, tables [n] int32, out_of_range [T] int32)`` (the count before
     the policy, ``count_out_of_range``). ``offsets``: the bags' CSR as given (a packed CSR, or
     None for canonical bags; ``bounds``: ``normalise.PackedCSR``'s, its positions in no bag
-    dropped: ``_gaps``); with it, ``kernel`` takes one ``flowtt_tb_bags`` call for
+    dropped: ``_gaps``, or the kernel's ``ends``); with it, ``kernel`` takes one ``flowtt_tb_bags`` call for
     ``"clip"`` / ``"zero"`` (``weights``: the user's, None for none), the same values as the
     jax.numpy path, its oracle. ``"error"`` checks a packed CSR's positions in bags (canonical
     bags: every position) and names the table, feature (``table_names``, ``feature_names``)
@@ -267,11 +267,10 @@ def table_oob(
         live = bags.keep if offsets is not None else None
         flat, valid = apply_table_oob(bags.ids, tables, num_rows, oob, table_names, live=live, where=where)
         return (*apply_bags_oob(bags, flat, valid, tables), counts)  # dropped positions add no rows
+    # the kernel drops a feature's positions past its bags (``ends``) with the rest
     flat, tables, live, bag_ids, csr = ffi.tb_bags(
-        bags.ids, offsets, slot_tables, num_rows, batch, oob == "clip"
+        bags.ids, offsets, slot_tables, num_rows, batch, oob == "clip", ends
     )
-    if bounds is not None:  # a feature's positions past its bags: in none
-        live = jnp.where(_gaps(bag_ids, bounds, batch), 0.0, live)
     # live positions are kept ones: the user weights where live (the canonical bags' own
     # weights would keep XLA's running maximum of the offsets alive)
     w = live if weights is None else jnp.where(live != 0, weights.astype(bags.weights.dtype), 0.0)

@@ -314,7 +314,13 @@ def tb_plan(
 
 
 def tb_bags(
-    ids: jax.Array, offsets: jax.Array, feature_tables: jax.Array, num_rows: jax.Array, batch: int, clip: bool
+    ids: jax.Array,
+    offsets: jax.Array,
+    feature_tables: jax.Array,
+    num_rows: jax.Array,
+    batch: int,
+    clip: bool,
+    ends: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """The positions of a packed feature-major batch as target ``flowtt_tb_bags`` prepares
     them: ``(ids, tables, live, bag_ids, csr)``, the first four [n] (``live`` float32 1/0,
@@ -322,13 +328,17 @@ def tb_bags(
 
     ``ids`` [n] int32 (n >= 1), ``offsets`` [F*batch + 1] int32 of any values,
     ``feature_tables`` [F] and ``num_rows`` [T] int32; ``batch`` (static) bags per feature;
-    ``clip`` (static): the ``"clip"`` policy, else ``"zero"``. Equal to ``oob.packed_bags``'
-    jax.numpy path: the valid CSR (``offsets`` clamped into [0, n], then their running
-    maximum), bag of each position in it (clipped to the bags), its feature's table, its id
-    clipped into the table (``"zero"``: 0 where out of range), live where the position is in
-    a bag (and, under ``"zero"``, in range), dropped positions parked on the first live one.
+    ``clip`` (static): the ``"clip"`` policy, else ``"zero"``; ``ends`` [F] int32 (None: no
+    end): feature f's positions from ``ends[f]`` on are in no bag (``normalise.PackedCSR``'s
+    ``bounds[:, -1]``). Equal to ``oob.table_oob``'s jax.numpy path: the valid CSR
+    (``offsets`` clamped into [0, n], then their running maximum), bag of each position in it
+    (clipped to the bags), its feature's table, its id clipped into the table (``"zero"``: 0
+    where out of range), live where the position is in a bag before its feature's end (and,
+    under ``"zero"``, in range), dropped positions parked on the first live one.
     """
     n = ids.shape[0]
+    f = np.shape(feature_tables)[0]
+    ends = jnp.full((f,), np.iinfo(np.int32).max, jnp.int32) if ends is None else ends.astype(jnp.int32)
     outs = (
         *(jax.ShapeDtypeStruct((n,), jnp.int32) for _ in range(2)),
         _f32((n,)),
@@ -343,6 +353,7 @@ def tb_bags(
             offsets.astype(jnp.int32),
             jnp.asarray(feature_tables, jnp.int32),
             jnp.asarray(num_rows, jnp.int32),
+            ends,
             batch=np.int64(batch),
             clip=bool(clip),
         )
