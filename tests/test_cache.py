@@ -78,10 +78,10 @@ def _oracle(layout: CollectionLayout, params: dict, feats: dict) -> dict:
     return out
 
 
-def _refreshed(layout: CollectionLayout, params: dict, feats: dict) -> dict:
-    """``params`` with each cached table holding its feature's most frequent ids, one of them
-    the table's last row, and its cached rows moved off their TT values (one program, not op
-    by op)."""
+def _refreshed(layout: CollectionLayout, key: jax.Array, feats: dict) -> dict:
+    """``layout``'s parameters drawn from ``key``, each cached table holding its feature's most
+    frequent ids, one of them the table's last row, and its cached rows moved off their TT
+    values (one program with the draw, not op by op)."""
     owners = {f: cfg.name for cfg in layout.tables for f in cfg.feature_keys}
     chosen = {}
     for name, ids in hot_ids([{f: v["ids"] for f, v in feats.items()}], layout.tables, owners).items():
@@ -95,7 +95,7 @@ def _refreshed(layout: CollectionLayout, params: dict, feats: dict) -> dict:
             params = layout.with_cache(params, name, rows + 0.25 * jnp.sign(rows + 1e-3), hot)
         return params
 
-    return jax.jit(refresh)(params)
+    return jax.jit(lambda key: refresh(layout.init(key)))(key)
 
 
 def test_cached_tables_equal_the_float64_oracle(seeds, x64):
@@ -106,23 +106,37 @@ def test_cached_tables_equal_the_float64_oracle(seeds, x64):
     trained (integer: no gradient)."""
     rng = np.random.default_rng(next(seeds))
     layout = CollectionLayout(TABLES, memory_budget=None)
-    params = _refreshed(layout, layout.init(jax.random.key(next(seeds))), feats := _features(rng))
+    params = _refreshed(layout, jax.random.key(next(seeds)), feats := _features(rng))
     hits = 0
     for cfg in layout.tables:
         cache = layout.table_cache(params, cfg.name)
         if cache is not None:
             hits += sum(int(np.isin(feats[f]["ids"], np.asarray(cache[1])).sum()) for f in cfg.feature_keys)
     assert hits > 10  # the calls route real hits
-    want = jax.jit(lambda p: _oracle(layout, p, feats))(params)  # one program: fast tests
     trained = {k: v for k, v in params.items() if k not in layout.hot_names()}
-    cot = {f: jnp.asarray(rng.standard_normal(want[f].shape)) for f in want}
+    shapes = jax.eval_shape(lambda p: _oracle(layout, p, feats), params)
+    cot = {f: jnp.asarray(rng.standard_normal(shapes[f].shape)) for f in shapes}
 
-    def loss(fn):
-        return lambda t: sum(jnp.sum(fn({**params, **t})[f] * cot[f]) for f in cot)
+    def loss(fn):  # the loss and the values of fn
+        def value(t):
+            out = fn({**params, **t})
+            return sum(jnp.sum(out[f] * cot[f]) for f in cot), out
 
-    g_ref = jax.jit(jax.grad(loss(lambda p: _oracle(layout, p, feats))))(trained)
-    for impl in ("auto", "reference"):
-        got = jax.jit(lambda p, impl=impl: layout.apply(p, feats, impl=impl))(params)
+        return value
+
+    # One program for the oracle's values and gradients (its values: the gradient's forward),
+    # one for both impls' forwards (each on its own, not the gradient's) and gradients.
+    g_ref, want = jax.jit(jax.grad(loss(lambda p: _oracle(layout, p, feats)), has_aux=True))(trained)
+
+    @jax.jit
+    def forwards_and_grads(p, t):
+        out = {}
+        for impl in ("auto", "reference"):
+            apply = lambda p, impl=impl: layout.apply(p, feats, impl=impl)  # noqa: E731
+            out[impl] = apply(p), jax.grad(loss(apply), has_aux=True)(t)[0]
+        return out
+
+    for impl, (got, g) in forwards_and_grads(params, trained).items():
         for f in want:
             np.testing.assert_allclose(
                 np.asarray(got[f], np.float64),
@@ -132,7 +146,6 @@ def test_cached_tables_equal_the_float64_oracle(seeds, x64):
                 err_msg=f"{impl} {f}",
             )
             assert np.any(np.asarray(got[f]))
-        g = jax.jit(jax.grad(loss(lambda p, impl=impl: layout.apply(p, feats, impl=impl))))(trained)
         assert set(g) == set(g_ref) and any(k.endswith("_cache") for k in g)
         for k in g:
             scale = float(np.abs(np.asarray(g_ref[k])).max())
@@ -148,9 +161,9 @@ def test_check_grads_through_the_cache(seeds, x64):
     rng = np.random.default_rng(next(seeds))
     cfgs = (TableConfig("a", 200, 4, rank=3, cache_rows=6),)
     layout = CollectionLayout(cfgs, memory_budget=None)
-    params = jax.jit(lambda p: layout.with_hot_ids(p, "a", [0, 3, 5, 199]))(
-        layout.init(jax.random.key(1), jnp.float64)
-    )
+    params = jax.jit(lambda key: layout.with_hot_ids(layout.init(key, jnp.float64), "a", [0, 3, 5, 199]))(
+        jax.random.key(1)
+    )  # one program with the draw
     ids = np.array([0, 3, 7, 199, 150, 5, 5, 42])
     offsets = np.array([0, 3, 3, 8])
 
@@ -213,9 +226,9 @@ def test_every_input_form_routes_the_cache(seeds):
         TableConfig("c", 90, 8, kind="dense"),
     )
     layout = CollectionLayout(cfgs, memory_budget=None)
-    params = jax.jit(  # one program, not op by op
-        lambda p: layout.with_hot_ids(layout.with_hot_ids(p, "a", [0, 1, 2, 699]), "b", [5])
-    )(layout.init(jax.random.key(next(seeds))))
+    params = jax.jit(  # one program with the draw, not op by op
+        lambda key: layout.with_hot_ids(layout.with_hot_ids(layout.init(key), "a", [0, 1, 2, 699]), "b", [5])
+    )(jax.random.key(next(seeds)))
     ids = np.stack([rng.integers(0, 4, 6), rng.integers(0, 8, 6), rng.integers(0, 90, 6)], 1)
     ids[0] = [699, 5, 89]
     feats = {f: ids[:, i] for i, f in enumerate("abc")}
