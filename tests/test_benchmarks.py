@@ -195,11 +195,17 @@ def test_weighted_impls_match_reference(name):
     w = wl.single_table(**single_kwargs(QUICK, 32, 8, 32, "zipf1.05", 0, weighted=True))
     cores = tt_cores(w)
     n = w.specs[0].num_embeddings
-    table = np.asarray(reference.tt_rows(cores[0], jax.numpy.arange(n)))
+    table = np.asarray(jax.jit(reference.tt_rows)(cores[0], np.arange(n)))
     params = jax.device_put(table) if impl.dense else impl.init(w, cores)
     cot = np.random.default_rng(0).standard_normal((w.batch, 32)).astype(np.float32)
-    out, vjp = jax.vjp(lambda ww: impl.build(w)(params, w.ids, w.offsets, ww), w.weights)
-    (d_weights,) = vjp(cot)
+    fwd = impl.build(w)
+
+    @jax.jit  # one program (op by op, the forward and its vjp compiled ~30 ops an impl)
+    def forward_and_vjp(params, weights, cot):
+        out, vjp = jax.vjp(lambda ww: fwd(params, w.ids, w.offsets, ww), weights)
+        return out, vjp(cot)[0]
+
+    out, d_weights = forward_and_vjp(params, w.weights, cot)
     bag = np.repeat(np.arange(w.batch), np.diff(w.offsets))
     rows = table[w.ids].astype(np.float64)
     want = np.zeros((w.batch, 32))
