@@ -31,7 +31,7 @@ def ids_of(seed, shape, n=N):
 def test_ttembed_equals_lookup(impl):
     m = fl.TTEmbed(N, D, rank=R, impl=impl)
     ids = ids_of(0, (3, 4))
-    params = m.init(jax.random.key(1), ids)["params"]
+    params = jax.jit(m.init)(jax.random.key(1), ids)["params"]  # one program, not op by op
     spec = ftt.TTSpec.create(N, D, R)
     assert {k: v.shape for k, v in params.items()} == {f"core_{k}": s for k, s in enumerate(spec.core_shapes)}
     q = np.random.default_rng(2).standard_normal((5, D)).astype(np.float32)
@@ -59,7 +59,7 @@ def test_ttembedbag_equals_op(mode):
     ids = ids_of(0, (12,))
     offsets = np.array([0, 4, 4, 12], np.int32)
     w = np.random.default_rng(3).uniform(size=12).astype(np.float32)
-    params = m.init(jax.random.key(1), ids, offsets=offsets)["params"]
+    params = jax.jit(m.init)(jax.random.key(1), ids, offsets=offsets)["params"]  # one program
     padded = ids_of(5, (3, 5))
     mask = np.arange(5)[None] < np.array([[2], [5], [0]])
 
@@ -88,7 +88,7 @@ def _nnx_with_cores(cls, cores, **kw):
 
 
 def test_nnx_and_linen_agree():
-    cores = ftt.init_cores(jax.random.key(7), ftt.TTSpec.create(N, D, R))
+    cores = jax.jit(ftt.init_cores, static_argnums=1)(jax.random.key(7), ftt.TTSpec.create(N, D, R))
     params = {f"core_{k}": c for k, c in enumerate(cores)}
     ids = ids_of(8, (4, 3))
     # each layer jitted on its own: one program each, compared bit for bit
@@ -144,7 +144,7 @@ def test_optax_loop_reduces_loss():
     target = ftt.to_dense(ftt.init_cores(jax.random.key(42), ftt.TTSpec.create(n, 8, 3)), n)
     m = fl.TTEmbed(n, 8, rank=4)
     ids = np.arange(n, dtype=np.int32)
-    params = m.init(jax.random.key(0), ids)["params"]
+    params = jax.jit(m.init)(jax.random.key(0), ids)["params"]  # one program, not op by op
     tx = optax.adam(3e-2)
     opt_state = tx.init(params)
 
@@ -165,25 +165,27 @@ def test_checkpoint_roundtrip(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     m = fl.TTEmbedBag(N, D, rank=R)
     ids = ids_of(0, (3, 4))
-    params = m.init(jax.random.key(1), ids)["params"]
+    init = jax.jit(m.init)  # one program for both draws, not op by op
+    params = init(jax.random.key(1), ids)["params"]
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(tmp_path / "p", params)
     ckpt.wait_until_finished()
-    fresh = m.init(jax.random.key(2), ids)["params"]
+    fresh = init(jax.random.key(2), ids)["params"]
     assert float(jnp.abs(fresh["core_0"] - params["core_0"]).max()) > 0
     restored = ckpt.restore(tmp_path / "p", jax.tree.map(ocp.utils.to_shape_dtype_struct, fresh))
+    apply = jax.jit(m.apply)  # one program for both
     np.testing.assert_array_equal(
-        np.asarray(m.apply({"params": restored}, ids)), np.asarray(m.apply({"params": params}, ids))
+        np.asarray(apply({"params": restored}, ids)), np.asarray(apply({"params": params}, ids))
     )
 
 
 def test_bf16():
     ids = ids_of(0, (6,))
     m32 = fl.TTEmbed(N, D, rank=R)
-    p = m32.init(jax.random.key(1), ids)
+    p = jax.jit(m32.init)(jax.random.key(1), ids)  # one program, not op by op
     m16 = fl.TTEmbed(N, D, rank=R, dtype=jnp.bfloat16)
     mp = fl.TTEmbedBag(N, D, rank=R, param_dtype=jnp.bfloat16)
-    pp = mp.init(jax.random.key(1), ids[None])
+    pp = jax.jit(mp.init)(jax.random.key(1), ids[None])
     assert all(v.dtype == jnp.bfloat16 for v in jax.tree.leaves(pp))
     out, want, pooled = jax.jit(  # one program for every call
         lambda p, pp: (m16.apply(p, ids), m32.apply(p, ids).astype(jnp.bfloat16), mp.apply(pp, ids[None]))
