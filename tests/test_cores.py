@@ -46,12 +46,14 @@ def test_from_dense_rejects_wrong_shape():
 
 def test_init_cores_sets_row_std():
     spec = ftt.TTSpec.create(200_000, 32, 16)
-    cores = ftt.init_cores(jax.random.key(3), spec)
-    rows = ftt.tt_lookup(cores, jnp.arange(0, 200_000, 7), impl="reference")
+    init = jax.jit(ftt.init_cores, static_argnums=(1, 2, 3))  # one program each, not op by op
+    lookup = jax.jit(lambda c: ftt.tt_lookup(c, jnp.arange(0, 200_000, 7), impl="reference"))
+    cores = init(jax.random.key(3), spec)
+    rows = lookup(cores)
     assert float(rows.std()) == pytest.approx(1 / np.sqrt(32), rel=0.1)
-    cores = ftt.init_cores(jax.random.key(3), spec, std=0.5, dtype=jnp.bfloat16)
+    cores = init(jax.random.key(3), spec, 0.5, jnp.bfloat16)
     assert all(c.dtype == jnp.bfloat16 for c in cores)
-    rows = ftt.tt_lookup(cores, jnp.arange(0, 200_000, 7), impl="reference")
+    rows = lookup(cores)
     assert float(rows.astype(jnp.float32).std()) == pytest.approx(0.5, rel=0.1)
 
 
