@@ -42,6 +42,9 @@ def _stack(col, out: dict) -> jax.Array:
 _call = nnx.jit(lambda m, x: m(x))
 _call_w = nnx.jit(lambda m, x, w: m(x, w))
 _dict_call = nnx.jit(lambda m, x, w=None: _stack(m, m(_as_dict(m, x, w))))  # stacked ids as a dict
+#: The forwards without and with weights, one program a side (stacked, dict) of the comparison.
+_stacked_forwards = nnx.jit(lambda m, x, w: (m(x), m(x, w)))
+_dict_forwards = nnx.jit(lambda m, x, w: (_stack(m, m(_as_dict(m, x))), _stack(m, m(_as_dict(m, x, w)))))
 
 
 def _assert_same(a, b, exact: Sequence[int] | bool = True) -> None:
@@ -79,9 +82,10 @@ def test_stacked_equals_the_feature_dict(length, impl):
     weights = rng.standard_normal(shape).astype(np.float32)
 
     kernels = _kernel_features(col, impl)
-    plain = _call(col, ids)  # no weights
-    _assert_same(plain, _dict_call(col, ids), kernels)
-    _assert_same(_call_w(col, ids, weights), _dict_call(col, ids, weights), kernels)
+    plain, weighted = _stacked_forwards(col, ids, weights)
+    plain_want, weighted_want = _dict_forwards(col, ids, weights)
+    _assert_same(plain, plain_want, kernels)
+    _assert_same(weighted, weighted_want, kernels)
 
     def loss(c, w, stacked):
         y = _call_w(c, ids, w) if stacked else _dict_call(c, ids, w)
