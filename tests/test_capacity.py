@@ -219,16 +219,21 @@ def test_capacity_passes_give_the_reference(unique, weighted):
     grad = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True), static_argnums=(2, 3))
     (g_ref, w_ref), out_ref = grad(packed, w, None, "reference")
     n = ids.shape[0]
-    flag = jax.jit(lambda p, w, cap: _op(p, ids, offsets, w, cap, return_overflow=True)[1], static_argnums=2)
-    for cap in (n, num_unique, num_unique - 1, num_unique // 3 + 1, -(-n // capacity.MAX_PASSES)):
-        (g, gw), out = grad(packed, w, cap, "ffi")
+    caps = (n, num_unique, num_unique - 1, num_unique // 3 + 1, -(-n // capacity.MAX_PASSES))
+    # every capacity's gradients and overflow flag in one program (a program each: ~10)
+    every = jax.jit(
+        lambda p, w: [
+            (grad(p, w, cap, "ffi"), _op(p, ids, offsets, w, cap, return_overflow=True)[1]) for cap in caps
+        ]
+    )
+    for cap, (((g, gw), out), overflow) in zip(caps, every(packed, w)):
         np.testing.assert_allclose(np.asarray(out), np.asarray(out_ref), rtol=1e-4, atol=1e-4)
         for a, b in zip(g, g_ref):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
         if weighted:
             np.testing.assert_allclose(np.asarray(gw), np.asarray(w_ref), rtol=1e-4, atol=1e-4)
         # the overflow is a device flag of the call (no host callback in the program)
-        assert bool(flag(packed, w, cap)) == (cap < num_unique), (cap, num_unique)
+        assert bool(overflow) == (cap < num_unique), (cap, num_unique)
         assert "callback" not in grad.lower(packed, w, cap, "ffi").as_text()
 
 
@@ -414,7 +419,7 @@ def test_linen_counts_overflows_in_its_stats_collection():
         TableConfig("tb", 500, 8, rank=4, feature_names=("b",), max_unique_ids=7),
     ]
     model = TTEmbeddingCollection(cfgs)
-    variables = model.init(jax.random.key(0), feats)  # the counter made, the init call not counted
+    variables = jax.jit(model.init)(jax.random.key(0), feats)  # the counter made, the init call not counted
     np.testing.assert_array_equal(np.asarray(variables["stats"]["overflow_counts"]), [0])
     apply = jax.jit(functools.partial(model.apply, mutable=["stats"]))
     _, stats = apply(variables, feats)
