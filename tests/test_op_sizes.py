@@ -96,14 +96,19 @@ def test_largest_automatic_table_at_its_last_row():
     w = jnp.asarray([1.0, -2.0, 0.5, 3.0, 1.0, 1.0])
     grads = {}
     for impl in ("ffi", "reference"):
-        rows = np.asarray(ftt.tt_lookup(cores, ids, impl=impl))
+
+        @jax.jit  # one program, not op by op; the host int64 ids closed over (host, as eager)
+        def run(c, w, impl=impl):
+            bags = lambda c, w: ftt.tt_embedding_bag(c, ids, offsets=[0, 2, 6], weights=w, impl=impl)  # noqa: E731
+            grads = jax.grad(lambda c, w: jnp.sum(bags(c, w) ** 2), argnums=(0, 1))(c, w)
+            return ftt.tt_lookup(c, ids, impl=impl), ftt.tt_lookup(c, ids[3:5], oob="clip", impl=impl), grads
+
+        rows, clip, grads[impl] = run(cores, w)
+        rows = np.asarray(rows)
         for k in (0, 1, 2, 5):
             np.testing.assert_allclose(rows[k], _row_f64(cores, int(ids[k])), rtol=1e-5, atol=1e-6)
         assert not rows[3].any() and not rows[4].any()  # past N: oob="zero"
-        clip = np.asarray(ftt.tt_lookup(cores, ids[3:5], oob="clip", impl=impl))
-        assert np.allclose(clip, rows[0], atol=1e-6)
-        bags = lambda c, w, impl=impl: ftt.tt_embedding_bag(c, ids, offsets=[0, 2, 6], weights=w, impl=impl)
-        grads[impl] = jax.grad(lambda c, w, bags=bags: jnp.sum(bags(c, w) ** 2), argnums=(0, 1))(cores, w)
+        assert np.allclose(np.asarray(clip), rows[0], atol=1e-6)
     for g, r in zip(jax.tree.leaves(grads["ffi"]), jax.tree.leaves(grads["reference"])):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
     last = np.asarray(grads["ffi"][0][2])[(n_rows - 1) % spec.row_shape[2]]
