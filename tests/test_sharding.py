@@ -44,34 +44,35 @@ def _check_data_parallel() -> None:
 
     put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
     args = (put(cores, P()), put(ids, P("data")), put(weights, P("data")), put(mask, P("data")))
-    sharded = jax.jit(data_parallel(bag, mesh))
+    # each program compiled once: its values and its HLO text below
+    sharded = jax.jit(data_parallel(bag, mesh)).lower(*args).compile()
     out = sharded(*args)
     assert out.sharding.spec[0] == "data"
-    with jax.enable_x64(True):
-        c64 = [jnp.asarray(c, jnp.float64) for c in cores]
-        ref = ftt.tt_embedding_bag(
-            c64, ids, weights=weights.astype(np.float64), mask=mask, mode="mean", impl="reference"
-        )
-    assert rel_err(out, ref) < 1e-5
-
     loss = lambda c, i, w, m: jnp.sum(jnp.sin(data_parallel(bag, mesh)(c, i, w, m)))
-    grad = jax.jit(jax.grad(loss, argnums=(0, 2)))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 2))).lower(*args).compile()
     g_cores, g_w = grad(*args)
-    with jax.enable_x64(True):
-        ref_loss = lambda c, w: jnp.sum(
-            jnp.sin(ftt.tt_embedding_bag(c, ids, weights=w, mask=mask, mode="mean", impl="reference"))
-        )
-        r_cores, r_w = jax.grad(ref_loss, argnums=(0, 1))(c64, jnp.asarray(weights, jnp.float64))
+    with jax.enable_x64(True):  # the float64 reference and its gradients: one program, not op by op
+
+        def bag64(c, w):
+            return ftt.tt_embedding_bag(c, ids, weights=w, mask=mask, mode="mean", impl="reference")
+
+        @jax.jit
+        def reference(c, w):
+            return bag64(c, w), jax.grad(lambda c, w: jnp.sum(jnp.sin(bag64(c, w))), argnums=(0, 1))(c, w)
+
+        c64, w64 = [np.asarray(c, np.float64) for c in cores], weights.astype(np.float64)
+        ref, (r_cores, r_w) = reference(c64, w64)
+    assert rel_err(out, ref) < 1e-5
     for a, b in zip(g_cores, r_cores):
         assert a.sharding.is_fully_replicated and rel_err(a, b) < 1e-5
     assert rel_err(g_w, r_w) < 1e-5
 
-    text = grad.lower(*args).compile().as_text()
+    text = grad.as_text()
     assert "all-reduce" in text  # core gradients summed over devices
     assert "flowtt_tt_rows_bwd" in custom_call_targets(text)
     assert_no_host_callback(text)
     # Each device pools only its own 16 bags.
-    hlo = sharded.lower(*args).compile().as_text()
+    hlo = sharded.as_text()
     pool_calls = [line for line in hlo.splitlines() if 'custom_call_target="flowtt_bag_fwd"' in line]
     assert pool_calls and all(line.split("=")[1].strip().startswith("f32[16,32]") for line in pool_calls), (
         pool_calls
