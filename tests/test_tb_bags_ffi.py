@@ -178,8 +178,12 @@ def test_positions_past_their_features_end_are_dropped(device, oob):
     rng = np.random.default_rng(9)
     inside = start + (rng.random(start.shape) * (stop - start)).astype(np.int32)
     ends = np.stack([stop - 1, inside, start, np.full_like(start, -4), stop + 5, NO_ENDS], axis=1)
-    pick = np.asarray([0, 1, 2, 3, 4, 5, 1])  # a choice per feature, each kind at least once
-    check(device, ids, offsets, weights, oob, ends[np.arange(len(pick)), pick].astype(np.int32))
+    # a choice per feature, each kind at least once (feature 2 is empty: no end)
+    pick = np.asarray([0, 1, 5, 2, 3, 4, 1])
+    chosen = ends[np.arange(len(pick)), pick].astype(np.int32)
+    dropped = stop - np.clip(chosen.astype(np.int64), start, stop)  # positions past each end
+    assert np.all(dropped[pick < 4] > 0) and np.all(dropped[pick >= 4] == 0)
+    check(device, ids, offsets, weights, oob, chosen)
 
 
 @device_param
