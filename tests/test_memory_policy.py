@@ -333,3 +333,30 @@ def test_the_xla_check_takes_features_of_other_batch_sizes():
     assert plan.xla_bytes is not None, str(plan)
     out = nnx.jit(lambda m: m(feats))(coll)  # one program, not op by op
     assert out["a"].shape == (256, 16) and out["b"].shape == (128, 16)
+
+
+@needs_kernels
+def test_the_xla_check_compiles_once_per_call_signature(monkeypatch):
+    """A second trace of the same call (a retrace, an eval step beside the train step)
+    takes the checked step's bytes kept by the first: nothing compiled again; other shapes
+    are checked anew."""
+    from flowtt_jax.collection import xla_fit
+
+    compiled = []
+    real = xla_fit._compiled_bytes
+    monkeypatch.setattr(xla_fit, "_compiled_bytes", lambda *a: compiled.append(a[0]) or real(*a))
+    monkeypatch.setattr(xla_fit, "STEP_BYTES", type(xla_fit.STEP_BYTES)())
+    cfgs = [TableConfig("a", 50_000, 16, rank=8), TableConfig("b", 40_000, 16, rank=8)]
+    rng = np.random.default_rng(4)
+    feats = {"a": rng.integers(0, 50_000, (256, 4)), "b": rng.integers(0, 40_000, (256, 3))}
+    roomy = _abstract(cfgs, memory_budget=10**12)
+    coll = _abstract(cfgs, memory_budget=int(1.2 * roomy.layout.memory_plan(feats).estimate.total))
+    plan = coll.layout.memory_plan(feats)
+    assert plan.xla_bytes is not None and compiled, str(plan)
+    first = len(compiled)
+    assert coll.layout.memory_plan(feats) == plan and len(compiled) == first
+    as_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), feats)
+    assert coll.layout.memory_plan(as_shapes) == plan and len(compiled) == first
+    other = {"a": feats["a"][:128], "b": feats["b"][:128]}
+    coll.layout.memory_plan(other)
+    assert len(compiled) > first

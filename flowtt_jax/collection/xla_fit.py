@@ -3,6 +3,10 @@ step near its budget, the candidates (the estimate's passes, then more) are comp
 the training step XLA would run for this batch form (abstract shapes: no data, no run) and
 the fewest whose memory analysis fits is taken.
 
+Each checked step's bytes are kept (``STEP_BYTES``, by the layout, the parameters' and
+inputs' shapes and dtypes, the call's options and the device kind): a second trace of the
+same call (a train step and an eval step of one batch form, a retrace) compiles nothing.
+
 The estimate models the op's buffers (``docs/memory.md``) and is within 15 % of XLA on the
 common forms, but XLA's schedule of many packs, one-id features and the reference path can
 differ from it by more; far below the budget (under ``VERIFY_SHARE`` of it) that does not
@@ -13,9 +17,10 @@ which the kernels allocate at run time where XLA's analysis does not see it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import jax
@@ -28,6 +33,9 @@ __all__ = ["VERIFY_SHARE", "check_by_xla", "pinned_layout"]
 
 #: An estimate at or above this share of the budget is checked by XLA's analysis.
 VERIFY_SHARE = 0.5
+#: Checked steps' bytes by ``_signature`` (the most recent ``_KEPT``).
+STEP_BYTES: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
+_KEPT = 64
 
 
 def _is_array(x: Any) -> bool:
@@ -90,6 +98,40 @@ def _compiled_bytes(layout, params, inputs, pooled: bool, kw: Mapping[str, Any])
     return int(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes)
 
 
+def _signature(layout, params, inputs, pooled: bool, kw: Mapping[str, Any]) -> Hashable | None:
+    """What ``_compiled_bytes`` depends on, hashable: the layout, each parameter's and input
+    leaf's shape and dtype (static leaves as they are), ``pooled``, ``kw`` and the device
+    kind; None where something in it is not hashable (then nothing is kept)."""
+    leaves, treedef = jax.tree.flatten(inputs)
+    key = (
+        layout,
+        tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in params.items())),
+        treedef,
+        tuple((tuple(x.shape), str(x.dtype)) if _is_array(x) else ("static", x) for x in leaves),
+        pooled,
+        tuple(sorted(kw.items())),
+        jax.devices()[0].device_kind,
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _step_bytes(layout, params, inputs, pooled: bool, kw: Mapping[str, Any]) -> int:
+    """``_compiled_bytes``, compiled once per ``_signature``."""
+    key = _signature(layout, params, inputs, pooled, kw)
+    if key is None:
+        return _compiled_bytes(layout, params, inputs, pooled, kw)
+    if key not in STEP_BYTES:
+        STEP_BYTES[key] = _compiled_bytes(layout, params, inputs, pooled, kw)
+        while len(STEP_BYTES) > _KEPT:
+            STEP_BYTES.popitem(last=False)
+    STEP_BYTES.move_to_end(key)
+    return STEP_BYTES[key]
+
+
 def check_by_xla(plan: Any, plan_at, layout, params, inputs, most_ids: int, pooled: bool, kw) -> Any:
     """``plan`` (the estimate's choice for this call) checked by XLA's analysis where its
     estimate is at least ``VERIFY_SHARE`` of the budget: the fastest candidate
@@ -104,7 +146,7 @@ def check_by_xla(plan: Any, plan_at, layout, params, inputs, most_ids: int, pool
     def check(candidate: tuple[int, int]) -> Any:
         estimate = plan_at(candidate)
         pinned = pinned_layout(layout, estimate.ids_per_pass, estimate.windows)
-        xla = _compiled_bytes(pinned, params, inputs, pooled, kw) + estimate.estimate.scratch
+        xla = _step_bytes(pinned, params, inputs, pooled, kw) + estimate.estimate.scratch
         return dataclasses.replace(estimate, fits=xla <= plan.budget, xla_bytes=xla)
 
     # from the estimate's choice: faster ones while they fit, else leaner until one does
