@@ -69,8 +69,8 @@ FLOWTT_BAGS_HD bool TbBagsPosition(const TbBagsIn& a, int64_t p, int64_t k, cons
   const int32_t limit = a.num_rows[table] < 1 ? 1 : a.num_rows[table];
   const int32_t id = a.ids[p];
   const bool valid = id >= 0 && id < limit;
-  const bool live = p >= o.offsets[0] && p < o.offsets[a.num_bags] && p < a.ends[feature] &&
-                    (a.clip || valid);
+  const bool live =
+      p >= o.offsets[0] && p < o.offsets[a.num_bags] && p < a.ends[feature] && (a.clip || valid);
   o.ids[p] = a.clip ? (int32_t)TbClamp64(id, 0, limit - 1) : (valid ? id : 0);
   o.tables[p] = table;
   o.live[p] = live ? 1.f : 0.f;
@@ -83,11 +83,10 @@ FLOWTT_BAGS_HD bool TbBagsPosition(const TbBagsIn& a, int64_t p, int64_t k, cons
 template <typename Dims>
 std::string TbCheckBags(const Dims& ids, const Dims& offsets, const Dims& feature_tables,
                         const Dims& num_rows, const Dims& ends, const Dims& ids_out,
-                        const Dims& tables_out,
-                        const Dims& live_out, const Dims& bag_ids_out, const Dims& offsets_out,
-                        int64_t batch) {
-  for (const Dims* d : {&ids, &offsets, &feature_tables, &num_rows, &ends, &ids_out,
-                        &tables_out, &live_out, &bag_ids_out, &offsets_out}) {
+                        const Dims& tables_out, const Dims& live_out, const Dims& bag_ids_out,
+                        const Dims& offsets_out, int64_t batch) {
+  for (const Dims* d : {&ids, &offsets, &feature_tables, &num_rows, &ends, &ids_out, &tables_out,
+                        &live_out, &bag_ids_out, &offsets_out}) {
     if (d->size() != 1) return "flowtt_tb_bags: every operand and result must be 1-D";
   }
   const int64_t n = ids[0], num_bags = offsets[0] - 1, F = feature_tables[0];

@@ -195,7 +195,8 @@ void tb_capacity(const TbBatchSpec& spec, std::mt19937_64& rng) {
                         clip};
     const TbBagsOut out_h{h_ids.data(), h_tables.data(), h_live.data(), h_bag.data(), h_csr.data()};
     flowtt::cpu::MakeTbBags(in_h, out_h);
-    const TbBagsIn in_d{d_ids.p, d_offsets.p, d_ft.p, d_rows_n.p, d_ends.p, n, B, spec.batch, F, T, clip};
+    const TbBagsIn in_d{d_ids.p, d_offsets.p, d_ft.p, d_rows_n.p, d_ends.p, n,
+                        B,       spec.batch,  F,      T,          clip};
     size_t bytes = 0;
     CK(tb_bags_scratch_bytes(n, B, &bytes));
     DBuf<char> scratch(bytes);

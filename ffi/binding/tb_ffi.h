@@ -125,18 +125,14 @@ struct TbBagsChecked {
   TbBagsIn in;
   TbBagsOut out;
 };
-inline ffi::ErrorOr<TbBagsChecked> TbCheckBagsBuffers(const TbS32& ids, const TbS32& offsets,
-                                                      const TbS32& feature_tables,
-                                                      const TbS32& num_rows, const TbS32& ends,
-                                                      TbS32Out& ids_out,
-                                                      TbS32Out& tables_out, TbF32Out& live,
-                                                      TbS32Out& bag_ids, TbS32Out& offsets_out,
-                                                      int64_t batch, bool clip) {
-  const std::string e =
-      TbCheckBags(ids.dimensions(), offsets.dimensions(), feature_tables.dimensions(),
-                  num_rows.dimensions(), ends.dimensions(), ids_out->dimensions(),
-                  tables_out->dimensions(),
-                  live->dimensions(), bag_ids->dimensions(), offsets_out->dimensions(), batch);
+inline ffi::ErrorOr<TbBagsChecked> TbCheckBagsBuffers(
+    const TbS32& ids, const TbS32& offsets, const TbS32& feature_tables, const TbS32& num_rows,
+    const TbS32& ends, TbS32Out& ids_out, TbS32Out& tables_out, TbF32Out& live, TbS32Out& bag_ids,
+    TbS32Out& offsets_out, int64_t batch, bool clip) {
+  const std::string e = TbCheckBags(
+      ids.dimensions(), offsets.dimensions(), feature_tables.dimensions(), num_rows.dimensions(),
+      ends.dimensions(), ids_out->dimensions(), tables_out->dimensions(), live->dimensions(),
+      bag_ids->dimensions(), offsets_out->dimensions(), batch);
   if (!e.empty()) return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(e));
   const int64_t F = feature_tables.dimensions()[0];
   return TbBagsChecked{

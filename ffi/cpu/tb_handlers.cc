@@ -61,12 +61,12 @@ ffi::Error TbPlanCpuImpl(TbS32 ids, TbS32 tables, TbS32 meta, ffi::RemainingArgs
   return ffi::Error::Success();
 }
 
-ffi::Error TbBagsCpuImpl(TbS32 ids, TbS32 offsets, TbS32 feature_tables, TbS32 num_rows,
-                         TbS32 ends, ffi::RemainingArgs, TbS32Out ids_out, TbS32Out tables, TbF32Out live,
+ffi::Error TbBagsCpuImpl(TbS32 ids, TbS32 offsets, TbS32 feature_tables, TbS32 num_rows, TbS32 ends,
+                         ffi::RemainingArgs, TbS32Out ids_out, TbS32Out tables, TbF32Out live,
                          TbS32Out bag_ids, TbS32Out offsets_out, int64_t batch, bool clip) {
   ffi::ErrorOr<TbBagsChecked> c =
-      TbCheckBagsBuffers(ids, offsets, feature_tables, num_rows, ends, ids_out, tables, live, bag_ids,
-                         offsets_out, batch, clip);
+      TbCheckBagsBuffers(ids, offsets, feature_tables, num_rows, ends, ids_out, tables, live,
+                         bag_ids, offsets_out, batch, clip);
   if (c.has_error()) return c.error();
   flowtt::cpu::MakeTbBags(c->in, c->out);
   return ffi::Error::Success();

@@ -93,12 +93,11 @@ ffi::Error TbPlanCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, Tb
 
 ffi::Error TbBagsCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, TbS32 ids,
                           TbS32 offsets, TbS32 feature_tables, TbS32 num_rows, TbS32 ends,
-                          ffi::RemainingArgs,
-                          TbS32Out ids_out, TbS32Out tables, TbF32Out live, TbS32Out bag_ids,
-                          TbS32Out offsets_out, int64_t batch, bool clip) {
+                          ffi::RemainingArgs, TbS32Out ids_out, TbS32Out tables, TbF32Out live,
+                          TbS32Out bag_ids, TbS32Out offsets_out, int64_t batch, bool clip) {
   ffi::ErrorOr<TbBagsChecked> c =
-      TbCheckBagsBuffers(ids, offsets, feature_tables, num_rows, ends, ids_out, tables, live, bag_ids,
-                         offsets_out, batch, clip);
+      TbCheckBagsBuffers(ids, offsets, feature_tables, num_rows, ends, ids_out, tables, live,
+                         bag_ids, offsets_out, batch, clip);
   if (c.has_error()) return c.error();
   size_t bytes = 0;
   if (cudaError_t err = tb_bags_scratch_bytes(c->in.n, c->in.num_bags, &bytes); err != cudaSuccess)
